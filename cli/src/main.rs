@@ -1,1 +1,60 @@
-fn main() {}
+//! `pdserve`: the user-facing command line.
+
+mod commands;
+mod model_args;
+
+use clap::{Parser, Subcommand};
+use std::process::ExitCode;
+
+#[derive(Parser)]
+#[command(name = "pdserve", version, about = "Prefill/decode-disaggregated inference for DeepSeek-V4-architecture models")]
+struct Cli {
+    /// Log format on stderr.
+    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate a completion in this process and print only its text on stdout.
+    Generate(commands::GenerateArgs),
+    /// Write next-token logits for every position of a token sequence as JSON.
+    Logits(commands::LogitsArgs),
+    /// Print a model's effective configuration and KV layout as JSON.
+    Inspect(commands::InspectArgs),
+}
+
+fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().init(),
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_logging(cli.log_format);
+    let result = match cli.command {
+        Command::Generate(a) => commands::generate(a),
+        Command::Logits(a) => commands::logits(a),
+        Command::Inspect(a) => commands::inspect(a),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,86 @@
+//! Flags shared by every command that loads a model.
+
+use anyhow::{bail, Context, Result};
+use pdserve_engine::kv::{EntryDtype, KvLayoutSpec};
+use pdserve_engine::tokenizer::Tokenizer;
+use pdserve_engine::{CpuBackend, Engine, PoolSize};
+use std::path::PathBuf;
+use std::time::Instant;
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct ModelArgs {
+    /// Model folder (config.json, *.safetensors, optional tokenizer.json). Default: the embedded model.
+    #[arg(long, env = "PDSERVE_MODEL")]
+    pub model: Option<PathBuf>,
+    /// Compute device: `cpu` (CUDA arrives with the CUDA backend).
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// Storage dtype of the indexer's index-K entries: bf16 or f32.
+    #[arg(long, default_value = "bf16")]
+    pub index_k_dtype: String,
+    /// Storage dtype of compressed-KV and sliding-window entries: f32 or bf16.
+    #[arg(long, default_value = "f32")]
+    pub kv_dtype: String,
+    /// Positions per KV page (a multiple of every compress rate). Default: 256 rounded up to one.
+    #[arg(long)]
+    pub page_tokens: Option<usize>,
+    /// KV pages in the pool.
+    #[arg(long, default_value_t = 1024)]
+    pub kv_pages: usize,
+    /// Prefill chunk size in tokens (0: whole prompt in one forward).
+    #[arg(long, default_value_t = 512)]
+    pub chunked_prefill_size: usize,
+}
+
+pub struct Loaded {
+    pub engine: Engine<CpuBackend>,
+    pub tokenizer: Option<Tokenizer>,
+    pub dir: PathBuf,
+}
+
+impl ModelArgs {
+    pub fn model_dir(&self) -> Result<PathBuf> {
+        match &self.model {
+            Some(d) => Ok(d.clone()),
+            None => Ok(pdserve_engine::embedded::model_dir()?),
+        }
+    }
+
+    pub fn load(&self) -> Result<Loaded> {
+        if self.device != "cpu" {
+            bail!(
+                "device `{}` is not available in this build: only `cpu` is implemented so far",
+                self.device
+            );
+        }
+        let dir = self.model_dir()?;
+        let t0 = Instant::now();
+        let cfg = pdserve_engine::config::ModelConfig::from_model_dir(&dir)?;
+        let mut spec = KvLayoutSpec::default_for(&cfg);
+        spec.index_k_dtype = EntryDtype::parse(&self.index_k_dtype).context("--index-k-dtype")?;
+        spec.kv_dtype = EntryDtype::parse(&self.kv_dtype).context("--kv-dtype")?;
+        if let Some(p) = self.page_tokens {
+            spec.page_tokens = p;
+        }
+        let engine = Engine::load(&dir, CpuBackend, Some(spec), PoolSize { pages: self.kv_pages, states: 64 })
+            .with_context(|| format!("loading model from {}", dir.display()))?;
+        let tokenizer = Tokenizer::from_model_dir(&dir)?;
+        tracing::info!(
+            model = %dir.display(),
+            backend = %pdserve_engine::backend::Backend::name(engine.backend()),
+            layout = %engine.layout().fingerprint(),
+            secs = t0.elapsed().as_secs_f32(),
+            "model loaded"
+        );
+        Ok(Loaded { engine, tokenizer, dir })
+    }
+}
+
+/// Parse `5,17,2` (spaces allowed).
+pub fn parse_tokens(s: &str) -> Result<Vec<u32>> {
+    s.split(',')
+        .map(str::trim)
+        .filter(|t| !t.is_empty())
+        .map(|t| t.parse::<u32>().with_context(|| format!("token id `{t}` is not a non-negative integer")))
+        .collect()
+}

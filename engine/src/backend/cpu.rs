@@ -1,0 +1,425 @@
+//! fp32 CPU backend. Dense ops here; paged KV ops in `cpu_attention`.
+
+use super::cpu_kv::{CpuKv, Region};
+use super::gemm::matmul_nt;
+use super::{
+    cpu_attention, BResult, Backend, BackendError, BatchPlan, CompressedKeys, CompressorParams,
+    HcParams, HcPre, HostTensor, MoeParams,
+};
+use crate::config::ScoringFunc;
+use crate::kv::{KvLayout, PageId, StateSlot};
+use crate::rope::Rope;
+use rayon::prelude::*;
+
+/// Row-major fp32 matrix.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CpuTensor {
+    pub rows: usize,
+    pub cols: usize,
+    pub data: Vec<f32>,
+}
+
+impl CpuTensor {
+    pub fn zeros(rows: usize, cols: usize) -> Self {
+        CpuTensor { rows, cols, data: vec![0.0; rows * cols] }
+    }
+
+    pub fn row(&self, r: usize) -> &[f32] {
+        &self.data[r * self.cols..(r + 1) * self.cols]
+    }
+}
+
+/// The CPU backend; matmuls use rayon's global pool.
+#[derive(Debug, Default, Clone)]
+pub struct CpuBackend;
+
+fn shape_err(op: &'static str, detail: String) -> BackendError {
+    BackendError::Shape { op, detail }
+}
+
+pub(super) fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+fn silu(x: f32) -> f32 {
+    x * sigmoid(x)
+}
+
+/// torch's softplus (beta 1, threshold 20).
+fn softplus(x: f32) -> f32 {
+    if x > 20.0 {
+        x
+    } else {
+        x.exp().ln_1p()
+    }
+}
+
+/// In-place max-subtracted softmax.
+pub(super) fn softmax(v: &mut [f32]) {
+    let m = v.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut s = 0f32;
+    for x in v.iter_mut() {
+        *x = (*x - m).exp();
+        s += *x;
+    }
+    for x in v.iter_mut() {
+        *x /= s;
+    }
+}
+
+/// `x * rsqrt(mean(x^2) + eps)`, times `w` if given.
+pub(super) fn rms_norm_into(x: &[f32], w: Option<&[f32]>, eps: f32, out: &mut [f32]) {
+    let ss: f32 = x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32;
+    let r = 1.0 / (ss + eps).sqrt();
+    match w {
+        Some(w) => {
+            for ((o, v), g) in out.iter_mut().zip(x).zip(w) {
+                *o = g * (v * r);
+            }
+        }
+        None => {
+            for (o, v) in out.iter_mut().zip(x) {
+                *o = v * r;
+            }
+        }
+    }
+}
+
+impl CpuBackend {
+    fn mm(&self, x: &[f32], n: usize, k: usize, w: &[f32], m: usize) -> CpuTensor {
+        let mut out = CpuTensor::zeros(n, m);
+        matmul_nt(x, n, k, w, m, &mut out.data);
+        out
+    }
+
+    /// Clamped SwiGLU of `[gate | up]` halves.
+    fn swiglu(gate: &[f32], up: &[f32], limit: f32, out: &mut [f32]) {
+        for ((o, g), u) in out.iter_mut().zip(gate).zip(up) {
+            *o = silu(g.min(limit)) * u.clamp(-limit, limit);
+        }
+    }
+}
+
+impl Backend for CpuBackend {
+    type Tensor = CpuTensor;
+    type KvStore = CpuKv;
+    type Selection = Vec<Vec<u32>>;
+
+    fn name(&self) -> String {
+        format!("cpu ({} threads)", rayon::current_num_threads())
+    }
+
+    fn dims(&self, t: &CpuTensor) -> (usize, usize) {
+        (t.rows, t.cols)
+    }
+
+    fn upload(&self, t: HostTensor) -> BResult<CpuTensor> {
+        if t.data.len() != t.rows * t.cols {
+            return Err(shape_err("upload", format!("{}x{} with {} values", t.rows, t.cols, t.data.len())));
+        }
+        Ok(CpuTensor { rows: t.rows, cols: t.cols, data: t.data })
+    }
+
+    fn to_host(&self, t: &CpuTensor) -> BResult<HostTensor> {
+        Ok(HostTensor { rows: t.rows, cols: t.cols, data: t.data.clone() })
+    }
+
+    fn gather_rows(&self, t: &CpuTensor, rows: &[usize]) -> BResult<CpuTensor> {
+        let mut out = CpuTensor::zeros(rows.len(), t.cols);
+        for (i, &r) in rows.iter().enumerate() {
+            if r >= t.rows {
+                return Err(shape_err("gather_rows", format!("row {r} of {}", t.rows)));
+            }
+            out.data[i * t.cols..(i + 1) * t.cols].copy_from_slice(t.row(r));
+        }
+        Ok(out)
+    }
+
+    fn alloc_kv(&self, layout: &KvLayout, pages: usize, states: usize) -> BResult<CpuKv> {
+        Ok(CpuKv::new(layout, pages, states))
+    }
+
+    fn reset_state(&self, kv: &mut CpuKv, _layout: &KvLayout, slot: StateSlot) -> BResult<()> {
+        kv.zero(Region::State(slot))
+    }
+
+    fn page_bytes(&self, kv: &CpuKv, _layout: &KvLayout, page: PageId) -> BResult<Vec<u8>> {
+        kv.bytes(Region::Page(page))
+    }
+
+    fn state_bytes(&self, kv: &CpuKv, _layout: &KvLayout, slot: StateSlot) -> BResult<Vec<u8>> {
+        kv.bytes(Region::State(slot))
+    }
+
+    fn embed(&self, table: &CpuTensor, tokens: &[u32], copies: usize) -> BResult<CpuTensor> {
+        let h = table.cols;
+        let mut out = CpuTensor::zeros(tokens.len(), copies * h);
+        for (i, &t) in tokens.iter().enumerate() {
+            let t = t as usize;
+            if t >= table.rows {
+                return Err(shape_err("embed", format!("token id {t} >= vocab {}", table.rows)));
+            }
+            for c in 0..copies {
+                let o = i * copies * h + c * h;
+                out.data[o..o + h].copy_from_slice(table.row(t));
+            }
+        }
+        Ok(out)
+    }
+
+    fn matmul(&self, x: &CpuTensor, w: &CpuTensor) -> BResult<CpuTensor> {
+        if x.cols != w.cols {
+            return Err(shape_err("matmul", format!("[{},{}] x [{},{}]^T", x.rows, x.cols, w.rows, w.cols)));
+        }
+        Ok(self.mm(&x.data, x.rows, x.cols, &w.data, w.rows))
+    }
+
+    fn grouped_matmul(&self, x: &CpuTensor, w: &CpuTensor, groups: usize) -> BResult<CpuTensor> {
+        if groups == 0 || x.cols % groups != 0 || w.rows % groups != 0 || w.cols * groups != x.cols {
+            return Err(shape_err("grouped_matmul", format!("x [{},{}], w [{},{}], {groups} groups", x.rows, x.cols, w.rows, w.cols)));
+        }
+        let (din, dout) = (w.cols, w.rows / groups);
+        let mut out = CpuTensor::zeros(x.rows, w.rows);
+        for g in 0..groups {
+            let xg: Vec<f32> = (0..x.rows)
+                .flat_map(|r| x.row(r)[g * din..(g + 1) * din].iter().copied())
+                .collect();
+            let y = self.mm(&xg, x.rows, din, &w.data[g * dout * din..(g + 1) * dout * din], dout);
+            for r in 0..x.rows {
+                out.data[r * w.rows + g * dout..r * w.rows + (g + 1) * dout].copy_from_slice(y.row(r));
+            }
+        }
+        Ok(out)
+    }
+
+    fn rms_norm(&self, x: &CpuTensor, weight: Option<&CpuTensor>, group: usize, eps: f32) -> BResult<CpuTensor> {
+        if group == 0 || x.cols % group != 0 || weight.is_some_and(|w| w.data.len() != group) {
+            return Err(shape_err("rms_norm", format!("cols {} group {group}", x.cols)));
+        }
+        let mut out = CpuTensor::zeros(x.rows, x.cols);
+        let w = weight.map(|w| w.data.as_slice());
+        out.data
+            .par_chunks_mut(group)
+            .zip(x.data.par_chunks(group))
+            .for_each(|(o, v)| rms_norm_into(v, w, eps, o));
+        Ok(out)
+    }
+
+    fn rope(&self, x: &mut CpuTensor, head_dim: usize, rope: &Rope, positions: &[usize], inverse: bool) -> BResult<()> {
+        if x.cols % head_dim != 0 || positions.len() != x.rows || rope.dim() > head_dim {
+            return Err(shape_err("rope", format!("[{},{}] head_dim {head_dim}", x.rows, x.cols)));
+        }
+        let cols = x.cols;
+        x.data.par_chunks_mut(cols).zip(positions.par_iter()).for_each(|(row, &p)| {
+            let mut cos = vec![0f32; rope.dim() / 2];
+            let mut sin = vec![0f32; rope.dim() / 2];
+            rope.cos_sin(p, &mut cos, &mut sin);
+            for head in row.chunks_mut(head_dim) {
+                rope.apply(head, &cos, &sin, inverse);
+            }
+        });
+        Ok(())
+    }
+
+    fn hc_pre(&self, streams: &CpuTensor, mix: &CpuTensor, p: &HcParams<'_, CpuTensor>) -> BResult<HcPre<CpuTensor>> {
+        let hc = p.hc;
+        if mix.cols != (2 + hc) * hc || p.base.data.len() != mix.cols || p.scale.data.len() != 3 {
+            return Err(shape_err("hc_pre", format!("mix cols {} for hc {hc}", mix.cols)));
+        }
+        let n = streams.rows;
+        let h = streams.cols / hc;
+        let (base, scale) = (&p.base.data, &p.scale.data);
+        let mut post = CpuTensor::zeros(n, hc);
+        let mut comb = CpuTensor::zeros(n, hc * hc);
+        let mut collapsed = CpuTensor::zeros(n, h);
+        for r in 0..n {
+            let m = mix.row(r);
+            let pre: Vec<f32> = (0..hc).map(|k| sigmoid(m[k] * scale[0] + base[k]) + p.eps).collect();
+            for k in 0..hc {
+                post.data[r * hc + k] = 2.0 * sigmoid(m[hc + k] * scale[1] + base[hc + k]);
+            }
+            let c = &mut comb.data[r * hc * hc..(r + 1) * hc * hc];
+            for i in 0..hc * hc {
+                c[i] = m[2 * hc + i] * scale[2] + base[2 * hc + i];
+            }
+            for row in c.chunks_mut(hc) {
+                softmax(row);
+                for v in row.iter_mut() {
+                    *v += p.eps;
+                }
+            }
+            normalize_cols(c, hc, p.eps);
+            for _ in 1..p.sinkhorn_iters {
+                normalize_rows(c, hc, p.eps);
+                normalize_cols(c, hc, p.eps);
+            }
+            let s = streams.row(r);
+            let out = &mut collapsed.data[r * h..(r + 1) * h];
+            for d in 0..h {
+                let mut acc = 0f32;
+                for k in 0..hc {
+                    acc += pre[k] * s[k * h + d];
+                }
+                out[d] = acc;
+            }
+        }
+        Ok(HcPre { post, comb, collapsed })
+    }
+
+    fn hc_post(&self, streams: &CpuTensor, out: &CpuTensor, pre: &HcPre<CpuTensor>, hc: usize) -> BResult<CpuTensor> {
+        let h = out.cols;
+        if streams.cols != hc * h || streams.rows != out.rows {
+            return Err(shape_err("hc_post", format!("streams cols {} out cols {h}", streams.cols)));
+        }
+        let mut res = CpuTensor::zeros(streams.rows, streams.cols);
+        for r in 0..streams.rows {
+            let s = streams.row(r);
+            let o = out.row(r);
+            let post = pre.post.row(r);
+            let comb = pre.comb.row(r);
+            for k in 0..hc {
+                let dst = &mut res.data[r * hc * h + k * h..r * hc * h + (k + 1) * h];
+                for d in 0..h {
+                    let mut mixv = 0f32;
+                    for j in 0..hc {
+                        mixv += comb[j * hc + k] * s[j * h + d];
+                    }
+                    dst[d] = post[k] * o[d] + mixv;
+                }
+            }
+        }
+        Ok(res)
+    }
+
+    fn hc_head(&self, streams: &CpuTensor, mix: &CpuTensor, p: &HcParams<'_, CpuTensor>) -> BResult<CpuTensor> {
+        let hc = p.hc;
+        if mix.cols != hc || p.base.data.len() != hc || p.scale.data.is_empty() {
+            return Err(shape_err("hc_head", format!("mix cols {} for hc {hc}", mix.cols)));
+        }
+        let h = streams.cols / hc;
+        let mut out = CpuTensor::zeros(streams.rows, h);
+        for r in 0..streams.rows {
+            let m = mix.row(r);
+            let pre: Vec<f32> =
+                (0..hc).map(|k| sigmoid(m[k] * p.scale.data[0] + p.base.data[k]) + p.eps).collect();
+            let s = streams.row(r);
+            for d in 0..h {
+                let mut acc = 0f32;
+                for k in 0..hc {
+                    acc += pre[k] * s[k * h + d];
+                }
+                out.data[r * h + d] = acc;
+            }
+        }
+        Ok(out)
+    }
+
+    fn compress(&self, kv: &mut CpuKv, layout: &KvLayout, layer: usize, proj_kv: &CpuTensor, proj_gate: &CpuTensor, p: &CompressorParams<'_, CpuTensor>, plan: &BatchPlan) -> BResult<()> {
+        cpu_attention::compress(kv, layout, layer, proj_kv, proj_gate, p, plan)
+    }
+
+    fn index_select(&self, kv: &CpuKv, layout: &KvLayout, layer: usize, q: &CpuTensor, weights: &CpuTensor, n_heads: usize, topk: usize, plan: &BatchPlan) -> BResult<Vec<Vec<u32>>> {
+        cpu_attention::index_select(kv, layout, layer, q, weights, n_heads, topk, plan)
+    }
+
+    fn attention(&self, kv: &CpuKv, layout: &KvLayout, layer: usize, q: &CpuTensor, kv_new: &CpuTensor, sinks: &CpuTensor, n_heads: usize, compressed: CompressedKeys<'_, Vec<Vec<u32>>>, plan: &BatchPlan) -> BResult<CpuTensor> {
+        cpu_attention::attention(kv, layout, layer, q, kv_new, sinks, n_heads, compressed, plan)
+    }
+
+    fn window_store(&self, kv: &mut CpuKv, layout: &KvLayout, layer: usize, kv_new: &CpuTensor, plan: &BatchPlan) -> BResult<()> {
+        cpu_attention::window_store(kv, layout, layer, kv_new, plan)
+    }
+
+    fn moe(&self, x: &CpuTensor, p: &MoeParams<'_, CpuTensor>) -> BResult<CpuTensor> {
+        let (n, h) = (x.rows, x.cols);
+        let (e, k, inter) = (p.n_experts, p.top_k, p.intermediate);
+        if p.router.rows != e || p.gate_up.rows != e * 2 * inter || p.down.rows != e * h {
+            return Err(shape_err("moe", format!("router {} experts, gate_up rows {}", p.router.rows, p.gate_up.rows)));
+        }
+        let logits = self.matmul(x, p.router)?;
+        let mut scores = logits.data.clone();
+        for row in scores.chunks_mut(e) {
+            match p.scoring {
+                ScoringFunc::SqrtSoftplus => row.iter_mut().for_each(|v| *v = softplus(*v).sqrt()),
+                ScoringFunc::Sigmoid => row.iter_mut().for_each(|v| *v = sigmoid(*v)),
+                ScoringFunc::Softmax => softmax(row),
+            }
+        }
+        // (expert, weight) per row.
+        let mut picks: Vec<Vec<(usize, f32)>> = Vec::with_capacity(n);
+        for r in 0..n {
+            let s = &scores[r * e..(r + 1) * e];
+            let ids: Vec<usize> = match p.hash_experts {
+                Some(hash) => hash[r * k..(r + 1) * k].iter().map(|&i| i as usize).collect(),
+                None => {
+                    let bias = p.correction_bias.map(|b| b.data.as_slice());
+                    let mut order: Vec<usize> = (0..e).collect();
+                    let key = |i: usize| s[i] + bias.map_or(0.0, |b| b[i]);
+                    order.sort_by(|&a, &b| key(b).total_cmp(&key(a)).then(a.cmp(&b)));
+                    order.truncate(k);
+                    order
+                }
+            };
+            if let Some(&bad) = ids.iter().find(|&&i| i >= e) {
+                return Err(shape_err("moe", format!("expert id {bad} >= {e}")));
+            }
+            let sum: f32 = ids.iter().map(|&i| s[i]).sum::<f32>() + 1e-20;
+            picks.push(ids.iter().map(|&i| (i, s[i] / sum * p.routed_scaling)).collect());
+        }
+        let mut out = CpuTensor::zeros(n, h);
+        let mut act = Vec::new();
+        for ex in 0..e {
+            let rows: Vec<(usize, f32)> = picks
+                .iter()
+                .enumerate()
+                .flat_map(|(r, pk)| pk.iter().filter(|(i, _)| *i == ex).map(move |(_, w)| (r, *w)))
+                .collect();
+            if rows.is_empty() {
+                continue;
+            }
+            let xs: Vec<f32> = rows.iter().flat_map(|(r, _)| x.row(*r).iter().copied()).collect();
+            let gu = &p.gate_up.data[ex * 2 * inter * h..(ex + 1) * 2 * inter * h];
+            let y = self.mm(&xs, rows.len(), h, gu, 2 * inter);
+            act.resize(rows.len() * inter, 0.0);
+            for i in 0..rows.len() {
+                let yr = y.row(i);
+                Self::swiglu(&yr[..inter], &yr[inter..], p.swiglu_limit, &mut act[i * inter..(i + 1) * inter]);
+            }
+            let dw = &p.down.data[ex * h * inter..(ex + 1) * h * inter];
+            let d = self.mm(&act, rows.len(), inter, dw, h);
+            for (i, (r, w)) in rows.iter().enumerate() {
+                for (o, v) in out.data[r * h..(r + 1) * h].iter_mut().zip(d.row(i)) {
+                    *o += v * w;
+                }
+            }
+        }
+        let g = self.matmul(x, p.shared_gate)?;
+        let u = self.matmul(x, p.shared_up)?;
+        let si = p.shared_gate.rows;
+        let mut sact = CpuTensor::zeros(n, si);
+        for r in 0..n {
+            Self::swiglu(g.row(r), u.row(r), p.swiglu_limit, &mut sact.data[r * si..(r + 1) * si]);
+        }
+        let shared = self.matmul(&sact, p.shared_down)?;
+        for (o, s) in out.data.iter_mut().zip(&shared.data) {
+            *o += s;
+        }
+        Ok(out)
+    }
+}
+
+fn normalize_rows(c: &mut [f32], hc: usize, eps: f32) {
+    for row in c.chunks_mut(hc) {
+        let s: f32 = row.iter().sum::<f32>() + eps;
+        row.iter_mut().for_each(|v| *v /= s);
+    }
+}
+
+fn normalize_cols(c: &mut [f32], hc: usize, eps: f32) {
+    for j in 0..hc {
+        let s: f32 = (0..hc).map(|i| c[i * hc + j]).sum::<f32>() + eps;
+        for i in 0..hc {
+            c[i * hc + j] /= s;
+        }
+    }
+}

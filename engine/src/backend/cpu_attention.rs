@@ -1,0 +1,272 @@
+//! CPU implementations of the paged-KV operations: compressor pooling, the lightning
+//! indexer, sink attention over window + compressed entries, and window stores.
+//!
+//! Keys are always visited in position order (window by position, compressed entries
+//! by index), so a row's result does not depend on how the sequence was chunked.
+
+use super::cpu::{rms_norm_into, softmax, CpuTensor};
+use super::cpu_kv::{quantize, CpuKv, Region};
+use super::gemm::dot;
+use super::{BResult, BackendError, BatchPlan, CompressedKeys, CompressorPart, CompressorParams, SeqPlan};
+use crate::config::LayerKind;
+use crate::kv::{EntryDtype, KvLayout, LayerKvLayout};
+use rayon::prelude::*;
+
+fn kv_err(msg: String) -> BackendError {
+    BackendError::Kv(msg)
+}
+
+fn layer_of(layout: &KvLayout, layer: usize) -> BResult<&LayerKvLayout> {
+    layout.layers.get(layer).ok_or_else(|| kv_err(format!("layer {layer} not in layout")))
+}
+
+/// Byte location of compressed entry `w` (main or index) of a sequence.
+fn entry_loc(layout: &KvLayout, l: &LayerKvLayout, part: CompressorPart, seq: &SeqPlan, w: usize) -> BResult<(Region, usize, EntryDtype, usize)> {
+    let page_idx = w * l.rate / layout.page_tokens;
+    let page = *seq
+        .pages
+        .get(page_idx)
+        .ok_or_else(|| kv_err(format!("entry {w} needs page {page_idx}, sequence holds {}", seq.pages.len())))?;
+    Ok(match part {
+        CompressorPart::Main => {
+            let slot = w % l.comp_entries_per_page;
+            let bytes = layout.head_dim * layout.kv_dtype.bytes();
+            (Region::Page(page), l.comp_page_offset + slot * bytes, layout.kv_dtype, layout.head_dim)
+        }
+        CompressorPart::Index => {
+            let slot = w % l.index_entries_per_page;
+            let bytes = layout.index_head_dim * layout.index_k_dtype.bytes();
+            (Region::Page(page), l.index_page_offset + slot * bytes, layout.index_k_dtype, layout.index_head_dim)
+        }
+    })
+}
+
+/// Read compressed entries `ids` of one sequence into a `[ids.len(), dim]` buffer.
+fn read_entries(kv: &CpuKv, layout: &KvLayout, l: &LayerKvLayout, part: CompressorPart, seq: &SeqPlan, ids: impl Iterator<Item = usize>) -> BResult<Vec<f32>> {
+    let mut out = Vec::new();
+    for w in ids {
+        let (r, off, dt, dim) = entry_loc(layout, l, part, seq, w)?;
+        let at = out.len();
+        out.resize(at + dim, 0.0);
+        kv.read(r, off, dt, &mut out[at..])?;
+    }
+    Ok(out)
+}
+
+pub fn compress(kv: &mut CpuKv, layout: &KvLayout, layer: usize, proj_kv: &CpuTensor, proj_gate: &CpuTensor, p: &CompressorParams<'_, CpuTensor>, plan: &BatchPlan) -> BResult<()> {
+    let l = layer_of(layout, layer)?.clone();
+    let (ring_off, slots, width) = match p.part {
+        CompressorPart::Main => (l.comp_state_offset, l.comp_ring_slots, l.comp_width),
+        CompressorPart::Index => (l.index_state_offset, l.index_ring_slots, l.index_width),
+    };
+    let overlap = l.kind == LayerKind::Csa;
+    // Entry width: CSA rows carry two series (Ca | Cb), HCA rows one.
+    let dim = if overlap { width / 2 } else { width };
+    let rate = l.rate;
+    if rate == 0 || proj_kv.cols != width || proj_gate.cols != width || p.position_bias.data.len() != rate * width {
+        return Err(BackendError::Shape {
+            op: "compress",
+            detail: format!("layer {layer}: rows of {} / {} for width {width}, rate {rate}", proj_kv.cols, proj_gate.cols),
+        });
+    }
+    let bias = &p.position_bias.data;
+    let row_bytes = 2 * width * 4;
+    let nslots = if overlap { 2 * rate } else { rate };
+    let mut logits = vec![0f32; nslots];
+    let mut vals = vec![0f32; nslots];
+    let mut pooled = vec![0f32; dim];
+    let mut entry = vec![0f32; dim];
+    let (mut cos, mut sin) = (vec![0f32; p.rope.dim() / 2], vec![0f32; p.rope.dim() / 2]);
+    for seq in &plan.seqs {
+        let state = Region::State(seq.state);
+        for i in 0..seq.len {
+            let pos = seq.start + i;
+            let r = seq.row0 + i;
+            let mut row = Vec::with_capacity(2 * width);
+            row.extend_from_slice(proj_kv.row(r));
+            row.extend_from_slice(proj_gate.row(r));
+            kv.write(state, ring_off + (pos % slots) * row_bytes, EntryDtype::F32, &row)?;
+            if (pos + 1) % rate != 0 {
+                continue;
+            }
+            let w = (pos + 1) / rate - 1;
+            let ring = kv.f32s(state, ring_off, slots * 2 * width)?;
+            // Slot rows of this window (and of the previous one for CSA).
+            let cur = |j: usize| &ring[((w * rate + j) % slots) * 2 * width..][..2 * width];
+            for c in 0..dim {
+                let mut n = 0;
+                if overlap {
+                    for j in 0..rate {
+                        if w == 0 {
+                            logits[n] = f32::NEG_INFINITY;
+                            vals[n] = 0.0;
+                        } else {
+                            let prev = &ring[(((w - 1) * rate + j) % slots) * 2 * width..][..2 * width];
+                            logits[n] = prev[width + c] + bias[j * width + c];
+                            vals[n] = prev[c];
+                        }
+                        n += 1;
+                    }
+                }
+                let half = if overlap { dim } else { 0 };
+                for j in 0..rate {
+                    let row = cur(j);
+                    logits[n] = row[width + half + c] + bias[j * width + half + c];
+                    vals[n] = row[half + c];
+                    n += 1;
+                }
+                softmax(&mut logits[..n]);
+                pooled[c] = vals[..n].iter().zip(&logits[..n]).map(|(v, p)| v * p).sum();
+            }
+            rms_norm_into(&pooled, Some(&p.norm_weight.data), p.eps, &mut entry);
+            p.rope.cos_sin(w * rate, &mut cos, &mut sin);
+            p.rope.apply(&mut entry, &cos, &sin, false);
+            let (reg, off, dt, _) = entry_loc(layout, &l, p.part, seq, w)?;
+            kv.write(reg, off, dt, &entry)?;
+        }
+    }
+    Ok(())
+}
+
+#[allow(clippy::too_many_arguments)]
+pub fn index_select(kv: &CpuKv, layout: &KvLayout, layer: usize, q: &CpuTensor, weights: &CpuTensor, n_heads: usize, topk: usize, plan: &BatchPlan) -> BResult<Vec<Vec<u32>>> {
+    let l = layer_of(layout, layer)?;
+    let ihd = layout.index_head_dim;
+    if q.cols != n_heads * ihd || weights.cols != n_heads || l.kind != LayerKind::Csa {
+        return Err(BackendError::Shape { op: "index_select", detail: format!("q cols {}, weights cols {}", q.cols, weights.cols) });
+    }
+    let softmax_scale = (ihd as f32).powf(-0.5);
+    let weight_scale = (n_heads as f32).powf(-0.5);
+    let mut out = vec![Vec::new(); plan.rows()];
+    for seq in &plan.seqs {
+        let last = seq.start + seq.len;
+        let nv_max = last / l.rate;
+        let keys = read_entries(kv, layout, l, CompressorPart::Index, seq, 0..nv_max)?;
+        let rows: Vec<(usize, Vec<u32>)> = (0..seq.len)
+            .into_par_iter()
+            .map(|i| {
+                let r = seq.row0 + i;
+                let nv = (seq.start + i + 1) / l.rate;
+                if nv <= topk {
+                    return (r, (0..nv as u32).collect());
+                }
+                let qr = q.row(r);
+                let wr: Vec<f32> = weights.row(r).iter().map(|w| w * weight_scale).collect();
+                let scores: Vec<f32> = (0..nv)
+                    .map(|s| {
+                        let k = &keys[s * ihd..(s + 1) * ihd];
+                        (0..n_heads)
+                            .map(|h| dot(&qr[h * ihd..(h + 1) * ihd], k).max(0.0) * softmax_scale * wr[h])
+                            .sum()
+                    })
+                    .collect();
+                let mut order: Vec<u32> = (0..nv as u32).collect();
+                order.sort_by(|&a, &b| scores[b as usize].total_cmp(&scores[a as usize]).then(a.cmp(&b)));
+                order.truncate(topk);
+                order.sort_unstable();
+                (r, order)
+            })
+            .collect();
+        for (r, sel) in rows {
+            out[r] = sel;
+        }
+    }
+    Ok(out)
+}
+
+#[allow(clippy::too_many_arguments)]
+pub fn attention(kv: &CpuKv, layout: &KvLayout, layer: usize, q: &CpuTensor, kv_new: &CpuTensor, sinks: &CpuTensor, n_heads: usize, compressed: CompressedKeys<'_, Vec<Vec<u32>>>, plan: &BatchPlan) -> BResult<CpuTensor> {
+    let l = layer_of(layout, layer)?;
+    let hd = layout.head_dim;
+    let window = layout.sliding_window;
+    if q.cols != n_heads * hd || kv_new.cols != hd || sinks.data.len() != n_heads {
+        return Err(BackendError::Shape { op: "attention", detail: format!("q cols {}, kv cols {}", q.cols, kv_new.cols) });
+    }
+    let scale = (hd as f32).powf(-0.5);
+    let mut out = CpuTensor::zeros(plan.rows(), n_heads * hd);
+    for seq in &plan.seqs {
+        let state = Region::State(seq.state);
+        // Ring entries this forward may read: positions [start - window + 1, start).
+        let lo_ring = (seq.start + 1).saturating_sub(window);
+        let mut ring = vec![0f32; (seq.start - lo_ring) * hd];
+        for (i, pos) in (lo_ring..seq.start).enumerate() {
+            let off = l.window_state_offset + (pos % window) * hd * layout.kv_dtype.bytes();
+            kv.read(state, off, layout.kv_dtype, &mut ring[i * hd..(i + 1) * hd])?;
+        }
+        let mut fresh: Vec<f32> = kv_new.data[seq.row0 * hd..(seq.row0 + seq.len) * hd].to_vec();
+        quantize(layout.kv_dtype, &mut fresh);
+        let last = seq.start + seq.len;
+        let all_visible = last / l.rate.max(1);
+        let comp = match &compressed {
+            CompressedKeys::None => Vec::new(),
+            CompressedKeys::AllVisible => read_entries(kv, layout, l, CompressorPart::Main, seq, 0..all_visible)?,
+            CompressedKeys::Selected(sel) => {
+                let n_all = sel[seq.row0..seq.row0 + seq.len].iter().flatten().map(|&w| w as usize + 1).max().unwrap_or(0);
+                read_entries(kv, layout, l, CompressorPart::Main, seq, 0..n_all)?
+            }
+        };
+        let rows: Vec<Vec<f32>> = (0..seq.len)
+            .into_par_iter()
+            .map(|i| {
+                let pos = seq.start + i;
+                let r = seq.row0 + i;
+                let lo = (pos + 1).saturating_sub(window);
+                let mut keys: Vec<&[f32]> = (lo..=pos)
+                    .map(|kp| {
+                        if kp < seq.start {
+                            &ring[(kp - lo_ring) * hd..(kp - lo_ring + 1) * hd]
+                        } else {
+                            &fresh[(kp - seq.start) * hd..(kp - seq.start + 1) * hd]
+                        }
+                    })
+                    .collect();
+                match &compressed {
+                    CompressedKeys::None => {}
+                    CompressedKeys::AllVisible => {
+                        let nv = (pos + 1) / l.rate;
+                        keys.extend((0..nv).map(|w| &comp[w * hd..(w + 1) * hd]));
+                    }
+                    CompressedKeys::Selected(sel) => {
+                        keys.extend(sel[r].iter().map(|&w| &comp[w as usize * hd..(w as usize + 1) * hd]));
+                    }
+                }
+                let qr = q.row(r);
+                let mut o = vec![0f32; n_heads * hd];
+                let mut logits = vec![0f32; keys.len() + 1];
+                for h in 0..n_heads {
+                    let qh = &qr[h * hd..(h + 1) * hd];
+                    for (lg, k) in logits.iter_mut().zip(&keys) {
+                        *lg = dot(qh, k) * scale;
+                    }
+                    logits[keys.len()] = sinks.data[h];
+                    softmax(&mut logits);
+                    let oh = &mut o[h * hd..(h + 1) * hd];
+                    for (p, k) in logits.iter().zip(&keys) {
+                        for (a, b) in oh.iter_mut().zip(k.iter()) {
+                            *a += p * b;
+                        }
+                    }
+                }
+                o
+            })
+            .collect();
+        for (i, o) in rows.into_iter().enumerate() {
+            out.data[(seq.row0 + i) * n_heads * hd..(seq.row0 + i + 1) * n_heads * hd].copy_from_slice(&o);
+        }
+    }
+    Ok(out)
+}
+
+pub fn window_store(kv: &mut CpuKv, layout: &KvLayout, layer: usize, kv_new: &CpuTensor, plan: &BatchPlan) -> BResult<()> {
+    let l = layer_of(layout, layer)?;
+    let hd = layout.head_dim;
+    let window = layout.sliding_window;
+    for seq in &plan.seqs {
+        let end = seq.start + seq.len;
+        for pos in end.saturating_sub(window).max(seq.start)..end {
+            let off = l.window_state_offset + (pos % window) * hd * layout.kv_dtype.bytes();
+            kv.write(Region::State(seq.state), off, layout.kv_dtype, kv_new.row(seq.row0 + pos - seq.start))?;
+        }
+    }
+    Ok(())
+}

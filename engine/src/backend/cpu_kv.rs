@@ -1,0 +1,139 @@
+//! Host-memory storage of a KV pool for the CPU backend, addressed through the layout.
+
+use super::{BResult, BackendError};
+use crate::kv::{EntryDtype, KvLayout, PageId, StateSlot};
+use half::bf16;
+
+/// All pages and state slots of one pool, as 32-bit words (every region is 16-byte aligned).
+#[derive(Debug)]
+pub struct CpuKv {
+    pages: Vec<u32>,
+    states: Vec<u32>,
+    page_words: usize,
+    state_words: usize,
+}
+
+/// Where in the pool a byte offset lives.
+#[derive(Debug, Clone, Copy)]
+pub enum Region {
+    Page(PageId),
+    State(StateSlot),
+}
+
+impl CpuKv {
+    pub fn new(layout: &KvLayout, pages: usize, states: usize) -> Self {
+        let page_words = layout.page_bytes / 4;
+        let state_words = layout.state_bytes / 4;
+        CpuKv {
+            pages: vec![0; pages * page_words],
+            states: vec![0; states * state_words],
+            page_words,
+            state_words,
+        }
+    }
+
+    fn base(&self, r: Region) -> BResult<usize> {
+        let (i, words, have) = match r {
+            Region::Page(p) => (p as usize, self.page_words, self.pages.len()),
+            Region::State(s) => (s as usize, self.state_words, self.states.len()),
+        };
+        let b = i * words;
+        if b + words > have {
+            return Err(BackendError::Kv(format!("{r:?} out of range")));
+        }
+        Ok(b)
+    }
+
+    fn words(&self, r: Region) -> BResult<&[u32]> {
+        let b = self.base(r)?;
+        Ok(match r {
+            Region::Page(_) => &self.pages[b..b + self.page_words],
+            Region::State(_) => &self.states[b..b + self.state_words],
+        })
+    }
+
+    fn words_mut(&mut self, r: Region) -> BResult<&mut [u32]> {
+        let b = self.base(r)?;
+        Ok(match r {
+            Region::Page(_) => &mut self.pages[b..b + self.page_words],
+            Region::State(_) => &mut self.states[b..b + self.state_words],
+        })
+    }
+
+    pub fn bytes(&self, r: Region) -> BResult<Vec<u8>> {
+        Ok(bytemuck::cast_slice::<u32, u8>(self.words(r)?).to_vec())
+    }
+
+    pub fn zero(&mut self, r: Region) -> BResult<()> {
+        self.words_mut(r)?.fill(0);
+        Ok(())
+    }
+
+    /// Read `out.len()` values of `dtype` at byte offset `off` of region `r`.
+    pub fn read(&self, r: Region, off: usize, dtype: EntryDtype, out: &mut [f32]) -> BResult<()> {
+        let w = self.words(r)?;
+        match dtype {
+            EntryDtype::F32 => {
+                let src = slice_f32(w, off, out.len())?;
+                out.copy_from_slice(src);
+            }
+            EntryDtype::Bf16 => {
+                let halves: &[u16] = bytemuck::cast_slice(w);
+                let s = off / 2;
+                let src = halves
+                    .get(s..s + out.len())
+                    .ok_or_else(|| BackendError::Kv(format!("read past region at byte {off}")))?;
+                for (o, &h) in out.iter_mut().zip(src) {
+                    *o = bf16::from_bits(h).to_f32();
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Write `vals` as `dtype` at byte offset `off` of region `r`.
+    pub fn write(&mut self, r: Region, off: usize, dtype: EntryDtype, vals: &[f32]) -> BResult<()> {
+        let w = self.words_mut(r)?;
+        match dtype {
+            EntryDtype::F32 => {
+                let fs: &mut [f32] = bytemuck::cast_slice_mut(w);
+                let s = off / 4;
+                let dst = fs
+                    .get_mut(s..s + vals.len())
+                    .ok_or_else(|| BackendError::Kv(format!("write past region at byte {off}")))?;
+                dst.copy_from_slice(vals);
+            }
+            EntryDtype::Bf16 => {
+                let halves: &mut [u16] = bytemuck::cast_slice_mut(w);
+                let s = off / 2;
+                let dst = halves
+                    .get_mut(s..s + vals.len())
+                    .ok_or_else(|| BackendError::Kv(format!("write past region at byte {off}")))?;
+                for (d, &v) in dst.iter_mut().zip(vals) {
+                    *d = bf16::from_f32(v).to_bits();
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// f32 view of `len` values at byte offset `off` (state rings are always f32).
+    pub fn f32s(&self, r: Region, off: usize, len: usize) -> BResult<&[f32]> {
+        slice_f32(self.words(r)?, off, len)
+    }
+}
+
+fn slice_f32(w: &[u32], off: usize, len: usize) -> BResult<&[f32]> {
+    let fs: &[f32] = bytemuck::cast_slice(w);
+    fs.get(off / 4..off / 4 + len)
+        .ok_or_else(|| BackendError::Kv(format!("read past region at byte {off}")))
+}
+
+/// Round values through `dtype` (what a store then load would give).
+pub fn quantize(dtype: EntryDtype, vals: &mut [f32]) {
+    if dtype == EntryDtype::Bf16 {
+        for v in vals {
+            *v = bf16::from_f32(*v).to_f32();
+        }
+    }
+}

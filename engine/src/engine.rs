@@ -1,0 +1,201 @@
+//! An engine: one model on one backend with its KV pool. Sequences hold page tables;
+//! [`Engine::forward`] runs any mix of prefill chunks and decode steps in one batch.
+
+use crate::backend::{Backend, BackendError, BatchPlan, HostTensor, SeqPlan};
+use crate::config::ModelConfig;
+use crate::kv::{KvLayout, KvLayoutSpec, LayoutError, PagePool, PoolError, SeqKv};
+use crate::model::{LoadError, Model, ModelWeights};
+use crate::weights::Checkpoint;
+use std::path::Path;
+
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error(transparent)]
+    Config(#[from] crate::config::ConfigError),
+    #[error(transparent)]
+    Load(#[from] LoadError),
+    #[error(transparent)]
+    Weights(#[from] crate::weights::WeightsError),
+    #[error(transparent)]
+    Layout(#[from] LayoutError),
+    #[error(transparent)]
+    Pool(#[from] PoolError),
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+    #[error("invalid request: {0}")]
+    Request(String),
+}
+
+/// Pool sizing.
+#[derive(Debug, Clone, Copy)]
+pub struct PoolSize {
+    pub pages: usize,
+    pub states: usize,
+}
+
+impl Default for PoolSize {
+    fn default() -> Self {
+        PoolSize { pages: 1024, states: 64 }
+    }
+}
+
+/// A sequence's KV handle. Create with [`Engine::new_sequence`], give back with [`Engine::release`].
+#[derive(Debug)]
+pub struct Sequence {
+    kv: SeqKv,
+}
+
+impl Sequence {
+    /// Positions processed so far.
+    pub fn len(&self) -> usize {
+        self.kv.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.kv.len == 0
+    }
+
+    pub fn kv(&self) -> &SeqKv {
+        &self.kv
+    }
+}
+
+/// Which rows' logits a forward item wants.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Logits {
+    None,
+    Last,
+    All,
+}
+
+/// One sequence's part of a batched forward.
+pub struct ForwardItem<'a> {
+    pub seq: &'a mut Sequence,
+    pub tokens: &'a [u32],
+    pub logits: Logits,
+}
+
+pub struct Engine<B: Backend> {
+    backend: B,
+    model: Model<B>,
+    layout: KvLayout,
+    pool: PagePool,
+    kv: B::KvStore,
+}
+
+impl<B: Backend> Engine<B> {
+    /// Load `dir` (config.json + safetensors) onto `backend`.
+    pub fn load(dir: &Path, backend: B, spec: Option<KvLayoutSpec>, size: PoolSize) -> Result<Self, EngineError> {
+        let cfg = ModelConfig::from_model_dir(dir)?;
+        let ckpt = Checkpoint::open(dir)?;
+        let weights = ModelWeights::load(&ckpt, &cfg, &backend)?;
+        Self::new(cfg, weights, backend, spec, size)
+    }
+
+    pub fn new(cfg: ModelConfig, weights: ModelWeights<B>, backend: B, spec: Option<KvLayoutSpec>, size: PoolSize) -> Result<Self, EngineError> {
+        let spec = spec.unwrap_or_else(|| KvLayoutSpec::default_for(&cfg));
+        let layout = KvLayout::new(&cfg, spec)?;
+        let kv = backend.alloc_kv(&layout, size.pages, size.states)?;
+        Ok(Engine { model: Model::new(cfg, weights), layout, pool: PagePool::new(size.pages, size.states), kv, backend })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.model.cfg
+    }
+
+    pub fn layout(&self) -> &KvLayout {
+        &self.layout
+    }
+
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    pub fn pool(&self) -> &PagePool {
+        &self.pool
+    }
+
+    pub fn kv_store(&self) -> &B::KvStore {
+        &self.kv
+    }
+
+    pub fn new_sequence(&mut self) -> Result<Sequence, EngineError> {
+        let state = self.pool.alloc_state()?;
+        if let Err(e) = self.backend.reset_state(&mut self.kv, &self.layout, state) {
+            self.pool.release_state(state)?;
+            return Err(e.into());
+        }
+        Ok(Sequence { kv: SeqKv { pages: Vec::new(), state, len: 0 } })
+    }
+
+    /// Free a sequence's pages and state slot.
+    pub fn release(&mut self, seq: Sequence) -> Result<(), EngineError> {
+        self.pool.release_pages(&seq.kv.pages)?;
+        self.pool.release_state(seq.kv.state)?;
+        Ok(())
+    }
+
+    /// Grow every sequence's page table to cover its new tokens; all or nothing.
+    fn reserve(&mut self, items: &mut [ForwardItem<'_>]) -> Result<(), EngineError> {
+        let need: Vec<usize> = items
+            .iter()
+            .map(|it| self.layout.pages_for(it.seq.kv.len + it.tokens.len()).saturating_sub(it.seq.kv.pages.len()))
+            .collect();
+        let total: usize = need.iter().sum();
+        let mut fresh = self.pool.alloc_pages(total)?.into_iter();
+        for (it, n) in items.iter_mut().zip(need) {
+            it.seq.kv.pages.extend(fresh.by_ref().take(n));
+        }
+        Ok(())
+    }
+
+    /// One batched forward. Returns, per item, its wanted logits rows (`[rows, vocab]`).
+    pub fn forward(&mut self, items: &mut [ForwardItem<'_>]) -> Result<Vec<HostTensor>, EngineError> {
+        let vocab = self.model.cfg.vocab_size;
+        for it in items.iter() {
+            if it.tokens.is_empty() {
+                return Err(EngineError::Request("forward item with no tokens".into()));
+            }
+            if let Some(&t) = it.tokens.iter().find(|&&t| t as usize >= vocab) {
+                return Err(EngineError::Request(format!("token id {t} outside the vocabulary (size {vocab})")));
+            }
+            let end = it.seq.kv.len + it.tokens.len();
+            if end > self.model.cfg.max_position_embeddings {
+                return Err(EngineError::Request(format!(
+                    "sequence would reach {end} positions, model maximum is {}",
+                    self.model.cfg.max_position_embeddings
+                )));
+            }
+        }
+        self.reserve(items)?;
+        let mut plan = BatchPlan::default();
+        let mut logit_rows = Vec::new();
+        let mut counts = Vec::with_capacity(items.len());
+        for (si, it) in items.iter().enumerate() {
+            let row0 = plan.tokens.len();
+            let start = it.seq.kv.len;
+            plan.seqs.push(SeqPlan { start, len: it.tokens.len(), row0, pages: it.seq.kv.pages.clone(), state: it.seq.kv.state });
+            plan.tokens.extend_from_slice(it.tokens);
+            plan.positions.extend(start..start + it.tokens.len());
+            plan.row_seq.extend(std::iter::repeat_n(si, it.tokens.len()));
+            let rows: Vec<usize> = match it.logits {
+                Logits::None => Vec::new(),
+                Logits::Last => vec![row0 + it.tokens.len() - 1],
+                Logits::All => (row0..row0 + it.tokens.len()).collect(),
+            };
+            counts.push(rows.len());
+            logit_rows.extend(rows);
+        }
+        let logits = self.model.forward(&self.backend, &mut self.kv, &self.layout, &plan, &logit_rows)?;
+        for it in items.iter_mut() {
+            it.seq.kv.len += it.tokens.len();
+        }
+        let mut out = Vec::with_capacity(items.len());
+        let mut at = 0;
+        for n in counts {
+            out.push(HostTensor { rows: n, cols: vocab, data: logits.data[at * vocab..(at + n) * vocab].to_vec() });
+            at += n;
+        }
+        Ok(out)
+    }
+}

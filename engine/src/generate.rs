@@ -1,0 +1,104 @@
+//! Single-request drivers on top of [`Engine::forward`]: chunked prefill, decode loop,
+//! per-position logits.
+
+use crate::backend::Backend;
+use crate::engine::{Engine, EngineError, ForwardItem, Logits, Sequence};
+use crate::sampling::{Sampler, SamplingParams};
+
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FinishReason {
+    /// A stop token was produced (not included in the output).
+    Stop,
+    /// `max_new_tokens` reached.
+    Length,
+}
+
+#[derive(Debug, Clone)]
+pub struct GenerateRequest {
+    pub prompt: Vec<u32>,
+    pub max_new_tokens: usize,
+    pub sampling: SamplingParams,
+    pub stop_tokens: Vec<u32>,
+    /// Prefill chunk size in tokens (0: the whole prompt at once).
+    pub chunk_size: usize,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Generation {
+    pub tokens: Vec<u32>,
+    pub finish: FinishReason,
+}
+
+/// Run `f` on a fresh sequence and always release it.
+fn with_sequence<B: Backend, T>(engine: &mut Engine<B>, f: impl FnOnce(&mut Engine<B>, &mut Sequence) -> Result<T, EngineError>) -> Result<T, EngineError> {
+    let mut seq = engine.new_sequence()?;
+    let out = f(engine, &mut seq);
+    let released = engine.release(seq);
+    let v = out?;
+    released?;
+    Ok(v)
+}
+
+/// Feed `tokens` in chunks of `chunk` (0: all at once); returns the logits `want` asks for, stacked.
+pub fn prefill<B: Backend>(engine: &mut Engine<B>, seq: &mut Sequence, tokens: &[u32], chunk: usize, want: Logits) -> Result<Vec<Vec<f32>>, EngineError> {
+    let chunk = if chunk == 0 { tokens.len().max(1) } else { chunk };
+    let mut rows = Vec::new();
+    let n_chunks = tokens.len().div_ceil(chunk);
+    for (i, part) in tokens.chunks(chunk).enumerate() {
+        let logits = match want {
+            Logits::All => Logits::All,
+            Logits::Last if i + 1 == n_chunks => Logits::Last,
+            _ => Logits::None,
+        };
+        let out = engine.forward(&mut [ForwardItem { seq: &mut *seq, tokens: part, logits }])?;
+        for t in out {
+            rows.extend(t.data.chunks(t.cols.max(1)).map(<[f32]>::to_vec));
+        }
+    }
+    Ok(rows)
+}
+
+/// Logits after each token of `tokens`: a prefill of the first `prefill_len` (in `chunk`-sized
+/// pieces), then one-token decode steps.
+pub fn logits_prefill_decode<B: Backend>(engine: &mut Engine<B>, tokens: &[u32], prefill_len: usize, chunk: usize) -> Result<Vec<Vec<f32>>, EngineError> {
+    if prefill_len == 0 || prefill_len > tokens.len() {
+        return Err(EngineError::Request(format!("prefill length {prefill_len} must be in 1..={}", tokens.len())));
+    }
+    with_sequence(engine, |engine, seq| {
+        let mut rows = prefill(engine, seq, &tokens[..prefill_len], chunk, Logits::All)?;
+        for t in &tokens[prefill_len..] {
+            let out = engine.forward(&mut [ForwardItem { seq: &mut *seq, tokens: std::slice::from_ref(t), logits: Logits::Last }])?;
+            rows.extend(out.into_iter().map(|o| o.data));
+        }
+        Ok(rows)
+    })
+}
+
+/// Generate a completion; `on_token` sees each new token as it is sampled.
+pub fn generate<B: Backend>(engine: &mut Engine<B>, req: &GenerateRequest, mut on_token: impl FnMut(u32)) -> Result<Generation, EngineError> {
+    if req.prompt.is_empty() {
+        return Err(EngineError::Request("empty prompt".into()));
+    }
+    let mut sampler = Sampler::new(req.sampling).map_err(|e| EngineError::Request(e.to_string()))?;
+    with_sequence(engine, |engine, seq| {
+        let mut tokens = Vec::new();
+        if req.max_new_tokens == 0 {
+            return Ok(Generation { tokens, finish: FinishReason::Length });
+        }
+        let mut logits = prefill(engine, seq, &req.prompt, req.chunk_size, Logits::Last)?.pop().unwrap_or_default();
+        loop {
+            let t = sampler.sample(&logits).map_err(|e| EngineError::Request(e.to_string()))?;
+            if req.stop_tokens.contains(&t) {
+                return Ok(Generation { tokens, finish: FinishReason::Stop });
+            }
+            tokens.push(t);
+            on_token(t);
+            if tokens.len() >= req.max_new_tokens {
+                return Ok(Generation { tokens, finish: FinishReason::Length });
+            }
+            let out = engine.forward(&mut [ForwardItem { seq: &mut *seq, tokens: &[t], logits: Logits::Last }])?;
+            logits = out.into_iter().next().map(|o| o.data).unwrap_or_default();
+        }
+    })
+}

@@ -1,0 +1,309 @@
+//! The one description of a request's KV state. Every buffer size (pages, state
+//! slots, host copies, transfers) is computed from a [`KvLayout`] and nothing else.
+//!
+//! A request's KV state has two parts:
+//! - **token pages**: one page covers `page_tokens` consecutive positions across ALL
+//!   layers: for each CSA/HCA layer its compressed-KV entries (one per `rate`
+//!   tokens) and for each CSA layer its index-K entries. A request holds a page
+//!   table (list of page ids) that grows with its length.
+//! - **a state slot**: fixed-size per-request state: for every layer its sliding-window
+//!   ring (`sliding_window` K=V entries, slot = position % window), for CSA/HCA layers
+//!   the compressor ring (raw projected kv + gate rows, fp32) of the tokens not yet
+//!   pooled (and, for CSA, the previous window whose "Ca" half overlaps), and for CSA
+//!   layers the indexer's compressor ring.
+
+use crate::config::{LayerKind, ModelConfig};
+use sha2::{Digest, Sha256};
+
+/// Storage type of a KV entry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
+pub enum EntryDtype {
+    F32,
+    Bf16,
+}
+
+impl EntryDtype {
+    pub fn bytes(self) -> usize {
+        match self {
+            EntryDtype::F32 => 4,
+            EntryDtype::Bf16 => 2,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            EntryDtype::F32 => "f32",
+            EntryDtype::Bf16 => "bf16",
+        }
+    }
+
+    pub fn parse(s: &str) -> Result<Self, LayoutError> {
+        match s {
+            "f32" | "fp32" | "float32" => Ok(EntryDtype::F32),
+            "bf16" | "bfloat16" => Ok(EntryDtype::Bf16),
+            other => Err(LayoutError::Invalid {
+                field: "dtype",
+                reason: format!("unknown entry dtype `{other}` (expected f32 or bf16)"),
+            }),
+        }
+    }
+}
+
+impl std::fmt::Display for EntryDtype {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Runtime choices that, with the model config, fix the layout.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvLayoutSpec {
+    /// Positions covered by one page; a multiple of every compress rate.
+    pub page_tokens: usize,
+    /// Dtype of compressed-KV entries and sliding-window entries.
+    pub kv_dtype: EntryDtype,
+    /// Dtype of the indexer's index-K entries.
+    pub index_k_dtype: EntryDtype,
+}
+
+impl KvLayoutSpec {
+    /// Default page size: 256 positions, or the smallest multiple of every compress rate
+    /// that is at least that.
+    pub fn default_for(cfg: &ModelConfig) -> Self {
+        KvLayoutSpec {
+            page_tokens: default_page_tokens(cfg),
+            kv_dtype: EntryDtype::F32,
+            index_k_dtype: EntryDtype::Bf16,
+        }
+    }
+}
+
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
+}
+
+fn default_page_tokens(cfg: &ModelConfig) -> usize {
+    let lcm = cfg
+        .layer_types
+        .iter()
+        .filter_map(|k| cfg.compress_rate(*k))
+        .fold(1usize, |acc, r| acc / gcd(acc, r) * r);
+    256usize.div_ceil(lcm) * lcm
+}
+
+/// Where one layer's data sits inside a page and inside a state slot (byte offsets).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct LayerKvLayout {
+    pub kind: LayerKind,
+    /// Compress rate (0 for sliding layers).
+    pub rate: usize,
+    /// Compressed-KV entries per page (0 for sliding layers).
+    pub comp_entries_per_page: usize,
+    pub comp_page_offset: usize,
+    /// Index-K entries per page (CSA only).
+    pub index_entries_per_page: usize,
+    pub index_page_offset: usize,
+    /// Sliding-window ring in the state slot: `window` entries of `head_dim`.
+    pub window_state_offset: usize,
+    /// Compressor ring in the state slot: `comp_ring_slots` rows of `comp_row_floats` f32
+    /// (projected kv then gate, each `comp_width` wide).
+    pub comp_state_offset: usize,
+    pub comp_ring_slots: usize,
+    pub comp_width: usize,
+    /// Indexer compressor ring (CSA only), same shape rules at `index_width`.
+    pub index_state_offset: usize,
+    pub index_ring_slots: usize,
+    pub index_width: usize,
+}
+
+impl LayerKvLayout {
+    /// f32 values in one compressor ring row (kv followed by gate).
+    pub fn comp_row_floats(&self) -> usize {
+        2 * self.comp_width
+    }
+
+    pub fn index_row_floats(&self) -> usize {
+        2 * self.index_width
+    }
+}
+
+/// Complete KV layout of one model under one runtime spec.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct KvLayout {
+    pub page_tokens: usize,
+    pub head_dim: usize,
+    pub index_head_dim: usize,
+    pub sliding_window: usize,
+    pub kv_dtype: EntryDtype,
+    pub index_k_dtype: EntryDtype,
+    pub layers: Vec<LayerKvLayout>,
+    /// Bytes of one token page (all layers).
+    pub page_bytes: usize,
+    /// Bytes of one per-request state slot (all layers).
+    pub state_bytes: usize,
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum LayoutError {
+    #[error("invalid KV layout: {field}: {reason}")]
+    Invalid { field: &'static str, reason: String },
+    #[error("KV layout mismatch in field `{field}`: ours is {ours}, peer's is {theirs}")]
+    Mismatch {
+        field: String,
+        ours: String,
+        theirs: String,
+    },
+}
+
+/// Round up to 16 bytes so every region stays aligned for any entry dtype.
+fn align16(n: usize) -> usize {
+    n.div_ceil(16) * 16
+}
+
+impl KvLayout {
+    pub fn new(cfg: &ModelConfig, spec: KvLayoutSpec) -> Result<Self, LayoutError> {
+        if spec.page_tokens == 0 {
+            return Err(LayoutError::Invalid {
+                field: "page_tokens",
+                reason: "must be positive".into(),
+            });
+        }
+        let hd = cfg.head_dim;
+        let ihd = cfg.index_head_dim;
+        let mut page = 0usize;
+        let mut state = 0usize;
+        let mut layers = Vec::with_capacity(cfg.layer_types.len());
+        for (i, &kind) in cfg.layer_types.iter().enumerate() {
+            let rate = cfg.compress_rate(kind).unwrap_or(0);
+            if rate > 0 && spec.page_tokens % rate != 0 {
+                return Err(LayoutError::Invalid {
+                    field: "page_tokens",
+                    reason: format!(
+                        "{} is not a multiple of layer {i}'s compress rate {rate}",
+                        spec.page_tokens
+                    ),
+                });
+            }
+            let window_state_offset = state;
+            state = align16(state + cfg.sliding_window * hd * spec.kv_dtype.bytes());
+            let mut l = LayerKvLayout {
+                kind,
+                rate,
+                comp_entries_per_page: 0,
+                comp_page_offset: page,
+                index_entries_per_page: 0,
+                index_page_offset: page,
+                window_state_offset,
+                comp_state_offset: state,
+                comp_ring_slots: 0,
+                comp_width: 0,
+                index_state_offset: state,
+                index_ring_slots: 0,
+                index_width: 0,
+            };
+            match kind {
+                LayerKind::Sliding => {}
+                LayerKind::Hca => {
+                    l.comp_entries_per_page = spec.page_tokens / rate;
+                    page = align16(page + l.comp_entries_per_page * hd * spec.kv_dtype.bytes());
+                    l.comp_ring_slots = rate;
+                    l.comp_width = hd;
+                    state = align16(state + l.comp_ring_slots * l.comp_row_floats() * 4);
+                }
+                LayerKind::Csa => {
+                    l.comp_entries_per_page = spec.page_tokens / rate;
+                    page = align16(page + l.comp_entries_per_page * hd * spec.kv_dtype.bytes());
+                    l.index_page_offset = page;
+                    l.index_entries_per_page = spec.page_tokens / rate;
+                    page = align16(
+                        page + l.index_entries_per_page * ihd * spec.index_k_dtype.bytes(),
+                    );
+                    // Overlapping windows: the ring keeps the previous window too.
+                    l.comp_ring_slots = 2 * rate;
+                    l.comp_width = 2 * hd;
+                    state = align16(state + l.comp_ring_slots * l.comp_row_floats() * 4);
+                    l.index_state_offset = state;
+                    l.index_ring_slots = 2 * rate;
+                    l.index_width = 2 * ihd;
+                    state = align16(state + l.index_ring_slots * l.index_row_floats() * 4);
+                }
+            }
+            layers.push(l);
+        }
+        Ok(KvLayout {
+            page_tokens: spec.page_tokens,
+            head_dim: hd,
+            index_head_dim: ihd,
+            sliding_window: cfg.sliding_window,
+            kv_dtype: spec.kv_dtype,
+            index_k_dtype: spec.index_k_dtype,
+            layers,
+            page_bytes: page.max(16),
+            state_bytes: state.max(16),
+        })
+    }
+
+    /// Pages needed to hold `len` positions.
+    pub fn pages_for(&self, len: usize) -> usize {
+        len.div_ceil(self.page_tokens)
+    }
+
+    /// Named scalar fields, in a fixed order; the fingerprint and the peer check use these.
+    pub fn fields(&self) -> Vec<(String, String)> {
+        let mut f = vec![
+            ("page_tokens".to_string(), self.page_tokens.to_string()),
+            ("head_dim".to_string(), self.head_dim.to_string()),
+            ("index_head_dim".to_string(), self.index_head_dim.to_string()),
+            ("sliding_window".to_string(), self.sliding_window.to_string()),
+            ("kv_dtype".to_string(), self.kv_dtype.to_string()),
+            ("index_k_dtype".to_string(), self.index_k_dtype.to_string()),
+            ("num_layers".to_string(), self.layers.len().to_string()),
+            ("page_bytes".to_string(), self.page_bytes.to_string()),
+            ("state_bytes".to_string(), self.state_bytes.to_string()),
+        ];
+        for (i, l) in self.layers.iter().enumerate() {
+            f.push((format!("layers[{i}].kind"), format!("{:?}", l.kind)));
+            f.push((format!("layers[{i}].rate"), l.rate.to_string()));
+        }
+        f
+    }
+
+    /// Stable hex fingerprint of [`KvLayout::fields`].
+    pub fn fingerprint(&self) -> String {
+        let mut h = Sha256::new();
+        for (k, v) in self.fields() {
+            h.update(k.as_bytes());
+            h.update(b"=");
+            h.update(v.as_bytes());
+            h.update(b";");
+        }
+        h.finalize()[..8].iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    /// Refuse a peer whose layout differs, naming the first differing field.
+    pub fn check_compatible(&self, other: &KvLayout) -> Result<(), LayoutError> {
+        let ours = self.fields();
+        let theirs = other.fields();
+        for ((k, a), (_, b)) in ours.iter().zip(theirs.iter()) {
+            if a != b {
+                return Err(LayoutError::Mismatch {
+                    field: k.clone(),
+                    ours: a.clone(),
+                    theirs: b.clone(),
+                });
+            }
+        }
+        if ours.len() != theirs.len() {
+            return Err(LayoutError::Mismatch {
+                field: "num_layers".into(),
+                ours: self.layers.len().to_string(),
+                theirs: other.layers.len().to_string(),
+            });
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,159 @@
+//! The DeepSeek-V4 forward pass, written once against [`Backend`].
+
+pub mod weights;
+
+use crate::backend::{
+    BResult, Backend, BatchPlan, CompressedKeys, CompressorParams, CompressorPart, HcParams, HcPre,
+    HostTensor, MoeParams,
+};
+use crate::config::{LayerKind, MlpKind, ModelConfig};
+use crate::kv::KvLayout;
+use crate::rope::Rope;
+pub use weights::{LoadError, ModelWeights};
+use weights::{CompressorWeights, HcWeights, LayerWeights};
+
+pub struct Model<B: Backend> {
+    pub cfg: ModelConfig,
+    pub weights: ModelWeights<B>,
+    rope_main: Rope,
+    rope_compress: Rope,
+}
+
+impl<B: Backend> Model<B> {
+    pub fn new(cfg: ModelConfig, weights: ModelWeights<B>) -> Self {
+        let rope_main = Rope::new(&cfg.rope_main, cfg.qk_rope_head_dim);
+        let rope_compress = Rope::new(&cfg.rope_compress, cfg.qk_rope_head_dim);
+        Model { cfg, weights, rope_main, rope_compress }
+    }
+
+    fn hc_params<'a>(&self, w: &'a HcWeights<B>) -> HcParams<'a, B::Tensor> {
+        HcParams {
+            base: &w.base,
+            scale: &w.scale,
+            hc: self.cfg.hc_mult,
+            sinkhorn_iters: self.cfg.hc_sinkhorn_iters,
+            eps: self.cfg.hc_eps,
+        }
+    }
+
+    /// Mix logits of the hyper-connection mapping: `rmsnorm(streams) @ fn^T`.
+    fn hc_mix(&self, b: &B, streams: &B::Tensor, fn_: &B::Tensor) -> BResult<B::Tensor> {
+        let flat = b.rms_norm(streams, None, self.cfg.hc_mult * self.cfg.hidden_size, self.cfg.rms_norm_eps)?;
+        b.matmul(&flat, fn_)
+    }
+
+    fn hc_pre(&self, b: &B, streams: &B::Tensor, w: &HcWeights<B>) -> BResult<HcPre<B::Tensor>> {
+        let mix = self.hc_mix(b, streams, &w.fn_)?;
+        b.hc_pre(streams, &mix, &self.hc_params(w))
+    }
+
+    /// Run one ragged batch. Returns the logits of the rows in `logit_rows`, in that order.
+    pub fn forward(&self, b: &B, kv: &mut B::KvStore, layout: &KvLayout, plan: &BatchPlan, logit_rows: &[usize]) -> BResult<HostTensor> {
+        let cfg = &self.cfg;
+        let w = &self.weights;
+        let mut x = b.embed(&w.embed_tokens, &plan.tokens, cfg.hc_mult)?;
+        for (li, lw) in w.layers.iter().enumerate() {
+            let pre = self.hc_pre(b, &x, &lw.attn_hc)?;
+            let h = b.rms_norm(&pre.collapsed, Some(&lw.input_layernorm), cfg.hidden_size, cfg.rms_norm_eps)?;
+            let attn = self.attention(b, kv, layout, li, lw, &h, plan)?;
+            x = b.hc_post(&x, &attn, &pre, cfg.hc_mult)?;
+
+            let pre = self.hc_pre(b, &x, &lw.ffn_hc)?;
+            let h = b.rms_norm(&pre.collapsed, Some(&lw.post_attention_layernorm), cfg.hidden_size, cfg.rms_norm_eps)?;
+            let mlp = self.moe(b, lw, &h, plan)?;
+            x = b.hc_post(&x, &mlp, &pre, cfg.hc_mult)?;
+        }
+        let x = b.gather_rows(&x, logit_rows)?;
+        let mix = self.hc_mix(b, &x, &w.hc_head.fn_)?;
+        let y = b.hc_head(&x, &mix, &self.hc_params(&w.hc_head))?;
+        let y = b.rms_norm(&y, Some(&w.norm), cfg.hidden_size, cfg.rms_norm_eps)?;
+        b.to_host(&b.matmul(&y, w.lm_head())?)
+    }
+
+    fn compressor_params<'a>(&'a self, part: CompressorPart, cw: &'a CompressorWeights<B>) -> CompressorParams<'a, B::Tensor> {
+        CompressorParams {
+            part,
+            position_bias: &cw.position_bias,
+            norm_weight: &cw.kv_norm,
+            eps: self.cfg.rms_norm_eps,
+            rope: &self.rope_compress,
+        }
+    }
+
+    fn compress(&self, b: &B, kv: &mut B::KvStore, layout: &KvLayout, li: usize, part: CompressorPart, cw: &CompressorWeights<B>, h: &B::Tensor, plan: &BatchPlan) -> BResult<()> {
+        let pk = b.matmul(h, &cw.kv_proj)?;
+        let pg = b.matmul(h, &cw.gate_proj)?;
+        b.compress(kv, layout, li, &pk, &pg, &self.compressor_params(part, cw), plan)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn attention(&self, b: &B, kv: &mut B::KvStore, layout: &KvLayout, li: usize, lw: &LayerWeights<B>, h: &B::Tensor, plan: &BatchPlan) -> BResult<B::Tensor> {
+        let cfg = &self.cfg;
+        let (hd, eps) = (cfg.head_dim, cfg.rms_norm_eps);
+        let rope = if lw.kind == LayerKind::Sliding { &self.rope_main } else { &self.rope_compress };
+        let q_res = b.rms_norm(&b.matmul(h, &lw.q_a_proj)?, Some(&lw.q_a_norm), cfg.q_lora_rank, eps)?;
+        let mut q = b.rms_norm(&b.matmul(&q_res, &lw.q_b_proj)?, None, hd, eps)?;
+        b.rope(&mut q, hd, rope, &plan.positions, false)?;
+        let mut kv_new = b.rms_norm(&b.matmul(h, &lw.kv_proj)?, Some(&lw.kv_norm), hd, eps)?;
+        b.rope(&mut kv_new, hd, rope, &plan.positions, false)?;
+
+        if let Some(cw) = &lw.compressor {
+            self.compress(b, kv, layout, li, CompressorPart::Main, cw, h, plan)?;
+        }
+        let selection = match &lw.indexer {
+            Some(iw) => {
+                self.compress(b, kv, layout, li, CompressorPart::Index, &iw.compressor, h, plan)?;
+                let mut qi = b.matmul(&q_res, &iw.q_b_proj)?;
+                b.rope(&mut qi, cfg.index_head_dim, &self.rope_compress, &plan.positions, false)?;
+                let wi = b.matmul(h, &iw.weights_proj)?;
+                Some(b.index_select(kv, layout, li, &qi, &wi, cfg.index_n_heads, cfg.index_topk, plan)?)
+            }
+            None => None,
+        };
+        let keys = match (lw.kind, &selection) {
+            (LayerKind::Sliding, _) => CompressedKeys::None,
+            (LayerKind::Hca, _) => CompressedKeys::AllVisible,
+            (LayerKind::Csa, Some(sel)) => CompressedKeys::Selected(sel),
+            (LayerKind::Csa, None) => CompressedKeys::None,
+        };
+        let mut o = b.attention(kv, layout, li, &q, &kv_new, &lw.sinks, cfg.num_attention_heads, keys, plan)?;
+        b.window_store(kv, layout, li, &kv_new, plan)?;
+        // K = V carries rope: rotate the output's rope slice back at the query position.
+        b.rope(&mut o, hd, rope, &plan.positions, true)?;
+        let g = b.grouped_matmul(&o, &lw.o_a_proj, cfg.o_groups)?;
+        b.matmul(&g, &lw.o_b_proj)
+    }
+
+    fn moe(&self, b: &B, lw: &LayerWeights<B>, h: &B::Tensor, plan: &BatchPlan) -> BResult<B::Tensor> {
+        let cfg = &self.cfg;
+        let k = cfg.num_experts_per_tok;
+        let hash: Option<Vec<u32>> = match (lw.mlp_kind, &lw.tid2eid) {
+            (MlpKind::HashMoe, Some(table)) => Some(
+                plan.tokens
+                    .iter()
+                    .flat_map(|&t| table[t as usize * k..(t as usize + 1) * k].iter().copied())
+                    .collect(),
+            ),
+            _ => None,
+        };
+        b.moe(
+            h,
+            &MoeParams {
+                router: &lw.router,
+                correction_bias: lw.correction_bias.as_ref(),
+                hash_experts: hash.as_deref(),
+                gate_up: &lw.gate_up,
+                down: &lw.down,
+                shared_gate: &lw.shared_gate,
+                shared_up: &lw.shared_up,
+                shared_down: &lw.shared_down,
+                n_experts: cfg.n_routed_experts,
+                top_k: k,
+                intermediate: cfg.moe_intermediate_size,
+                scoring: cfg.scoring_func,
+                routed_scaling: cfg.routed_scaling_factor,
+                swiglu_limit: cfg.swiglu_limit,
+            },
+        )
+    }
+}

@@ -1,0 +1,544 @@
+//! Memory-mapped safetensors checkpoints (single file or sharded with an index), the tensor
+//! inventory transformers' `DeepseekV4ForCausalLM.state_dict()` saves, and validation of one
+//! against the other.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::fmt;
+use std::fs::File;
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use memmap2::Mmap;
+use rayon::prelude::*;
+use safetensors::SafeTensors;
+
+use crate::config::{LayerKind, MlpKind, ModelConfig};
+
+/// Element type of a tensor as stored on disk.
+pub use safetensors::Dtype as DiskDtype;
+
+const SINGLE_FILE: &str = "model.safetensors";
+const INDEX_FILE: &str = "model.safetensors.index.json";
+/// How many entries of each problem kind a [`ValidationReport`] prints.
+const REPORT_CAP: usize = 20;
+/// Elements converted per parallel work item.
+const CONVERT_CHUNK: usize = 1 << 16;
+
+#[derive(Debug, thiserror::Error)]
+pub enum WeightsError {
+    #[error("no {SINGLE_FILE} or {INDEX_FILE} in {}", dir.display())]
+    NoCheckpoint { dir: PathBuf },
+    #[error("cannot read {}: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{} is not a valid safetensors file: {source}", path.display())]
+    Format {
+        path: PathBuf,
+        #[source]
+        source: safetensors::SafeTensorError,
+    },
+    #[error("invalid index {}: {reason}", path.display())]
+    Index { path: PathBuf, reason: String },
+    #[error("tensor `{name}` is not in the checkpoint")]
+    NotFound { name: String },
+    #[error("tensor `{name}` has dtype {dtype:?}; expected {expected}")]
+    Dtype { name: String, dtype: DiskDtype, expected: &'static str },
+    #[error("tensor `{name}`: {reason}")]
+    Corrupt { name: String, reason: String },
+    #[error("checkpoint does not match the model config:\n{0}")]
+    Invalid(ValidationReport),
+}
+
+/// A tensor converted to f32 on the host.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HostTensor {
+    pub shape: Vec<usize>,
+    pub data: Vec<f32>,
+}
+
+/// Zero-copy view of a tensor's bytes inside the mapped file (little-endian, row-major).
+#[derive(Debug, Clone, Copy)]
+pub struct RawTensor<'a> {
+    pub dtype: DiskDtype,
+    pub shape: &'a [usize],
+    pub bytes: &'a [u8],
+}
+
+#[derive(Debug)]
+struct Entry {
+    shard: usize,
+    dtype: DiskDtype,
+    shape: Vec<usize>,
+    /// Absolute byte range inside the shard's mapping.
+    start: usize,
+    end: usize,
+}
+
+#[derive(Debug)]
+struct Shard {
+    path: PathBuf,
+    map: Mmap,
+}
+
+/// An opened checkpoint directory. Tensor data stays in the page cache until converted.
+#[derive(Debug)]
+pub struct Checkpoint {
+    dir: PathBuf,
+    shards: Vec<Shard>,
+    tensors: BTreeMap<String, Entry>,
+}
+
+#[allow(unsafe_code)]
+fn map_file(path: &Path) -> Result<Mmap, WeightsError> {
+    let io = |source| WeightsError::Io { path: path.to_path_buf(), source };
+    let file = File::open(path).map_err(io)?;
+    // SAFETY: the map is read-only and every access is bounds-checked against the header that
+    // safetensors validated. Checkpoint files must not be truncated or rewritten while the
+    // server has them open; that is the documented contract of memory-mapping a file.
+    unsafe { Mmap::map(&file) }.map_err(io)
+}
+
+/// dtype, shape, absolute start, absolute end.
+type HeaderEntry = (DiskDtype, Vec<usize>, usize, usize);
+
+/// Parsed safetensors header of one mapped file, by tensor name.
+fn read_header(path: &Path, map: &Mmap) -> Result<HashMap<String, HeaderEntry>, WeightsError> {
+    let (n, meta) =
+        SafeTensors::read_metadata(map).map_err(|source| WeightsError::Format { path: path.to_path_buf(), source })?;
+    let base = 8 + n;
+    Ok(meta
+        .tensors()
+        .into_iter()
+        .map(|(name, info)| {
+            let (s, e) = info.data_offsets;
+            (name, (info.dtype, info.shape.clone(), base + s, base + e))
+        })
+        .collect())
+}
+
+impl Checkpoint {
+    /// Open `dir/model.safetensors`, or else the shards named by `dir/model.safetensors.index.json`
+    /// (`weight_map`: tensor name -> file name). Only the headers are read here.
+    pub fn open(dir: &Path) -> Result<Self, WeightsError> {
+        let single = dir.join(SINGLE_FILE);
+        let index = dir.join(INDEX_FILE);
+        let mut ckpt = Checkpoint { dir: dir.to_path_buf(), shards: Vec::new(), tensors: BTreeMap::new() };
+        if single.is_file() {
+            let map = map_file(&single)?;
+            for (name, (dtype, shape, start, end)) in read_header(&single, &map)? {
+                ckpt.tensors.insert(name, Entry { shard: 0, dtype, shape, start, end });
+            }
+            ckpt.shards.push(Shard { path: single, map });
+            return Ok(ckpt);
+        }
+        if !index.is_file() {
+            return Err(WeightsError::NoCheckpoint { dir: dir.to_path_buf() });
+        }
+        let bad = |reason: String| WeightsError::Index { path: index.clone(), reason };
+        let text =
+            std::fs::read_to_string(&index).map_err(|source| WeightsError::Io { path: index.clone(), source })?;
+        let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
+        let Some(weight_map) = json.get("weight_map").and_then(|w| w.as_object()) else {
+            return Err(bad("missing `weight_map` object".into()));
+        };
+        // file name -> tensor names it should hold
+        let mut by_file: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+        for (name, file) in weight_map {
+            let Some(file) = file.as_str() else {
+                return Err(bad(format!("weight_map[{name:?}] is not a file name: {file}")));
+            };
+            by_file.entry(file).or_default().push(name);
+        }
+        for (file, names) in by_file {
+            let path = dir.join(file);
+            let map = map_file(&path)?;
+            let mut header = read_header(&path, &map)?;
+            let shard = ckpt.shards.len();
+            for name in names {
+                let Some((dtype, shape, start, end)) = header.remove(name) else {
+                    return Err(bad(format!("tensor `{name}` is mapped to {file}, which does not contain it")));
+                };
+                ckpt.tensors.insert(name.to_string(), Entry { shard, dtype, shape, start, end });
+            }
+            ckpt.shards.push(Shard { path, map });
+        }
+        Ok(ckpt)
+    }
+
+    /// The directory this checkpoint was opened from.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Files backing this checkpoint, in shard order.
+    pub fn files(&self) -> Vec<&Path> {
+        self.shards.iter().map(|s| s.path.as_path()).collect()
+    }
+
+    /// Every tensor name, sorted.
+    pub fn names(&self) -> Vec<String> {
+        self.tensors.keys().cloned().collect()
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.tensors.contains_key(name)
+    }
+
+    pub fn shape(&self, name: &str) -> Option<Vec<usize>> {
+        self.tensors.get(name).map(|e| e.shape.clone())
+    }
+
+    pub fn dtype(&self, name: &str) -> Option<DiskDtype> {
+        self.tensors.get(name).map(|e| e.dtype)
+    }
+
+    /// Stored size of one tensor in bytes (0 when absent).
+    pub fn tensor_bytes(&self, name: &str) -> u64 {
+        self.tensors.get(name).map_or(0, |e| (e.end - e.start) as u64)
+    }
+
+    /// Stored size of all tensors in bytes.
+    pub fn total_bytes(&self) -> u64 {
+        self.tensors.values().map(|e| (e.end - e.start) as u64).sum()
+    }
+
+    /// The stored bytes of a tensor, without conversion.
+    pub fn raw(&self, name: &str) -> Result<RawTensor<'_>, WeightsError> {
+        let entry = self.tensors.get(name).ok_or_else(|| WeightsError::NotFound { name: name.to_string() })?;
+        let bytes = self
+            .shards
+            .get(entry.shard)
+            .and_then(|s| s.map.get(entry.start..entry.end))
+            .ok_or_else(|| corrupt(name, "data range lies outside its file".into()))?;
+        let numel: usize = entry.shape.iter().product();
+        let expected = numel.checked_mul(entry.dtype.bitsize()).map(|bits| bits.div_ceil(8));
+        if expected != Some(bytes.len()) {
+            return Err(corrupt(name, format!("{} bytes stored for shape {:?}", bytes.len(), entry.shape)));
+        }
+        Ok(RawTensor { dtype: entry.dtype, shape: &entry.shape, bytes })
+    }
+
+    /// A float tensor (F32, BF16 or F16 on disk) converted to f32.
+    pub fn tensor_f32(&self, name: &str) -> Result<HostTensor, WeightsError> {
+        let raw = self.raw(name)?;
+        let decode: fn(&[u8]) -> f32 = match raw.dtype {
+            DiskDtype::F32 => |b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+            DiskDtype::BF16 => |b| half::bf16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32(),
+            DiskDtype::F16 => |b| half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32(),
+            dtype => return Err(WeightsError::Dtype { name: name.to_string(), dtype, expected: "F32, BF16 or F16" }),
+        };
+        let size = raw.dtype.bitsize() / 8;
+        let mut data = vec![0f32; raw.bytes.len() / size];
+        data.par_chunks_mut(CONVERT_CHUNK).zip(raw.bytes.par_chunks(CONVERT_CHUNK * size)).for_each(|(out, bytes)| {
+            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(size)) {
+                *o = decode(b);
+            }
+        });
+        Ok(HostTensor { shape: raw.shape.to_vec(), data })
+    }
+
+    /// An integer tensor (I64 or I32 on disk), e.g. `tid2eid`.
+    pub fn tensor_i64(&self, name: &str) -> Result<(Vec<usize>, Vec<i64>), WeightsError> {
+        let raw = self.raw(name)?;
+        let data: Vec<i64> = match raw.dtype {
+            DiskDtype::I64 => raw
+                .bytes
+                .chunks_exact(8)
+                .map(|b| i64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]))
+                .collect(),
+            DiskDtype::I32 => {
+                raw.bytes.chunks_exact(4).map(|b| i64::from(i32::from_le_bytes([b[0], b[1], b[2], b[3]]))).collect()
+            }
+            dtype => return Err(WeightsError::Dtype { name: name.to_string(), dtype, expected: "I64 or I32" }),
+        };
+        Ok((raw.shape.to_vec(), data))
+    }
+}
+
+fn corrupt(name: &str, reason: String) -> WeightsError {
+    WeightsError::Corrupt { name: name.to_string(), reason }
+}
+
+/// One tensor the model needs: name and shape as transformers saves them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExpectedTensor {
+    pub name: String,
+    pub shape: Vec<usize>,
+    /// Integer tensor (`tid2eid`); all others are floating point.
+    pub int: bool,
+}
+
+/// Name of the output projection to load: `lm_head.weight`, or the embedding when tied
+/// (tied checkpoints usually omit `lm_head.weight`; transformers ties it to `embed_tokens`).
+pub fn lm_head_name(cfg: &ModelConfig) -> &'static str {
+    if cfg.tie_word_embeddings {
+        "model.embed_tokens.weight"
+    } else {
+        "lm_head.weight"
+    }
+}
+
+/// Accumulates [`ExpectedTensor`]s.
+struct Inventory(Vec<ExpectedTensor>);
+
+impl Inventory {
+    fn float(&mut self, name: String, shape: &[usize]) {
+        self.0.push(ExpectedTensor { name, shape: shape.to_vec(), int: false });
+    }
+
+    fn int(&mut self, name: String, shape: &[usize]) {
+        self.0.push(ExpectedTensor { name, shape: shape.to_vec(), int: true });
+    }
+}
+
+/// Every persistent tensor of `DeepseekV4ForCausalLM.state_dict()` for `cfg`, in module order.
+/// Rotary `inv_freq` buffers are non-persistent and never saved; unweighted norms (`q_b_norm`,
+/// the hyper-connection `input_norm`s) have no parameters. `lm_head.weight` is listed only when
+/// embeddings are untied (see [`validate`] for the tied case).
+pub fn expected_tensors(cfg: &ModelConfig) -> Vec<ExpectedTensor> {
+    let (v, h, nh, hd) = (cfg.vocab_size, cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim);
+    let (ql, e, i, hc) = (cfg.q_lora_rank, cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hc_mult);
+    let (ihd, inh) = (cfg.index_head_dim, cfg.index_n_heads);
+    let og = cfg.o_groups * cfg.o_lora_rank;
+    let mut t = Inventory(Vec::new());
+    t.float("model.embed_tokens.weight".into(), &[v, h]);
+    for (layer, (kind, mlp)) in cfg.layer_types.iter().zip(&cfg.mlp_layer_types).enumerate() {
+        let p = format!("model.layers.{layer}.");
+        let a = format!("{p}self_attn.");
+        t.float(format!("{a}q_a_proj.weight"), &[ql, h]);
+        t.float(format!("{a}q_a_norm.weight"), &[ql]);
+        t.float(format!("{a}q_b_proj.weight"), &[nh * hd, ql]);
+        t.float(format!("{a}kv_proj.weight"), &[hd, h]);
+        t.float(format!("{a}kv_norm.weight"), &[hd]);
+        // DeepseekV4GroupedLinear(nh * hd / o_groups, o_groups * o_lora_rank): one nn.Linear weight.
+        t.float(format!("{a}o_a_proj.weight"), &[og, nh * hd / cfg.o_groups]);
+        t.float(format!("{a}o_b_proj.weight"), &[h, og]);
+        t.float(format!("{a}sinks"), &[nh]);
+        let c = format!("{a}compressor.");
+        match kind {
+            LayerKind::Sliding => {}
+            LayerKind::Hca => {
+                t.float(format!("{c}kv_proj.weight"), &[hd, h]);
+                t.float(format!("{c}gate_proj.weight"), &[hd, h]);
+                t.float(format!("{c}position_bias"), &[cfg.compress_rate_hca, hd]);
+                t.float(format!("{c}kv_norm.weight"), &[hd]);
+            }
+            LayerKind::Csa => {
+                let rate = cfg.compress_rate_csa;
+                t.float(format!("{c}kv_proj.weight"), &[2 * hd, h]);
+                t.float(format!("{c}gate_proj.weight"), &[2 * hd, h]);
+                t.float(format!("{c}position_bias"), &[rate, 2 * hd]);
+                t.float(format!("{c}kv_norm.weight"), &[hd]);
+                let x = format!("{c}indexer.");
+                t.float(format!("{x}kv_proj.weight"), &[2 * ihd, h]);
+                t.float(format!("{x}gate_proj.weight"), &[2 * ihd, h]);
+                t.float(format!("{x}position_bias"), &[rate, 2 * ihd]);
+                t.float(format!("{x}kv_norm.weight"), &[ihd]);
+                t.float(format!("{x}q_b_proj.weight"), &[inh * ihd, ql]);
+                t.float(format!("{x}scorer.weights_proj.weight"), &[inh, h]);
+            }
+        }
+        let m = format!("{p}mlp.");
+        t.float(format!("{m}gate.weight"), &[e, h]);
+        match mlp {
+            // nn.Buffer (persistent by default).
+            MlpKind::TopK => t.float(format!("{m}gate.e_score_correction_bias"), &[e]),
+            // nn.Buffer(..., persistent=True), int64.
+            MlpKind::HashMoe => t.int(format!("{m}gate.tid2eid"), &[v, cfg.num_experts_per_tok]),
+        }
+        t.float(format!("{m}experts.gate_up_proj"), &[e, 2 * i, h]);
+        t.float(format!("{m}experts.down_proj"), &[e, h, i]);
+        t.float(format!("{m}shared_experts.gate_proj.weight"), &[i, h]);
+        t.float(format!("{m}shared_experts.up_proj.weight"), &[i, h]);
+        t.float(format!("{m}shared_experts.down_proj.weight"), &[h, i]);
+        t.float(format!("{p}input_layernorm.weight"), &[h]);
+        t.float(format!("{p}post_attention_layernorm.weight"), &[h]);
+        for site in ["attn_hc", "ffn_hc"] {
+            t.float(format!("{p}{site}.fn"), &[(2 + hc) * hc, hc * h]);
+            t.float(format!("{p}{site}.base"), &[(2 + hc) * hc]);
+            t.float(format!("{p}{site}.scale"), &[3]);
+        }
+    }
+    t.float("model.norm.weight".into(), &[h]);
+    t.float("model.hc_head.hc_fn".into(), &[hc, hc * h]);
+    t.float("model.hc_head.hc_base".into(), &[hc]);
+    t.float("model.hc_head.hc_scale".into(), &[1]);
+    if !cfg.tie_word_embeddings {
+        t.float("lm_head.weight".into(), &[v, h]);
+    }
+    t.0
+}
+
+/// Keys transformers drops on load: `(^|\.)mtp\..*` (multi-token-prediction layers).
+fn is_ignored(name: &str) -> bool {
+    name.starts_with("mtp.") || name.contains(".mtp.")
+}
+
+/// A stored shape that differs from the config's.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShapeMismatch {
+    pub name: String,
+    pub expected: Vec<usize>,
+    pub found: Vec<usize>,
+}
+
+/// Everything wrong with a checkpoint relative to a config.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ValidationReport {
+    pub missing: Vec<String>,
+    pub unexpected: Vec<String>,
+    pub wrong_shape: Vec<ShapeMismatch>,
+    /// Tensors whose dtype is unsupported for their role (float: F32/BF16/F16; int: I64/I32).
+    pub bad_dtype: Vec<(String, DiskDtype)>,
+    /// Tensors whose values cannot be used (e.g. `tid2eid` expert ids out of range).
+    pub bad_values: Vec<String>,
+}
+
+impl ValidationReport {
+    pub fn is_empty(&self) -> bool {
+        self.missing.is_empty()
+            && self.unexpected.is_empty()
+            && self.wrong_shape.is_empty()
+            && self.bad_dtype.is_empty()
+            && self.bad_values.is_empty()
+    }
+}
+
+fn write_section<T>(f: &mut fmt::Formatter<'_>, title: &str, items: &[T], line: impl Fn(&T) -> String) -> fmt::Result {
+    if items.is_empty() {
+        return Ok(());
+    }
+    writeln!(f, "{title} ({}):", items.len())?;
+    for item in items.iter().take(REPORT_CAP) {
+        writeln!(f, "  {}", line(item))?;
+    }
+    if items.len() > REPORT_CAP {
+        writeln!(f, "  ... and {} more", items.len() - REPORT_CAP)?;
+    }
+    Ok(())
+}
+
+impl fmt::Display for ValidationReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write_section(f, "missing tensors", &self.missing, |n| n.clone())?;
+        write_section(f, "unexpected tensors", &self.unexpected, |n| n.clone())?;
+        write_section(f, "wrong shapes", &self.wrong_shape, |m| {
+            format!("{}: expected {:?}, found {:?}", m.name, m.expected, m.found)
+        })?;
+        write_section(f, "unsupported dtypes", &self.bad_dtype, |(n, d)| format!("{n}: {d:?}"))?;
+        write_section(f, "invalid values", &self.bad_values, |s| s.clone())
+    }
+}
+
+fn float_dtype(d: DiskDtype) -> bool {
+    matches!(d, DiskDtype::F32 | DiskDtype::BF16 | DiskDtype::F16)
+}
+
+fn int_dtype(d: DiskDtype) -> bool {
+    matches!(d, DiskDtype::I64 | DiskDtype::I32)
+}
+
+/// Check `ckpt` against `cfg`: missing, unexpected, wrongly shaped and wrongly typed tensors and
+/// out-of-range `tid2eid` entries, all reported together in one [`WeightsError::Invalid`].
+/// `mtp.*` tensors are ignored; with tied embeddings `lm_head.weight` may be absent.
+pub fn validate(ckpt: &Checkpoint, cfg: &ModelConfig) -> Result<(), WeightsError> {
+    let mut expected = expected_tensors(cfg);
+    let optional: BTreeSet<String> = if cfg.tie_word_embeddings && ckpt.contains("lm_head.weight") {
+        expected.push(ExpectedTensor {
+            name: "lm_head.weight".into(),
+            shape: vec![cfg.vocab_size, cfg.hidden_size],
+            int: false,
+        });
+        std::iter::once("lm_head.weight".to_string()).collect()
+    } else {
+        BTreeSet::new()
+    };
+    let mut report = ValidationReport::default();
+    for t in &expected {
+        let (Some(shape), Some(dtype)) = (ckpt.shape(&t.name), ckpt.dtype(&t.name)) else {
+            if !optional.contains(&t.name) {
+                report.missing.push(t.name.clone());
+            }
+            continue;
+        };
+        let mut usable = true;
+        if shape != t.shape {
+            report.wrong_shape.push(ShapeMismatch { name: t.name.clone(), expected: t.shape.clone(), found: shape });
+            usable = false;
+        }
+        if !(if t.int { int_dtype(dtype) } else { float_dtype(dtype) }) {
+            report.bad_dtype.push((t.name.clone(), dtype));
+            usable = false;
+        }
+        if t.int && usable {
+            check_expert_ids(ckpt, &t.name, cfg.n_routed_experts, &mut report);
+        }
+    }
+    let known: BTreeSet<&str> = expected.iter().map(|t| t.name.as_str()).collect();
+    report.unexpected =
+        ckpt.tensors.keys().filter(|n| !known.contains(n.as_str()) && !is_ignored(n)).cloned().collect();
+    if report.is_empty() {
+        Ok(())
+    } else {
+        Err(WeightsError::Invalid(report))
+    }
+}
+
+fn check_expert_ids(ckpt: &Checkpoint, name: &str, n_experts: usize, report: &mut ValidationReport) {
+    match ckpt.tensor_i64(name) {
+        Ok((_, ids)) => {
+            let bad = ids.iter().filter(|&&x| usize::try_from(x).map_or(true, |x| x >= n_experts)).count();
+            if let Some(first) = ids.iter().find(|&&x| usize::try_from(x).map_or(true, |x| x >= n_experts)) {
+                report.bad_values.push(format!("{name}: {bad} expert ids outside 0..{n_experts} (first: {first})"));
+            }
+        }
+        Err(e) => report.bad_values.push(format!("{name}: {e}")),
+    }
+}
+
+/// Byte-level load progress on stderr; drawn only for loads of at least
+/// [`LoadProgress::MIN_BYTES`] when stderr is a terminal.
+#[derive(Debug, Clone)]
+pub struct LoadProgress {
+    bar: Option<ProgressBar>,
+}
+
+impl LoadProgress {
+    pub const MIN_BYTES: u64 = 256 << 20;
+
+    pub fn new(total_bytes: u64) -> Self {
+        let visible = total_bytes >= Self::MIN_BYTES && std::io::stderr().is_terminal();
+        let bar = visible.then(|| {
+            let bar = ProgressBar::with_draw_target(Some(total_bytes), ProgressDrawTarget::stderr());
+            if let Ok(style) = ProgressStyle::with_template(
+                "loading weights {wide_bar} {bytes}/{total_bytes} ({binary_bytes_per_sec}, eta {eta})",
+            ) {
+                bar.set_style(style);
+            }
+            bar
+        });
+        LoadProgress { bar }
+    }
+
+    /// Whether a bar is being drawn.
+    pub fn is_visible(&self) -> bool {
+        self.bar.is_some()
+    }
+
+    /// Count `bytes` more as loaded (callable from several threads through clones).
+    pub fn advance(&self, bytes: u64) {
+        if let Some(bar) = &self.bar {
+            bar.inc(bytes);
+        }
+    }
+
+    pub fn finish(&self) {
+        if let Some(bar) = &self.bar {
+            bar.finish_and_clear();
+        }
+    }
+}

@@ -1,0 +1,121 @@
+//! Prefill + decode logits against the transformers one-shot reference (fixtures made
+//! by scripts/gen_fixtures.py), and invariance under chunking and batching.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use common::*;
+use pdserve_engine::generate::{logits_prefill_decode, prefill};
+use pdserve_engine::kv::EntryDtype;
+use pdserve_engine::{ForwardItem, Logits};
+
+const TOL: f64 = 1e-4;
+
+#[test]
+fn prefill_then_decode_matches_reference() {
+    for name in fixture_names() {
+        let fx = load_fixture(&name);
+        let mut eng = engine(&fx.dir, EntryDtype::F32, None);
+        for &k in &fx.prefill_lens {
+            let got = logits_prefill_decode(&mut eng, &fx.tokens, k, 0).unwrap();
+            let (err, row) = max_rel_err(&got, &fx.logits);
+            println!("{name}: prefill {k} + {} decode steps: max rel err {err:.3e} (row {row})", fx.tokens.len() - k);
+            assert!(err < TOL, "{name} prefill {k}: rel err {err:.3e} at row {row}");
+        }
+        assert_eq!(eng.pool().free_page_count(), eng.pool().total_pages(), "{name}: pages leaked");
+    }
+}
+
+#[test]
+fn bf16_index_k_matches_reference() {
+    for name in fixture_names() {
+        let fx = load_fixture(&name);
+        let mut eng = engine(&fx.dir, EntryDtype::Bf16, None);
+        let k = fx.prefill_lens[0];
+        let got = logits_prefill_decode(&mut eng, &fx.tokens, k, 0).unwrap();
+        let (err, row) = max_rel_err(&got, &fx.logits);
+        println!("{name}: bf16 index-K, prefill {k}: max rel err {err:.3e} (row {row})");
+        assert!(err < TOL, "{name}: bf16 index-K rel err {err:.3e} at row {row}");
+    }
+}
+
+#[test]
+fn every_chunking_gives_identical_logits() {
+    for name in fixture_names() {
+        let fx = load_fixture(&name);
+        let n = fx.tokens.len();
+        // Small pages so sequences span many of them.
+        let cfg = pdserve_engine::config::ModelConfig::from_model_dir(&fx.dir).unwrap();
+        let page = pdserve_engine::kv::KvLayoutSpec::default_for(&cfg).page_tokens;
+        let mut eng = engine(&fx.dir, EntryDtype::Bf16, Some(page.min(cfg.compress_rate_hca.max(cfg.compress_rate_csa))));
+        let mut reference: Option<Vec<Vec<f32>>> = None;
+        for chunk in [0, 1, 2, 3, 5, 8, 13, 64] {
+            let mut seq = eng.new_sequence().unwrap();
+            let rows = prefill(&mut eng, &mut seq, &fx.tokens, chunk, Logits::All).unwrap();
+            eng.release(seq).unwrap();
+            assert_eq!(rows.len(), n);
+            match &reference {
+                None => {
+                    let (err, _) = max_rel_err(&rows, &fx.logits);
+                    assert!(err < TOL, "{name}: whole-prompt prefill rel err {err:.3e}");
+                    reference = Some(rows);
+                }
+                Some(r) => assert!(rows == *r, "{name}: chunk size {chunk} changed the logits"),
+            }
+        }
+    }
+}
+
+#[test]
+fn ragged_batch_equals_each_request_alone() {
+    for name in fixture_names() {
+        let fx = load_fixture(&name);
+        let mut eng = engine(&fx.dir, EntryDtype::Bf16, None);
+        let n = fx.tokens.len();
+        // Three requests: different prompts (rotations of the fixture tokens), lengths and phases.
+        let prompts: Vec<Vec<u32>> = vec![
+            fx.tokens.clone(),
+            fx.tokens[n / 3..].to_vec(),
+            fx.tokens.iter().rev().take(n / 2 + 7).copied().collect(),
+        ];
+        let alone: Vec<Vec<Vec<f32>>> = prompts
+            .iter()
+            .map(|p| logits_prefill_decode(&mut eng, p, p.len() / 2 + 1, 0).unwrap())
+            .collect();
+        // Batched: every step, each unfinished request feeds its prefill chunk (first step)
+        // or its next decode token, all in one forward.
+        let mut seqs: Vec<_> = prompts.iter().map(|_| eng.new_sequence().unwrap()).collect();
+        let mut got: Vec<Vec<Vec<f32>>> = vec![Vec::new(); prompts.len()];
+        let mut fed = vec![0usize; prompts.len()];
+        // Stagger: request i starts at step i.
+        for step in 0.. {
+            let mut items = Vec::new();
+            let mut who = Vec::new();
+            for (i, seq) in seqs.iter_mut().enumerate() {
+                let p = &prompts[i];
+                if step < i || fed[i] == p.len() {
+                    continue;
+                }
+                let take = if fed[i] == 0 { p.len() / 2 + 1 } else { 1 };
+                items.push(ForwardItem { seq, tokens: &p[fed[i]..fed[i] + take], logits: Logits::All });
+                who.push((i, take));
+            }
+            if items.is_empty() {
+                break;
+            }
+            let out = eng.forward(&mut items).unwrap();
+            for ((i, take), t) in who.into_iter().zip(out) {
+                fed[i] += take;
+                got[i].extend(t.data.chunks(t.cols).map(<[f32]>::to_vec));
+            }
+        }
+        for seq in seqs {
+            eng.release(seq).unwrap();
+        }
+        for i in 0..prompts.len() {
+            assert!(got[i] == alone[i], "{name}: request {i} differs in a batch");
+        }
+        let (err, _) = max_rel_err(&alone[0], &fx.logits);
+        assert!(err < TOL, "{name}: rel err {err:.3e}");
+    }
+}
