@@ -51,7 +51,10 @@ impl TextStream<'_> {
     fn push(&mut self, id: u32) -> Result<()> {
         self.ids.push(id);
         let text = self.tok.decode(&self.ids)?;
-        if text.ends_with('\u{FFFD}') || text.len() < self.printed || !text.is_char_boundary(self.printed) {
+        if text.ends_with('\u{FFFD}')
+            || text.len() < self.printed
+            || !text.is_char_boundary(self.printed)
+        {
             return Ok(());
         }
         let mut out = std::io::stdout().lock();
@@ -80,25 +83,44 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
         (Some(t), _, _) => parse_tokens(t)?,
         (None, Some(p), Some(tok)) => tok.encode(p)?,
         (None, None, Some(tok)) => {
-            tracing::info!(prompt = DEFAULT_PROMPT, "no --prompt given, using the default prompt");
+            tracing::info!(
+                prompt = DEFAULT_PROMPT,
+                "no --prompt given, using the default prompt"
+            );
             tok.encode(DEFAULT_PROMPT)?
         }
-        (None, _, None) => bail!("{} has no tokenizer.json: pass --tokens", loaded.dir.display()),
+        (None, _, None) => bail!(
+            "{} has no tokenizer.json: pass --tokens",
+            loaded.dir.display()
+        ),
     };
     if prompt.is_empty() {
         bail!("the prompt is empty");
     }
-    let stop_tokens = if a.ignore_eos { Vec::new() } else { engine.config().eos_token_ids.clone() };
+    let stop_tokens = if a.ignore_eos {
+        Vec::new()
+    } else {
+        engine.config().eos_token_ids.clone()
+    };
     let req = GenerateRequest {
         prompt,
         max_new_tokens: a.max_new_tokens,
-        sampling: SamplingParams { temperature: a.temperature, top_p: a.top_p, top_k: a.top_k, seed: a.seed },
+        sampling: SamplingParams {
+            temperature: a.temperature,
+            top_p: a.top_p,
+            top_k: a.top_k,
+            seed: a.seed,
+        },
         stop_tokens,
         chunk_size: a.model.chunked_prefill_size,
     };
     let t0 = std::time::Instant::now();
     let mut stream = match (tok, a.json) {
-        (Some(tok), false) => Some(TextStream { tok, ids: Vec::new(), printed: 0 }),
+        (Some(tok), false) => Some(TextStream {
+            tok,
+            ids: Vec::new(),
+            printed: 0,
+        }),
         _ => None,
     };
     let mut stream_err = None;
@@ -160,11 +182,21 @@ pub fn logits(a: LogitsArgs) -> Result<()> {
         bail!("--tokens is empty");
     }
     if a.prefill_len == 0 || a.prefill_len > tokens.len() {
-        bail!("--prefill-len {} must be between 1 and the number of tokens ({})", a.prefill_len, tokens.len());
+        bail!(
+            "--prefill-len {} must be between 1 and the number of tokens ({})",
+            a.prefill_len,
+            tokens.len()
+        );
     }
     let mut engine = a.model.load()?.engine;
-    let rows = logits_prefill_decode(&mut engine, &tokens, a.prefill_len, a.model.chunked_prefill_size)?;
-    let file = std::fs::File::create(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
+    let rows = logits_prefill_decode(
+        &mut engine,
+        &tokens,
+        a.prefill_len,
+        a.model.chunked_prefill_size,
+    )?;
+    let file =
+        std::fs::File::create(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
     let mut w = std::io::BufWriter::new(file);
     serde_json::to_writer(&mut w, &serde_json::json!({ "logits": rows }))?;
     w.flush()?;

@@ -15,8 +15,9 @@ pub struct ModelArgs {
     /// Compute device: `cpu` (CUDA arrives with the CUDA backend).
     #[arg(long, default_value = "cpu")]
     pub device: String,
-    /// Storage dtype of the indexer's index-K entries: bf16 or f32.
-    #[arg(long, default_value = "bf16")]
+    /// Storage dtype of the indexer's index-K entries: f32 (exact top-k picks) or bf16
+    /// (half the bytes; near-ties in indexer scores can pick different entries).
+    #[arg(long, default_value = "f32")]
     pub index_k_dtype: String,
     /// Storage dtype of compressed-KV and sliding-window entries: f32 or bf16.
     #[arg(long, default_value = "f32")]
@@ -62,8 +63,16 @@ impl ModelArgs {
         if let Some(p) = self.page_tokens {
             spec.page_tokens = p;
         }
-        let engine = Engine::load(&dir, CpuBackend, Some(spec), PoolSize { pages: self.kv_pages, states: 64 })
-            .with_context(|| format!("loading model from {}", dir.display()))?;
+        let engine = Engine::load(
+            &dir,
+            CpuBackend,
+            Some(spec),
+            PoolSize {
+                pages: self.kv_pages,
+                states: 64,
+            },
+        )
+        .with_context(|| format!("loading model from {}", dir.display()))?;
         let tokenizer = Tokenizer::from_model_dir(&dir)?;
         tracing::info!(
             model = %dir.display(),
@@ -72,7 +81,11 @@ impl ModelArgs {
             secs = t0.elapsed().as_secs_f32(),
             "model loaded"
         );
-        Ok(Loaded { engine, tokenizer, dir })
+        Ok(Loaded {
+            engine,
+            tokenizer,
+            dir,
+        })
     }
 }
 
@@ -81,6 +94,9 @@ pub fn parse_tokens(s: &str) -> Result<Vec<u32>> {
     s.split(',')
         .map(str::trim)
         .filter(|t| !t.is_empty())
-        .map(|t| t.parse::<u32>().with_context(|| format!("token id `{t}` is not a non-negative integer")))
+        .map(|t| {
+            t.parse::<u32>()
+                .with_context(|| format!("token id `{t}` is not a non-negative integer"))
+        })
         .collect()
 }

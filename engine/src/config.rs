@@ -119,7 +119,10 @@ pub enum ConfigError {
 }
 
 fn field_err(field: impl Into<String>, reason: impl Into<String>) -> ConfigError {
-    ConfigError::Field { field: field.into(), reason: reason.into() }
+    ConfigError::Field {
+        field: field.into(),
+        reason: reason.into(),
+    }
 }
 
 /// `Err(Field)` with a lazily built reason unless `ok`.
@@ -146,8 +149,10 @@ impl ModelConfig {
 
     /// Read and parse a `config.json` file.
     pub fn from_file(path: &Path) -> Result<Self, ConfigError> {
-        let text =
-            std::fs::read_to_string(path).map_err(|source| ConfigError::Io { path: path.to_path_buf(), source })?;
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
         Self::parse(&text, &path.display().to_string())
     }
 
@@ -175,10 +180,15 @@ impl ModelConfig {
     }
 
     fn parse(text: &str, origin: &str) -> Res<Self> {
-        let value: Value =
-            serde_json::from_str(text).map_err(|source| ConfigError::Json { origin: origin.to_string(), source })?;
+        let value: Value = serde_json::from_str(text).map_err(|source| ConfigError::Json {
+            origin: origin.to_string(),
+            source,
+        })?;
         let Value::Object(map) = value else {
-            return Err(field_err("<root>", format!("expected a JSON object, got {}", kind_of(&value))));
+            return Err(field_err(
+                "<root>",
+                format!("expected a JSON object, got {}", kind_of(&value)),
+            ));
         };
         Self::from_map(&map)
     }
@@ -187,7 +197,12 @@ impl ModelConfig {
         let f = Obj { map, prefix: "" };
         match f.get("model_type") {
             Some(Value::String(t)) if t == "deepseek_v4" => {}
-            Some(v) => return Err(field_err("model_type", format!("must be \"deepseek_v4\", got {v}"))),
+            Some(v) => {
+                return Err(field_err(
+                    "model_type",
+                    format!("must be \"deepseek_v4\", got {v}"),
+                ))
+            }
             None => return Err(field_err("model_type", "missing; must be \"deepseek_v4\"")),
         }
         let n = f.usize_or("num_hidden_layers", 43)?;
@@ -203,7 +218,10 @@ impl ModelConfig {
             },
         };
         if head_dim == 0 || head_dim % 2 != 0 {
-            return Err(field_err("head_dim", format!("must be even and > 0, got {head_dim}")));
+            return Err(field_err(
+                "head_dim",
+                format!("must be even and > 0, got {head_dim}"),
+            ));
         }
         let qk_rope_head_dim = rope_dim_of(head_dim, prf, prf_field)?;
         if qk_rope_head_dim == 0 || qk_rope_head_dim % 2 != 0 || qk_rope_head_dim > head_dim {
@@ -237,9 +255,11 @@ impl ModelConfig {
         let eos_token_ids = match f.get("eos_token_id") {
             None => vec![1],
             Some(Value::Null) => Vec::new(),
-            Some(Value::Array(items)) => {
-                items.iter().enumerate().map(|(i, v)| token_id(v, &format!("eos_token_id[{i}]"))).collect::<Res<_>>()?
-            }
+            Some(Value::Array(items)) => items
+                .iter()
+                .enumerate()
+                .map(|(i, v)| token_id(v, &format!("eos_token_id[{i}]")))
+                .collect::<Res<_>>()?,
             Some(v) => vec![token_id(v, "eos_token_id")?],
         };
 
@@ -304,25 +324,46 @@ impl ModelConfig {
             ("index_n_heads", self.index_n_heads),
             ("index_head_dim", self.index_head_dim),
             ("index_topk", self.index_topk),
-            ("compress_rates.compressed_sparse_attention", self.compress_rate_csa),
-            ("compress_rates.heavily_compressed_attention", self.compress_rate_hca),
+            (
+                "compress_rates.compressed_sparse_attention",
+                self.compress_rate_csa,
+            ),
+            (
+                "compress_rates.heavily_compressed_attention",
+                self.compress_rate_hca,
+            ),
         ];
         for (field, v) in dims {
             ensure(v > 0, field, || "must be > 0".into())?;
             // Keeps every product of two dimensions (tensor shapes, head widths) far from overflow.
-            ensure(v <= MAX_DIM, field, || format!("{v} is unreasonably large (limit {MAX_DIM})"))?;
+            ensure(v <= MAX_DIM, field, || {
+                format!("{v} is unreasonably large (limit {MAX_DIM})")
+            })?;
         }
         let (rope, ihd) = (self.qk_rope_head_dim, self.index_head_dim);
-        ensure(ihd >= rope, "index_head_dim", || format!("must be >= qk_rope_head_dim ({rope}), got {ihd}"))?;
+        ensure(ihd >= rope, "index_head_dim", || {
+            format!("must be >= qk_rope_head_dim ({rope}), got {ihd}")
+        })?;
         let width = self.num_attention_heads * self.head_dim;
         // `checked_rem` rather than `is_multiple_of` (Rust 1.87) for the workspace MSRV 1.85.
-        ensure(width.checked_rem(self.o_groups) == Some(0), "o_groups", || {
-            format!("must divide num_attention_heads * head_dim = {width}, got {}", self.o_groups)
-        })?;
+        ensure(
+            width.checked_rem(self.o_groups) == Some(0),
+            "o_groups",
+            || {
+                format!(
+                    "must divide num_attention_heads * head_dim = {width}, got {}",
+                    self.o_groups
+                )
+            },
+        )?;
         let (k, e) = (self.num_experts_per_tok, self.n_routed_experts);
-        ensure(k <= e, "num_experts_per_tok", || format!("must be <= n_routed_experts ({e}), got {k}"))?;
+        ensure(k <= e, "num_experts_per_tok", || {
+            format!("must be <= n_routed_experts ({e}), got {k}")
+        })?;
         let shared = self.n_shared_experts;
-        ensure(shared == 1, "n_shared_experts", || format!("must be 1 (the model has one shared MLP), got {shared}"))?;
+        ensure(shared == 1, "n_shared_experts", || {
+            format!("must be 1 (the model has one shared MLP), got {shared}")
+        })?;
         let floats = [
             ("routed_scaling_factor", self.routed_scaling_factor),
             ("hc_eps", self.hc_eps),
@@ -330,7 +371,9 @@ impl ModelConfig {
             ("rms_norm_eps", self.rms_norm_eps),
         ];
         for (field, v) in floats {
-            ensure(v.is_finite() && v >= 0.0, field, || format!("must be finite and >= 0, got {v}"))?;
+            ensure(v.is_finite() && v >= 0.0, field, || {
+                format!("must be finite and >= 0, got {v}")
+            })?;
         }
         Ok(())
     }
@@ -340,40 +383,74 @@ impl ModelConfig {
 fn rope_dim_of(head_dim: usize, prf: f64, field: &str) -> Res<usize> {
     let d = head_dim as f64 * prf;
     if !d.is_finite() || d < 0.0 {
-        return Err(field_err(field, format!("gives an invalid rope dimension {d}")));
+        return Err(field_err(
+            field,
+            format!("gives an invalid rope dimension {d}"),
+        ));
     }
     Ok(d.trunc() as usize)
 }
 
 fn token_id(v: &Value, field: &str) -> Res<u32> {
     let id = v.as_u64().and_then(|x| u32::try_from(x).ok());
-    id.ok_or_else(|| field_err(field, format!("expected a token id (integer in 0..2^32), got {v}")))
+    id.ok_or_else(|| {
+        field_err(
+            field,
+            format!("expected a token id (integer in 0..2^32), got {v}"),
+        )
+    })
 }
 
 /// Known keys that do not map onto a [`ModelConfig`] field: type-checked, and rejected where the
 /// value would change the architecture in a way the engine does not implement.
 fn check_other_fields(f: &Obj) -> Res<()> {
     let kv_heads = f.usize_or("num_key_value_heads", 1)?;
-    ensure(kv_heads == 1, "num_key_value_heads", || format!("must be 1 (shared-KV MQA), got {kv_heads}"))?;
+    ensure(kv_heads == 1, "num_key_value_heads", || {
+        format!("must be 1 (shared-KV MQA), got {kv_heads}")
+    })?;
     let act = f.str_or("hidden_act", "silu")?;
-    ensure(act == "silu", "hidden_act", || format!("only \"silu\" is supported, got \"{act}\""))?;
+    ensure(act == "silu", "hidden_act", || {
+        format!("only \"silu\" is supported, got \"{act}\"")
+    })?;
     let mlp_bias = f.bool_or("mlp_bias", false)?;
-    ensure(!mlp_bias, "mlp_bias", || "biased shared-expert projections are not supported".into())?;
-    for key in ["norm_topk_prob", "attention_bias", "use_cache", "output_router_logits"] {
+    ensure(!mlp_bias, "mlp_bias", || {
+        "biased shared-expert projections are not supported".into()
+    })?;
+    for key in [
+        "norm_topk_prob",
+        "attention_bias",
+        "use_cache",
+        "output_router_logits",
+    ] {
         f.bool_or(key, false)?;
     }
     f.usize_or("num_nextn_predict_layers", 0)?;
     f.opt_usize("pad_token_id")?;
-    for key in ["initializer_range", "attention_dropout", "router_aux_loss_coef", "router_jitter_noise"] {
+    for key in [
+        "initializer_range",
+        "attention_dropout",
+        "router_aux_loss_coef",
+        "router_jitter_noise",
+    ] {
         f.f64_or(key, 0.0)?;
     }
     Ok(())
 }
 
 /// Convert every entry of a JSON list, naming `field[i]` in errors.
-fn entries<T>(items: &[Value], field: &str, expected: &str, conv: impl Fn(&Value) -> Option<T>) -> Res<Vec<T>> {
+fn entries<T>(
+    items: &[Value],
+    field: &str,
+    expected: &str,
+    conv: impl Fn(&Value) -> Option<T>,
+) -> Res<Vec<T>> {
     let conv_one = |(i, v): (usize, &Value)| {
-        conv(v).ok_or_else(|| field_err(format!("{field}[{i}]"), format!("must be {expected}; got {v}")))
+        conv(v).ok_or_else(|| {
+            field_err(
+                format!("{field}[{i}]"),
+                format!("must be {expected}; got {v}"),
+            )
+        })
     };
     items.iter().enumerate().map(conv_one).collect()
 }
@@ -382,64 +459,98 @@ fn entries<T>(items: &[Value], field: &str, expected: &str, conv: impl Fn(&Value
 fn exact_len<T>(mut v: Vec<T>, n: usize, field: &str) -> Res<Vec<T>> {
     v.truncate(n);
     let len = v.len();
-    ensure(len == n, field, || format!("has {len} entries, num_hidden_layers is {n}"))?;
+    ensure(len == n, field, || {
+        format!("has {len} entries, num_hidden_layers is {n}")
+    })?;
     Ok(v)
 }
 
 fn parse_layer_types(f: &Obj, n: usize) -> Res<Vec<LayerKind>> {
     if let Some(items) = f.opt_array("layer_types")? {
         // Entries past `num_hidden_layers` are dropped before validation, as in Python.
-        let kinds = entries(&items[..items.len().min(n)], "layer_types", "a DeepSeek-V4 layer type", |v| {
-            match v.as_str()? {
+        let kinds = entries(
+            &items[..items.len().min(n)],
+            "layer_types",
+            "a DeepSeek-V4 layer type",
+            |v| match v.as_str()? {
                 "sliding_attention" => Some(LayerKind::Sliding),
                 CSA => Some(LayerKind::Csa),
                 HCA => Some(LayerKind::Hca),
                 _ => None,
-            }
-        })?;
+            },
+        )?;
         return exact_len(kinds, n, "layer_types");
     }
     if let Some(items) = f.opt_array("compress_ratios")? {
         // Legacy per-layer ratios: every entry is mapped (Python maps before truncating).
-        let kinds = entries(items, "compress_ratios", "0, 4 or 128", |v| match v.as_u64()? {
-            0 => Some(LayerKind::Sliding),
-            4 => Some(LayerKind::Csa),
-            128 => Some(LayerKind::Hca),
-            _ => None,
+        let kinds = entries(items, "compress_ratios", "0, 4 or 128", |v| {
+            match v.as_u64()? {
+                0 => Some(LayerKind::Sliding),
+                4 => Some(LayerKind::Csa),
+                128 => Some(LayerKind::Hca),
+                _ => None,
+            }
         })?;
         return exact_len(kinds, n, "compress_ratios");
     }
     // V4-Pro default: 2x HCA bootstrap, then `CSA if i % 2 else HCA` over the interleave.
     let mut kinds = vec![LayerKind::Hca; n.min(2)];
-    kinds.extend((0..n.saturating_sub(2)).map(|i| if i % 2 == 1 { LayerKind::Csa } else { LayerKind::Hca }));
+    kinds.extend((0..n.saturating_sub(2)).map(|i| {
+        if i % 2 == 1 {
+            LayerKind::Csa
+        } else {
+            LayerKind::Hca
+        }
+    }));
     Ok(kinds)
 }
 
 fn parse_mlp_layer_types(f: &Obj, n: usize) -> Res<Vec<MlpKind>> {
     if let Some(items) = f.opt_array("mlp_layer_types")? {
-        let kinds =
-            entries(&items[..items.len().min(n)], "mlp_layer_types", "hash_moe or moe", |v| match v.as_str()? {
+        let kinds = entries(
+            &items[..items.len().min(n)],
+            "mlp_layer_types",
+            "hash_moe or moe",
+            |v| match v.as_str()? {
                 "hash_moe" => Some(MlpKind::HashMoe),
                 "moe" => Some(MlpKind::TopK),
                 _ => None,
-            })?;
+            },
+        )?;
         return exact_len(kinds, n, "mlp_layer_types");
     }
     let n_hash = f.opt_usize("num_hash_layers")?.unwrap_or(3);
-    Ok((0..n).map(|i| if i < n_hash { MlpKind::HashMoe } else { MlpKind::TopK }).collect())
+    Ok((0..n)
+        .map(|i| {
+            if i < n_hash {
+                MlpKind::HashMoe
+            } else {
+                MlpKind::TopK
+            }
+        })
+        .collect())
 }
 
 fn parse_compress_rates(f: &Obj, kinds: &[LayerKind]) -> Res<(usize, usize)> {
-    let mut rates = [(CSA, LayerKind::Csa, 4usize), (HCA, LayerKind::Hca, 128usize)];
+    let mut rates = [
+        (CSA, LayerKind::Csa, 4usize),
+        (HCA, LayerKind::Hca, 128usize),
+    ];
     if let Some(dict) = f.opt_object("compress_rates")? {
-        let sub = Obj { map: dict, prefix: "compress_rates" };
+        let sub = Obj {
+            map: dict,
+            prefix: "compress_rates",
+        };
         for (key, kind, rate) in rates.iter_mut() {
             match sub.opt_usize(key)? {
                 Some(r) => *rate = r,
                 // transformers replaces the default dict wholesale and would fail with a KeyError
                 // when a layer of this kind is built; without such a layer the value is unused.
                 None if kinds.contains(kind) => {
-                    return Err(field_err(sub.name(key), "missing, but layers of this type exist"))
+                    return Err(field_err(
+                        sub.name(key),
+                        "missing, but layers of this type exist",
+                    ))
                 }
                 None => {}
             }
@@ -455,7 +566,12 @@ fn parse_compress_rates(f: &Obj, kinds: &[LayerKind]) -> Res<(usize, usize)> {
 }
 
 /// Returns `(main, compress)`.
-fn parse_rope(f: &Obj, max_pos: usize, head_dim: usize, rope_dim: usize) -> Res<(RopeParams, RopeParams)> {
+fn parse_rope(
+    f: &Obj,
+    max_pos: usize,
+    head_dim: usize,
+    rope_dim: usize,
+) -> Res<(RopeParams, RopeParams)> {
     let rope_theta = f.f64_or("rope_theta", 10_000.0)?;
     let compress_rope_theta = f.f64_or("compress_rope_theta", 160_000.0)?;
     // `convert_rope_params_to_dict`: `rope_scaling or rope_parameters` (an empty dict is falsy).
@@ -469,8 +585,14 @@ fn parse_rope(f: &Obj, max_pos: usize, head_dim: usize, rope_dim: usize) -> Res<
         // Flat form: main = plain rope at `rope_theta`; compress = the flat dict at
         // `compress_rope_theta` with `attention_factor` defaulting to 1.0 for yarn.
         check_theta(rope_theta, "rope_theta")?;
-        let main = RopeParams { theta: rope_theta, scaling: RopeScaling::Default };
-        let sub = Obj { map: dict, prefix: name };
+        let main = RopeParams {
+            theta: rope_theta,
+            scaling: RopeScaling::Default,
+        };
+        let sub = Obj {
+            map: dict,
+            prefix: name,
+        };
         // The flat dict's own `rope_theta` (if any) is overwritten by `compress_rope_theta`.
         check_theta(compress_rope_theta, "compress_rope_theta")?;
         let compress = rope_family(&sub, compress_rope_theta, max_pos, true)?;
@@ -479,19 +601,31 @@ fn parse_rope(f: &Obj, max_pos: usize, head_dim: usize, rope_dim: usize) -> Res<
     let family = |label: &str| -> Res<RopeParams> {
         let field = format!("{name}.{label}");
         let Some(Value::Object(m)) = dict.get(label) else {
-            return Err(field_err(field, "nested rope parameters need both `main` and `compress` objects"));
+            return Err(field_err(
+                field,
+                "nested rope parameters need both `main` and `compress` objects",
+            ));
         };
-        let sub = Obj { map: m, prefix: &field };
+        let sub = Obj {
+            map: m,
+            prefix: &field,
+        };
         // Nested families default their theta to the top-level `rope_theta` (standardize_rope_params).
         let theta = sub.f64_or("rope_theta", rope_theta)?;
-        let theta_field = if sub.get("rope_theta").is_some() { sub.name("rope_theta") } else { "rope_theta".into() };
+        let theta_field = if sub.get("rope_theta").is_some() {
+            sub.name("rope_theta")
+        } else {
+            "rope_theta".into()
+        };
         check_theta(theta, &theta_field)?;
         // A per-family `partial_rotary_factor` sets that family's rope width in transformers; the
         // engine has one `qk_rope_head_dim`, so the families must agree with it.
         if let Some(p) = sub.opt_f64("partial_rotary_factor")? {
             let prf_field = sub.name("partial_rotary_factor");
             let d = rope_dim_of(head_dim, p, &prf_field)?;
-            ensure(d == rope_dim, &prf_field, || format!("gives rope dim {d}, but qk_rope_head_dim is {rope_dim}"))?;
+            ensure(d == rope_dim, &prf_field, || {
+                format!("gives rope dim {d}, but qk_rope_head_dim is {rope_dim}")
+            })?;
         }
         rope_family(&sub, theta, max_pos, false)
     };
@@ -512,17 +646,28 @@ fn rope_family(sub: &Obj, theta: f64, max_pos: usize, flat_compress: bool) -> Re
         Some(other) => return Err(sub.wrong(type_key, "a rope type string", other)),
     };
     match rope_type {
-        "default" => Ok(RopeParams { theta, scaling: RopeScaling::Default }),
+        "default" => Ok(RopeParams {
+            theta,
+            scaling: RopeScaling::Default,
+        }),
         "yarn" => {
-            let orig = sub.opt_f64("original_max_position_embeddings")?.unwrap_or(max_pos as f64);
+            let orig = sub
+                .opt_f64("original_max_position_embeddings")?
+                .unwrap_or(max_pos as f64);
             let orig_field = sub.name("original_max_position_embeddings");
-            ensure(orig.is_finite() && orig > 0.0, &orig_field, || format!("must be > 0, got {orig}"))?;
+            ensure(orig.is_finite() && orig > 0.0, &orig_field, || {
+                format!("must be > 0, got {orig}")
+            })?;
             let factor = match sub.get("factor") {
                 None => return Err(field_err(sub.name("factor"), "required for yarn rope")),
                 Some(Value::Null) => max_pos as f64 / orig,
                 Some(_) => sub.f64_or("factor", 1.0)?,
             };
-            ensure(factor.is_finite() && factor > 0.0, &sub.name("factor"), || format!("must be > 0, got {factor}"))?;
+            ensure(
+                factor.is_finite() && factor > 0.0,
+                &sub.name("factor"),
+                || format!("must be > 0, got {factor}"),
+            )?;
             let attention_factor = match sub.opt_f64("attention_factor")? {
                 Some(a) => a,
                 None if flat_compress && sub.get("attention_factor").is_none() => 1.0,
@@ -537,8 +682,9 @@ fn rope_family(sub: &Obj, theta: f64, max_pos: usize, flat_compress: bool) -> Re
                 }
             };
             // `rope_parameters.get("beta_fast") or 32`: missing, null and 0 all mean the default.
-            let or_default =
-                |key: &str, d: f64| -> Res<f64> { Ok(sub.opt_f64(key)?.filter(|v| *v != 0.0).unwrap_or(d)) };
+            let or_default = |key: &str, d: f64| -> Res<f64> {
+                Ok(sub.opt_f64(key)?.filter(|v| *v != 0.0).unwrap_or(d))
+            };
             Ok(RopeParams {
                 theta,
                 scaling: RopeScaling::Yarn {
@@ -558,7 +704,9 @@ fn rope_family(sub: &Obj, theta: f64, max_pos: usize, flat_compress: bool) -> Re
 }
 
 fn check_theta(theta: f64, field: &str) -> Res<()> {
-    ensure(theta.is_finite() && theta > 1.0, field, || format!("rope base must be > 1, got {theta}"))
+    ensure(theta.is_finite() && theta > 1.0, field, || {
+        format!("rope base must be > 1, got {theta}")
+    })
 }
 
 /// `get_mscale` of `_compute_yarn_parameters`.
@@ -578,10 +726,19 @@ impl RopeParams {
         let dim_f = rope_dim as f32;
         let base = self.theta as f32;
         // torch: `base ** (arange(0, dim, 2).float() / dim)`, every step in float32.
-        let pos_freqs: Vec<f32> = (0..rope_dim).step_by(2).map(|i| base.powf(i as f32 / dim_f)).collect();
+        let pos_freqs: Vec<f32> = (0..rope_dim)
+            .step_by(2)
+            .map(|i| base.powf(i as f32 / dim_f))
+            .collect();
         match &self.scaling {
             RopeScaling::Default => pos_freqs.iter().map(|p| 1.0f32 / p).collect(),
-            RopeScaling::Yarn { factor, original_max_position_embeddings, beta_fast, beta_slow, .. } => {
+            RopeScaling::Yarn {
+                factor,
+                original_max_position_embeddings,
+                beta_fast,
+                beta_slow,
+                ..
+            } => {
                 // transformers reads `truncate` from `config.rope_parameters` — the NESTED
                 // {main, compress} dict for V4 — so a per-family `truncate` is never seen and the
                 // correction range is always truncated.
@@ -607,7 +764,8 @@ impl RopeParams {
                         let extrapolation_factor = 1.0f32 - ramp;
                         let extrapolation = 1.0f32 / p;
                         let interpolation = 1.0f32 / (factor_f * p);
-                        interpolation * (1.0f32 - extrapolation_factor) + extrapolation * extrapolation_factor
+                        interpolation * (1.0f32 - extrapolation_factor)
+                            + extrapolation * extrapolation_factor
                     })
                     .collect()
             }
@@ -618,7 +776,9 @@ impl RopeParams {
     pub fn attention_scaling(&self) -> f64 {
         match &self.scaling {
             RopeScaling::Default => 1.0,
-            RopeScaling::Yarn { attention_factor, .. } => *attention_factor,
+            RopeScaling::Yarn {
+                attention_factor, ..
+            } => *attention_factor,
         }
     }
 }
@@ -632,8 +792,9 @@ fn find_correction_range(
     max_pos: f64,
     truncate: bool,
 ) -> (f64, f64) {
-    let correction_dim =
-        |rot: f64| (dim as f64 * (max_pos / (rot * 2.0 * std::f64::consts::PI)).ln()) / (2.0 * base.ln());
+    let correction_dim = |rot: f64| {
+        (dim as f64 * (max_pos / (rot * 2.0 * std::f64::consts::PI)).ln()) / (2.0 * base.ln())
+    };
     let (mut low, mut high) = (correction_dim(low_rot), correction_dim(high_rot));
     if truncate {
         low = low.floor();
@@ -673,19 +834,35 @@ impl<'a> Obj<'a> {
     }
 
     fn wrong(&self, key: &str, expected: &str, v: &Value) -> ConfigError {
-        field_err(self.name(key), format!("expected {expected}, got {} ({v})", kind_of(v)))
+        field_err(
+            self.name(key),
+            format!("expected {expected}, got {} ({v})", kind_of(v)),
+        )
     }
 
     /// Missing or null -> `None`; otherwise `conv` must accept the value.
-    fn opt<T>(&self, key: &str, expected: &str, conv: impl Fn(&'a Value) -> Option<T>) -> Res<Option<T>> {
+    fn opt<T>(
+        &self,
+        key: &str,
+        expected: &str,
+        conv: impl Fn(&'a Value) -> Option<T>,
+    ) -> Res<Option<T>> {
         match self.get(key) {
             None | Some(Value::Null) => Ok(None),
-            Some(v) => conv(v).map(Some).ok_or_else(|| self.wrong(key, expected, v)),
+            Some(v) => conv(v)
+                .map(Some)
+                .ok_or_else(|| self.wrong(key, expected, v)),
         }
     }
 
     /// Missing -> `default`; null is a type error (the Python field is not optional).
-    fn req<T>(&self, key: &str, default: T, expected: &str, conv: impl Fn(&'a Value) -> Option<T>) -> Res<T> {
+    fn req<T>(
+        &self,
+        key: &str,
+        default: T,
+        expected: &str,
+        conv: impl Fn(&'a Value) -> Option<T>,
+    ) -> Res<T> {
         match self.get(key) {
             None => Ok(default),
             Some(v) => conv(v).ok_or_else(|| self.wrong(key, expected, v)),

@@ -6,9 +6,18 @@ use sha2::{Digest, Sha256};
 use std::path::PathBuf;
 
 const FILES: [(&str, &[u8]); 3] = [
-    ("config.json", include_bytes!("../../models/embedded/config.json")),
-    ("model.safetensors", include_bytes!("../../models/embedded/model.safetensors")),
-    ("tokenizer.json", include_bytes!("../../models/embedded/tokenizer.json")),
+    (
+        "config.json",
+        include_bytes!("../../models/embedded/config.json"),
+    ),
+    (
+        "model.safetensors",
+        include_bytes!("../../models/embedded/model.safetensors"),
+    ),
+    (
+        "tokenizer.json",
+        include_bytes!("../../models/embedded/tokenizer.json"),
+    ),
 ];
 
 #[derive(Debug, thiserror::Error)]
@@ -24,7 +33,10 @@ fn content_hash() -> String {
         h.update(name.as_bytes());
         h.update(bytes);
     }
-    h.finalize()[..6].iter().map(|b| format!("{b:02x}")).collect()
+    h.finalize()[..6]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
 }
 
 /// Cache root: `$PDSERVE_CACHE_DIR`, else `$XDG_CACHE_HOME/pdserve`, else `~/.cache/pdserve`,
@@ -42,31 +54,42 @@ pub fn cache_root() -> PathBuf {
     std::env::temp_dir().join("pdserve")
 }
 
-/// Folder holding the embedded model, written on first use (atomically, by rename).
+fn is_complete(dir: &std::path::Path) -> bool {
+    FILES
+        .iter()
+        .all(|(n, b)| std::fs::metadata(dir.join(n)).is_ok_and(|m| m.len() == b.len() as u64))
+}
+
+/// Folder holding the embedded model, written on first use. Concurrent first uses are
+/// safe: each writes a private temp folder and renames it into place; a complete copy
+/// is never removed.
 pub fn model_dir() -> Result<PathBuf, EmbeddedError> {
     let dir = cache_root().join(format!("embedded-{}", content_hash()));
-    if FILES.iter().all(|(n, b)| std::fs::metadata(dir.join(n)).is_ok_and(|m| m.len() == b.len() as u64)) {
+    if is_complete(&dir) {
         return Ok(dir);
     }
     let err = |path: PathBuf| move |source| EmbeddedError { path, source };
     let parent = cache_root();
     std::fs::create_dir_all(&parent).map_err(err(parent.clone()))?;
-    let tmp = parent.join(format!(".embedded-tmp-{}", std::process::id()));
+    let tmp = parent.join(format!(
+        ".embedded-tmp-{}-{:?}",
+        std::process::id(),
+        std::thread::current().id()
+    ));
     std::fs::create_dir_all(&tmp).map_err(err(tmp.clone()))?;
     for (name, bytes) in FILES {
         std::fs::write(tmp.join(name), bytes).map_err(err(tmp.join(name)))?;
     }
-    if dir.exists() {
-        // A stale or partial copy (sizes differ): replace it.
-        let _ = std::fs::remove_dir_all(&dir);
+    if std::fs::rename(&tmp, &dir).is_ok() {
+        return Ok(dir);
     }
-    match std::fs::rename(&tmp, &dir) {
-        Ok(()) => Ok(dir),
-        // Another process won the race: its copy is identical.
-        Err(_) if dir.join("model.safetensors").exists() => {
-            let _ = std::fs::remove_dir_all(&tmp);
-            Ok(dir)
-        }
-        Err(e) => Err(EmbeddedError { path: dir, source: e }),
+    if is_complete(&dir) {
+        // Another process put a complete copy in place first.
+        let _ = std::fs::remove_dir_all(&tmp);
+        return Ok(dir);
     }
+    // A partial copy from an interrupted run: replace it.
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::rename(&tmp, &dir).map_err(err(dir.clone()))?;
+    Ok(dir)
 }

@@ -35,7 +35,10 @@ pub struct PoolSize {
 
 impl Default for PoolSize {
     fn default() -> Self {
-        PoolSize { pages: 1024, states: 64 }
+        PoolSize {
+            pages: 1024,
+            states: 64,
+        }
     }
 }
 
@@ -85,18 +88,35 @@ pub struct Engine<B: Backend> {
 
 impl<B: Backend> Engine<B> {
     /// Load `dir` (config.json + safetensors) onto `backend`.
-    pub fn load(dir: &Path, backend: B, spec: Option<KvLayoutSpec>, size: PoolSize) -> Result<Self, EngineError> {
+    pub fn load(
+        dir: &Path,
+        backend: B,
+        spec: Option<KvLayoutSpec>,
+        size: PoolSize,
+    ) -> Result<Self, EngineError> {
         let cfg = ModelConfig::from_model_dir(dir)?;
         let ckpt = Checkpoint::open(dir)?;
         let weights = ModelWeights::load(&ckpt, &cfg, &backend)?;
         Self::new(cfg, weights, backend, spec, size)
     }
 
-    pub fn new(cfg: ModelConfig, weights: ModelWeights<B>, backend: B, spec: Option<KvLayoutSpec>, size: PoolSize) -> Result<Self, EngineError> {
+    pub fn new(
+        cfg: ModelConfig,
+        weights: ModelWeights<B>,
+        backend: B,
+        spec: Option<KvLayoutSpec>,
+        size: PoolSize,
+    ) -> Result<Self, EngineError> {
         let spec = spec.unwrap_or_else(|| KvLayoutSpec::default_for(&cfg));
         let layout = KvLayout::new(&cfg, spec)?;
         let kv = backend.alloc_kv(&layout, size.pages, size.states)?;
-        Ok(Engine { model: Model::new(cfg, weights), layout, pool: PagePool::new(size.pages, size.states), kv, backend })
+        Ok(Engine {
+            model: Model::new(cfg, weights),
+            layout,
+            pool: PagePool::new(size.pages, size.states),
+            kv,
+            backend,
+        })
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -125,7 +145,13 @@ impl<B: Backend> Engine<B> {
             self.pool.release_state(state)?;
             return Err(e.into());
         }
-        Ok(Sequence { kv: SeqKv { pages: Vec::new(), state, len: 0 } })
+        Ok(Sequence {
+            kv: SeqKv {
+                pages: Vec::new(),
+                state,
+                len: 0,
+            },
+        })
     }
 
     /// Free a sequence's pages and state slot.
@@ -139,7 +165,11 @@ impl<B: Backend> Engine<B> {
     fn reserve(&mut self, items: &mut [ForwardItem<'_>]) -> Result<(), EngineError> {
         let need: Vec<usize> = items
             .iter()
-            .map(|it| self.layout.pages_for(it.seq.kv.len + it.tokens.len()).saturating_sub(it.seq.kv.pages.len()))
+            .map(|it| {
+                self.layout
+                    .pages_for(it.seq.kv.len + it.tokens.len())
+                    .saturating_sub(it.seq.kv.pages.len())
+            })
             .collect();
         let total: usize = need.iter().sum();
         let mut fresh = self.pool.alloc_pages(total)?.into_iter();
@@ -150,14 +180,19 @@ impl<B: Backend> Engine<B> {
     }
 
     /// One batched forward. Returns, per item, its wanted logits rows (`[rows, vocab]`).
-    pub fn forward(&mut self, items: &mut [ForwardItem<'_>]) -> Result<Vec<HostTensor>, EngineError> {
+    pub fn forward(
+        &mut self,
+        items: &mut [ForwardItem<'_>],
+    ) -> Result<Vec<HostTensor>, EngineError> {
         let vocab = self.model.cfg.vocab_size;
         for it in items.iter() {
             if it.tokens.is_empty() {
                 return Err(EngineError::Request("forward item with no tokens".into()));
             }
             if let Some(&t) = it.tokens.iter().find(|&&t| t as usize >= vocab) {
-                return Err(EngineError::Request(format!("token id {t} outside the vocabulary (size {vocab})")));
+                return Err(EngineError::Request(format!(
+                    "token id {t} outside the vocabulary (size {vocab})"
+                )));
             }
             let end = it.seq.kv.len + it.tokens.len();
             if end > self.model.cfg.max_position_embeddings {
@@ -174,10 +209,17 @@ impl<B: Backend> Engine<B> {
         for (si, it) in items.iter().enumerate() {
             let row0 = plan.tokens.len();
             let start = it.seq.kv.len;
-            plan.seqs.push(SeqPlan { start, len: it.tokens.len(), row0, pages: it.seq.kv.pages.clone(), state: it.seq.kv.state });
+            plan.seqs.push(SeqPlan {
+                start,
+                len: it.tokens.len(),
+                row0,
+                pages: it.seq.kv.pages.clone(),
+                state: it.seq.kv.state,
+            });
             plan.tokens.extend_from_slice(it.tokens);
             plan.positions.extend(start..start + it.tokens.len());
-            plan.row_seq.extend(std::iter::repeat_n(si, it.tokens.len()));
+            plan.row_seq
+                .extend(std::iter::repeat_n(si, it.tokens.len()));
             let rows: Vec<usize> = match it.logits {
                 Logits::None => Vec::new(),
                 Logits::Last => vec![row0 + it.tokens.len() - 1],
@@ -186,14 +228,24 @@ impl<B: Backend> Engine<B> {
             counts.push(rows.len());
             logit_rows.extend(rows);
         }
-        let logits = self.model.forward(&self.backend, &mut self.kv, &self.layout, &plan, &logit_rows)?;
+        let logits = self.model.forward(
+            &self.backend,
+            &mut self.kv,
+            &self.layout,
+            &plan,
+            &logit_rows,
+        )?;
         for it in items.iter_mut() {
             it.seq.kv.len += it.tokens.len();
         }
         let mut out = Vec::with_capacity(items.len());
         let mut at = 0;
         for n in counts {
-            out.push(HostTensor { rows: n, cols: vocab, data: logits.data[at * vocab..(at + n) * vocab].to_vec() });
+            out.push(HostTensor {
+                rows: n,
+                cols: vocab,
+                data: logits.data[at * vocab..(at + n) * vocab].to_vec(),
+            });
             at += n;
         }
         Ok(out)

@@ -31,7 +31,10 @@ pub struct Generation {
 }
 
 /// Run `f` on a fresh sequence and always release it.
-fn with_sequence<B: Backend, T>(engine: &mut Engine<B>, f: impl FnOnce(&mut Engine<B>, &mut Sequence) -> Result<T, EngineError>) -> Result<T, EngineError> {
+fn with_sequence<B: Backend, T>(
+    engine: &mut Engine<B>,
+    f: impl FnOnce(&mut Engine<B>, &mut Sequence) -> Result<T, EngineError>,
+) -> Result<T, EngineError> {
     let mut seq = engine.new_sequence()?;
     let out = f(engine, &mut seq);
     let released = engine.release(seq);
@@ -41,8 +44,18 @@ fn with_sequence<B: Backend, T>(engine: &mut Engine<B>, f: impl FnOnce(&mut Engi
 }
 
 /// Feed `tokens` in chunks of `chunk` (0: all at once); returns the logits `want` asks for, stacked.
-pub fn prefill<B: Backend>(engine: &mut Engine<B>, seq: &mut Sequence, tokens: &[u32], chunk: usize, want: Logits) -> Result<Vec<Vec<f32>>, EngineError> {
-    let chunk = if chunk == 0 { tokens.len().max(1) } else { chunk };
+pub fn prefill<B: Backend>(
+    engine: &mut Engine<B>,
+    seq: &mut Sequence,
+    tokens: &[u32],
+    chunk: usize,
+    want: Logits,
+) -> Result<Vec<Vec<f32>>, EngineError> {
+    let chunk = if chunk == 0 {
+        tokens.len().max(1)
+    } else {
+        chunk
+    };
     let mut rows = Vec::new();
     let n_chunks = tokens.len().div_ceil(chunk);
     for (i, part) in tokens.chunks(chunk).enumerate() {
@@ -51,7 +64,11 @@ pub fn prefill<B: Backend>(engine: &mut Engine<B>, seq: &mut Sequence, tokens: &
             Logits::Last if i + 1 == n_chunks => Logits::Last,
             _ => Logits::None,
         };
-        let out = engine.forward(&mut [ForwardItem { seq: &mut *seq, tokens: part, logits }])?;
+        let out = engine.forward(&mut [ForwardItem {
+            seq: &mut *seq,
+            tokens: part,
+            logits,
+        }])?;
         for t in out {
             rows.extend(t.data.chunks(t.cols.max(1)).map(<[f32]>::to_vec));
         }
@@ -61,14 +78,26 @@ pub fn prefill<B: Backend>(engine: &mut Engine<B>, seq: &mut Sequence, tokens: &
 
 /// Logits after each token of `tokens`: a prefill of the first `prefill_len` (in `chunk`-sized
 /// pieces), then one-token decode steps.
-pub fn logits_prefill_decode<B: Backend>(engine: &mut Engine<B>, tokens: &[u32], prefill_len: usize, chunk: usize) -> Result<Vec<Vec<f32>>, EngineError> {
+pub fn logits_prefill_decode<B: Backend>(
+    engine: &mut Engine<B>,
+    tokens: &[u32],
+    prefill_len: usize,
+    chunk: usize,
+) -> Result<Vec<Vec<f32>>, EngineError> {
     if prefill_len == 0 || prefill_len > tokens.len() {
-        return Err(EngineError::Request(format!("prefill length {prefill_len} must be in 1..={}", tokens.len())));
+        return Err(EngineError::Request(format!(
+            "prefill length {prefill_len} must be in 1..={}",
+            tokens.len()
+        )));
     }
     with_sequence(engine, |engine, seq| {
         let mut rows = prefill(engine, seq, &tokens[..prefill_len], chunk, Logits::All)?;
         for t in &tokens[prefill_len..] {
-            let out = engine.forward(&mut [ForwardItem { seq: &mut *seq, tokens: std::slice::from_ref(t), logits: Logits::Last }])?;
+            let out = engine.forward(&mut [ForwardItem {
+                seq: &mut *seq,
+                tokens: std::slice::from_ref(t),
+                logits: Logits::Last,
+            }])?;
             rows.extend(out.into_iter().map(|o| o.data));
         }
         Ok(rows)
@@ -76,28 +105,50 @@ pub fn logits_prefill_decode<B: Backend>(engine: &mut Engine<B>, tokens: &[u32],
 }
 
 /// Generate a completion; `on_token` sees each new token as it is sampled.
-pub fn generate<B: Backend>(engine: &mut Engine<B>, req: &GenerateRequest, mut on_token: impl FnMut(u32)) -> Result<Generation, EngineError> {
+pub fn generate<B: Backend>(
+    engine: &mut Engine<B>,
+    req: &GenerateRequest,
+    mut on_token: impl FnMut(u32),
+) -> Result<Generation, EngineError> {
     if req.prompt.is_empty() {
         return Err(EngineError::Request("empty prompt".into()));
     }
-    let mut sampler = Sampler::new(req.sampling).map_err(|e| EngineError::Request(e.to_string()))?;
+    let mut sampler =
+        Sampler::new(req.sampling).map_err(|e| EngineError::Request(e.to_string()))?;
     with_sequence(engine, |engine, seq| {
         let mut tokens = Vec::new();
         if req.max_new_tokens == 0 {
-            return Ok(Generation { tokens, finish: FinishReason::Length });
+            return Ok(Generation {
+                tokens,
+                finish: FinishReason::Length,
+            });
         }
-        let mut logits = prefill(engine, seq, &req.prompt, req.chunk_size, Logits::Last)?.pop().unwrap_or_default();
+        let mut logits = prefill(engine, seq, &req.prompt, req.chunk_size, Logits::Last)?
+            .pop()
+            .unwrap_or_default();
         loop {
-            let t = sampler.sample(&logits).map_err(|e| EngineError::Request(e.to_string()))?;
+            let t = sampler
+                .sample(&logits)
+                .map_err(|e| EngineError::Request(e.to_string()))?;
             if req.stop_tokens.contains(&t) {
-                return Ok(Generation { tokens, finish: FinishReason::Stop });
+                return Ok(Generation {
+                    tokens,
+                    finish: FinishReason::Stop,
+                });
             }
             tokens.push(t);
             on_token(t);
             if tokens.len() >= req.max_new_tokens {
-                return Ok(Generation { tokens, finish: FinishReason::Length });
+                return Ok(Generation {
+                    tokens,
+                    finish: FinishReason::Length,
+                });
             }
-            let out = engine.forward(&mut [ForwardItem { seq: &mut *seq, tokens: &[t], logits: Logits::Last }])?;
+            let out = engine.forward(&mut [ForwardItem {
+                seq: &mut *seq,
+                tokens: &[t],
+                logits: Logits::Last,
+            }])?;
             logits = out.into_iter().next().map(|o| o.data).unwrap_or_default();
         }
     })

@@ -11,7 +11,6 @@ pub mod model;
 pub mod rope;
 pub mod sampling;
 pub mod tokenizer;
-pub mod weight_names;
 pub mod weights;
 
 pub use backend::cpu::CpuBackend;

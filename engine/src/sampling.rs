@@ -16,7 +16,12 @@ pub struct SamplingParams {
 
 impl Default for SamplingParams {
     fn default() -> Self {
-        SamplingParams { temperature: 0.0, top_p: 1.0, top_k: 0, seed: 0 }
+        SamplingParams {
+            temperature: 0.0,
+            top_p: 1.0,
+            top_k: 0,
+            seed: 0,
+        }
     }
 }
 
@@ -66,7 +71,10 @@ pub struct Sampler {
 impl Sampler {
     pub fn new(params: SamplingParams) -> Result<Self, SamplingError> {
         params.validate()?;
-        Ok(Sampler { params, rng: ChaCha8Rng::seed_from_u64(params.seed) })
+        Ok(Sampler {
+            params,
+            rng: ChaCha8Rng::seed_from_u64(params.seed),
+        })
     }
 
     pub fn sample(&mut self, logits: &[f32]) -> Result<u32, SamplingError> {
@@ -74,8 +82,12 @@ impl Sampler {
             return argmax(logits).ok_or(SamplingError::Empty);
         }
         let t = self.params.temperature;
-        let mut cand: Vec<(u32, f32)> =
-            logits.iter().enumerate().filter(|(_, v)| !v.is_nan()).map(|(i, &v)| (i as u32, v / t)).collect();
+        let mut cand: Vec<(u32, f32)> = logits
+            .iter()
+            .enumerate()
+            .filter(|(_, v)| !v.is_nan())
+            .map(|(i, &v)| (i as u32, v / t))
+            .collect();
         if cand.is_empty() {
             return Err(SamplingError::Empty);
         }
@@ -125,9 +137,20 @@ mod tests {
     #[test]
     fn seeded_sampling_is_reproducible_and_respects_top_k() {
         let logits: Vec<f32> = (0..50).map(|i| (i as f32 * 0.37).sin()).collect();
-        let p = SamplingParams { temperature: 1.0, top_p: 1.0, top_k: 3, seed: 7 };
-        let a: Vec<u32> = { let mut s = Sampler::new(p).unwrap(); (0..100).map(|_| s.sample(&logits).unwrap()).collect() };
-        let b: Vec<u32> = { let mut s = Sampler::new(p).unwrap(); (0..100).map(|_| s.sample(&logits).unwrap()).collect() };
+        let p = SamplingParams {
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 3,
+            seed: 7,
+        };
+        let a: Vec<u32> = {
+            let mut s = Sampler::new(p).unwrap();
+            (0..100).map(|_| s.sample(&logits).unwrap()).collect()
+        };
+        let b: Vec<u32> = {
+            let mut s = Sampler::new(p).unwrap();
+            (0..100).map(|_| s.sample(&logits).unwrap()).collect()
+        };
         assert_eq!(a, b);
         let mut top: Vec<u32> = (0..50).collect();
         top.sort_by(|&x, &y| logits[y as usize].total_cmp(&logits[x as usize]));
@@ -138,7 +161,13 @@ mod tests {
     #[test]
     fn tiny_top_p_is_greedy() {
         let logits = [0.0f32, 5.0, 1.0, 4.9];
-        let mut s = Sampler::new(SamplingParams { temperature: 1.0, top_p: 1e-6, top_k: 0, seed: 1 }).unwrap();
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 1.0,
+            top_p: 1e-6,
+            top_k: 0,
+            seed: 1,
+        })
+        .unwrap();
         for _ in 0..20 {
             assert_eq!(s.sample(&logits).unwrap(), 1);
         }
@@ -146,7 +175,15 @@ mod tests {
 
     #[test]
     fn bad_params_rejected() {
-        assert!(Sampler::new(SamplingParams { temperature: -1.0, ..Default::default() }).is_err());
-        assert!(Sampler::new(SamplingParams { top_p: 0.0, ..Default::default() }).is_err());
+        assert!(Sampler::new(SamplingParams {
+            temperature: -1.0,
+            ..Default::default()
+        })
+        .is_err());
+        assert!(Sampler::new(SamplingParams {
+            top_p: 0.0,
+            ..Default::default()
+        })
+        .is_err());
     }
 }

@@ -23,18 +23,25 @@ impl Tokenizer {
         if !path.exists() {
             return Ok(None);
         }
-        let inner = tokenizers::Tokenizer::from_file(&path)
-            .map_err(|e| TokenizerError::Load { path: path.clone(), reason: e.to_string() })?;
+        let inner = tokenizers::Tokenizer::from_file(&path).map_err(|e| TokenizerError::Load {
+            path: path.clone(),
+            reason: e.to_string(),
+        })?;
         Ok(Some(Tokenizer { inner }))
     }
 
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
-        let enc = self.inner.encode(text, false).map_err(|e| TokenizerError::Codec(e.to_string()))?;
+        let enc = self
+            .inner
+            .encode(text, false)
+            .map_err(|e| TokenizerError::Codec(e.to_string()))?;
         Ok(enc.get_ids().to_vec())
     }
 
     pub fn decode(&self, ids: &[u32]) -> Result<String, TokenizerError> {
-        self.inner.decode(ids, true).map_err(|e| TokenizerError::Codec(e.to_string()))
+        self.inner
+            .decode(ids, true)
+            .map_err(|e| TokenizerError::Codec(e.to_string()))
     }
 
     pub fn token_id(&self, token: &str) -> Option<u32> {

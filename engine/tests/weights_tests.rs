@@ -6,7 +6,8 @@ use std::path::Path;
 use half::{bf16, f16};
 use pdserve_engine::config::ModelConfig;
 use pdserve_engine::weights::{
-    expected_tensors, lm_head_name, validate, Checkpoint, DiskDtype, ExpectedTensor, LoadProgress, WeightsError,
+    expected_tensors, lm_head_name, validate, Checkpoint, DiskDtype, ExpectedTensor, LoadProgress,
+    WeightsError,
 };
 use safetensors::tensor::TensorView;
 
@@ -35,27 +36,54 @@ struct T {
 }
 
 fn f32_t(shape: &[usize], vals: &[f32]) -> T {
-    T { dtype: DiskDtype::F32, shape: shape.to_vec(), bytes: vals.iter().flat_map(|v| v.to_le_bytes()).collect() }
+    T {
+        dtype: DiskDtype::F32,
+        shape: shape.to_vec(),
+        bytes: vals.iter().flat_map(|v| v.to_le_bytes()).collect(),
+    }
 }
 
 fn bf16_t(shape: &[usize], vals: &[f32]) -> T {
-    let bytes = vals.iter().flat_map(|v| bf16::from_f32(*v).to_bits().to_le_bytes()).collect();
-    T { dtype: DiskDtype::BF16, shape: shape.to_vec(), bytes }
+    let bytes = vals
+        .iter()
+        .flat_map(|v| bf16::from_f32(*v).to_bits().to_le_bytes())
+        .collect();
+    T {
+        dtype: DiskDtype::BF16,
+        shape: shape.to_vec(),
+        bytes,
+    }
 }
 
 fn f16_t(shape: &[usize], vals: &[f32]) -> T {
-    let bytes = vals.iter().flat_map(|v| f16::from_f32(*v).to_bits().to_le_bytes()).collect();
-    T { dtype: DiskDtype::F16, shape: shape.to_vec(), bytes }
+    let bytes = vals
+        .iter()
+        .flat_map(|v| f16::from_f32(*v).to_bits().to_le_bytes())
+        .collect();
+    T {
+        dtype: DiskDtype::F16,
+        shape: shape.to_vec(),
+        bytes,
+    }
 }
 
 fn i64_t(shape: &[usize], vals: &[i64]) -> T {
-    T { dtype: DiskDtype::I64, shape: shape.to_vec(), bytes: vals.iter().flat_map(|v| v.to_le_bytes()).collect() }
+    T {
+        dtype: DiskDtype::I64,
+        shape: shape.to_vec(),
+        bytes: vals.iter().flat_map(|v| v.to_le_bytes()).collect(),
+    }
 }
 
 fn write(path: &Path, tensors: &BTreeMap<String, T>) {
     let views: Vec<(String, TensorView<'_>)> = tensors
         .iter()
-        .map(|(n, t)| (n.clone(), TensorView::new(t.dtype, t.shape.clone(), &t.bytes).unwrap()))
+        .map(|(n, t)| {
+            (
+                n.clone(),
+                TensorView::new(t.dtype, t.shape.clone(), &t.bytes).unwrap(),
+            )
+        })
         .collect();
     std::fs::write(path, safetensors::serialize(views, None).unwrap()).unwrap();
 }
@@ -68,7 +96,12 @@ fn full_set(cfg: &ModelConfig) -> BTreeMap<String, T> {
             let n: usize = shape.iter().product();
             let t = if int {
                 let k = shape[1];
-                i64_t(&shape, &(0..n).map(|j| ((j / k + j % k) % cfg.n_routed_experts) as i64).collect::<Vec<_>>())
+                i64_t(
+                    &shape,
+                    &(0..n)
+                        .map(|j| ((j / k + j % k) % cfg.n_routed_experts) as i64)
+                        .collect::<Vec<_>>(),
+                )
             } else {
                 bf16_t(&shape, &vec![0.5; n])
             };
@@ -82,7 +115,10 @@ fn float_dtypes_round_trip() {
     let dir = tempfile::tempdir().unwrap();
     let vals = [1.0f32, -2.5, 0.15625, 24576.0, -0.0, 7.75];
     let mut m = BTreeMap::new();
-    m.insert("a".to_string(), f32_t(&[2, 3], &[1.1, -2.2, 3.3, 1e-30, -4e20, 0.1]));
+    m.insert(
+        "a".to_string(),
+        f32_t(&[2, 3], &[1.1, -2.2, 3.3, 1e-30, -4e20, 0.1]),
+    );
     m.insert("b".to_string(), bf16_t(&[3, 2], &vals));
     m.insert("c".to_string(), f16_t(&[6], &vals));
     m.insert("d".to_string(), i64_t(&[2, 2], &[0, -1, 1 << 40, 3]));
@@ -94,7 +130,14 @@ fn float_dtypes_round_trip() {
             bytes: [5i32, -6, 7].iter().flat_map(|v| v.to_le_bytes()).collect(),
         },
     );
-    m.insert("f".to_string(), T { dtype: DiskDtype::U8, shape: vec![2], bytes: vec![1, 2] });
+    m.insert(
+        "f".to_string(),
+        T {
+            dtype: DiskDtype::U8,
+            shape: vec![2],
+            bytes: vec![1, 2],
+        },
+    );
     write(&dir.path().join("model.safetensors"), &m);
 
     let ck = Checkpoint::open(dir.path()).unwrap();
@@ -111,18 +154,30 @@ fn float_dtypes_round_trip() {
     // all of `vals` are exact in bf16 and f16
     assert_eq!(ck.tensor_f32("b").unwrap().data, vals.to_vec());
     assert_eq!(ck.tensor_f32("c").unwrap().data, vals.to_vec());
-    assert_eq!(ck.tensor_i64("d").unwrap(), (vec![2, 2], vec![0, -1, 1 << 40, 3]));
+    assert_eq!(
+        ck.tensor_i64("d").unwrap(),
+        (vec![2, 2], vec![0, -1, 1 << 40, 3])
+    );
     assert_eq!(ck.tensor_i64("e").unwrap(), (vec![3], vec![5, -6, 7]));
 
     let err = ck.tensor_f32("f").unwrap_err();
     assert!(matches!(err, WeightsError::Dtype { .. }));
-    assert!(err.to_string().contains("`f`") && err.to_string().contains("U8"), "{err}");
+    assert!(
+        err.to_string().contains("`f`") && err.to_string().contains("U8"),
+        "{err}"
+    );
     let err = ck.tensor_i64("a").unwrap_err();
-    assert!(err.to_string().contains("`a`") && err.to_string().contains("F32"), "{err}");
+    assert!(
+        err.to_string().contains("`a`") && err.to_string().contains("F32"),
+        "{err}"
+    );
     let err = ck.tensor_f32("missing").unwrap_err();
     assert!(matches!(err, WeightsError::NotFound { .. }) && err.to_string().contains("missing"));
     let raw = ck.raw("b").unwrap();
-    assert_eq!((raw.dtype, raw.shape, raw.bytes.len()), (DiskDtype::BF16, &[3usize, 2][..], 12));
+    assert_eq!(
+        (raw.dtype, raw.shape, raw.bytes.len()),
+        (DiskDtype::BF16, &[3usize, 2][..], 12)
+    );
 }
 
 #[test]
@@ -134,7 +189,10 @@ fn large_tensor_conversion_is_complete() {
     let mut m = BTreeMap::new();
     m.insert("big".to_string(), bf16_t(&[n], &vals));
     write(&dir.path().join("model.safetensors"), &m);
-    let t = Checkpoint::open(dir.path()).unwrap().tensor_f32("big").unwrap();
+    let t = Checkpoint::open(dir.path())
+        .unwrap()
+        .tensor_f32("big")
+        .unwrap();
     assert_eq!(t.data, vals);
 }
 
@@ -152,7 +210,11 @@ fn sharded_index() {
         "metadata": { "total_size": 12 },
         "weight_map": { "x": "model-00001-of-00002.safetensors", "y": "model-00002-of-00002.safetensors" }
     });
-    std::fs::write(dir.path().join("model.safetensors.index.json"), index.to_string()).unwrap();
+    std::fs::write(
+        dir.path().join("model.safetensors.index.json"),
+        index.to_string(),
+    )
+    .unwrap();
 
     let ck = Checkpoint::open(dir.path()).unwrap();
     assert_eq!(ck.names(), vec!["x", "y"]);
@@ -163,18 +225,32 @@ fn sharded_index() {
 
     // index pointing at a tensor the shard lacks
     let index = serde_json::json!({ "weight_map": { "z": "model-00002-of-00002.safetensors" } });
-    std::fs::write(dir.path().join("model.safetensors.index.json"), index.to_string()).unwrap();
+    std::fs::write(
+        dir.path().join("model.safetensors.index.json"),
+        index.to_string(),
+    )
+    .unwrap();
     let err = Checkpoint::open(dir.path()).unwrap_err();
-    assert!(matches!(err, WeightsError::Index { .. }) && err.to_string().contains("`z`"), "{err}");
+    assert!(
+        matches!(err, WeightsError::Index { .. }) && err.to_string().contains("`z`"),
+        "{err}"
+    );
 
     // index pointing at a missing file
     let index = serde_json::json!({ "weight_map": { "x": "nope.safetensors" } });
-    std::fs::write(dir.path().join("model.safetensors.index.json"), index.to_string()).unwrap();
+    std::fs::write(
+        dir.path().join("model.safetensors.index.json"),
+        index.to_string(),
+    )
+    .unwrap();
     let err = Checkpoint::open(dir.path()).unwrap_err();
     assert!(err.to_string().contains("nope.safetensors"), "{err}");
 
     std::fs::write(dir.path().join("model.safetensors.index.json"), "{}").unwrap();
-    assert!(Checkpoint::open(dir.path()).unwrap_err().to_string().contains("weight_map"));
+    assert!(Checkpoint::open(dir.path())
+        .unwrap_err()
+        .to_string()
+        .contains("weight_map"));
 }
 
 #[test]
@@ -182,7 +258,10 @@ fn open_errors() {
     let dir = tempfile::tempdir().unwrap();
     let err = Checkpoint::open(dir.path()).unwrap_err();
     assert!(matches!(err, WeightsError::NoCheckpoint { .. }));
-    assert!(err.to_string().contains(&dir.path().display().to_string()), "{err}");
+    assert!(
+        err.to_string().contains(&dir.path().display().to_string()),
+        "{err}"
+    );
 
     std::fs::write(dir.path().join("model.safetensors"), b"garbage!garbage!").unwrap();
     let err = Checkpoint::open(dir.path()).unwrap_err();
@@ -193,38 +272,100 @@ fn open_errors() {
 fn expected_inventory_of_tiny_model() {
     let cfg = tiny(false);
     let exp = expected_tensors(&cfg);
-    let get = |n: &str| exp.iter().find(|t| t.name == n).unwrap_or_else(|| panic!("{n} not expected"));
+    let get = |n: &str| {
+        exp.iter()
+            .find(|t| t.name == n)
+            .unwrap_or_else(|| panic!("{n} not expected"))
+    };
     let names: Vec<&str> = exp.iter().map(|t| t.name.as_str()).collect();
     // shared per layer: 8 attention + gate + 2 experts + 3 shared + 2 norms + 6 hc = 22
     // sliding+hash: 22 + tid2eid; CSA+moe: 22 + 4 + 6 + bias; HCA+moe: 22 + 4 + bias; globals: 1 + 4 + lm_head
     assert_eq!(exp.len(), 23 + 33 + 27 + 6);
     assert_eq!(names[0], "model.embed_tokens.weight");
     assert_eq!(*names.last().unwrap(), "lm_head.weight");
-    assert_eq!(get("model.layers.0.self_attn.q_a_proj.weight").shape, vec![4, 8]);
-    assert_eq!(get("model.layers.0.self_attn.q_b_proj.weight").shape, vec![16, 4]);
-    assert_eq!(get("model.layers.0.self_attn.o_a_proj.weight").shape, vec![6, 8]);
-    assert_eq!(get("model.layers.0.self_attn.o_b_proj.weight").shape, vec![8, 6]);
+    assert_eq!(
+        get("model.layers.0.self_attn.q_a_proj.weight").shape,
+        vec![4, 8]
+    );
+    assert_eq!(
+        get("model.layers.0.self_attn.q_b_proj.weight").shape,
+        vec![16, 4]
+    );
+    assert_eq!(
+        get("model.layers.0.self_attn.o_a_proj.weight").shape,
+        vec![6, 8]
+    );
+    assert_eq!(
+        get("model.layers.0.self_attn.o_b_proj.weight").shape,
+        vec![8, 6]
+    );
     assert_eq!(get("model.layers.0.self_attn.sinks").shape, vec![2]);
     let tid = get("model.layers.0.mlp.gate.tid2eid");
     assert!(tid.int);
     assert_eq!(tid.shape, vec![16, 2]);
     assert!(!names.contains(&"model.layers.0.mlp.gate.e_score_correction_bias"));
-    assert!(!names.iter().any(|n| n.starts_with("model.layers.0.self_attn.compressor")));
-    assert_eq!(get("model.layers.1.self_attn.compressor.kv_proj.weight").shape, vec![16, 8]);
-    assert_eq!(get("model.layers.1.self_attn.compressor.position_bias").shape, vec![2, 16]);
-    assert_eq!(get("model.layers.1.self_attn.compressor.kv_norm.weight").shape, vec![8]);
-    assert_eq!(get("model.layers.1.self_attn.compressor.indexer.gate_proj.weight").shape, vec![8, 8]);
-    assert_eq!(get("model.layers.1.self_attn.compressor.indexer.position_bias").shape, vec![2, 8]);
-    assert_eq!(get("model.layers.1.self_attn.compressor.indexer.kv_norm.weight").shape, vec![4]);
-    assert_eq!(get("model.layers.1.self_attn.compressor.indexer.q_b_proj.weight").shape, vec![8, 4]);
-    assert_eq!(get("model.layers.1.self_attn.compressor.indexer.scorer.weights_proj.weight").shape, vec![2, 8]);
-    assert_eq!(get("model.layers.1.mlp.gate.e_score_correction_bias").shape, vec![4]);
-    assert_eq!(get("model.layers.2.self_attn.compressor.gate_proj.weight").shape, vec![8, 8]);
-    assert_eq!(get("model.layers.2.self_attn.compressor.position_bias").shape, vec![4, 8]);
-    assert!(!names.iter().any(|n| n.starts_with("model.layers.2.self_attn.compressor.indexer")));
-    assert_eq!(get("model.layers.2.mlp.experts.gate_up_proj").shape, vec![4, 8, 8]);
-    assert_eq!(get("model.layers.2.mlp.experts.down_proj").shape, vec![4, 8, 4]);
-    assert_eq!(get("model.layers.2.mlp.shared_experts.down_proj.weight").shape, vec![8, 4]);
+    assert!(!names
+        .iter()
+        .any(|n| n.starts_with("model.layers.0.self_attn.compressor")));
+    assert_eq!(
+        get("model.layers.1.self_attn.compressor.kv_proj.weight").shape,
+        vec![16, 8]
+    );
+    assert_eq!(
+        get("model.layers.1.self_attn.compressor.position_bias").shape,
+        vec![2, 16]
+    );
+    assert_eq!(
+        get("model.layers.1.self_attn.compressor.kv_norm.weight").shape,
+        vec![8]
+    );
+    assert_eq!(
+        get("model.layers.1.self_attn.compressor.indexer.gate_proj.weight").shape,
+        vec![8, 8]
+    );
+    assert_eq!(
+        get("model.layers.1.self_attn.compressor.indexer.position_bias").shape,
+        vec![2, 8]
+    );
+    assert_eq!(
+        get("model.layers.1.self_attn.compressor.indexer.kv_norm.weight").shape,
+        vec![4]
+    );
+    assert_eq!(
+        get("model.layers.1.self_attn.compressor.indexer.q_b_proj.weight").shape,
+        vec![8, 4]
+    );
+    assert_eq!(
+        get("model.layers.1.self_attn.compressor.indexer.scorer.weights_proj.weight").shape,
+        vec![2, 8]
+    );
+    assert_eq!(
+        get("model.layers.1.mlp.gate.e_score_correction_bias").shape,
+        vec![4]
+    );
+    assert_eq!(
+        get("model.layers.2.self_attn.compressor.gate_proj.weight").shape,
+        vec![8, 8]
+    );
+    assert_eq!(
+        get("model.layers.2.self_attn.compressor.position_bias").shape,
+        vec![4, 8]
+    );
+    assert!(!names
+        .iter()
+        .any(|n| n.starts_with("model.layers.2.self_attn.compressor.indexer")));
+    assert_eq!(
+        get("model.layers.2.mlp.experts.gate_up_proj").shape,
+        vec![4, 8, 8]
+    );
+    assert_eq!(
+        get("model.layers.2.mlp.experts.down_proj").shape,
+        vec![4, 8, 4]
+    );
+    assert_eq!(
+        get("model.layers.2.mlp.shared_experts.down_proj.weight").shape,
+        vec![8, 4]
+    );
     assert_eq!(get("model.layers.2.ffn_hc.fn").shape, vec![8, 16]);
     assert_eq!(get("model.layers.2.attn_hc.base").shape, vec![8]);
     assert_eq!(get("model.layers.2.attn_hc.scale").shape, vec![3]);
@@ -234,7 +375,9 @@ fn expected_inventory_of_tiny_model() {
     assert_eq!(lm_head_name(&cfg), "lm_head.weight");
 
     let tied = tiny(true);
-    assert!(!expected_tensors(&tied).iter().any(|t| t.name == "lm_head.weight"));
+    assert!(!expected_tensors(&tied)
+        .iter()
+        .any(|t| t.name == "lm_head.weight"));
     assert_eq!(lm_head_name(&tied), "model.embed_tokens.weight");
 }
 
@@ -248,7 +391,10 @@ fn validate_accepts_complete_checkpoint() {
     write(&dir.path().join("model.safetensors"), &set);
     let ck = Checkpoint::open(dir.path()).unwrap();
     validate(&ck, &cfg).unwrap();
-    assert_eq!(ck.tensor_f32("model.norm.weight").unwrap().data, vec![0.5; 8]);
+    assert_eq!(
+        ck.tensor_f32("model.norm.weight").unwrap().data,
+        vec![0.5; 8]
+    );
 
     // tied: lm_head may be absent, or present with the right shape
     let tied = tiny(true);
@@ -268,29 +414,59 @@ fn validate_lists_every_problem_at_once() {
     let mut set = full_set(&cfg);
     set.remove("model.layers.1.self_attn.compressor.indexer.q_b_proj.weight");
     set.remove("model.hc_head.hc_base");
-    set.insert("model.layers.0.self_attn.wq_a.weight".into(), f32_t(&[1], &[0.0]));
-    set.insert("model.layers.2.self_attn.sinks".into(), f32_t(&[3], &[0.0; 3]));
+    set.insert(
+        "model.layers.0.self_attn.wq_a.weight".into(),
+        f32_t(&[1], &[0.0]),
+    );
+    set.insert(
+        "model.layers.2.self_attn.sinks".into(),
+        f32_t(&[3], &[0.0; 3]),
+    );
     set.insert(
         "model.layers.1.mlp.gate.weight".into(),
-        T { dtype: DiskDtype::F64, shape: vec![4, 8], bytes: vec![0; 256] },
+        T {
+            dtype: DiskDtype::F64,
+            shape: vec![4, 8],
+            bytes: vec![0; 256],
+        },
     );
     let mut ids = vec![0i64; 32];
     ids[5] = 4;
     ids[6] = -1;
-    set.insert("model.layers.0.mlp.gate.tid2eid".into(), i64_t(&[16, 2], &ids));
+    set.insert(
+        "model.layers.0.mlp.gate.tid2eid".into(),
+        i64_t(&[16, 2], &ids),
+    );
     write(&dir.path().join("model.safetensors"), &set);
 
     let err = validate(&Checkpoint::open(dir.path()).unwrap(), &cfg).unwrap_err();
-    let WeightsError::Invalid(report) = &err else { panic!("{err}") };
+    let WeightsError::Invalid(report) = &err else {
+        panic!("{err}")
+    };
     assert_eq!(
         report.missing,
-        vec!["model.layers.1.self_attn.compressor.indexer.q_b_proj.weight", "model.hc_head.hc_base"]
+        vec![
+            "model.layers.1.self_attn.compressor.indexer.q_b_proj.weight",
+            "model.hc_head.hc_base"
+        ]
     );
-    assert_eq!(report.unexpected, vec!["model.layers.0.self_attn.wq_a.weight"]);
+    assert_eq!(
+        report.unexpected,
+        vec!["model.layers.0.self_attn.wq_a.weight"]
+    );
     assert_eq!(report.wrong_shape.len(), 1);
     assert_eq!(report.wrong_shape[0].name, "model.layers.2.self_attn.sinks");
-    assert_eq!((report.wrong_shape[0].expected.clone(), report.wrong_shape[0].found.clone()), (vec![2], vec![3]));
-    assert_eq!(report.bad_dtype, vec![("model.layers.1.mlp.gate.weight".to_string(), DiskDtype::F64)]);
+    assert_eq!(
+        (
+            report.wrong_shape[0].expected.clone(),
+            report.wrong_shape[0].found.clone()
+        ),
+        (vec![2], vec![3])
+    );
+    assert_eq!(
+        report.bad_dtype,
+        vec![("model.layers.1.mlp.gate.weight".to_string(), DiskDtype::F64)]
+    );
     assert_eq!(report.bad_values.len(), 1);
     let msg = err.to_string();
     for needle in [
@@ -306,10 +482,17 @@ fn validate_lists_every_problem_at_once() {
     }
 
     // an int tensor stored as float is a dtype problem
-    set.insert("model.layers.0.mlp.gate.tid2eid".into(), f32_t(&[16, 2], &[0.0; 32]));
+    set.insert(
+        "model.layers.0.mlp.gate.tid2eid".into(),
+        f32_t(&[16, 2], &[0.0; 32]),
+    );
     write(&dir.path().join("model.safetensors"), &set);
     let err = validate(&Checkpoint::open(dir.path()).unwrap(), &cfg).unwrap_err();
-    assert!(err.to_string().contains("model.layers.0.mlp.gate.tid2eid: F32"), "{err}");
+    assert!(
+        err.to_string()
+            .contains("model.layers.0.mlp.gate.tid2eid: F32"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -330,9 +513,16 @@ fn report_is_capped() {
 #[test]
 fn non_deepseek_config_is_rejected() {
     let dir = tempfile::tempdir().unwrap();
-    std::fs::write(dir.path().join("config.json"), r#"{"model_type": "llama", "hidden_size": 8}"#).unwrap();
+    std::fs::write(
+        dir.path().join("config.json"),
+        r#"{"model_type": "llama", "hidden_size": 8}"#,
+    )
+    .unwrap();
     let err = ModelConfig::from_model_dir(dir.path()).unwrap_err();
-    assert!(err.to_string().contains("model_type") && err.to_string().contains("llama"), "{err}");
+    assert!(
+        err.to_string().contains("model_type") && err.to_string().contains("llama"),
+        "{err}"
+    );
 }
 
 #[test]

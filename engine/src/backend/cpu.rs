@@ -21,7 +21,11 @@ pub struct CpuTensor {
 
 impl CpuTensor {
     pub fn zeros(rows: usize, cols: usize) -> Self {
-        CpuTensor { rows, cols, data: vec![0.0; rows * cols] }
+        CpuTensor {
+            rows,
+            cols,
+            data: vec![0.0; rows * cols],
+        }
     }
 
     pub fn row(&self, r: usize) -> &[f32] {
@@ -115,13 +119,24 @@ impl Backend for CpuBackend {
 
     fn upload(&self, t: HostTensor) -> BResult<CpuTensor> {
         if t.data.len() != t.rows * t.cols {
-            return Err(shape_err("upload", format!("{}x{} with {} values", t.rows, t.cols, t.data.len())));
+            return Err(shape_err(
+                "upload",
+                format!("{}x{} with {} values", t.rows, t.cols, t.data.len()),
+            ));
         }
-        Ok(CpuTensor { rows: t.rows, cols: t.cols, data: t.data })
+        Ok(CpuTensor {
+            rows: t.rows,
+            cols: t.cols,
+            data: t.data,
+        })
     }
 
     fn to_host(&self, t: &CpuTensor) -> BResult<HostTensor> {
-        Ok(HostTensor { rows: t.rows, cols: t.cols, data: t.data.clone() })
+        Ok(HostTensor {
+            rows: t.rows,
+            cols: t.cols,
+            data: t.data.clone(),
+        })
     }
 
     fn gather_rows(&self, t: &CpuTensor, rows: &[usize]) -> BResult<CpuTensor> {
@@ -157,7 +172,10 @@ impl Backend for CpuBackend {
         for (i, &t) in tokens.iter().enumerate() {
             let t = t as usize;
             if t >= table.rows {
-                return Err(shape_err("embed", format!("token id {t} >= vocab {}", table.rows)));
+                return Err(shape_err(
+                    "embed",
+                    format!("token id {t} >= vocab {}", table.rows),
+                ));
             }
             for c in 0..copies {
                 let o = i * copies * h + c * h;
@@ -169,14 +187,27 @@ impl Backend for CpuBackend {
 
     fn matmul(&self, x: &CpuTensor, w: &CpuTensor) -> BResult<CpuTensor> {
         if x.cols != w.cols {
-            return Err(shape_err("matmul", format!("[{},{}] x [{},{}]^T", x.rows, x.cols, w.rows, w.cols)));
+            return Err(shape_err(
+                "matmul",
+                format!("[{},{}] x [{},{}]^T", x.rows, x.cols, w.rows, w.cols),
+            ));
         }
         Ok(self.mm(&x.data, x.rows, x.cols, &w.data, w.rows))
     }
 
     fn grouped_matmul(&self, x: &CpuTensor, w: &CpuTensor, groups: usize) -> BResult<CpuTensor> {
-        if groups == 0 || x.cols % groups != 0 || w.rows % groups != 0 || w.cols * groups != x.cols {
-            return Err(shape_err("grouped_matmul", format!("x [{},{}], w [{},{}], {groups} groups", x.rows, x.cols, w.rows, w.cols)));
+        if groups == 0
+            || !x.cols.is_multiple_of(groups)
+            || !w.rows.is_multiple_of(groups)
+            || w.cols * groups != x.cols
+        {
+            return Err(shape_err(
+                "grouped_matmul",
+                format!(
+                    "x [{},{}], w [{},{}], {groups} groups",
+                    x.rows, x.cols, w.rows, w.cols
+                ),
+            ));
         }
         let (din, dout) = (w.cols, w.rows / groups);
         let mut out = CpuTensor::zeros(x.rows, w.rows);
@@ -184,17 +215,36 @@ impl Backend for CpuBackend {
             let xg: Vec<f32> = (0..x.rows)
                 .flat_map(|r| x.row(r)[g * din..(g + 1) * din].iter().copied())
                 .collect();
-            let y = self.mm(&xg, x.rows, din, &w.data[g * dout * din..(g + 1) * dout * din], dout);
+            let y = self.mm(
+                &xg,
+                x.rows,
+                din,
+                &w.data[g * dout * din..(g + 1) * dout * din],
+                dout,
+            );
             for r in 0..x.rows {
-                out.data[r * w.rows + g * dout..r * w.rows + (g + 1) * dout].copy_from_slice(y.row(r));
+                out.data[r * w.rows + g * dout..r * w.rows + (g + 1) * dout]
+                    .copy_from_slice(y.row(r));
             }
         }
         Ok(out)
     }
 
-    fn rms_norm(&self, x: &CpuTensor, weight: Option<&CpuTensor>, group: usize, eps: f32) -> BResult<CpuTensor> {
-        if group == 0 || x.cols % group != 0 || weight.is_some_and(|w| w.data.len() != group) {
-            return Err(shape_err("rms_norm", format!("cols {} group {group}", x.cols)));
+    fn rms_norm(
+        &self,
+        x: &CpuTensor,
+        weight: Option<&CpuTensor>,
+        group: usize,
+        eps: f32,
+    ) -> BResult<CpuTensor> {
+        if group == 0
+            || !x.cols.is_multiple_of(group)
+            || weight.is_some_and(|w| w.data.len() != group)
+        {
+            return Err(shape_err(
+                "rms_norm",
+                format!("cols {} group {group}", x.cols),
+            ));
         }
         let mut out = CpuTensor::zeros(x.rows, x.cols);
         let w = weight.map(|w| w.data.as_slice());
@@ -205,26 +255,47 @@ impl Backend for CpuBackend {
         Ok(out)
     }
 
-    fn rope(&self, x: &mut CpuTensor, head_dim: usize, rope: &Rope, positions: &[usize], inverse: bool) -> BResult<()> {
-        if x.cols % head_dim != 0 || positions.len() != x.rows || rope.dim() > head_dim {
-            return Err(shape_err("rope", format!("[{},{}] head_dim {head_dim}", x.rows, x.cols)));
+    fn rope(
+        &self,
+        x: &mut CpuTensor,
+        head_dim: usize,
+        rope: &Rope,
+        positions: &[usize],
+        inverse: bool,
+    ) -> BResult<()> {
+        if !x.cols.is_multiple_of(head_dim) || positions.len() != x.rows || rope.dim() > head_dim {
+            return Err(shape_err(
+                "rope",
+                format!("[{},{}] head_dim {head_dim}", x.rows, x.cols),
+            ));
         }
         let cols = x.cols;
-        x.data.par_chunks_mut(cols).zip(positions.par_iter()).for_each(|(row, &p)| {
-            let mut cos = vec![0f32; rope.dim() / 2];
-            let mut sin = vec![0f32; rope.dim() / 2];
-            rope.cos_sin(p, &mut cos, &mut sin);
-            for head in row.chunks_mut(head_dim) {
-                rope.apply(head, &cos, &sin, inverse);
-            }
-        });
+        x.data
+            .par_chunks_mut(cols)
+            .zip(positions.par_iter())
+            .for_each(|(row, &p)| {
+                let mut cos = vec![0f32; rope.dim() / 2];
+                let mut sin = vec![0f32; rope.dim() / 2];
+                rope.cos_sin(p, &mut cos, &mut sin);
+                for head in row.chunks_mut(head_dim) {
+                    rope.apply(head, &cos, &sin, inverse);
+                }
+            });
         Ok(())
     }
 
-    fn hc_pre(&self, streams: &CpuTensor, mix: &CpuTensor, p: &HcParams<'_, CpuTensor>) -> BResult<HcPre<CpuTensor>> {
+    fn hc_pre(
+        &self,
+        streams: &CpuTensor,
+        mix: &CpuTensor,
+        p: &HcParams<'_, CpuTensor>,
+    ) -> BResult<HcPre<CpuTensor>> {
         let hc = p.hc;
         if mix.cols != (2 + hc) * hc || p.base.data.len() != mix.cols || p.scale.data.len() != 3 {
-            return Err(shape_err("hc_pre", format!("mix cols {} for hc {hc}", mix.cols)));
+            return Err(shape_err(
+                "hc_pre",
+                format!("mix cols {} for hc {hc}", mix.cols),
+            ));
         }
         let n = streams.rows;
         let h = streams.cols / hc;
@@ -234,7 +305,9 @@ impl Backend for CpuBackend {
         let mut collapsed = CpuTensor::zeros(n, h);
         for r in 0..n {
             let m = mix.row(r);
-            let pre: Vec<f32> = (0..hc).map(|k| sigmoid(m[k] * scale[0] + base[k]) + p.eps).collect();
+            let pre: Vec<f32> = (0..hc)
+                .map(|k| sigmoid(m[k] * scale[0] + base[k]) + p.eps)
+                .collect();
             for k in 0..hc {
                 post.data[r * hc + k] = 2.0 * sigmoid(m[hc + k] * scale[1] + base[hc + k]);
             }
@@ -263,13 +336,26 @@ impl Backend for CpuBackend {
                 out[d] = acc;
             }
         }
-        Ok(HcPre { post, comb, collapsed })
+        Ok(HcPre {
+            post,
+            comb,
+            collapsed,
+        })
     }
 
-    fn hc_post(&self, streams: &CpuTensor, out: &CpuTensor, pre: &HcPre<CpuTensor>, hc: usize) -> BResult<CpuTensor> {
+    fn hc_post(
+        &self,
+        streams: &CpuTensor,
+        out: &CpuTensor,
+        pre: &HcPre<CpuTensor>,
+        hc: usize,
+    ) -> BResult<CpuTensor> {
         let h = out.cols;
         if streams.cols != hc * h || streams.rows != out.rows {
-            return Err(shape_err("hc_post", format!("streams cols {} out cols {h}", streams.cols)));
+            return Err(shape_err(
+                "hc_post",
+                format!("streams cols {} out cols {h}", streams.cols),
+            ));
         }
         let mut res = CpuTensor::zeros(streams.rows, streams.cols);
         for r in 0..streams.rows {
@@ -291,17 +377,26 @@ impl Backend for CpuBackend {
         Ok(res)
     }
 
-    fn hc_head(&self, streams: &CpuTensor, mix: &CpuTensor, p: &HcParams<'_, CpuTensor>) -> BResult<CpuTensor> {
+    fn hc_head(
+        &self,
+        streams: &CpuTensor,
+        mix: &CpuTensor,
+        p: &HcParams<'_, CpuTensor>,
+    ) -> BResult<CpuTensor> {
         let hc = p.hc;
         if mix.cols != hc || p.base.data.len() != hc || p.scale.data.is_empty() {
-            return Err(shape_err("hc_head", format!("mix cols {} for hc {hc}", mix.cols)));
+            return Err(shape_err(
+                "hc_head",
+                format!("mix cols {} for hc {hc}", mix.cols),
+            ));
         }
         let h = streams.cols / hc;
         let mut out = CpuTensor::zeros(streams.rows, h);
         for r in 0..streams.rows {
             let m = mix.row(r);
-            let pre: Vec<f32> =
-                (0..hc).map(|k| sigmoid(m[k] * p.scale.data[0] + p.base.data[k]) + p.eps).collect();
+            let pre: Vec<f32> = (0..hc)
+                .map(|k| sigmoid(m[k] * p.scale.data[0] + p.base.data[k]) + p.eps)
+                .collect();
             let s = streams.row(r);
             for d in 0..h {
                 let mut acc = 0f32;
@@ -314,19 +409,58 @@ impl Backend for CpuBackend {
         Ok(out)
     }
 
-    fn compress(&self, kv: &mut CpuKv, layout: &KvLayout, layer: usize, proj_kv: &CpuTensor, proj_gate: &CpuTensor, p: &CompressorParams<'_, CpuTensor>, plan: &BatchPlan) -> BResult<()> {
+    fn compress(
+        &self,
+        kv: &mut CpuKv,
+        layout: &KvLayout,
+        layer: usize,
+        proj_kv: &CpuTensor,
+        proj_gate: &CpuTensor,
+        p: &CompressorParams<'_, CpuTensor>,
+        plan: &BatchPlan,
+    ) -> BResult<()> {
         cpu_attention::compress(kv, layout, layer, proj_kv, proj_gate, p, plan)
     }
 
-    fn index_select(&self, kv: &CpuKv, layout: &KvLayout, layer: usize, q: &CpuTensor, weights: &CpuTensor, n_heads: usize, topk: usize, plan: &BatchPlan) -> BResult<Vec<Vec<u32>>> {
+    fn index_select(
+        &self,
+        kv: &CpuKv,
+        layout: &KvLayout,
+        layer: usize,
+        q: &CpuTensor,
+        weights: &CpuTensor,
+        n_heads: usize,
+        topk: usize,
+        plan: &BatchPlan,
+    ) -> BResult<Vec<Vec<u32>>> {
         cpu_attention::index_select(kv, layout, layer, q, weights, n_heads, topk, plan)
     }
 
-    fn attention(&self, kv: &CpuKv, layout: &KvLayout, layer: usize, q: &CpuTensor, kv_new: &CpuTensor, sinks: &CpuTensor, n_heads: usize, compressed: CompressedKeys<'_, Vec<Vec<u32>>>, plan: &BatchPlan) -> BResult<CpuTensor> {
-        cpu_attention::attention(kv, layout, layer, q, kv_new, sinks, n_heads, compressed, plan)
+    fn attention(
+        &self,
+        kv: &CpuKv,
+        layout: &KvLayout,
+        layer: usize,
+        q: &CpuTensor,
+        kv_new: &CpuTensor,
+        sinks: &CpuTensor,
+        n_heads: usize,
+        compressed: CompressedKeys<'_, Vec<Vec<u32>>>,
+        plan: &BatchPlan,
+    ) -> BResult<CpuTensor> {
+        cpu_attention::attention(
+            kv, layout, layer, q, kv_new, sinks, n_heads, compressed, plan,
+        )
     }
 
-    fn window_store(&self, kv: &mut CpuKv, layout: &KvLayout, layer: usize, kv_new: &CpuTensor, plan: &BatchPlan) -> BResult<()> {
+    fn window_store(
+        &self,
+        kv: &mut CpuKv,
+        layout: &KvLayout,
+        layer: usize,
+        kv_new: &CpuTensor,
+        plan: &BatchPlan,
+    ) -> BResult<()> {
         cpu_attention::window_store(kv, layout, layer, kv_new, plan)
     }
 
@@ -334,7 +468,13 @@ impl Backend for CpuBackend {
         let (n, h) = (x.rows, x.cols);
         let (e, k, inter) = (p.n_experts, p.top_k, p.intermediate);
         if p.router.rows != e || p.gate_up.rows != e * 2 * inter || p.down.rows != e * h {
-            return Err(shape_err("moe", format!("router {} experts, gate_up rows {}", p.router.rows, p.gate_up.rows)));
+            return Err(shape_err(
+                "moe",
+                format!(
+                    "router {} experts, gate_up rows {}",
+                    p.router.rows, p.gate_up.rows
+                ),
+            ));
         }
         let logits = self.matmul(x, p.router)?;
         let mut scores = logits.data.clone();
@@ -350,7 +490,10 @@ impl Backend for CpuBackend {
         for r in 0..n {
             let s = &scores[r * e..(r + 1) * e];
             let ids: Vec<usize> = match p.hash_experts {
-                Some(hash) => hash[r * k..(r + 1) * k].iter().map(|&i| i as usize).collect(),
+                Some(hash) => hash[r * k..(r + 1) * k]
+                    .iter()
+                    .map(|&i| i as usize)
+                    .collect(),
                 None => {
                     let bias = p.correction_bias.map(|b| b.data.as_slice());
                     let mut order: Vec<usize> = (0..e).collect();
@@ -364,7 +507,11 @@ impl Backend for CpuBackend {
                 return Err(shape_err("moe", format!("expert id {bad} >= {e}")));
             }
             let sum: f32 = ids.iter().map(|&i| s[i]).sum::<f32>() + 1e-20;
-            picks.push(ids.iter().map(|&i| (i, s[i] / sum * p.routed_scaling)).collect());
+            picks.push(
+                ids.iter()
+                    .map(|&i| (i, s[i] / sum * p.routed_scaling))
+                    .collect(),
+            );
         }
         let mut out = CpuTensor::zeros(n, h);
         let mut act = Vec::new();
@@ -372,18 +519,30 @@ impl Backend for CpuBackend {
             let rows: Vec<(usize, f32)> = picks
                 .iter()
                 .enumerate()
-                .flat_map(|(r, pk)| pk.iter().filter(|(i, _)| *i == ex).map(move |(_, w)| (r, *w)))
+                .flat_map(|(r, pk)| {
+                    pk.iter()
+                        .filter(|(i, _)| *i == ex)
+                        .map(move |(_, w)| (r, *w))
+                })
                 .collect();
             if rows.is_empty() {
                 continue;
             }
-            let xs: Vec<f32> = rows.iter().flat_map(|(r, _)| x.row(*r).iter().copied()).collect();
+            let xs: Vec<f32> = rows
+                .iter()
+                .flat_map(|(r, _)| x.row(*r).iter().copied())
+                .collect();
             let gu = &p.gate_up.data[ex * 2 * inter * h..(ex + 1) * 2 * inter * h];
             let y = self.mm(&xs, rows.len(), h, gu, 2 * inter);
             act.resize(rows.len() * inter, 0.0);
             for i in 0..rows.len() {
                 let yr = y.row(i);
-                Self::swiglu(&yr[..inter], &yr[inter..], p.swiglu_limit, &mut act[i * inter..(i + 1) * inter]);
+                Self::swiglu(
+                    &yr[..inter],
+                    &yr[inter..],
+                    p.swiglu_limit,
+                    &mut act[i * inter..(i + 1) * inter],
+                );
             }
             let dw = &p.down.data[ex * h * inter..(ex + 1) * h * inter];
             let d = self.mm(&act, rows.len(), inter, dw, h);
@@ -398,7 +557,12 @@ impl Backend for CpuBackend {
         let si = p.shared_gate.rows;
         let mut sact = CpuTensor::zeros(n, si);
         for r in 0..n {
-            Self::swiglu(g.row(r), u.row(r), p.swiglu_limit, &mut sact.data[r * si..(r + 1) * si]);
+            Self::swiglu(
+                g.row(r),
+                u.row(r),
+                p.swiglu_limit,
+                &mut sact.data[r * si..(r + 1) * si],
+            );
         }
         let shared = self.matmul(&sact, p.shared_down)?;
         for (o, s) in out.data.iter_mut().zip(&shared.data) {

@@ -7,7 +7,9 @@
 use super::cpu::{rms_norm_into, softmax, CpuTensor};
 use super::cpu_kv::{quantize, CpuKv, Region};
 use super::gemm::dot;
-use super::{BResult, BackendError, BatchPlan, CompressedKeys, CompressorPart, CompressorParams, SeqPlan};
+use super::{
+    BResult, BackendError, BatchPlan, CompressedKeys, CompressorParams, CompressorPart, SeqPlan,
+};
 use crate::config::LayerKind;
 use crate::kv::{EntryDtype, KvLayout, LayerKvLayout};
 use rayon::prelude::*;
@@ -17,32 +19,60 @@ fn kv_err(msg: String) -> BackendError {
 }
 
 fn layer_of(layout: &KvLayout, layer: usize) -> BResult<&LayerKvLayout> {
-    layout.layers.get(layer).ok_or_else(|| kv_err(format!("layer {layer} not in layout")))
+    layout
+        .layers
+        .get(layer)
+        .ok_or_else(|| kv_err(format!("layer {layer} not in layout")))
 }
 
 /// Byte location of compressed entry `w` (main or index) of a sequence.
-fn entry_loc(layout: &KvLayout, l: &LayerKvLayout, part: CompressorPart, seq: &SeqPlan, w: usize) -> BResult<(Region, usize, EntryDtype, usize)> {
+fn entry_loc(
+    layout: &KvLayout,
+    l: &LayerKvLayout,
+    part: CompressorPart,
+    seq: &SeqPlan,
+    w: usize,
+) -> BResult<(Region, usize, EntryDtype, usize)> {
     let page_idx = w * l.rate / layout.page_tokens;
-    let page = *seq
-        .pages
-        .get(page_idx)
-        .ok_or_else(|| kv_err(format!("entry {w} needs page {page_idx}, sequence holds {}", seq.pages.len())))?;
+    let page = *seq.pages.get(page_idx).ok_or_else(|| {
+        kv_err(format!(
+            "entry {w} needs page {page_idx}, sequence holds {}",
+            seq.pages.len()
+        ))
+    })?;
     Ok(match part {
         CompressorPart::Main => {
             let slot = w % l.comp_entries_per_page;
             let bytes = layout.head_dim * layout.kv_dtype.bytes();
-            (Region::Page(page), l.comp_page_offset + slot * bytes, layout.kv_dtype, layout.head_dim)
+            (
+                Region::Page(page),
+                l.comp_page_offset + slot * bytes,
+                layout.kv_dtype,
+                layout.head_dim,
+            )
         }
         CompressorPart::Index => {
             let slot = w % l.index_entries_per_page;
             let bytes = layout.index_head_dim * layout.index_k_dtype.bytes();
-            (Region::Page(page), l.index_page_offset + slot * bytes, layout.index_k_dtype, layout.index_head_dim)
+            (
+                Region::Page(page),
+                l.index_page_offset + slot * bytes,
+                layout.index_k_dtype,
+                layout.index_head_dim,
+            )
         }
     })
 }
 
 /// Read compressed entries `ids` of one sequence into a `[ids.len(), dim]` buffer.
-fn read_entries(kv: &CpuKv, layout: &KvLayout, l: &LayerKvLayout, part: CompressorPart, seq: &SeqPlan, ids: impl Iterator<Item = usize>) -> BResult<Vec<f32>> {
+fn read_entries(
+    kv: &CpuKv,
+    layout: &KvLayout,
+    l: &LayerKvLayout,
+    part: CompressorPart,
+    seq: &SeqPlan,
+    ids: impl Iterator<Item = usize>,
+) -> BResult<Vec<f32>> {
     let mut out = Vec::new();
     for w in ids {
         let (r, off, dt, dim) = entry_loc(layout, l, part, seq, w)?;
@@ -53,7 +83,15 @@ fn read_entries(kv: &CpuKv, layout: &KvLayout, l: &LayerKvLayout, part: Compress
     Ok(out)
 }
 
-pub fn compress(kv: &mut CpuKv, layout: &KvLayout, layer: usize, proj_kv: &CpuTensor, proj_gate: &CpuTensor, p: &CompressorParams<'_, CpuTensor>, plan: &BatchPlan) -> BResult<()> {
+pub fn compress(
+    kv: &mut CpuKv,
+    layout: &KvLayout,
+    layer: usize,
+    proj_kv: &CpuTensor,
+    proj_gate: &CpuTensor,
+    p: &CompressorParams<'_, CpuTensor>,
+    plan: &BatchPlan,
+) -> BResult<()> {
     let l = layer_of(layout, layer)?.clone();
     let (ring_off, slots, width) = match p.part {
         CompressorPart::Main => (l.comp_state_offset, l.comp_ring_slots, l.comp_width),
@@ -63,10 +101,17 @@ pub fn compress(kv: &mut CpuKv, layout: &KvLayout, layer: usize, proj_kv: &CpuTe
     // Entry width: CSA rows carry two series (Ca | Cb), HCA rows one.
     let dim = if overlap { width / 2 } else { width };
     let rate = l.rate;
-    if rate == 0 || proj_kv.cols != width || proj_gate.cols != width || p.position_bias.data.len() != rate * width {
+    if rate == 0
+        || proj_kv.cols != width
+        || proj_gate.cols != width
+        || p.position_bias.data.len() != rate * width
+    {
         return Err(BackendError::Shape {
             op: "compress",
-            detail: format!("layer {layer}: rows of {} / {} for width {width}, rate {rate}", proj_kv.cols, proj_gate.cols),
+            detail: format!(
+                "layer {layer}: rows of {} / {} for width {width}, rate {rate}",
+                proj_kv.cols, proj_gate.cols
+            ),
         });
     }
     let bias = &p.position_bias.data;
@@ -85,7 +130,12 @@ pub fn compress(kv: &mut CpuKv, layout: &KvLayout, layer: usize, proj_kv: &CpuTe
             let mut row = Vec::with_capacity(2 * width);
             row.extend_from_slice(proj_kv.row(r));
             row.extend_from_slice(proj_gate.row(r));
-            kv.write(state, ring_off + (pos % slots) * row_bytes, EntryDtype::F32, &row)?;
+            kv.write(
+                state,
+                ring_off + (pos % slots) * row_bytes,
+                EntryDtype::F32,
+                &row,
+            )?;
             if (pos + 1) % rate != 0 {
                 continue;
             }
@@ -101,7 +151,8 @@ pub fn compress(kv: &mut CpuKv, layout: &KvLayout, layer: usize, proj_kv: &CpuTe
                             logits[n] = f32::NEG_INFINITY;
                             vals[n] = 0.0;
                         } else {
-                            let prev = &ring[(((w - 1) * rate + j) % slots) * 2 * width..][..2 * width];
+                            let prev =
+                                &ring[(((w - 1) * rate + j) % slots) * 2 * width..][..2 * width];
                             logits[n] = prev[width + c] + bias[j * width + c];
                             vals[n] = prev[c];
                         }
@@ -129,11 +180,23 @@ pub fn compress(kv: &mut CpuKv, layout: &KvLayout, layer: usize, proj_kv: &CpuTe
 }
 
 #[allow(clippy::too_many_arguments)]
-pub fn index_select(kv: &CpuKv, layout: &KvLayout, layer: usize, q: &CpuTensor, weights: &CpuTensor, n_heads: usize, topk: usize, plan: &BatchPlan) -> BResult<Vec<Vec<u32>>> {
+pub fn index_select(
+    kv: &CpuKv,
+    layout: &KvLayout,
+    layer: usize,
+    q: &CpuTensor,
+    weights: &CpuTensor,
+    n_heads: usize,
+    topk: usize,
+    plan: &BatchPlan,
+) -> BResult<Vec<Vec<u32>>> {
     let l = layer_of(layout, layer)?;
     let ihd = layout.index_head_dim;
     if q.cols != n_heads * ihd || weights.cols != n_heads || l.kind != LayerKind::Csa {
-        return Err(BackendError::Shape { op: "index_select", detail: format!("q cols {}, weights cols {}", q.cols, weights.cols) });
+        return Err(BackendError::Shape {
+            op: "index_select",
+            detail: format!("q cols {}, weights cols {}", q.cols, weights.cols),
+        });
     }
     let softmax_scale = (ihd as f32).powf(-0.5);
     let weight_scale = (n_heads as f32).powf(-0.5);
@@ -156,12 +219,18 @@ pub fn index_select(kv: &CpuKv, layout: &KvLayout, layer: usize, q: &CpuTensor, 
                     .map(|s| {
                         let k = &keys[s * ihd..(s + 1) * ihd];
                         (0..n_heads)
-                            .map(|h| dot(&qr[h * ihd..(h + 1) * ihd], k).max(0.0) * softmax_scale * wr[h])
+                            .map(|h| {
+                                dot(&qr[h * ihd..(h + 1) * ihd], k).max(0.0) * softmax_scale * wr[h]
+                            })
                             .sum()
                     })
                     .collect();
                 let mut order: Vec<u32> = (0..nv as u32).collect();
-                order.sort_by(|&a, &b| scores[b as usize].total_cmp(&scores[a as usize]).then(a.cmp(&b)));
+                order.sort_by(|&a, &b| {
+                    scores[b as usize]
+                        .total_cmp(&scores[a as usize])
+                        .then(a.cmp(&b))
+                });
                 order.truncate(topk);
                 order.sort_unstable();
                 (r, order)
@@ -175,12 +244,25 @@ pub fn index_select(kv: &CpuKv, layout: &KvLayout, layer: usize, q: &CpuTensor, 
 }
 
 #[allow(clippy::too_many_arguments)]
-pub fn attention(kv: &CpuKv, layout: &KvLayout, layer: usize, q: &CpuTensor, kv_new: &CpuTensor, sinks: &CpuTensor, n_heads: usize, compressed: CompressedKeys<'_, Vec<Vec<u32>>>, plan: &BatchPlan) -> BResult<CpuTensor> {
+pub fn attention(
+    kv: &CpuKv,
+    layout: &KvLayout,
+    layer: usize,
+    q: &CpuTensor,
+    kv_new: &CpuTensor,
+    sinks: &CpuTensor,
+    n_heads: usize,
+    compressed: CompressedKeys<'_, Vec<Vec<u32>>>,
+    plan: &BatchPlan,
+) -> BResult<CpuTensor> {
     let l = layer_of(layout, layer)?;
     let hd = layout.head_dim;
     let window = layout.sliding_window;
     if q.cols != n_heads * hd || kv_new.cols != hd || sinks.data.len() != n_heads {
-        return Err(BackendError::Shape { op: "attention", detail: format!("q cols {}, kv cols {}", q.cols, kv_new.cols) });
+        return Err(BackendError::Shape {
+            op: "attention",
+            detail: format!("q cols {}, kv cols {}", q.cols, kv_new.cols),
+        });
     }
     let scale = (hd as f32).powf(-0.5);
     let mut out = CpuTensor::zeros(plan.rows(), n_heads * hd);
@@ -199,9 +281,16 @@ pub fn attention(kv: &CpuKv, layout: &KvLayout, layer: usize, q: &CpuTensor, kv_
         let all_visible = last / l.rate.max(1);
         let comp = match &compressed {
             CompressedKeys::None => Vec::new(),
-            CompressedKeys::AllVisible => read_entries(kv, layout, l, CompressorPart::Main, seq, 0..all_visible)?,
+            CompressedKeys::AllVisible => {
+                read_entries(kv, layout, l, CompressorPart::Main, seq, 0..all_visible)?
+            }
             CompressedKeys::Selected(sel) => {
-                let n_all = sel[seq.row0..seq.row0 + seq.len].iter().flatten().map(|&w| w as usize + 1).max().unwrap_or(0);
+                let n_all = sel[seq.row0..seq.row0 + seq.len]
+                    .iter()
+                    .flatten()
+                    .map(|&w| w as usize + 1)
+                    .max()
+                    .unwrap_or(0);
                 read_entries(kv, layout, l, CompressorPart::Main, seq, 0..n_all)?
             }
         };
@@ -227,7 +316,11 @@ pub fn attention(kv: &CpuKv, layout: &KvLayout, layer: usize, q: &CpuTensor, kv_
                         keys.extend((0..nv).map(|w| &comp[w * hd..(w + 1) * hd]));
                     }
                     CompressedKeys::Selected(sel) => {
-                        keys.extend(sel[r].iter().map(|&w| &comp[w as usize * hd..(w as usize + 1) * hd]));
+                        keys.extend(
+                            sel[r]
+                                .iter()
+                                .map(|&w| &comp[w as usize * hd..(w as usize + 1) * hd]),
+                        );
                     }
                 }
                 let qr = q.row(r);
@@ -251,13 +344,20 @@ pub fn attention(kv: &CpuKv, layout: &KvLayout, layer: usize, q: &CpuTensor, kv_
             })
             .collect();
         for (i, o) in rows.into_iter().enumerate() {
-            out.data[(seq.row0 + i) * n_heads * hd..(seq.row0 + i + 1) * n_heads * hd].copy_from_slice(&o);
+            out.data[(seq.row0 + i) * n_heads * hd..(seq.row0 + i + 1) * n_heads * hd]
+                .copy_from_slice(&o);
         }
     }
     Ok(out)
 }
 
-pub fn window_store(kv: &mut CpuKv, layout: &KvLayout, layer: usize, kv_new: &CpuTensor, plan: &BatchPlan) -> BResult<()> {
+pub fn window_store(
+    kv: &mut CpuKv,
+    layout: &KvLayout,
+    layer: usize,
+    kv_new: &CpuTensor,
+    plan: &BatchPlan,
+) -> BResult<()> {
     let l = layer_of(layout, layer)?;
     let hd = layout.head_dim;
     let window = layout.sliding_window;
@@ -265,7 +365,12 @@ pub fn window_store(kv: &mut CpuKv, layout: &KvLayout, layer: usize, kv_new: &Cp
         let end = seq.start + seq.len;
         for pos in end.saturating_sub(window).max(seq.start)..end {
             let off = l.window_state_offset + (pos % window) * hd * layout.kv_dtype.bytes();
-            kv.write(Region::State(seq.state), off, layout.kv_dtype, kv_new.row(seq.row0 + pos - seq.start))?;
+            kv.write(
+                Region::State(seq.state),
+                off,
+                layout.kv_dtype,
+                kv_new.row(seq.row0 + pos - seq.start),
+            )?;
         }
     }
     Ok(())

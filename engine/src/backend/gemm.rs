@@ -73,7 +73,8 @@ pub fn matmul_nt(x: &[f32], n: usize, k: usize, w: &[f32], m: usize, out: &mut [
         for (j0, buf) in blocks {
             let width = buf.len() / n;
             for i in 0..n {
-                out[i * m + j0..i * m + j0 + width].copy_from_slice(&buf[i * width..(i + 1) * width]);
+                out[i * m + j0..i * m + j0 + width]
+                    .copy_from_slice(&buf[i * width..(i + 1) * width]);
             }
         }
     }
@@ -97,9 +98,13 @@ mod tests {
     fn all_paths_agree_bitwise() {
         let k = 67;
         let m = 300;
-        let w: Vec<f32> = (0..m * k).map(|i| ((i * 7919) % 101) as f32 / 50.0 - 1.0).collect();
+        let w: Vec<f32> = (0..m * k)
+            .map(|i| ((i * 7919) % 101) as f32 / 50.0 - 1.0)
+            .collect();
         for n in [1, 3, 15, 16, 40] {
-            let x: Vec<f32> = (0..n * k).map(|i| ((i * 104729) % 97) as f32 / 48.0 - 1.0).collect();
+            let x: Vec<f32> = (0..n * k)
+                .map(|i| ((i * 104729) % 97) as f32 / 48.0 - 1.0)
+                .collect();
             let mut out = vec![0f32; n * m];
             matmul_nt(&x, n, k, &w, m, &mut out);
             assert_eq!(out, naive(&x, n, k, &w, m), "n={n}");

@@ -148,44 +148,125 @@ pub trait Backend: Send + Sync {
 
     fn alloc_kv(&self, layout: &KvLayout, pages: usize, states: usize) -> BResult<Self::KvStore>;
     /// Zero a state slot before a new sequence uses it.
-    fn reset_state(&self, kv: &mut Self::KvStore, layout: &KvLayout, slot: StateSlot) -> BResult<()>;
+    fn reset_state(
+        &self,
+        kv: &mut Self::KvStore,
+        layout: &KvLayout,
+        slot: StateSlot,
+    ) -> BResult<()>;
     /// Raw bytes of a page / state slot (audits, transfers, tests).
     fn page_bytes(&self, kv: &Self::KvStore, layout: &KvLayout, page: PageId) -> BResult<Vec<u8>>;
-    fn state_bytes(&self, kv: &Self::KvStore, layout: &KvLayout, slot: StateSlot) -> BResult<Vec<u8>>;
+    fn state_bytes(
+        &self,
+        kv: &Self::KvStore,
+        layout: &KvLayout,
+        slot: StateSlot,
+    ) -> BResult<Vec<u8>>;
 
     /// `table[tokens[r]]`, repeated `copies` times along the row: `[rows, copies*H]`.
     fn embed(&self, table: &Self::Tensor, tokens: &[u32], copies: usize) -> BResult<Self::Tensor>;
     /// `x @ w^T`: `[n,k] x [m,k] -> [n,m]`.
     fn matmul(&self, x: &Self::Tensor, w: &Self::Tensor) -> BResult<Self::Tensor>;
     /// Block-diagonal `x @ w^T`: group `g` of `x`'s columns times rows `g*m/groups..` of `w`.
-    fn grouped_matmul(&self, x: &Self::Tensor, w: &Self::Tensor, groups: usize) -> BResult<Self::Tensor>;
+    fn grouped_matmul(
+        &self,
+        x: &Self::Tensor,
+        w: &Self::Tensor,
+        groups: usize,
+    ) -> BResult<Self::Tensor>;
     /// RMS-normalise each consecutive `group` values of every row, times `weight` (length `group`) if given.
-    fn rms_norm(&self, x: &Self::Tensor, weight: Option<&Self::Tensor>, group: usize, eps: f32) -> BResult<Self::Tensor>;
+    fn rms_norm(
+        &self,
+        x: &Self::Tensor,
+        weight: Option<&Self::Tensor>,
+        group: usize,
+        eps: f32,
+    ) -> BResult<Self::Tensor>;
     /// Interleaved rope on the trailing `rope.dim()` channels of every `head_dim` head,
     /// at each row's position (`positions[r]`); `inverse` rotates back (`-sin`).
-    fn rope(&self, x: &mut Self::Tensor, head_dim: usize, rope: &Rope, positions: &[usize], inverse: bool) -> BResult<()>;
+    fn rope(
+        &self,
+        x: &mut Self::Tensor,
+        head_dim: usize,
+        rope: &Rope,
+        positions: &[usize],
+        inverse: bool,
+    ) -> BResult<()>;
 
     /// Hyper-connection mapping from precomputed mix logits (`[rows, (2+hc)*hc]`).
-    fn hc_pre(&self, streams: &Self::Tensor, mix: &Self::Tensor, p: &HcParams<'_, Self::Tensor>) -> BResult<HcPre<Self::Tensor>>;
+    fn hc_pre(
+        &self,
+        streams: &Self::Tensor,
+        mix: &Self::Tensor,
+        p: &HcParams<'_, Self::Tensor>,
+    ) -> BResult<HcPre<Self::Tensor>>;
     /// `new[k] = post[k] * out + sum_j comb[j,k] * streams[j]`.
-    fn hc_post(&self, streams: &Self::Tensor, out: &Self::Tensor, pre: &HcPre<Self::Tensor>, hc: usize) -> BResult<Self::Tensor>;
+    fn hc_post(
+        &self,
+        streams: &Self::Tensor,
+        out: &Self::Tensor,
+        pre: &HcPre<Self::Tensor>,
+        hc: usize,
+    ) -> BResult<Self::Tensor>;
     /// Final collapse: `sum_k (sigmoid(mix_k*scale + base_k) + eps) * streams[k]`.
-    fn hc_head(&self, streams: &Self::Tensor, mix: &Self::Tensor, p: &HcParams<'_, Self::Tensor>) -> BResult<Self::Tensor>;
+    fn hc_head(
+        &self,
+        streams: &Self::Tensor,
+        mix: &Self::Tensor,
+        p: &HcParams<'_, Self::Tensor>,
+    ) -> BResult<Self::Tensor>;
 
     /// Feed projected `kv`/`gate` rows into a compressor ring; every window a row closes
     /// is pooled (softmax over slots + position bias), normed, roped at `w*rate`, and
     /// stored as entry `w` in the sequence's pages.
     #[allow(clippy::too_many_arguments)]
-    fn compress(&self, kv: &mut Self::KvStore, layout: &KvLayout, layer: usize, proj_kv: &Self::Tensor, proj_gate: &Self::Tensor, p: &CompressorParams<'_, Self::Tensor>, plan: &BatchPlan) -> BResult<()>;
+    fn compress(
+        &self,
+        kv: &mut Self::KvStore,
+        layout: &KvLayout,
+        layer: usize,
+        proj_kv: &Self::Tensor,
+        proj_gate: &Self::Tensor,
+        p: &CompressorParams<'_, Self::Tensor>,
+        plan: &BatchPlan,
+    ) -> BResult<()>;
     /// Lightning indexer: score every visible index-K entry, keep the top `topk` per row.
     #[allow(clippy::too_many_arguments)]
-    fn index_select(&self, kv: &Self::KvStore, layout: &KvLayout, layer: usize, q: &Self::Tensor, weights: &Self::Tensor, n_heads: usize, topk: usize, plan: &BatchPlan) -> BResult<Self::Selection>;
+    fn index_select(
+        &self,
+        kv: &Self::KvStore,
+        layout: &KvLayout,
+        layer: usize,
+        q: &Self::Tensor,
+        weights: &Self::Tensor,
+        n_heads: usize,
+        topk: usize,
+        plan: &BatchPlan,
+    ) -> BResult<Self::Selection>;
     /// Sink attention of every row over its sliding window (earlier positions from the
     /// ring, this forward's from `kv_new`) and the given compressed entries.
     #[allow(clippy::too_many_arguments)]
-    fn attention(&self, kv: &Self::KvStore, layout: &KvLayout, layer: usize, q: &Self::Tensor, kv_new: &Self::Tensor, sinks: &Self::Tensor, n_heads: usize, compressed: CompressedKeys<'_, Self::Selection>, plan: &BatchPlan) -> BResult<Self::Tensor>;
+    fn attention(
+        &self,
+        kv: &Self::KvStore,
+        layout: &KvLayout,
+        layer: usize,
+        q: &Self::Tensor,
+        kv_new: &Self::Tensor,
+        sinks: &Self::Tensor,
+        n_heads: usize,
+        compressed: CompressedKeys<'_, Self::Selection>,
+        plan: &BatchPlan,
+    ) -> BResult<Self::Tensor>;
     /// Store this forward's K=V rows into the sliding-window rings.
-    fn window_store(&self, kv: &mut Self::KvStore, layout: &KvLayout, layer: usize, kv_new: &Self::Tensor, plan: &BatchPlan) -> BResult<()>;
+    fn window_store(
+        &self,
+        kv: &mut Self::KvStore,
+        layout: &KvLayout,
+        layer: usize,
+        kv_new: &Self::Tensor,
+        plan: &BatchPlan,
+    ) -> BResult<()>;
     /// Routed experts plus shared expert.
     fn moe(&self, x: &Self::Tensor, p: &MoeParams<'_, Self::Tensor>) -> BResult<Self::Tensor>;
 }

@@ -73,7 +73,7 @@ impl KvLayoutSpec {
         KvLayoutSpec {
             page_tokens: default_page_tokens(cfg),
             kv_dtype: EntryDtype::F32,
-            index_k_dtype: EntryDtype::Bf16,
+            index_k_dtype: EntryDtype::F32,
         }
     }
 }
@@ -179,7 +179,7 @@ impl KvLayout {
         let mut layers = Vec::with_capacity(cfg.layer_types.len());
         for (i, &kind) in cfg.layer_types.iter().enumerate() {
             let rate = cfg.compress_rate(kind).unwrap_or(0);
-            if rate > 0 && spec.page_tokens % rate != 0 {
+            if rate > 0 && !spec.page_tokens.is_multiple_of(rate) {
                 return Err(LayoutError::Invalid {
                     field: "page_tokens",
                     reason: format!(
@@ -219,9 +219,8 @@ impl KvLayout {
                     page = align16(page + l.comp_entries_per_page * hd * spec.kv_dtype.bytes());
                     l.index_page_offset = page;
                     l.index_entries_per_page = spec.page_tokens / rate;
-                    page = align16(
-                        page + l.index_entries_per_page * ihd * spec.index_k_dtype.bytes(),
-                    );
+                    page =
+                        align16(page + l.index_entries_per_page * ihd * spec.index_k_dtype.bytes());
                     // Overlapping windows: the ring keeps the previous window too.
                     l.comp_ring_slots = 2 * rate;
                     l.comp_width = 2 * hd;
@@ -257,8 +256,14 @@ impl KvLayout {
         let mut f = vec![
             ("page_tokens".to_string(), self.page_tokens.to_string()),
             ("head_dim".to_string(), self.head_dim.to_string()),
-            ("index_head_dim".to_string(), self.index_head_dim.to_string()),
-            ("sliding_window".to_string(), self.sliding_window.to_string()),
+            (
+                "index_head_dim".to_string(),
+                self.index_head_dim.to_string(),
+            ),
+            (
+                "sliding_window".to_string(),
+                self.sliding_window.to_string(),
+            ),
             ("kv_dtype".to_string(), self.kv_dtype.to_string()),
             ("index_k_dtype".to_string(), self.index_k_dtype.to_string()),
             ("num_layers".to_string(), self.layers.len().to_string()),
@@ -281,7 +286,10 @@ impl KvLayout {
             h.update(v.as_bytes());
             h.update(b";");
         }
-        h.finalize()[..8].iter().map(|b| format!("{b:02x}")).collect()
+        h.finalize()[..8]
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect()
     }
 
     /// Refuse a peer whose layout differs, naming the first differing field.

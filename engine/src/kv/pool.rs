@@ -132,7 +132,11 @@ mod tests {
         assert_eq!(a, vec![0, 1, 2]);
         assert!(matches!(
             p.alloc_pages(2),
-            Err(PoolError::PagesExhausted { asked: 2, free: 1, total: 4 })
+            Err(PoolError::PagesExhausted {
+                asked: 2,
+                free: 1,
+                total: 4
+            })
         ));
         assert_eq!(p.free_page_count(), 1);
         p.retain_pages(&a[..1]).unwrap();

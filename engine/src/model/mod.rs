@@ -9,8 +9,8 @@ use crate::backend::{
 use crate::config::{LayerKind, MlpKind, ModelConfig};
 use crate::kv::KvLayout;
 use crate::rope::Rope;
-pub use weights::{LoadError, ModelWeights};
 use weights::{CompressorWeights, HcWeights, LayerWeights};
+pub use weights::{LoadError, ModelWeights};
 
 pub struct Model<B: Backend> {
     pub cfg: ModelConfig,
@@ -23,7 +23,12 @@ impl<B: Backend> Model<B> {
     pub fn new(cfg: ModelConfig, weights: ModelWeights<B>) -> Self {
         let rope_main = Rope::new(&cfg.rope_main, cfg.qk_rope_head_dim);
         let rope_compress = Rope::new(&cfg.rope_compress, cfg.qk_rope_head_dim);
-        Model { cfg, weights, rope_main, rope_compress }
+        Model {
+            cfg,
+            weights,
+            rope_main,
+            rope_compress,
+        }
     }
 
     fn hc_params<'a>(&self, w: &'a HcWeights<B>) -> HcParams<'a, B::Tensor> {
@@ -38,7 +43,12 @@ impl<B: Backend> Model<B> {
 
     /// Mix logits of the hyper-connection mapping: `rmsnorm(streams) @ fn^T`.
     fn hc_mix(&self, b: &B, streams: &B::Tensor, fn_: &B::Tensor) -> BResult<B::Tensor> {
-        let flat = b.rms_norm(streams, None, self.cfg.hc_mult * self.cfg.hidden_size, self.cfg.rms_norm_eps)?;
+        let flat = b.rms_norm(
+            streams,
+            None,
+            self.cfg.hc_mult * self.cfg.hidden_size,
+            self.cfg.rms_norm_eps,
+        )?;
         b.matmul(&flat, fn_)
     }
 
@@ -48,18 +58,35 @@ impl<B: Backend> Model<B> {
     }
 
     /// Run one ragged batch. Returns the logits of the rows in `logit_rows`, in that order.
-    pub fn forward(&self, b: &B, kv: &mut B::KvStore, layout: &KvLayout, plan: &BatchPlan, logit_rows: &[usize]) -> BResult<HostTensor> {
+    pub fn forward(
+        &self,
+        b: &B,
+        kv: &mut B::KvStore,
+        layout: &KvLayout,
+        plan: &BatchPlan,
+        logit_rows: &[usize],
+    ) -> BResult<HostTensor> {
         let cfg = &self.cfg;
         let w = &self.weights;
         let mut x = b.embed(&w.embed_tokens, &plan.tokens, cfg.hc_mult)?;
         for (li, lw) in w.layers.iter().enumerate() {
             let pre = self.hc_pre(b, &x, &lw.attn_hc)?;
-            let h = b.rms_norm(&pre.collapsed, Some(&lw.input_layernorm), cfg.hidden_size, cfg.rms_norm_eps)?;
+            let h = b.rms_norm(
+                &pre.collapsed,
+                Some(&lw.input_layernorm),
+                cfg.hidden_size,
+                cfg.rms_norm_eps,
+            )?;
             let attn = self.attention(b, kv, layout, li, lw, &h, plan)?;
             x = b.hc_post(&x, &attn, &pre, cfg.hc_mult)?;
 
             let pre = self.hc_pre(b, &x, &lw.ffn_hc)?;
-            let h = b.rms_norm(&pre.collapsed, Some(&lw.post_attention_layernorm), cfg.hidden_size, cfg.rms_norm_eps)?;
+            let h = b.rms_norm(
+                &pre.collapsed,
+                Some(&lw.post_attention_layernorm),
+                cfg.hidden_size,
+                cfg.rms_norm_eps,
+            )?;
             let mlp = self.moe(b, lw, &h, plan)?;
             x = b.hc_post(&x, &mlp, &pre, cfg.hc_mult)?;
         }
@@ -70,7 +97,11 @@ impl<B: Backend> Model<B> {
         b.to_host(&b.matmul(&y, w.lm_head())?)
     }
 
-    fn compressor_params<'a>(&'a self, part: CompressorPart, cw: &'a CompressorWeights<B>) -> CompressorParams<'a, B::Tensor> {
+    fn compressor_params<'a>(
+        &'a self,
+        part: CompressorPart,
+        cw: &'a CompressorWeights<B>,
+    ) -> CompressorParams<'a, B::Tensor> {
         CompressorParams {
             part,
             position_bias: &cw.position_bias,
@@ -80,18 +111,55 @@ impl<B: Backend> Model<B> {
         }
     }
 
-    fn compress(&self, b: &B, kv: &mut B::KvStore, layout: &KvLayout, li: usize, part: CompressorPart, cw: &CompressorWeights<B>, h: &B::Tensor, plan: &BatchPlan) -> BResult<()> {
+    #[allow(clippy::too_many_arguments)]
+    fn compress(
+        &self,
+        b: &B,
+        kv: &mut B::KvStore,
+        layout: &KvLayout,
+        li: usize,
+        part: CompressorPart,
+        cw: &CompressorWeights<B>,
+        h: &B::Tensor,
+        plan: &BatchPlan,
+    ) -> BResult<()> {
         let pk = b.matmul(h, &cw.kv_proj)?;
         let pg = b.matmul(h, &cw.gate_proj)?;
-        b.compress(kv, layout, li, &pk, &pg, &self.compressor_params(part, cw), plan)
+        b.compress(
+            kv,
+            layout,
+            li,
+            &pk,
+            &pg,
+            &self.compressor_params(part, cw),
+            plan,
+        )
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn attention(&self, b: &B, kv: &mut B::KvStore, layout: &KvLayout, li: usize, lw: &LayerWeights<B>, h: &B::Tensor, plan: &BatchPlan) -> BResult<B::Tensor> {
+    fn attention(
+        &self,
+        b: &B,
+        kv: &mut B::KvStore,
+        layout: &KvLayout,
+        li: usize,
+        lw: &LayerWeights<B>,
+        h: &B::Tensor,
+        plan: &BatchPlan,
+    ) -> BResult<B::Tensor> {
         let cfg = &self.cfg;
         let (hd, eps) = (cfg.head_dim, cfg.rms_norm_eps);
-        let rope = if lw.kind == LayerKind::Sliding { &self.rope_main } else { &self.rope_compress };
-        let q_res = b.rms_norm(&b.matmul(h, &lw.q_a_proj)?, Some(&lw.q_a_norm), cfg.q_lora_rank, eps)?;
+        let rope = if lw.kind == LayerKind::Sliding {
+            &self.rope_main
+        } else {
+            &self.rope_compress
+        };
+        let q_res = b.rms_norm(
+            &b.matmul(h, &lw.q_a_proj)?,
+            Some(&lw.q_a_norm),
+            cfg.q_lora_rank,
+            eps,
+        )?;
         let mut q = b.rms_norm(&b.matmul(&q_res, &lw.q_b_proj)?, None, hd, eps)?;
         b.rope(&mut q, hd, rope, &plan.positions, false)?;
         let mut kv_new = b.rms_norm(&b.matmul(h, &lw.kv_proj)?, Some(&lw.kv_norm), hd, eps)?;
@@ -102,11 +170,35 @@ impl<B: Backend> Model<B> {
         }
         let selection = match &lw.indexer {
             Some(iw) => {
-                self.compress(b, kv, layout, li, CompressorPart::Index, &iw.compressor, h, plan)?;
+                self.compress(
+                    b,
+                    kv,
+                    layout,
+                    li,
+                    CompressorPart::Index,
+                    &iw.compressor,
+                    h,
+                    plan,
+                )?;
                 let mut qi = b.matmul(&q_res, &iw.q_b_proj)?;
-                b.rope(&mut qi, cfg.index_head_dim, &self.rope_compress, &plan.positions, false)?;
+                b.rope(
+                    &mut qi,
+                    cfg.index_head_dim,
+                    &self.rope_compress,
+                    &plan.positions,
+                    false,
+                )?;
                 let wi = b.matmul(h, &iw.weights_proj)?;
-                Some(b.index_select(kv, layout, li, &qi, &wi, cfg.index_n_heads, cfg.index_topk, plan)?)
+                Some(b.index_select(
+                    kv,
+                    layout,
+                    li,
+                    &qi,
+                    &wi,
+                    cfg.index_n_heads,
+                    cfg.index_topk,
+                    plan,
+                )?)
             }
             None => None,
         };
@@ -116,7 +208,17 @@ impl<B: Backend> Model<B> {
             (LayerKind::Csa, Some(sel)) => CompressedKeys::Selected(sel),
             (LayerKind::Csa, None) => CompressedKeys::None,
         };
-        let mut o = b.attention(kv, layout, li, &q, &kv_new, &lw.sinks, cfg.num_attention_heads, keys, plan)?;
+        let mut o = b.attention(
+            kv,
+            layout,
+            li,
+            &q,
+            &kv_new,
+            &lw.sinks,
+            cfg.num_attention_heads,
+            keys,
+            plan,
+        )?;
         b.window_store(kv, layout, li, &kv_new, plan)?;
         // K = V carries rope: rotate the output's rope slice back at the query position.
         b.rope(&mut o, hd, rope, &plan.positions, true)?;
@@ -124,7 +226,13 @@ impl<B: Backend> Model<B> {
         b.matmul(&g, &lw.o_b_proj)
     }
 
-    fn moe(&self, b: &B, lw: &LayerWeights<B>, h: &B::Tensor, plan: &BatchPlan) -> BResult<B::Tensor> {
+    fn moe(
+        &self,
+        b: &B,
+        lw: &LayerWeights<B>,
+        h: &B::Tensor,
+        plan: &BatchPlan,
+    ) -> BResult<B::Tensor> {
         let cfg = &self.cfg;
         let k = cfg.num_experts_per_tok;
         let hash: Option<Vec<u32>> = match (lw.mlp_kind, &lw.tid2eid) {

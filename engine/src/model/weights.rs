@@ -82,11 +82,25 @@ impl<B: Backend> Loader<'_, B> {
         let t = self.ckpt.tensor_f32(name)?;
         self.progress.advance(self.ckpt.tensor_bytes(name));
         let cols = t.shape.last().copied().unwrap_or(1);
-        let rows = if t.shape.len() <= 1 { 1 } else { t.shape[..t.shape.len() - 1].iter().product() };
-        Ok(self.backend.upload(HostTensor { rows, cols, data: t.data })?)
+        let rows = if t.shape.len() <= 1 {
+            1
+        } else {
+            t.shape[..t.shape.len() - 1].iter().product()
+        };
+        Ok(self.backend.upload(HostTensor {
+            rows,
+            cols,
+            data: t.data,
+        })?)
     }
 
-    fn hc(&mut self, prefix: &str, fn_name: &str, base: &str, scale: &str) -> Result<HcWeights<B>, LoadError> {
+    fn hc(
+        &mut self,
+        prefix: &str,
+        fn_name: &str,
+        base: &str,
+        scale: &str,
+    ) -> Result<HcWeights<B>, LoadError> {
         Ok(HcWeights {
             fn_: self.t(&format!("{prefix}.{fn_name}"))?,
             base: self.t(&format!("{prefix}.{base}"))?,
@@ -108,10 +122,13 @@ impl<B: Backend> Loader<'_, B> {
         self.progress.advance(self.ckpt.tensor_bytes(name));
         ids.iter()
             .map(|&i| {
-                u32::try_from(i).ok().filter(|&v| (v as usize) < cfg.n_routed_experts).ok_or_else(|| LoadError::Tensor {
-                    name: name.to_string(),
-                    reason: format!("expert id {i} outside 0..{}", cfg.n_routed_experts),
-                })
+                u32::try_from(i)
+                    .ok()
+                    .filter(|&v| (v as usize) < cfg.n_routed_experts)
+                    .ok_or_else(|| LoadError::Tensor {
+                        name: name.to_string(),
+                        reason: format!("expert id {i} outside 0..{}", cfg.n_routed_experts),
+                    })
             })
             .collect()
     }
@@ -176,14 +193,30 @@ impl<B: Backend> ModelWeights<B> {
     /// Validate the checkpoint against the config (one error listing every problem), then load.
     pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, backend: &B) -> Result<Self, LoadError> {
         crate::weights::validate(ckpt, cfg)?;
-        let mut l = Loader { ckpt, backend, progress: LoadProgress::new(ckpt.total_bytes()) };
+        let mut l = Loader {
+            ckpt,
+            backend,
+            progress: LoadProgress::new(ckpt.total_bytes()),
+        };
         let embed_tokens = l.t("model.embed_tokens.weight")?;
-        let layers = (0..cfg.num_hidden_layers).map(|i| l.layer(cfg, i)).collect::<Result<Vec<_>, _>>()?;
+        let layers = (0..cfg.num_hidden_layers)
+            .map(|i| l.layer(cfg, i))
+            .collect::<Result<Vec<_>, _>>()?;
         let norm = l.t("model.norm.weight")?;
         let hc_head = l.hc("model.hc_head", "hc_fn", "hc_base", "hc_scale")?;
-        let lm_head = if ckpt.shape("lm_head.weight").is_some() { Some(l.t("lm_head.weight")?) } else { None };
+        let lm_head = if ckpt.shape("lm_head.weight").is_some() {
+            Some(l.t("lm_head.weight")?)
+        } else {
+            None
+        };
         l.progress.finish();
-        Ok(ModelWeights { embed_tokens, layers, norm, hc_head, lm_head })
+        Ok(ModelWeights {
+            embed_tokens,
+            layers,
+            norm,
+            hc_head,
+            lm_head,
+        })
     }
 
     pub fn lm_head(&self) -> &B::Tensor {

@@ -26,7 +26,11 @@ pub fn fixture_names() -> Vec<String> {
         .map(|e| e.file_name().to_string_lossy().into_owned())
         .collect();
     names.sort();
-    assert!(!names.is_empty(), "no fixtures found under {}", fixtures_dir().display());
+    assert!(
+        !names.is_empty(),
+        "no fixtures found under {}",
+        fixtures_dir().display()
+    );
     names
 }
 
@@ -42,12 +46,27 @@ pub fn load_fixture(name: &str) -> Fixture {
         .collect();
     let lg = st.tensor("logits").unwrap();
     let vocab = lg.shape()[1];
-    let flat: Vec<f32> = lg.data().chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+    let flat: Vec<f32> = lg
+        .data()
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
     let logits = flat.chunks(vocab).map(<[f32]>::to_vec).collect();
     let meta: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("meta.json")).unwrap()).unwrap();
-    let prefill_lens = meta["prefill_lens"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as usize).collect();
-    Fixture { name: name.to_string(), dir, tokens, logits, prefill_lens }
+    let prefill_lens = meta["prefill_lens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap() as usize)
+        .collect();
+    Fixture {
+        name: name.to_string(),
+        dir,
+        tokens,
+        logits,
+        prefill_lens,
+    }
 }
 
 pub fn engine(dir: &Path, index_k: EntryDtype, page_tokens: Option<usize>) -> Engine<CpuBackend> {
@@ -57,12 +76,25 @@ pub fn engine(dir: &Path, index_k: EntryDtype, page_tokens: Option<usize>) -> En
     if let Some(p) = page_tokens {
         spec.page_tokens = p;
     }
-    Engine::load(dir, CpuBackend, Some(spec), PoolSize { pages: 256, states: 16 }).unwrap()
+    Engine::load(
+        dir,
+        CpuBackend,
+        Some(spec),
+        PoolSize {
+            pages: 256,
+            states: 16,
+        },
+    )
+    .unwrap()
 }
 
 /// Relative L2 error of one row.
 pub fn rel_err(got: &[f32], want: &[f32]) -> f64 {
-    let num: f64 = got.iter().zip(want).map(|(a, b)| ((a - b) as f64).powi(2)).sum();
+    let num: f64 = got
+        .iter()
+        .zip(want)
+        .map(|(a, b)| ((a - b) as f64).powi(2))
+        .sum();
     let den: f64 = want.iter().map(|b| (*b as f64).powi(2)).sum();
     (num / den.max(1e-30)).sqrt()
 }

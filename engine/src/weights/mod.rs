@@ -2,28 +2,29 @@
 //! inventory transformers' `DeepseekV4ForCausalLM.state_dict()` saves, and validation of one
 //! against the other.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+mod checkpoint;
+pub mod names;
+
+use std::collections::BTreeSet;
 use std::fmt;
-use std::fs::File;
 use std::io::IsTerminal;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use memmap2::Mmap;
-use rayon::prelude::*;
-use safetensors::SafeTensors;
+
+pub use checkpoint::{Checkpoint, HostTensor, RawTensor};
 
 use crate::config::{LayerKind, MlpKind, ModelConfig};
 
 /// Element type of a tensor as stored on disk.
 pub use safetensors::Dtype as DiskDtype;
 
-const SINGLE_FILE: &str = "model.safetensors";
-const INDEX_FILE: &str = "model.safetensors.index.json";
+pub(crate) const SINGLE_FILE: &str = "model.safetensors";
+pub(crate) const INDEX_FILE: &str = "model.safetensors.index.json";
 /// How many entries of each problem kind a [`ValidationReport`] prints.
 const REPORT_CAP: usize = 20;
 /// Elements converted per parallel work item.
-const CONVERT_CHUNK: usize = 1 << 16;
+pub(crate) const CONVERT_CHUNK: usize = 1 << 16;
 
 #[derive(Debug, thiserror::Error)]
 pub enum WeightsError {
@@ -46,221 +47,15 @@ pub enum WeightsError {
     #[error("tensor `{name}` is not in the checkpoint")]
     NotFound { name: String },
     #[error("tensor `{name}` has dtype {dtype:?}; expected {expected}")]
-    Dtype { name: String, dtype: DiskDtype, expected: &'static str },
+    Dtype {
+        name: String,
+        dtype: DiskDtype,
+        expected: &'static str,
+    },
     #[error("tensor `{name}`: {reason}")]
     Corrupt { name: String, reason: String },
     #[error("checkpoint does not match the model config:\n{0}")]
     Invalid(ValidationReport),
-}
-
-/// A tensor converted to f32 on the host.
-#[derive(Debug, Clone, PartialEq)]
-pub struct HostTensor {
-    pub shape: Vec<usize>,
-    pub data: Vec<f32>,
-}
-
-/// Zero-copy view of a tensor's bytes inside the mapped file (little-endian, row-major).
-#[derive(Debug, Clone, Copy)]
-pub struct RawTensor<'a> {
-    pub dtype: DiskDtype,
-    pub shape: &'a [usize],
-    pub bytes: &'a [u8],
-}
-
-#[derive(Debug)]
-struct Entry {
-    shard: usize,
-    dtype: DiskDtype,
-    shape: Vec<usize>,
-    /// Absolute byte range inside the shard's mapping.
-    start: usize,
-    end: usize,
-}
-
-#[derive(Debug)]
-struct Shard {
-    path: PathBuf,
-    map: Mmap,
-}
-
-/// An opened checkpoint directory. Tensor data stays in the page cache until converted.
-#[derive(Debug)]
-pub struct Checkpoint {
-    dir: PathBuf,
-    shards: Vec<Shard>,
-    tensors: BTreeMap<String, Entry>,
-}
-
-#[allow(unsafe_code)]
-fn map_file(path: &Path) -> Result<Mmap, WeightsError> {
-    let io = |source| WeightsError::Io { path: path.to_path_buf(), source };
-    let file = File::open(path).map_err(io)?;
-    // SAFETY: the map is read-only and every access is bounds-checked against the header that
-    // safetensors validated. Checkpoint files must not be truncated or rewritten while the
-    // server has them open; that is the documented contract of memory-mapping a file.
-    unsafe { Mmap::map(&file) }.map_err(io)
-}
-
-/// dtype, shape, absolute start, absolute end.
-type HeaderEntry = (DiskDtype, Vec<usize>, usize, usize);
-
-/// Parsed safetensors header of one mapped file, by tensor name.
-fn read_header(path: &Path, map: &Mmap) -> Result<HashMap<String, HeaderEntry>, WeightsError> {
-    let (n, meta) =
-        SafeTensors::read_metadata(map).map_err(|source| WeightsError::Format { path: path.to_path_buf(), source })?;
-    let base = 8 + n;
-    Ok(meta
-        .tensors()
-        .into_iter()
-        .map(|(name, info)| {
-            let (s, e) = info.data_offsets;
-            (name, (info.dtype, info.shape.clone(), base + s, base + e))
-        })
-        .collect())
-}
-
-impl Checkpoint {
-    /// Open `dir/model.safetensors`, or else the shards named by `dir/model.safetensors.index.json`
-    /// (`weight_map`: tensor name -> file name). Only the headers are read here.
-    pub fn open(dir: &Path) -> Result<Self, WeightsError> {
-        let single = dir.join(SINGLE_FILE);
-        let index = dir.join(INDEX_FILE);
-        let mut ckpt = Checkpoint { dir: dir.to_path_buf(), shards: Vec::new(), tensors: BTreeMap::new() };
-        if single.is_file() {
-            let map = map_file(&single)?;
-            for (name, (dtype, shape, start, end)) in read_header(&single, &map)? {
-                ckpt.tensors.insert(name, Entry { shard: 0, dtype, shape, start, end });
-            }
-            ckpt.shards.push(Shard { path: single, map });
-            return Ok(ckpt);
-        }
-        if !index.is_file() {
-            return Err(WeightsError::NoCheckpoint { dir: dir.to_path_buf() });
-        }
-        let bad = |reason: String| WeightsError::Index { path: index.clone(), reason };
-        let text =
-            std::fs::read_to_string(&index).map_err(|source| WeightsError::Io { path: index.clone(), source })?;
-        let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
-        let Some(weight_map) = json.get("weight_map").and_then(|w| w.as_object()) else {
-            return Err(bad("missing `weight_map` object".into()));
-        };
-        // file name -> tensor names it should hold
-        let mut by_file: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
-        for (name, file) in weight_map {
-            let Some(file) = file.as_str() else {
-                return Err(bad(format!("weight_map[{name:?}] is not a file name: {file}")));
-            };
-            by_file.entry(file).or_default().push(name);
-        }
-        for (file, names) in by_file {
-            let path = dir.join(file);
-            let map = map_file(&path)?;
-            let mut header = read_header(&path, &map)?;
-            let shard = ckpt.shards.len();
-            for name in names {
-                let Some((dtype, shape, start, end)) = header.remove(name) else {
-                    return Err(bad(format!("tensor `{name}` is mapped to {file}, which does not contain it")));
-                };
-                ckpt.tensors.insert(name.to_string(), Entry { shard, dtype, shape, start, end });
-            }
-            ckpt.shards.push(Shard { path, map });
-        }
-        Ok(ckpt)
-    }
-
-    /// The directory this checkpoint was opened from.
-    pub fn dir(&self) -> &Path {
-        &self.dir
-    }
-
-    /// Files backing this checkpoint, in shard order.
-    pub fn files(&self) -> Vec<&Path> {
-        self.shards.iter().map(|s| s.path.as_path()).collect()
-    }
-
-    /// Every tensor name, sorted.
-    pub fn names(&self) -> Vec<String> {
-        self.tensors.keys().cloned().collect()
-    }
-
-    pub fn contains(&self, name: &str) -> bool {
-        self.tensors.contains_key(name)
-    }
-
-    pub fn shape(&self, name: &str) -> Option<Vec<usize>> {
-        self.tensors.get(name).map(|e| e.shape.clone())
-    }
-
-    pub fn dtype(&self, name: &str) -> Option<DiskDtype> {
-        self.tensors.get(name).map(|e| e.dtype)
-    }
-
-    /// Stored size of one tensor in bytes (0 when absent).
-    pub fn tensor_bytes(&self, name: &str) -> u64 {
-        self.tensors.get(name).map_or(0, |e| (e.end - e.start) as u64)
-    }
-
-    /// Stored size of all tensors in bytes.
-    pub fn total_bytes(&self) -> u64 {
-        self.tensors.values().map(|e| (e.end - e.start) as u64).sum()
-    }
-
-    /// The stored bytes of a tensor, without conversion.
-    pub fn raw(&self, name: &str) -> Result<RawTensor<'_>, WeightsError> {
-        let entry = self.tensors.get(name).ok_or_else(|| WeightsError::NotFound { name: name.to_string() })?;
-        let bytes = self
-            .shards
-            .get(entry.shard)
-            .and_then(|s| s.map.get(entry.start..entry.end))
-            .ok_or_else(|| corrupt(name, "data range lies outside its file".into()))?;
-        let numel: usize = entry.shape.iter().product();
-        let expected = numel.checked_mul(entry.dtype.bitsize()).map(|bits| bits.div_ceil(8));
-        if expected != Some(bytes.len()) {
-            return Err(corrupt(name, format!("{} bytes stored for shape {:?}", bytes.len(), entry.shape)));
-        }
-        Ok(RawTensor { dtype: entry.dtype, shape: &entry.shape, bytes })
-    }
-
-    /// A float tensor (F32, BF16 or F16 on disk) converted to f32.
-    pub fn tensor_f32(&self, name: &str) -> Result<HostTensor, WeightsError> {
-        let raw = self.raw(name)?;
-        let decode: fn(&[u8]) -> f32 = match raw.dtype {
-            DiskDtype::F32 => |b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
-            DiskDtype::BF16 => |b| half::bf16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32(),
-            DiskDtype::F16 => |b| half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32(),
-            dtype => return Err(WeightsError::Dtype { name: name.to_string(), dtype, expected: "F32, BF16 or F16" }),
-        };
-        let size = raw.dtype.bitsize() / 8;
-        let mut data = vec![0f32; raw.bytes.len() / size];
-        data.par_chunks_mut(CONVERT_CHUNK).zip(raw.bytes.par_chunks(CONVERT_CHUNK * size)).for_each(|(out, bytes)| {
-            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(size)) {
-                *o = decode(b);
-            }
-        });
-        Ok(HostTensor { shape: raw.shape.to_vec(), data })
-    }
-
-    /// An integer tensor (I64 or I32 on disk), e.g. `tid2eid`.
-    pub fn tensor_i64(&self, name: &str) -> Result<(Vec<usize>, Vec<i64>), WeightsError> {
-        let raw = self.raw(name)?;
-        let data: Vec<i64> = match raw.dtype {
-            DiskDtype::I64 => raw
-                .bytes
-                .chunks_exact(8)
-                .map(|b| i64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]))
-                .collect(),
-            DiskDtype::I32 => {
-                raw.bytes.chunks_exact(4).map(|b| i64::from(i32::from_le_bytes([b[0], b[1], b[2], b[3]]))).collect()
-            }
-            dtype => return Err(WeightsError::Dtype { name: name.to_string(), dtype, expected: "I64 or I32" }),
-        };
-        Ok((raw.shape.to_vec(), data))
-    }
-}
-
-fn corrupt(name: &str, reason: String) -> WeightsError {
-    WeightsError::Corrupt { name: name.to_string(), reason }
 }
 
 /// One tensor the model needs: name and shape as transformers saves them.
@@ -287,11 +82,19 @@ struct Inventory(Vec<ExpectedTensor>);
 
 impl Inventory {
     fn float(&mut self, name: String, shape: &[usize]) {
-        self.0.push(ExpectedTensor { name, shape: shape.to_vec(), int: false });
+        self.0.push(ExpectedTensor {
+            name,
+            shape: shape.to_vec(),
+            int: false,
+        });
     }
 
     fn int(&mut self, name: String, shape: &[usize]) {
-        self.0.push(ExpectedTensor { name, shape: shape.to_vec(), int: true });
+        self.0.push(ExpectedTensor {
+            name,
+            shape: shape.to_vec(),
+            int: true,
+        });
     }
 }
 
@@ -300,8 +103,18 @@ impl Inventory {
 /// the hyper-connection `input_norm`s) have no parameters. `lm_head.weight` is listed only when
 /// embeddings are untied (see [`validate`] for the tied case).
 pub fn expected_tensors(cfg: &ModelConfig) -> Vec<ExpectedTensor> {
-    let (v, h, nh, hd) = (cfg.vocab_size, cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim);
-    let (ql, e, i, hc) = (cfg.q_lora_rank, cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hc_mult);
+    let (v, h, nh, hd) = (
+        cfg.vocab_size,
+        cfg.hidden_size,
+        cfg.num_attention_heads,
+        cfg.head_dim,
+    );
+    let (ql, e, i, hc) = (
+        cfg.q_lora_rank,
+        cfg.n_routed_experts,
+        cfg.moe_intermediate_size,
+        cfg.hc_mult,
+    );
     let (ihd, inh) = (cfg.index_head_dim, cfg.index_n_heads);
     let og = cfg.o_groups * cfg.o_lora_rank;
     let mut t = Inventory(Vec::new());
@@ -374,10 +187,6 @@ pub fn expected_tensors(cfg: &ModelConfig) -> Vec<ExpectedTensor> {
 }
 
 /// Keys transformers drops on load: `(^|\.)mtp\..*` (multi-token-prediction layers).
-fn is_ignored(name: &str) -> bool {
-    name.starts_with("mtp.") || name.contains(".mtp.")
-}
-
 /// A stored shape that differs from the config's.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ShapeMismatch {
@@ -408,7 +217,12 @@ impl ValidationReport {
     }
 }
 
-fn write_section<T>(f: &mut fmt::Formatter<'_>, title: &str, items: &[T], line: impl Fn(&T) -> String) -> fmt::Result {
+fn write_section<T>(
+    f: &mut fmt::Formatter<'_>,
+    title: &str,
+    items: &[T],
+    line: impl Fn(&T) -> String,
+) -> fmt::Result {
     if items.is_empty() {
         return Ok(());
     }
@@ -429,7 +243,9 @@ impl fmt::Display for ValidationReport {
         write_section(f, "wrong shapes", &self.wrong_shape, |m| {
             format!("{}: expected {:?}, found {:?}", m.name, m.expected, m.found)
         })?;
-        write_section(f, "unsupported dtypes", &self.bad_dtype, |(n, d)| format!("{n}: {d:?}"))?;
+        write_section(f, "unsupported dtypes", &self.bad_dtype, |(n, d)| {
+            format!("{n}: {d:?}")
+        })?;
         write_section(f, "invalid values", &self.bad_values, |s| s.clone())
     }
 }
@@ -467,10 +283,18 @@ pub fn validate(ckpt: &Checkpoint, cfg: &ModelConfig) -> Result<(), WeightsError
         };
         let mut usable = true;
         if shape != t.shape {
-            report.wrong_shape.push(ShapeMismatch { name: t.name.clone(), expected: t.shape.clone(), found: shape });
+            report.wrong_shape.push(ShapeMismatch {
+                name: t.name.clone(),
+                expected: t.shape.clone(),
+                found: shape,
+            });
             usable = false;
         }
-        if !(if t.int { int_dtype(dtype) } else { float_dtype(dtype) }) {
+        if !(if t.int {
+            int_dtype(dtype)
+        } else {
+            float_dtype(dtype)
+        }) {
             report.bad_dtype.push((t.name.clone(), dtype));
             usable = false;
         }
@@ -479,8 +303,11 @@ pub fn validate(ckpt: &Checkpoint, cfg: &ModelConfig) -> Result<(), WeightsError
         }
     }
     let known: BTreeSet<&str> = expected.iter().map(|t| t.name.as_str()).collect();
-    report.unexpected =
-        ckpt.tensors.keys().filter(|n| !known.contains(n.as_str()) && !is_ignored(n)).cloned().collect();
+    report.unexpected = ckpt
+        .names()
+        .into_iter()
+        .filter(|n| !known.contains(n.as_str()))
+        .collect();
     if report.is_empty() {
         Ok(())
     } else {
@@ -488,12 +315,25 @@ pub fn validate(ckpt: &Checkpoint, cfg: &ModelConfig) -> Result<(), WeightsError
     }
 }
 
-fn check_expert_ids(ckpt: &Checkpoint, name: &str, n_experts: usize, report: &mut ValidationReport) {
+fn check_expert_ids(
+    ckpt: &Checkpoint,
+    name: &str,
+    n_experts: usize,
+    report: &mut ValidationReport,
+) {
     match ckpt.tensor_i64(name) {
         Ok((_, ids)) => {
-            let bad = ids.iter().filter(|&&x| usize::try_from(x).map_or(true, |x| x >= n_experts)).count();
-            if let Some(first) = ids.iter().find(|&&x| usize::try_from(x).map_or(true, |x| x >= n_experts)) {
-                report.bad_values.push(format!("{name}: {bad} expert ids outside 0..{n_experts} (first: {first})"));
+            let bad = ids
+                .iter()
+                .filter(|&&x| usize::try_from(x).map_or(true, |x| x >= n_experts))
+                .count();
+            if let Some(first) = ids
+                .iter()
+                .find(|&&x| usize::try_from(x).map_or(true, |x| x >= n_experts))
+            {
+                report.bad_values.push(format!(
+                    "{name}: {bad} expert ids outside 0..{n_experts} (first: {first})"
+                ));
             }
         }
         Err(e) => report.bad_values.push(format!("{name}: {e}")),

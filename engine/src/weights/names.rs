@@ -27,7 +27,11 @@ pub enum Canonical {
     /// The tensor itself, under this name.
     Whole(String),
     /// One expert's slice of a packed tensor: `packed` is the canonical packed name.
-    Expert { packed: String, expert: usize, part: ExpertPart },
+    Expert {
+        packed: String,
+        expert: usize,
+        part: ExpertPart,
+    },
     /// Multi-token-prediction weights: not used for inference (transformers ignores them too).
     Ignored,
 }
@@ -61,7 +65,10 @@ const RULES: &[Rule] = &[
     Rule::Suffix(".hc_ffn_base", ".ffn_hc.base"),
     Rule::Suffix(".hc_ffn_scale", ".ffn_hc.scale"),
     Rule::Suffix(".attn_sink", ".sinks"),
-    Rule::Mid(".indexer.weights_proj.", ".compressor.indexer.scorer.weights_proj."),
+    Rule::Mid(
+        ".indexer.weights_proj.",
+        ".compressor.indexer.scorer.weights_proj.",
+    ),
     Rule::Mid(".indexer.wq_b.", ".compressor.indexer.q_b_proj."),
     Rule::Mid(".norm.", ".kv_norm."),
     Rule::Suffix(".ape", ".position_bias"),
@@ -123,7 +130,11 @@ fn expert_slice(k: &str) -> Option<Canonical> {
         "w2.weight" => (ExpertPart::Down, "down_proj"),
         _ => return None,
     };
-    Some(Canonical::Expert { packed: format!("model.{stem}.experts.{packed}"), expert, part })
+    Some(Canonical::Expert {
+        packed: format!("model.{stem}.experts.{packed}"),
+        expert,
+        part,
+    })
 }
 
 #[cfg(test)]
@@ -144,33 +155,108 @@ mod tests {
             ("norm.weight", "model.norm.weight"),
             ("hc_head_fn", "model.hc_head.hc_fn"),
             ("model.hc_head.hc_scale", "model.hc_head.hc_scale"),
-            ("model.layers.1.attn.wq_a.weight", "model.layers.1.self_attn.q_a_proj.weight"),
-            ("model.layers.1.attn.q_norm.weight", "model.layers.1.self_attn.q_a_norm.weight"),
-            ("model.layers.1.attn.wq_b.weight", "model.layers.1.self_attn.q_b_proj.weight"),
-            ("model.layers.1.attn.wkv.weight", "model.layers.1.self_attn.kv_proj.weight"),
-            ("model.layers.1.attn.norm.weight", "model.layers.1.self_attn.kv_norm.weight"),
-            ("model.layers.1.attn.wo_a.weight", "model.layers.1.self_attn.o_a_proj.weight"),
-            ("model.layers.1.attn.wo_b.weight", "model.layers.1.self_attn.o_b_proj.weight"),
-            ("model.layers.1.attn.attn_sink", "model.layers.1.self_attn.sinks"),
-            ("model.layers.1.attn.compressor.wkv.weight", "model.layers.1.self_attn.compressor.kv_proj.weight"),
-            ("model.layers.1.attn.compressor.wgate.weight", "model.layers.1.self_attn.compressor.gate_proj.weight"),
-            ("model.layers.1.attn.compressor.ape", "model.layers.1.self_attn.compressor.position_bias"),
-            ("model.layers.1.attn.compressor.norm.weight", "model.layers.1.self_attn.compressor.kv_norm.weight"),
-            ("model.layers.1.attn.indexer.compressor.wkv.weight", "model.layers.1.self_attn.compressor.indexer.kv_proj.weight"),
-            ("model.layers.1.attn.indexer.compressor.ape", "model.layers.1.self_attn.compressor.indexer.position_bias"),
-            ("model.layers.1.attn.indexer.compressor.norm.weight", "model.layers.1.self_attn.compressor.indexer.kv_norm.weight"),
-            ("model.layers.1.attn.indexer.wq_b.weight", "model.layers.1.self_attn.compressor.indexer.q_b_proj.weight"),
-            ("model.layers.1.attn.indexer.weights_proj.weight", "model.layers.1.self_attn.compressor.indexer.scorer.weights_proj.weight"),
-            ("model.layers.1.attn_norm.weight", "model.layers.1.input_layernorm.weight"),
-            ("model.layers.1.ffn_norm.weight", "model.layers.1.post_attention_layernorm.weight"),
+            (
+                "model.layers.1.attn.wq_a.weight",
+                "model.layers.1.self_attn.q_a_proj.weight",
+            ),
+            (
+                "model.layers.1.attn.q_norm.weight",
+                "model.layers.1.self_attn.q_a_norm.weight",
+            ),
+            (
+                "model.layers.1.attn.wq_b.weight",
+                "model.layers.1.self_attn.q_b_proj.weight",
+            ),
+            (
+                "model.layers.1.attn.wkv.weight",
+                "model.layers.1.self_attn.kv_proj.weight",
+            ),
+            (
+                "model.layers.1.attn.norm.weight",
+                "model.layers.1.self_attn.kv_norm.weight",
+            ),
+            (
+                "model.layers.1.attn.wo_a.weight",
+                "model.layers.1.self_attn.o_a_proj.weight",
+            ),
+            (
+                "model.layers.1.attn.wo_b.weight",
+                "model.layers.1.self_attn.o_b_proj.weight",
+            ),
+            (
+                "model.layers.1.attn.attn_sink",
+                "model.layers.1.self_attn.sinks",
+            ),
+            (
+                "model.layers.1.attn.compressor.wkv.weight",
+                "model.layers.1.self_attn.compressor.kv_proj.weight",
+            ),
+            (
+                "model.layers.1.attn.compressor.wgate.weight",
+                "model.layers.1.self_attn.compressor.gate_proj.weight",
+            ),
+            (
+                "model.layers.1.attn.compressor.ape",
+                "model.layers.1.self_attn.compressor.position_bias",
+            ),
+            (
+                "model.layers.1.attn.compressor.norm.weight",
+                "model.layers.1.self_attn.compressor.kv_norm.weight",
+            ),
+            (
+                "model.layers.1.attn.indexer.compressor.wkv.weight",
+                "model.layers.1.self_attn.compressor.indexer.kv_proj.weight",
+            ),
+            (
+                "model.layers.1.attn.indexer.compressor.ape",
+                "model.layers.1.self_attn.compressor.indexer.position_bias",
+            ),
+            (
+                "model.layers.1.attn.indexer.compressor.norm.weight",
+                "model.layers.1.self_attn.compressor.indexer.kv_norm.weight",
+            ),
+            (
+                "model.layers.1.attn.indexer.wq_b.weight",
+                "model.layers.1.self_attn.compressor.indexer.q_b_proj.weight",
+            ),
+            (
+                "model.layers.1.attn.indexer.weights_proj.weight",
+                "model.layers.1.self_attn.compressor.indexer.scorer.weights_proj.weight",
+            ),
+            (
+                "model.layers.1.attn_norm.weight",
+                "model.layers.1.input_layernorm.weight",
+            ),
+            (
+                "model.layers.1.ffn_norm.weight",
+                "model.layers.1.post_attention_layernorm.weight",
+            ),
             ("model.layers.1.hc_attn_fn", "model.layers.1.attn_hc.fn"),
             ("model.layers.1.hc_ffn_scale", "model.layers.1.ffn_hc.scale"),
-            ("model.layers.1.ffn.gate.weight", "model.layers.1.mlp.gate.weight"),
-            ("model.layers.1.ffn.gate.tid2eid", "model.layers.1.mlp.gate.tid2eid"),
-            ("model.layers.3.ffn.gate.bias", "model.layers.3.mlp.gate.e_score_correction_bias"),
-            ("model.layers.1.ffn.shared_experts.w1.weight", "model.layers.1.mlp.shared_experts.gate_proj.weight"),
-            ("model.layers.1.ffn.shared_experts.w2.weight", "model.layers.1.mlp.shared_experts.down_proj.weight"),
-            ("model.layers.1.ffn.shared_experts.w3.weight", "model.layers.1.mlp.shared_experts.up_proj.weight"),
+            (
+                "model.layers.1.ffn.gate.weight",
+                "model.layers.1.mlp.gate.weight",
+            ),
+            (
+                "model.layers.1.ffn.gate.tid2eid",
+                "model.layers.1.mlp.gate.tid2eid",
+            ),
+            (
+                "model.layers.3.ffn.gate.bias",
+                "model.layers.3.mlp.gate.e_score_correction_bias",
+            ),
+            (
+                "model.layers.1.ffn.shared_experts.w1.weight",
+                "model.layers.1.mlp.shared_experts.gate_proj.weight",
+            ),
+            (
+                "model.layers.1.ffn.shared_experts.w2.weight",
+                "model.layers.1.mlp.shared_experts.down_proj.weight",
+            ),
+            (
+                "model.layers.1.ffn.shared_experts.w3.weight",
+                "model.layers.1.mlp.shared_experts.up_proj.weight",
+            ),
         ];
         for (disk, want) in cases {
             assert_eq!(canonical(disk), whole(want), "{disk}");
@@ -183,13 +269,24 @@ mod tests {
     fn experts_and_mtp() {
         assert_eq!(
             canonical("model.layers.2.ffn.experts.7.w3.weight"),
-            Canonical::Expert { packed: "model.layers.2.mlp.experts.gate_up_proj".into(), expert: 7, part: ExpertPart::Up }
+            Canonical::Expert {
+                packed: "model.layers.2.mlp.experts.gate_up_proj".into(),
+                expert: 7,
+                part: ExpertPart::Up
+            }
         );
         assert_eq!(
             canonical("layers.0.ffn.experts.0.w2.weight"),
-            Canonical::Expert { packed: "model.layers.0.mlp.experts.down_proj".into(), expert: 0, part: ExpertPart::Down }
+            Canonical::Expert {
+                packed: "model.layers.0.mlp.experts.down_proj".into(),
+                expert: 0,
+                part: ExpertPart::Down
+            }
         );
-        assert_eq!(canonical("model.layers.0.mlp.experts.gate_up_proj"), whole("model.layers.0.mlp.experts.gate_up_proj"));
+        assert_eq!(
+            canonical("model.layers.0.mlp.experts.gate_up_proj"),
+            whole("model.layers.0.mlp.experts.gate_up_proj")
+        );
         assert_eq!(canonical("mtp.0.attn.wq_a.weight"), Canonical::Ignored);
     }
 }
