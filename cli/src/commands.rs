@@ -58,7 +58,7 @@ impl TextStream<'_> {
             return Ok(());
         }
         let mut out = std::io::stdout().lock();
-        out.write_all(text[self.printed..].as_bytes())?;
+        out.write_all(&text.as_bytes()[self.printed..])?;
         out.flush()?;
         self.printed = text.len();
         Ok(())
@@ -68,7 +68,7 @@ impl TextStream<'_> {
         let text = self.tok.decode(&self.ids)?;
         let mut out = std::io::stdout().lock();
         if text.len() > self.printed && text.is_char_boundary(self.printed) {
-            out.write_all(text[self.printed..].as_bytes())?;
+            out.write_all(&text.as_bytes()[self.printed..])?;
         }
         out.write_all(b"\n")?;
         Ok(())
