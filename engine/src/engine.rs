@@ -63,6 +63,19 @@ impl Sequence {
     }
 }
 
+/// A sequence's complete KV state as bytes: what moves between pools and processes.
+/// Sizes come from the [`KvLayout`] whose fingerprint it carries.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SeqSnapshot {
+    pub layout_fingerprint: String,
+    /// Positions the state covers.
+    pub len: usize,
+    /// One entry per page of the page table, each `layout.page_bytes` long.
+    pub pages: Vec<Vec<u8>>,
+    /// The state slot, `layout.state_bytes` long.
+    pub state: Vec<u8>,
+}
+
 /// Which rows' logits a forward item wants.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Logits {
@@ -159,6 +172,69 @@ impl<B: Backend> Engine<B> {
         self.pool.release_pages(&seq.kv.pages)?;
         self.pool.release_state(seq.kv.state)?;
         Ok(())
+    }
+
+    /// Copy out a sequence's pages and state.
+    pub fn export_sequence(&self, seq: &Sequence) -> Result<SeqSnapshot, EngineError> {
+        let pages = seq
+            .kv
+            .pages
+            .iter()
+            .map(|&p| self.backend.page_bytes(&self.kv, &self.layout, p))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(SeqSnapshot {
+            layout_fingerprint: self.layout.fingerprint(),
+            len: seq.kv.len,
+            pages,
+            state: self
+                .backend
+                .state_bytes(&self.kv, &self.layout, seq.kv.state)?,
+        })
+    }
+
+    /// A new sequence holding a snapshot's state (pages and state slot freshly allocated).
+    pub fn import_sequence(&mut self, snap: &SeqSnapshot) -> Result<Sequence, EngineError> {
+        let fp = self.layout.fingerprint();
+        if snap.layout_fingerprint != fp {
+            return Err(EngineError::Request(format!(
+                "KV snapshot has layout {}, this engine's is {fp}",
+                snap.layout_fingerprint
+            )));
+        }
+        let (pb, sb) = (self.layout.page_bytes, self.layout.state_bytes);
+        if snap.pages.len() != self.layout.pages_for(snap.len)
+            || snap.pages.iter().any(|p| p.len() != pb)
+            || snap.state.len() != sb
+        {
+            return Err(EngineError::Request(format!(
+                "KV snapshot of {} positions has {} pages / state of {} bytes; layout wants {} pages of {pb} bytes and {sb} state bytes",
+                snap.len,
+                snap.pages.len(),
+                snap.state.len(),
+                self.layout.pages_for(snap.len)
+            )));
+        }
+        let mut seq = self.new_sequence()?;
+        let written = (|| {
+            seq.kv.pages = self.pool.alloc_pages(snap.pages.len())?;
+            for (&p, bytes) in seq.kv.pages.iter().zip(&snap.pages) {
+                self.backend
+                    .write_page(&mut self.kv, &self.layout, p, bytes)?;
+            }
+            self.backend
+                .write_state(&mut self.kv, &self.layout, seq.kv.state, &snap.state)?;
+            Ok::<(), EngineError>(())
+        })();
+        match written {
+            Ok(()) => {
+                seq.kv.len = snap.len;
+                Ok(seq)
+            }
+            Err(e) => {
+                self.release(seq)?;
+                Err(e)
+            }
+        }
     }
 
     /// Grow every sequence's page table to cover its new tokens; all or nothing.

@@ -177,3 +177,42 @@ fn ragged_batch_equals_each_request_alone() {
         assert!(err < TOL, "{name}: rel err {err:.3e}");
     }
 }
+
+/// Prefill in one engine, move the KV state as bytes into another, decode there: the
+/// logits equal a single-engine run (what prefill -> decode transfer relies on).
+#[test]
+fn exported_state_continues_identically_in_another_engine() {
+    let fx = load_fixture("legacy");
+    let k = 133;
+    let mut single = engine(&fx.dir, EntryDtype::F32, None);
+    let want = logits_prefill_decode(&mut single, &fx.tokens, k, 0).unwrap();
+
+    let mut p = engine(&fx.dir, EntryDtype::F32, None);
+    let mut d = engine(&fx.dir, EntryDtype::F32, None);
+    let mut seq = p.new_sequence().unwrap();
+    let mut got = prefill(&mut p, &mut seq, &fx.tokens[..k], 0, Logits::All).unwrap();
+    let snap = p.export_sequence(&seq).unwrap();
+    p.release(seq).unwrap();
+    assert_eq!(snap.pages.len(), d.layout().pages_for(k));
+    // Occupy some pages first so the imported sequence lands on different page ids.
+    let filler = d.new_sequence().unwrap();
+    let mut moved = d.import_sequence(&snap).unwrap();
+    assert_eq!(moved.len(), k);
+    for t in &fx.tokens[k..] {
+        let out = d
+            .forward(&mut [ForwardItem {
+                seq: &mut moved,
+                tokens: std::slice::from_ref(t),
+                logits: Logits::Last,
+            }])
+            .unwrap();
+        got.push(out[0].data.clone());
+    }
+    assert!(got == want);
+    d.release(moved).unwrap();
+    d.release(filler).unwrap();
+
+    let mut other = engine(&fx.dir, EntryDtype::Bf16, None);
+    let err = other.import_sequence(&snap).unwrap_err().to_string();
+    assert!(err.contains("layout"), "{err}");
+}

@@ -166,6 +166,26 @@ impl Backend for CpuBackend {
         kv.bytes(Region::State(slot))
     }
 
+    fn write_page(
+        &self,
+        kv: &mut CpuKv,
+        _layout: &KvLayout,
+        page: PageId,
+        bytes: &[u8],
+    ) -> BResult<()> {
+        kv.write_bytes(Region::Page(page), bytes)
+    }
+
+    fn write_state(
+        &self,
+        kv: &mut CpuKv,
+        _layout: &KvLayout,
+        slot: StateSlot,
+        bytes: &[u8],
+    ) -> BResult<()> {
+        kv.write_bytes(Region::State(slot), bytes)
+    }
+
     fn embed(&self, table: &CpuTensor, tokens: &[u32], copies: usize) -> BResult<CpuTensor> {
         let h = table.cols;
         let mut out = CpuTensor::zeros(tokens.len(), copies * h);

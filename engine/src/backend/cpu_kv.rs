@@ -64,6 +64,21 @@ impl CpuKv {
         Ok(bytemuck::cast_slice::<u32, u8>(self.words(r)?).to_vec())
     }
 
+    /// Overwrite the whole region with `bytes` (exactly its size).
+    pub fn write_bytes(&mut self, r: Region, bytes: &[u8]) -> BResult<()> {
+        let w = self.words_mut(r)?;
+        let dst: &mut [u8] = bytemuck::cast_slice_mut(w);
+        if dst.len() != bytes.len() {
+            return Err(BackendError::Kv(format!(
+                "{r:?} holds {} bytes, got {}",
+                dst.len(),
+                bytes.len()
+            )));
+        }
+        dst.copy_from_slice(bytes);
+        Ok(())
+    }
+
     pub fn zero(&mut self, r: Region) -> BResult<()> {
         self.words_mut(r)?.fill(0);
         Ok(())

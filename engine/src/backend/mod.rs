@@ -162,6 +162,21 @@ pub trait Backend: Send + Sync {
         layout: &KvLayout,
         slot: StateSlot,
     ) -> BResult<Vec<u8>>;
+    /// Overwrite a whole page / state slot (`layout.page_bytes` / `layout.state_bytes` bytes).
+    fn write_page(
+        &self,
+        kv: &mut Self::KvStore,
+        layout: &KvLayout,
+        page: PageId,
+        bytes: &[u8],
+    ) -> BResult<()>;
+    fn write_state(
+        &self,
+        kv: &mut Self::KvStore,
+        layout: &KvLayout,
+        slot: StateSlot,
+        bytes: &[u8],
+    ) -> BResult<()>;
 
     /// `table[tokens[r]]`, repeated `copies` times along the row: `[rows, copies*H]`.
     fn embed(&self, table: &Self::Tensor, tokens: &[u32], copies: usize) -> BResult<Self::Tensor>;
