@@ -5,7 +5,7 @@
 //! by index), so a row's result does not depend on how the sequence was chunked.
 
 use super::cpu::{rms_norm_into, softmax, CpuTensor};
-use super::cpu_kv::{quantize, CpuKv, Region};
+use super::cpu_kv::{quantize, CpuKv, EntryLoc, Region};
 use super::gemm::dot;
 use super::{
     BResult, BackendError, BatchPlan, CompressedKeys, CompressorParams, CompressorPart, SeqPlan,
@@ -32,7 +32,7 @@ fn entry_loc(
     part: CompressorPart,
     seq: &SeqPlan,
     w: usize,
-) -> BResult<(Region, usize, EntryDtype, usize)> {
+) -> BResult<EntryLoc> {
     let page_idx = w * l.rate / layout.page_tokens;
     let page = *seq.pages.get(page_idx).ok_or_else(|| {
         kv_err(format!(
@@ -44,22 +44,23 @@ fn entry_loc(
         CompressorPart::Main => {
             let slot = w % l.comp_entries_per_page;
             let bytes = layout.head_dim * layout.kv_dtype.bytes();
-            (
-                Region::Page(page),
-                l.comp_page_offset + slot * bytes,
-                layout.kv_dtype,
-                layout.head_dim,
-            )
+            EntryLoc {
+                region: Region::Page(page),
+                off: l.comp_page_offset + slot * bytes,
+                scale_off: None,
+                dtype: layout.kv_dtype,
+                dim: layout.head_dim,
+            }
         }
         CompressorPart::Index => {
-            let slot = w % l.index_entries_per_page;
-            let bytes = layout.index_head_dim * layout.index_k_dtype.bytes();
-            (
-                Region::Page(page),
-                l.index_page_offset + slot * bytes,
-                layout.index_k_dtype,
-                layout.index_head_dim,
-            )
+            let (off, scale_off) = layout.index_entry_offsets(l, w % l.index_entries_per_page);
+            EntryLoc {
+                region: Region::Page(page),
+                off,
+                scale_off,
+                dtype: layout.index_k_dtype,
+                dim: layout.index_head_dim,
+            }
         }
     })
 }
@@ -75,10 +76,10 @@ fn read_entries(
 ) -> BResult<Vec<f32>> {
     let mut out = Vec::new();
     for w in ids {
-        let (r, off, dt, dim) = entry_loc(layout, l, part, seq, w)?;
+        let loc = entry_loc(layout, l, part, seq, w)?;
         let at = out.len();
-        out.resize(at + dim, 0.0);
-        kv.read(r, off, dt, &mut out[at..])?;
+        out.resize(at + loc.dim, 0.0);
+        kv.read_entry(&loc, &mut out[at..])?;
     }
     Ok(out)
 }
@@ -172,8 +173,8 @@ pub fn compress(
             rms_norm_into(&pooled, Some(&p.norm_weight.data), p.eps, &mut entry);
             p.rope.cos_sin(w * rate, &mut cos, &mut sin);
             p.rope.apply(&mut entry, &cos, &sin, false);
-            let (reg, off, dt, _) = entry_loc(layout, &l, p.part, seq, w)?;
-            kv.write(reg, off, dt, &entry)?;
+            let loc = entry_loc(layout, &l, p.part, seq, w)?;
+            kv.write_entry(&loc, &entry)?;
         }
     }
     Ok(())
