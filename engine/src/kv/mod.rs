@@ -6,6 +6,7 @@ pub mod device;
 pub mod fp8;
 pub mod host;
 pub mod layout;
+pub mod layout_table;
 pub mod metrics;
 pub mod pool;
 pub mod prefix;
