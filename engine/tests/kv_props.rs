@@ -142,11 +142,19 @@ proptest! {
 const SHARES: [usize; 6] = [0, 5, 8, 16, 21, 33];
 const TAIL: usize = 6;
 
+/// Every (kv dtype, index-K dtype) combination.
+fn combos() -> Vec<(EntryDtype, EntryDtype)> {
+    [EntryDtype::F32, EntryDtype::Bf16]
+        .into_iter()
+        .flat_map(|kv| EntryDtype::ALL.into_iter().map(move |ik| (kv, ik)))
+        .collect()
+}
+
 struct Prompts {
     page_tokens: usize,
     prompts: Vec<Vec<u32>>,
-    /// Cold logits of every position, per prompt.
-    cold: Vec<Vec<Vec<f32>>>,
+    /// Cold logits of every position, per dtype combination, per prompt.
+    cold: Vec<Vec<Vec<Vec<f32>>>>,
 }
 
 /// Prompts sharing prefixes of several lengths (some shorter than a page), with their
@@ -157,7 +165,6 @@ fn prompts() -> &'static Prompts {
         let fx = load_fixture("default_schedule");
         let p = smallest_page_tokens(&fx.dir);
         let vocab = fx.logits[0].len() as u32;
-        let mut eng = engine_sized(&fx.dir, EntryDtype::F32, p, 64);
         let mut prompts = Vec::new();
         for share in SHARES {
             for variant in 0..2u32 {
@@ -170,13 +177,19 @@ fn prompts() -> &'static Prompts {
             }
         }
         prompts.push(fx.tokens[..45].to_vec());
-        let cold = prompts
-            .iter()
-            .map(|pr| {
-                let mut seq = eng.new_sequence().unwrap();
-                let rows = prefill(&mut eng, &mut seq, pr, 0, Logits::All).unwrap();
-                eng.release(seq).unwrap();
-                rows
+        let cold = combos()
+            .into_iter()
+            .map(|(kv, ik)| {
+                let mut eng = engine_dtypes(&fx.dir, kv, ik, p, 64);
+                prompts
+                    .iter()
+                    .map(|pr| {
+                        let mut seq = eng.new_sequence().unwrap();
+                        let rows = prefill(&mut eng, &mut seq, pr, 0, Logits::All).unwrap();
+                        eng.release(seq).unwrap();
+                        rows
+                    })
+                    .collect()
             })
             .collect();
         Prompts {
@@ -209,17 +222,20 @@ fn cache_op() -> impl Strategy<Value = CacheOp> {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(64))]
 
-    /// Random cache traffic: every prefill's logits equal the cold run bit for bit,
+    /// Random cache traffic in every dtype combination: every prefill's logits equal the
+    /// cold run's bit for bit,
     /// the tree's books match the pools, nothing leaks.
     #[test]
     fn prefix_cache_traffic_is_exact_and_leak_free(
+        combo in 0usize..6,
         device_pages in 20usize..28,
         host_ratio in 1.0f64..3.0,
         ops in prop::collection::vec(cache_op(), 1..10),
     ) {
         let pr = prompts();
         let fx_dir = fixtures_dir().join("default_schedule");
-        let mut eng = engine_sized(&fx_dir, EntryDtype::F32, pr.page_tokens, device_pages);
+        let (kv, ik) = combos()[combo];
+        let mut eng = engine_dtypes(&fx_dir, kv, ik, pr.page_tokens, device_pages);
         let host_pages = pdserve_engine::kv::sizing::host_pages(
             eng.layout(),
             device_pages,
@@ -239,7 +255,7 @@ proptest! {
                     let got = cache.prefill(&mut eng, &pr.prompts[i], chunk, Logits::All).unwrap();
                     prop_assert_eq!(got.hit_tokens % pr.page_tokens, 0);
                     prop_assert!(got.hit_tokens < pr.prompts[i].len());
-                    let want = &pr.cold[i][got.hit_tokens..];
+                    let want = &pr.cold[combo][i][got.hit_tokens..];
                     prop_assert!(got.logits == want, "prompt {} after a hit of {}", i, got.hit_tokens);
                     if keep { live.push_back(got.seq) } else { eng.release(got.seq).unwrap() }
                 }

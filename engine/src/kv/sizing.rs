@@ -121,3 +121,48 @@ pub fn host_memory_available() -> Option<u64> {
     let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kb * 1024)
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use crate::config::ModelConfig;
+    use crate::kv::KvLayoutSpec;
+
+    fn layout() -> KvLayout {
+        let cfg = ModelConfig::from_json_str(r#"{"model_type": "deepseek_v4"}"#).unwrap();
+        KvLayout::new(&cfg, KvLayoutSpec::default_for(&cfg)).unwrap()
+    }
+
+    #[test]
+    fn sizes_come_from_the_layout() {
+        let l = layout();
+        let (pb, sb) = (l.page_bytes as u64, l.state_bytes as u64);
+        let mem = 100 * pb + 4 * sb + pb / 2;
+        let size = DeviceSize::MemFraction {
+            fraction: 1.0,
+            memory_bytes: mem,
+        };
+        assert_eq!(device_pages(&l, size, 4).unwrap(), 100);
+        assert_eq!(device_pages(&l, DeviceSize::Pages(7), 4).unwrap(), 7);
+        assert!(matches!(
+            device_pages(&l, DeviceSize::Pages(0), 4),
+            Err(SizingError::Empty { .. })
+        ));
+        assert_eq!(host_pages(&l, 10, HostSize::Ratio(1.5), None).unwrap(), 15);
+        assert_eq!(
+            host_pages(&l, 10, HostSize::Ratio(0.99), None),
+            Err(SizingError::RatioBelowOne(0.99))
+        );
+        let gb = (12 * pb) as f64 / 1e9;
+        assert_eq!(host_pages(&l, 10, HostSize::Gb(gb), None).unwrap(), 12);
+        assert!(matches!(
+            host_pages(&l, 13, HostSize::Gb(gb), None),
+            Err(SizingError::HostSmallerThanDevice { pages: 12, .. })
+        ));
+        assert!(matches!(
+            host_pages(&l, 10, HostSize::Ratio(2.0), Some(19 * pb)),
+            Err(SizingError::DoesNotFit { .. })
+        ));
+    }
+}

@@ -131,8 +131,20 @@ pub fn engine_sized(
     page_tokens: usize,
     pages: usize,
 ) -> Engine<CpuBackend> {
+    engine_dtypes(dir, EntryDtype::F32, index_k, page_tokens, pages)
+}
+
+/// Engine with chosen KV and index-K dtypes, page size and pool size.
+pub fn engine_dtypes(
+    dir: &Path,
+    kv: EntryDtype,
+    index_k: EntryDtype,
+    page_tokens: usize,
+    pages: usize,
+) -> Engine<CpuBackend> {
     let cfg = pdserve_engine::config::ModelConfig::from_model_dir(dir).unwrap();
     let mut spec = KvLayoutSpec::default_for(&cfg);
+    spec.kv_dtype = kv;
     spec.index_k_dtype = index_k;
     spec.page_tokens = page_tokens;
     Engine::load(dir, CpuBackend, Some(spec), PoolSize { pages, states: 16 }).unwrap()
