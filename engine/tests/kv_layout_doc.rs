@@ -34,6 +34,13 @@ fn v4_flash_figures_match_the_serving_systems() {
     assert_eq!(csa.index_scale_offset - csa.index_page_offset, 8192);
     // bf16 compressed-KV: 1024 B per entry.
     assert_eq!(EntryDtype::Bf16.entry_bytes(512), 1024);
+    // A prefix-cache snapshot keeps the windows (128 x 512 bf16 per layer) and the CSA
+    // rings (8 rows of 2 x 1024 + 8 rows of 2 x 256 fp32), not the HCA rings.
+    let want = 43 * 128 * 512 * 2 + 20 * (8 * 2048 * 4 + 8 * 512 * 4);
+    assert_eq!(l.cut_snapshot_bytes(), want);
+    let ranges = l.state_ranges_live_at_cut();
+    assert!(ranges.windows(2).all(|w| w[0].end < w[1].start));
+    assert!(ranges.last().unwrap().end <= l.state_bytes);
 }
 
 #[test]

@@ -300,6 +300,42 @@ impl KvLayout {
         (key, scale)
     }
 
+    /// Byte ranges of a state slot that a sequence continuing from a page cut (a multiple
+    /// of every compress rate) can still read: every sliding-window ring and the CSA
+    /// compressor and indexer rings (they keep the previous window). HCA compressor rings
+    /// are left out: at a cut all their windows are closed, and every row the next window
+    /// pools is written after the cut. Sorted, disjoint, adjacent ranges merged.
+    pub fn state_ranges_live_at_cut(&self) -> Vec<std::ops::Range<usize>> {
+        let mut r: Vec<std::ops::Range<usize>> = Vec::new();
+        let window = self.sliding_window * self.head_dim * self.kv_dtype.bytes();
+        for l in &self.layers {
+            r.push(l.window_state_offset..l.window_state_offset + window);
+            if l.kind == LayerKind::Csa {
+                let comp = l.comp_ring_slots * l.comp_row_floats() * 4;
+                r.push(l.comp_state_offset..l.comp_state_offset + comp);
+                let idx = l.index_ring_slots * l.index_row_floats() * 4;
+                r.push(l.index_state_offset..l.index_state_offset + idx);
+            }
+        }
+        r.sort_by_key(|x| x.start);
+        let mut merged: Vec<std::ops::Range<usize>> = Vec::new();
+        for x in r.into_iter().filter(|x| !x.is_empty()) {
+            match merged.last_mut() {
+                Some(m) if m.end >= x.start => m.end = m.end.max(x.end),
+                _ => merged.push(x),
+            }
+        }
+        merged
+    }
+
+    /// Bytes of a prefix-cache state snapshot ([`KvLayout::state_ranges_live_at_cut`]).
+    pub fn cut_snapshot_bytes(&self) -> usize {
+        self.state_ranges_live_at_cut()
+            .iter()
+            .map(|r| r.len())
+            .sum()
+    }
+
     /// Named scalar fields, in a fixed order; the fingerprint and the peer check use these.
     pub fn fields(&self) -> Vec<(String, String)> {
         let mut f = vec![

@@ -44,9 +44,9 @@ pub fn markdown(cfg: &ModelConfig, page_tokens: usize) -> Result<String, LayoutE
     );
     let _ = writeln!(
         w,
-        "| kv dtype | index-K dtype | CSA layer: comp-KV + index-K per page | HCA layer per page | page (all layers) | state slot | fingerprint |"
+        "| kv dtype | index-K dtype | CSA layer: comp-KV + index-K per page | HCA layer per page | page (all layers) | state slot | prefix snapshot per cut | fingerprint |"
     );
-    let _ = writeln!(w, "| --- | --- | ---: | ---: | ---: | ---: | --- |");
+    let _ = writeln!(w, "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |");
     for kv in [EntryDtype::F32, EntryDtype::Bf16] {
         for ik in EntryDtype::ALL {
             let spec = KvLayoutSpec {
@@ -71,11 +71,12 @@ pub fn markdown(cfg: &ModelConfig, page_tokens: usize) -> Result<String, LayoutE
             };
             let _ = writeln!(
                 w,
-                "| {kv} | {ik} | {} | {} | {} | {} | `{}` |",
+                "| {kv} | {ik} | {} | {} | {} | {} | {} | `{}` |",
                 per_layer(LayerKind::Csa),
                 per_layer(LayerKind::Hca),
                 l.page_bytes,
                 l.state_bytes,
+                l.cut_snapshot_bytes(),
                 l.fingerprint()
             );
         }

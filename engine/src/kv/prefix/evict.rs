@@ -170,7 +170,9 @@ impl PrefixCache {
                     return Err(format!("host page {hp} owned by two nodes"));
                 }
             }
-            if n.key.len() != self.page_tokens || n.state.len() != engine.layout().state_bytes {
+            if n.key.len() != self.page_tokens
+                || n.state.len() != engine.layout().cut_snapshot_bytes()
+            {
                 return Err(format!("node {id} has a key or state of the wrong size"));
             }
             let parent = self.nodes[n.parent]

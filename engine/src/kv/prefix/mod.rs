@@ -32,7 +32,8 @@ struct Node {
     device: Option<PageId>,
     /// Host copy (pages under a cut are immutable, so a copy stays valid).
     host: Option<PageId>,
-    /// State slot bytes after this node's last token.
+    /// State slot bytes after this node's last token, only the ranges a continuation
+    /// can read ([`KvLayout::state_ranges_live_at_cut`]).
     state: Vec<u8>,
     last_use: u64,
 }
@@ -61,6 +62,9 @@ pub struct CacheStats {
 
 pub struct PrefixCache {
     host: HostPool,
+    /// Live state ranges at a cut, from the layout.
+    live: Vec<std::ops::Range<usize>>,
+    state_bytes: usize,
     nodes: Vec<Option<Node>>,
     free_ids: Vec<NodeId>,
     tick: u64,
@@ -90,6 +94,8 @@ impl PrefixCache {
         };
         Ok(PrefixCache {
             page_tokens: engine.layout().page_tokens,
+            live: engine.layout().state_ranges_live_at_cut(),
+            state_bytes: engine.layout().state_bytes,
             host,
             nodes: vec![Some(root)],
             free_ids: Vec::new(),
@@ -222,8 +228,9 @@ impl PrefixCache {
                         .ok_or_else(|| internal(format!("node {id} not on device")))
                 })
                 .collect::<Result<Vec<_>, _>>()?;
-            let state = &self.node(last)?.state;
-            let seq = engine.sequence_from_prefix(&pages, state, chain.len() * self.page_tokens)?;
+            let state = self.expand(&self.node(last)?.state)?;
+            let seq =
+                engine.sequence_from_prefix(&pages, &state, chain.len() * self.page_tokens)?;
             Ok((seq, last, host_hit))
         });
         if built.is_err() {
@@ -291,6 +298,20 @@ impl PrefixCache {
                 return Ok(None);
             }
         }
+    }
+
+    /// A full state slot from a snapshot's live ranges (the rest zero: never read).
+    fn expand(&self, snap: &[u8]) -> Result<Vec<u8>, EngineError> {
+        let mut full = vec![0u8; self.state_bytes];
+        let mut at = 0;
+        for r in &self.live {
+            let src = snap
+                .get(at..at + r.len())
+                .ok_or_else(|| internal("state snapshot shorter than its layout".into()))?;
+            full[r.clone()].copy_from_slice(src);
+            at += r.len();
+        }
+        Ok(full)
     }
 
     /// Run the rest of the prompt, stopping at every cut to cache it.
@@ -365,7 +386,12 @@ impl PrefixCache {
             .pages
             .get(seq.len() / self.page_tokens - 1)
             .ok_or_else(|| internal("sequence shorter than its cut".into()))?;
-        let state = engine.device.read_state(&engine.backend, seq.kv.state)?;
+        let full = engine.device.read_state(&engine.backend, seq.kv.state)?;
+        let state: Vec<u8> = self
+            .live
+            .iter()
+            .flat_map(|r| full[r.clone()].iter().copied())
+            .collect();
         engine.device.pages.retain_pages(&[page])?;
         let node = Node {
             parent,
