@@ -61,6 +61,8 @@ fn prefix_hits_are_bit_identical_to_cold_runs() {
         let n = fx.tokens.len();
         let mut coldeng = engine_sized(&fx.dir, EntryDtype::F32, p, 64);
         let mut eng = engine_sized(&fx.dir, EntryDtype::F32, p, 64);
+        // The audit also proves no step writes a shared (cached) page.
+        eng.set_kv_audit(true);
         let host = HostPool::new(eng.layout(), 128);
         let mut cache = PrefixCache::new(&eng, host).unwrap();
         // Warm the cache with the longest prompt the shares below can use.

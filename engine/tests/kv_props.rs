@@ -236,6 +236,7 @@ proptest! {
         let fx_dir = fixtures_dir().join("default_schedule");
         let (kv, ik) = combos()[combo];
         let mut eng = engine_dtypes(&fx_dir, kv, ik, pr.page_tokens, device_pages);
+        eng.set_kv_audit(true);
         let host_pages = pdserve_engine::kv::sizing::host_pages(
             eng.layout(),
             device_pages,
