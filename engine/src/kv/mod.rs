@@ -1,6 +1,7 @@
 //! Paged KV state: the layout value and the page/state allocator.
 
 pub mod layout;
+pub mod peer;
 pub mod pool;
 
 pub use layout::{EntryDtype, KvLayout, KvLayoutSpec, LayerKvLayout, LayoutError};
