@@ -133,8 +133,8 @@ pub fn render(entries: &[Entry]) -> String {
 mod toml_table {
     pub type Table = figment::value::Dict;
 
-    pub fn parse(text: &str) -> Result<Table, figment::Error> {
+    pub fn parse(text: &str) -> anyhow::Result<Table> {
         use figment::providers::{Format, Toml};
-        figment::Figment::from(Toml::string(text)).extract::<Table>()
+        Ok(figment::Figment::from(Toml::string(text)).extract::<Table>()?)
     }
 }

@@ -77,6 +77,7 @@ type EngineFactory =
     Box<dyn FnOnce() -> Result<Engine<CpuBackend>, pdserve_engine::EngineError> + Send>;
 
 /// The engine loader for a validated worker config (runs on the engine thread).
+#[allow(clippy::result_large_err)]
 fn engine_factory(cfg: &WorkerConfig, dir: PathBuf) -> Result<EngineFactory> {
     let mcfg =
         ModelConfig::from_model_dir(&dir).with_context(|| format!("reading {}", dir.display()))?;

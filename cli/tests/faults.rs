@@ -114,3 +114,46 @@ fn mismatched_index_k_dtype_fails_the_first_request_naming_it() {
     assert_eq!(st, 502);
     drop(sse);
 }
+
+fn decode_info(rt: &tokio::runtime::Runtime, addr: &str) -> pdserve_proto::pb::WorkerInfo {
+    rt.block_on(async {
+        let mut c = pdserve_proto::pb::worker_client::WorkerClient::connect(format!("http://{addr}"))
+            .await
+            .unwrap();
+        c.info(pdserve_proto::pb::Empty {}).await.unwrap().into_inner()
+    })
+}
+
+#[test]
+fn client_disconnect_cancels_and_frees_pages() {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let (_p, ap) = role("prefill", &[]);
+    let (_d, ad) = role("decode", &["--kv-pages", "64"]);
+    let (_r, ar) = role("router", &["--prefill", &ap, "--decode", &ad]);
+    wait_healthy(&ar, 60);
+    let idle = decode_info(&rt, &ad);
+    assert_eq!(idle.role, "decode");
+    assert_eq!(idle.total_pages, 64);
+    assert!(idle.config.iter().any(|e| e.key == "kv_pages" && e.value == "64" && e.source == "flag --kv-pages"));
+    let body = serde_json::json!({
+        "prompt": prompt(8, 20), "max_tokens": 3000, "temperature": 0, "ignore_eos": true, "stream": true
+    });
+    let (st, mut sse) = stream(&ar, &body, Duration::from_secs(10));
+    assert_eq!(st, 200);
+    for _ in 0..3 {
+        sse.next().unwrap();
+    }
+    let busy = decode_info(&rt, &ad);
+    assert_eq!(busy.running, 1);
+    assert!(busy.free_pages < 64, "{busy:?}");
+    drop(sse);
+    let t0 = Instant::now();
+    loop {
+        let i = decode_info(&rt, &ad);
+        if i.running == 0 && i.free_pages == 64 {
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(5), "pages not freed: {i:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}

@@ -62,12 +62,12 @@ fn missing_machinery_is_refused_not_ignored() {
         (vec!["--hicache-ratio", "0.5"], "--hicache-ratio"),
         (vec!["--cuda-graph", "capture"], "--cuda-graph capture"),
         (vec!["--device", "cuda:0"], "CUDA backend"),
-        (vec!["--index-k-dtype", "fp8"], "--index-k-dtype"),
+        (vec!["--index-k-dtype", "int3"], "--index-k-dtype"),
     ] {
+        // --print-config prints, then validates: nothing starts even if a check were missing.
         let out = bin()
-            .arg("decode")
+            .args(["decode", "--print-config"])
             .args(&args)
-            .args(["--listen", "127.0.0.1:0"])
             .output()
             .unwrap();
         assert!(!out.status.success(), "{args:?} was accepted");

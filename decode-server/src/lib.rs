@@ -66,6 +66,8 @@ where
         .map_err(|_| ServeError::EngineGone)??;
     load.total_pages
         .store(ready.total_pages as u64, Ordering::Relaxed);
+    load.free_pages
+        .store(ready.total_pages as u64, Ordering::Relaxed);
     let status = Arc::new(WorkerStatus {
         role: "decode".into(),
         model: settings.model_name.clone(),

@@ -123,7 +123,7 @@ impl<'a> Assembler<'a> {
             .ok_or_else(|| protocol("prefill header without a layout"))?;
         check_peer(self.layout, &theirs)?;
         verify(|| "last logits".into(), &h.last_logits, h.last_logits_crc32)?;
-        if h.last_logits.len() % 4 != 0 {
+        if !h.last_logits.len().is_multiple_of(4) {
             return Err(protocol(format!(
                 "last logits of {} bytes is not a whole number of f32",
                 h.last_logits.len()

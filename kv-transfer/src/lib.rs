@@ -26,7 +26,7 @@ pub enum TransferError {
     Protocol(String),
     #[error("prefill server {addr} unreachable: {reason}")]
     Unreachable { addr: String, reason: String },
-    #[error("prefill server {addr} failed: {status}")]
+    #[error("prefill server {addr} failed: {}", status.message())]
     Peer { addr: String, status: tonic::Status },
     #[error("KV transfer from {addr} timed out after {secs:.1} s waiting for {what}")]
     Timeout {
