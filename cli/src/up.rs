@@ -40,12 +40,13 @@ pub struct UpArgs {
 struct Proc {
     name: String,
     child: Child,
+    pid: u32,
     addr: String,
 }
 
 impl Proc {
     fn pid(&self) -> u32 {
-        self.child.id().unwrap_or(0)
+        self.pid
     }
 }
 
@@ -55,6 +56,7 @@ async fn spawn(name: String, mut cmd: Command, deadline: Instant) -> Result<Proc
         .stdin(Stdio::null())
         .kill_on_drop(true);
     let mut child = cmd.spawn().with_context(|| format!("starting {name}"))?;
+    let pid = child.id().unwrap_or(0);
     let stdout = child
         .stdout
         .take()
@@ -77,7 +79,12 @@ async fn spawn(name: String, mut cmd: Command, deadline: Instant) -> Result<Proc
             eprintln!("[{tag}] {l}");
         }
     });
-    Ok(Proc { name, child, addr })
+    Ok(Proc {
+        name,
+        child,
+        pid,
+        addr,
+    })
 }
 
 /// GET /health on the router: Ok(true) once every worker is healthy.

@@ -117,16 +117,23 @@ fn mismatched_index_k_dtype_fails_the_first_request_naming_it() {
 
 fn decode_info(rt: &tokio::runtime::Runtime, addr: &str) -> pdserve_proto::pb::WorkerInfo {
     rt.block_on(async {
-        let mut c = pdserve_proto::pb::worker_client::WorkerClient::connect(format!("http://{addr}"))
+        let mut c =
+            pdserve_proto::pb::worker_client::WorkerClient::connect(format!("http://{addr}"))
+                .await
+                .unwrap();
+        c.info(pdserve_proto::pb::Empty {})
             .await
-            .unwrap();
-        c.info(pdserve_proto::pb::Empty {}).await.unwrap().into_inner()
+            .unwrap()
+            .into_inner()
     })
 }
 
 #[test]
 fn client_disconnect_cancels_and_frees_pages() {
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
     let (_p, ap) = role("prefill", &[]);
     let (_d, ad) = role("decode", &["--kv-pages", "64"]);
     let (_r, ar) = role("router", &["--prefill", &ap, "--decode", &ad]);
@@ -134,7 +141,10 @@ fn client_disconnect_cancels_and_frees_pages() {
     let idle = decode_info(&rt, &ad);
     assert_eq!(idle.role, "decode");
     assert_eq!(idle.total_pages, 64);
-    assert!(idle.config.iter().any(|e| e.key == "kv_pages" && e.value == "64" && e.source == "flag --kv-pages"));
+    assert!(idle
+        .config
+        .iter()
+        .any(|e| e.key == "kv_pages" && e.value == "64" && e.source == "flag --kv-pages"));
     let body = serde_json::json!({
         "prompt": prompt(8, 20), "max_tokens": 3000, "temperature": 0, "ignore_eos": true, "stream": true
     });
@@ -153,7 +163,10 @@ fn client_disconnect_cancels_and_frees_pages() {
         if i.running == 0 && i.free_pages == 64 {
             break;
         }
-        assert!(t0.elapsed() < Duration::from_secs(5), "pages not freed: {i:?}");
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "pages not freed: {i:?}"
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
 }

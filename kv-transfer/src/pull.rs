@@ -63,7 +63,11 @@ pub async fn pull_prefill(
         secs: t0.elapsed().as_secs_f64(),
     };
     let peer = |status: tonic::Status| {
-        if status.code() == tonic::Code::Unavailable {
+        // The prefill server itself never answers Unknown: that code is a broken connection.
+        if matches!(
+            status.code(),
+            tonic::Code::Unavailable | tonic::Code::Unknown
+        ) {
             unreachable(status.message().to_string())
         } else {
             TransferError::Peer {
