@@ -1,7 +1,11 @@
 //! `pdserve`: the user-facing command line.
 
 mod commands;
+mod layered;
 mod model_args;
+mod roles;
+mod serve;
+mod up;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
@@ -34,6 +38,14 @@ enum Command {
     Logits(commands::LogitsArgs),
     /// Print a model's effective configuration and KV layout as JSON.
     Inspect(commands::InspectArgs),
+    /// Run a prefill server (gRPC): prompts in, KV pages out to decode servers.
+    Prefill(roles::WorkerFlags),
+    /// Run a decode server (gRPC): continuous batching over KV pulled from prefill servers.
+    Decode(roles::WorkerFlags),
+    /// Run the HTTP router (OpenAI-style completions) in front of prefill/decode workers.
+    Router(roles::RouterFlags),
+    /// Start router + prefill + decode servers on this machine and wait for Ctrl-C.
+    Up(up::UpArgs),
 }
 
 fn init_logging(format: LogFormat) {
@@ -55,6 +67,10 @@ fn main() -> ExitCode {
         Command::Generate(a) => commands::generate(a),
         Command::Logits(a) => commands::logits(a),
         Command::Inspect(a) => commands::inspect(a),
+        Command::Prefill(f) => serve::worker(roles::WorkerRole::Prefill, f),
+        Command::Decode(f) => serve::worker(roles::WorkerRole::Decode, f),
+        Command::Router(f) => serve::router(f),
+        Command::Up(a) => up::up(a, matches!(cli.log_format, LogFormat::Json)),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

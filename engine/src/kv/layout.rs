@@ -391,24 +391,6 @@ impl KvLayout {
 
     /// Refuse a peer whose layout differs, naming the first differing field.
     pub fn check_compatible(&self, other: &KvLayout) -> Result<(), LayoutError> {
-        let ours = self.fields();
-        let theirs = other.fields();
-        for ((k, a), (_, b)) in ours.iter().zip(theirs.iter()) {
-            if a != b {
-                return Err(LayoutError::Mismatch {
-                    field: k.clone(),
-                    ours: a.clone(),
-                    theirs: b.clone(),
-                });
-            }
-        }
-        if ours.len() != theirs.len() {
-            return Err(LayoutError::Mismatch {
-                field: "num_layers".into(),
-                ours: self.layers.len().to_string(),
-                theirs: other.layers.len().to_string(),
-            });
-        }
-        Ok(())
+        self.check_peer_fields(&other.fields())
     }
 }

@@ -8,6 +8,7 @@ pub mod host;
 pub mod layout;
 pub mod layout_table;
 pub mod metrics;
+pub mod peer;
 pub mod pool;
 pub mod prefix;
 pub mod sizing;

@@ -1,0 +1,296 @@
+//! Configuration of the `prefill`, `decode` and `router` roles: keys, defaults, flags,
+//! validation (flags whose machinery does not exist yet are refused, never ignored).
+
+use crate::layered::{self, flag, Entry, Flags};
+use anyhow::{bail, Result};
+use pdserve_engine::kv::EntryDtype;
+use serde::{Deserialize, Serialize};
+use std::path::PathBuf;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WorkerRole {
+    Prefill,
+    Decode,
+}
+
+impl WorkerRole {
+    pub fn name(self) -> &'static str {
+        match self {
+            WorkerRole::Prefill => "prefill",
+            WorkerRole::Decode => "decode",
+        }
+    }
+}
+
+/// Effective configuration of a prefill or decode server.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct WorkerConfig {
+    /// Model folder; none: the embedded model.
+    pub model: Option<PathBuf>,
+    pub device: String,
+    pub index_k_dtype: String,
+    pub kv_dtype: String,
+    pub page_tokens: Option<usize>,
+    pub kv_pages: usize,
+    pub max_batch: usize,
+    pub chunked_prefill_size: usize,
+    pub listen: String,
+    pub transfer: String,
+    pub hicache_ratio: f64,
+    pub cuda_graph: String,
+    pub request_timeout_s: f64,
+}
+
+pub const WORKER_KEYS: &[&str] = &[
+    "model",
+    "device",
+    "index_k_dtype",
+    "kv_dtype",
+    "page_tokens",
+    "kv_pages",
+    "max_batch",
+    "chunked_prefill_size",
+    "listen",
+    "transfer",
+    "hicache_ratio",
+    "cuda_graph",
+    "request_timeout_s",
+];
+
+impl WorkerConfig {
+    pub fn defaults(role: WorkerRole) -> Self {
+        WorkerConfig {
+            model: None,
+            device: "cpu".into(),
+            index_k_dtype: "f32".into(),
+            kv_dtype: "f32".into(),
+            page_tokens: None,
+            kv_pages: 1024,
+            max_batch: 64,
+            chunked_prefill_size: 512,
+            listen: match role {
+                WorkerRole::Prefill => "127.0.0.1:50061".into(),
+                WorkerRole::Decode => "127.0.0.1:50062".into(),
+            },
+            transfer: "grpc".into(),
+            hicache_ratio: 0.0,
+            cuda_graph: "auto".into(),
+            request_timeout_s: 120.0,
+        }
+    }
+
+    /// Refuse invalid values and values that need machinery this build lacks.
+    pub fn validate(&self, role: WorkerRole) -> Result<()> {
+        let cuda = match self.device.as_str() {
+            "cpu" => false,
+            d if d == "cuda"
+                || d.strip_prefix("cuda:")
+                    .is_some_and(|n| n.parse::<u32>().is_ok()) =>
+            {
+                true
+            }
+            d => bail!("--device `{d}`: expected cpu or cuda:N"),
+        };
+        EntryDtype::parse(&self.index_k_dtype)
+            .map_err(|e| anyhow::anyhow!("--index-k-dtype: {e}"))?;
+        EntryDtype::parse(&self.kv_dtype).map_err(|e| anyhow::anyhow!("--kv-dtype: {e}"))?;
+        match self.transfer.as_str() {
+            "grpc" => {}
+            "nccl" if !cuda => bail!(
+                "--transfer nccl moves KV pages GPU to GPU and needs --device cuda:N; with --device {} use --transfer grpc",
+                self.device
+            ),
+            "nccl" => bail!("--transfer nccl: the NCCL transfer is not in this build yet; use --transfer grpc"),
+            t => bail!("--transfer `{t}`: expected grpc or nccl"),
+        }
+        if !self.hicache_ratio.is_finite() || self.hicache_ratio < 0.0 {
+            bail!(
+                "--hicache-ratio must be a number >= 0, got {}",
+                self.hicache_ratio
+            );
+        }
+        if self.hicache_ratio > 0.0 {
+            bail!(
+                "--hicache-ratio {}: the hierarchical (host) KV cache is not in this build yet; use 0",
+                self.hicache_ratio
+            );
+        }
+        match self.cuda_graph.as_str() {
+            "auto" | "eager" => {}
+            "capture" if !cuda => bail!(
+                "--cuda-graph capture needs --device cuda:N (device is {}); use eager or auto",
+                self.device
+            ),
+            "capture" if role == WorkerRole::Prefill => {
+                bail!("--cuda-graph capture applies to decode servers only")
+            }
+            "capture" => {}
+            g => bail!("--cuda-graph `{g}`: expected auto, capture or eager"),
+        }
+        if cuda {
+            bail!(
+                "--device {}: the CUDA backend is not in this build yet; use --device cpu",
+                self.device
+            );
+        }
+        if self.max_batch == 0 || self.kv_pages == 0 {
+            bail!("--max-batch and --kv-pages must be at least 1");
+        }
+        if !(self.request_timeout_s.is_finite() && self.request_timeout_s > 0.0) {
+            bail!("--request-timeout-s must be a positive number of seconds");
+        }
+        Ok(())
+    }
+}
+
+/// Flags of the prefill and decode servers (each overrides the file and environment).
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct WorkerFlags {
+    /// TOML file with any of the config keys (see --print-config).
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Print the effective configuration with the source of each value, then exit.
+    #[arg(long)]
+    pub print_config: bool,
+    /// Model folder (config.json, *.safetensors, tokenizer.json). Default: the embedded model.
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// cpu or cuda:N.
+    #[arg(long)]
+    pub device: Option<String>,
+    /// Index-K storage dtype: f32 or bf16. Must match between prefill and decode.
+    #[arg(long)]
+    pub index_k_dtype: Option<String>,
+    /// Compressed-KV and sliding-window storage dtype: f32 or bf16.
+    #[arg(long)]
+    pub kv_dtype: Option<String>,
+    /// Positions per KV page (a multiple of every compress rate).
+    #[arg(long)]
+    pub page_tokens: Option<usize>,
+    /// KV pages in this server's pool.
+    #[arg(long)]
+    pub kv_pages: Option<usize>,
+    /// Most requests decoded together (decode) / state slots (prefill).
+    #[arg(long)]
+    pub max_batch: Option<usize>,
+    /// Prefill chunk size in tokens (0: whole prompt in one forward).
+    #[arg(long)]
+    pub chunked_prefill_size: Option<usize>,
+    /// Address to listen on (host:port; port 0 picks a free one and prints it).
+    #[arg(long)]
+    pub listen: Option<String>,
+    /// KV transfer: grpc or nccl.
+    #[arg(long)]
+    pub transfer: Option<String>,
+    /// Host KV cache size relative to the device pool (0: off).
+    #[arg(long)]
+    pub hicache_ratio: Option<f64>,
+    /// Decode CUDA graphs: auto, capture or eager.
+    #[arg(long)]
+    pub cuda_graph: Option<String>,
+    /// Deadline for one request's prefill or KV transfer, in seconds.
+    #[arg(long)]
+    pub request_timeout_s: Option<f64>,
+}
+
+impl WorkerFlags {
+    pub fn resolve(&self, role: WorkerRole) -> Result<(WorkerConfig, Vec<Entry>)> {
+        let mut f = Flags::new();
+        flag(&mut f, "model", &self.model);
+        flag(&mut f, "device", &self.device);
+        flag(&mut f, "index_k_dtype", &self.index_k_dtype);
+        flag(&mut f, "kv_dtype", &self.kv_dtype);
+        flag(&mut f, "page_tokens", &self.page_tokens);
+        flag(&mut f, "kv_pages", &self.kv_pages);
+        flag(&mut f, "max_batch", &self.max_batch);
+        flag(&mut f, "chunked_prefill_size", &self.chunked_prefill_size);
+        flag(&mut f, "listen", &self.listen);
+        flag(&mut f, "transfer", &self.transfer);
+        flag(&mut f, "hicache_ratio", &self.hicache_ratio);
+        flag(&mut f, "cuda_graph", &self.cuda_graph);
+        flag(&mut f, "request_timeout_s", &self.request_timeout_s);
+        let (cfg, entries) = layered::extract(
+            &WorkerConfig::defaults(role),
+            self.config.as_deref(),
+            WORKER_KEYS,
+            f,
+        )?;
+        Ok((cfg, entries))
+    }
+}
+
+/// Effective configuration of the router.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RouterConfig {
+    pub model: Option<PathBuf>,
+    pub listen: String,
+    pub prefill: Vec<String>,
+    pub decode: Vec<String>,
+    pub first_token_timeout_s: f64,
+    pub token_timeout_s: f64,
+    pub max_attempts: usize,
+}
+
+pub const ROUTER_KEYS: &[&str] = &[
+    "model",
+    "listen",
+    "prefill",
+    "decode",
+    "first_token_timeout_s",
+    "token_timeout_s",
+    "max_attempts",
+];
+
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct RouterFlags {
+    /// TOML file with any of the config keys (see --print-config).
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Print the effective configuration with the source of each value, then exit.
+    #[arg(long)]
+    pub print_config: bool,
+    /// Model folder (for the tokenizer and end tokens). Default: the embedded model.
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Address to listen on (host:port; port 0 picks a free one and prints it).
+    #[arg(long)]
+    pub listen: Option<String>,
+    /// Prefill worker addresses (host:port), repeated or comma-separated.
+    #[arg(long, value_delimiter = ',')]
+    pub prefill: Option<Vec<String>>,
+    /// Decode worker addresses (host:port), repeated or comma-separated.
+    #[arg(long, value_delimiter = ',')]
+    pub decode: Option<Vec<String>>,
+    /// Deadline from request to first token, in seconds.
+    #[arg(long)]
+    pub first_token_timeout_s: Option<f64>,
+    /// Deadline between two tokens of a stream, in seconds.
+    #[arg(long)]
+    pub token_timeout_s: Option<f64>,
+    /// Worker pairs tried before the first token.
+    #[arg(long)]
+    pub max_attempts: Option<usize>,
+}
+
+impl RouterFlags {
+    pub fn resolve(&self) -> Result<(RouterConfig, Vec<Entry>)> {
+        let mut f = Flags::new();
+        flag(&mut f, "model", &self.model);
+        flag(&mut f, "listen", &self.listen);
+        flag(&mut f, "prefill", &self.prefill);
+        flag(&mut f, "decode", &self.decode);
+        flag(&mut f, "first_token_timeout_s", &self.first_token_timeout_s);
+        flag(&mut f, "token_timeout_s", &self.token_timeout_s);
+        flag(&mut f, "max_attempts", &self.max_attempts);
+        let defaults = RouterConfig {
+            model: None,
+            listen: "127.0.0.1:8000".into(),
+            prefill: Vec::new(),
+            decode: Vec::new(),
+            first_token_timeout_s: 120.0,
+            token_timeout_s: 30.0,
+            max_attempts: 3,
+        };
+        layered::extract(&defaults, self.config.as_deref(), ROUTER_KEYS, f)
+    }
+}

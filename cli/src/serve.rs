@@ -1,0 +1,186 @@
+//! `pdserve prefill`, `pdserve decode`, `pdserve router`: one role per process.
+
+use crate::layered::{render, Entry};
+use crate::roles::{RouterFlags, WorkerConfig, WorkerFlags, WorkerRole};
+use anyhow::{Context, Result};
+use pdserve_engine::config::ModelConfig;
+use pdserve_engine::kv::{EntryDtype, KvLayoutSpec};
+use pdserve_engine::{CpuBackend, Engine, PoolSize};
+use pdserve_proto::pb;
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// Printed on stdout once the listener is bound; `pdserve up` and tests read it.
+pub const LISTENING: &str = "listening on";
+
+fn runtime() -> Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?)
+}
+
+/// Resolves on Ctrl-C or SIGTERM.
+pub async fn shutdown_signal() {
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {},
+        _ = term => {},
+    }
+    tracing::info!("shutting down");
+}
+
+fn config_pb(entries: &[Entry]) -> Vec<pb::ConfigEntry> {
+    entries
+        .iter()
+        .map(|e| pb::ConfigEntry {
+            key: e.key.clone(),
+            value: e.value.clone(),
+            source: e.source.clone(),
+        })
+        .collect()
+}
+
+fn model_dir(model: &Option<PathBuf>) -> Result<(PathBuf, String)> {
+    match model {
+        Some(d) => {
+            let name = d
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_else(|| d.display().to_string());
+            Ok((d.clone(), name))
+        }
+        None => Ok((
+            pdserve_engine::embedded::model_dir()?,
+            "pdserve-embedded".to_string(),
+        )),
+    }
+}
+
+async fn bind(listen: &str, role: &str) -> Result<tokio::net::TcpListener> {
+    let l = tokio::net::TcpListener::bind(listen)
+        .await
+        .with_context(|| format!("{role}: listening on {listen}"))?;
+    // One line on stdout: the bound address (port 0 picks a free port).
+    println!("pdserve {role} {LISTENING} {}", l.local_addr()?);
+    Ok(l)
+}
+
+type EngineFactory =
+    Box<dyn FnOnce() -> Result<Engine<CpuBackend>, pdserve_engine::EngineError> + Send>;
+
+/// The engine loader for a validated worker config (runs on the engine thread).
+#[allow(clippy::result_large_err)]
+fn engine_factory(cfg: &WorkerConfig, dir: PathBuf) -> Result<EngineFactory> {
+    let mcfg =
+        ModelConfig::from_model_dir(&dir).with_context(|| format!("reading {}", dir.display()))?;
+    let mut spec = KvLayoutSpec::default_for(&mcfg);
+    spec.index_k_dtype = EntryDtype::parse(&cfg.index_k_dtype)?;
+    spec.kv_dtype = EntryDtype::parse(&cfg.kv_dtype)?;
+    if let Some(p) = cfg.page_tokens {
+        spec.page_tokens = p;
+    }
+    let size = PoolSize {
+        pages: cfg.kv_pages,
+        states: cfg.max_batch,
+    };
+    Ok(Box::new(move || {
+        let t0 = std::time::Instant::now();
+        let e = Engine::load(&dir, CpuBackend, Some(spec), size)?;
+        tracing::info!(model = %dir.display(), layout = %e.layout().fingerprint(), secs = t0.elapsed().as_secs_f32(), "model loaded");
+        Ok(e)
+    }))
+}
+
+pub fn worker(role: WorkerRole, flags: WorkerFlags) -> Result<()> {
+    let (cfg, entries) = flags.resolve(role)?;
+    if flags.print_config {
+        print!("{}", render(&entries));
+        return cfg.validate(role);
+    }
+    cfg.validate(role)?;
+    let (dir, model_name) = model_dir(&cfg.model)?;
+    let make_engine = engine_factory(&cfg, dir)?;
+    let timeout = Duration::from_secs_f64(cfg.request_timeout_s);
+    runtime()?.block_on(async move {
+        let listener = bind(&cfg.listen, role.name()).await?;
+        match role {
+            WorkerRole::Prefill => {
+                let settings = pdserve_prefill_server::PrefillSettings {
+                    model_name,
+                    chunked_prefill_size: cfg.chunked_prefill_size,
+                    transfer_chunk_bytes: 1 << 20,
+                    request_timeout: timeout,
+                    load_timeout: Duration::from_secs(600),
+                    config: config_pb(&entries),
+                };
+                pdserve_prefill_server::serve(settings, make_engine, listener, shutdown_signal())
+                    .await?;
+            }
+            WorkerRole::Decode => {
+                let settings = pdserve_decode_server::DecodeSettings {
+                    model_name,
+                    max_batch: cfg.max_batch,
+                    admit_timeout: timeout,
+                    transfer_timeout: timeout,
+                    connect_timeout: Duration::from_secs(2),
+                    load_timeout: Duration::from_secs(600),
+                    config: config_pb(&entries),
+                };
+                pdserve_decode_server::serve(settings, make_engine, listener, shutdown_signal())
+                    .await?;
+            }
+        }
+        Ok(())
+    })
+}
+
+pub fn router(flags: RouterFlags) -> Result<()> {
+    let (cfg, entries) = flags.resolve()?;
+    if flags.print_config {
+        print!("{}", render(&entries));
+        return Ok(());
+    }
+    if cfg.prefill.is_empty() || cfg.decode.is_empty() {
+        anyhow::bail!("the router needs at least one --prefill and one --decode worker address");
+    }
+    for t in [cfg.first_token_timeout_s, cfg.token_timeout_s] {
+        if !(t.is_finite() && t > 0.0) {
+            anyhow::bail!("timeouts must be positive numbers of seconds");
+        }
+    }
+    let (dir, model_name) = model_dir(&cfg.model)?;
+    let mcfg =
+        ModelConfig::from_model_dir(&dir).with_context(|| format!("reading {}", dir.display()))?;
+    let tokenizer = pdserve_engine::tokenizer::Tokenizer::from_model_dir(&dir)?;
+    let config = serde_json::Value::Array(
+        entries
+            .iter()
+            .map(|e| serde_json::json!({"key": e.key, "value": e.value, "source": e.source}))
+            .collect(),
+    );
+    let settings = pdserve_router::RouterSettings {
+        model_name,
+        prefill: cfg.prefill.clone(),
+        decode: cfg.decode.clone(),
+        eos_token_ids: mcfg.eos_token_ids.clone(),
+        first_token_timeout: Duration::from_secs_f64(cfg.first_token_timeout_s),
+        token_timeout: Duration::from_secs_f64(cfg.token_timeout_s),
+        connect_timeout: Duration::from_secs(2),
+        health_interval: Duration::from_millis(500),
+        max_attempts: cfg.max_attempts,
+        config,
+    };
+    runtime()?.block_on(async move {
+        let listener = bind(&cfg.listen, "router").await?;
+        pdserve_router::serve(settings, tokenizer, listener, shutdown_signal()).await?;
+        Ok(())
+    })
+}

@@ -1,0 +1,237 @@
+//! `pdserve up`: router + prefill + decode servers as child processes of this binary on
+//! loopback, health-checked, stopped together on Ctrl-C or when any of them dies.
+
+use crate::serve::{shutdown_signal, LISTENING};
+use anyhow::{bail, Context, Result};
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::process::{Child, Command};
+
+#[derive(clap::Args, Debug)]
+pub struct UpArgs {
+    /// Prefill servers to start.
+    #[arg(long, default_value_t = 1)]
+    prefill: usize,
+    /// Decode servers to start.
+    #[arg(long, default_value_t = 1)]
+    decode: usize,
+    /// Router port on 127.0.0.1 (0: a free port).
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    /// Model folder for every process. Default: the embedded model.
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// TOML config file passed to every prefill and decode server.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Extra flags for every prefill server (one string, split on spaces).
+    #[arg(long, allow_hyphen_values = true)]
+    prefill_args: Option<String>,
+    /// Extra flags for every decode server (one string, split on spaces).
+    #[arg(long, allow_hyphen_values = true)]
+    decode_args: Option<String>,
+    /// Deadline for every process to come up and report healthy, in seconds.
+    #[arg(long, default_value_t = 120.0)]
+    ready_timeout_s: f64,
+}
+
+struct Proc {
+    name: String,
+    child: Child,
+    pid: u32,
+    addr: String,
+}
+
+impl Proc {
+    fn pid(&self) -> u32 {
+        self.pid
+    }
+}
+
+async fn spawn(name: String, mut cmd: Command, deadline: Instant) -> Result<Proc> {
+    cmd.stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .stdin(Stdio::null())
+        .kill_on_drop(true);
+    let mut child = cmd.spawn().with_context(|| format!("starting {name}"))?;
+    let pid = child.id().unwrap_or(0);
+    let stdout = child
+        .stdout
+        .take()
+        .context("child stdout was not captured")?;
+    let mut lines = BufReader::new(stdout).lines();
+    let wait = deadline.saturating_duration_since(Instant::now());
+    let line = tokio::time::timeout(wait, lines.next_line())
+        .await
+        .map_err(|_| anyhow::anyhow!("{name} did not start listening in time"))?
+        .with_context(|| format!("reading {name}'s output"))?;
+    let addr = line
+        .as_deref()
+        .and_then(|l| l.split(LISTENING).nth(1))
+        .map(|a| a.trim().to_string())
+        .with_context(|| format!("{name} exited before listening (see its log above)"))?;
+    // Keep draining its stdout so it never blocks on a full pipe.
+    let tag = name.clone();
+    tokio::spawn(async move {
+        while let Ok(Some(l)) = lines.next_line().await {
+            eprintln!("[{tag}] {l}");
+        }
+    });
+    Ok(Proc {
+        name,
+        child,
+        pid,
+        addr,
+    })
+}
+
+/// GET /health on the router: Ok(true) once every worker is healthy.
+async fn router_healthy(addr: &str) -> bool {
+    let probe = async {
+        let mut s = tokio::net::TcpStream::connect(addr).await?;
+        s.write_all(
+            format!("GET /health HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes(),
+        )
+        .await?;
+        let mut buf = String::new();
+        s.read_to_string(&mut buf).await?;
+        Ok::<_, std::io::Error>(
+            buf.starts_with("HTTP/1.1 200") && buf.contains("\"status\":\"ok\""),
+        )
+    };
+    matches!(
+        tokio::time::timeout(Duration::from_secs(1), probe).await,
+        Ok(Ok(true))
+    )
+}
+
+/// The first child that has exited, with its status.
+fn exited(procs: &mut [Proc]) -> Option<String> {
+    for p in procs.iter_mut() {
+        if let Ok(Some(st)) = p.child.try_wait() {
+            return Some(format!("{} (pid {}) exited: {st}", p.name, p.pid()));
+        }
+    }
+    None
+}
+
+async fn stop_all(procs: &mut [Proc]) {
+    for p in procs.iter() {
+        if let Some(pid) = p.child.id() {
+            let _ = std::process::Command::new("kill")
+                .args(["-TERM", &pid.to_string()])
+                .status();
+        }
+    }
+    let deadline = Instant::now() + Duration::from_secs(3);
+    for p in procs.iter_mut() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if tokio::time::timeout(left, p.child.wait()).await.is_err() {
+            let _ = p.child.start_kill();
+            let _ = p.child.wait().await;
+        }
+    }
+}
+
+pub fn up(a: UpArgs, log_json: bool) -> Result<()> {
+    if a.prefill == 0 || a.decode == 0 {
+        bail!("pdserve up needs at least one prefill and one decode server");
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()?;
+    rt.block_on(run(a, log_json))
+}
+
+async fn run(a: UpArgs, log_json: bool) -> Result<()> {
+    let exe = std::env::current_exe().context("locating the pdserve binary")?;
+    let deadline = Instant::now() + Duration::from_secs_f64(a.ready_timeout_s);
+    let base = |role: &str| {
+        let mut c = Command::new(&exe);
+        c.arg(role);
+        if log_json {
+            c.args(["--log-format", "json"]);
+        }
+        if let Some(m) = &a.model {
+            c.arg("--model").arg(m);
+        }
+        c
+    };
+    let mut procs: Vec<Proc> = Vec::new();
+    let result = async {
+        for (role, n, extra) in [
+            ("prefill", a.prefill, &a.prefill_args),
+            ("decode", a.decode, &a.decode_args),
+        ] {
+            for i in 0..n {
+                let mut c = base(role);
+                c.args(["--listen", "127.0.0.1:0"]);
+                if let Some(cfg) = &a.config {
+                    c.arg("--config").arg(cfg);
+                }
+                if let Some(x) = extra {
+                    c.args(x.split_whitespace());
+                }
+                procs.push(spawn(format!("{role}[{i}]"), c, deadline).await?);
+            }
+        }
+        let addrs = |role: &str| {
+            procs
+                .iter()
+                .filter(|p| p.name.starts_with(role))
+                .map(|p| p.addr.clone())
+                .collect::<Vec<_>>()
+                .join(",")
+        };
+        let mut c = base("router");
+        c.args(["--listen", &format!("127.0.0.1:{}", a.port)])
+            .args(["--prefill", &addrs("prefill"), "--decode", &addrs("decode")]);
+        let router = spawn("router".into(), c, deadline).await?;
+        let url = format!("http://{}", router.addr);
+        let raddr = router.addr.clone();
+        procs.push(router);
+        for p in &procs {
+            println!("pdserve up: {} pid {} on {}", p.name, p.pid(), p.addr);
+        }
+        loop {
+            if let Some(why) = exited(&mut procs) {
+                bail!("{why} before the cluster was ready");
+            }
+            if router_healthy(&raddr).await {
+                break;
+            }
+            if Instant::now() > deadline {
+                bail!(
+                    "the cluster was not healthy within {:.0} s (see {url}/health)",
+                    a.ready_timeout_s
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        println!("pdserve up: ready at {url}");
+        println!(
+            "  curl {url}/v1/completions -H 'Content-Type: application/json' -d '{{\"prompt\": \"The quick brown fox\", \"max_tokens\": 16}}'"
+        );
+        println!("pdserve up: Ctrl-C stops every process");
+        let mut shutdown = std::pin::pin!(shutdown_signal());
+        loop {
+            tokio::select! {
+                _ = &mut shutdown => return Ok(()),
+                _ = tokio::time::sleep(Duration::from_millis(200)) => {
+                    if let Some(why) = exited(&mut procs) {
+                        bail!("{why}; stopping the others");
+                    }
+                }
+            }
+        }
+    }
+    .await;
+    if let Err(e) = &result {
+        eprintln!("pdserve up: {e:#}");
+    }
+    stop_all(&mut procs).await;
+    result
+}

@@ -1,0 +1,279 @@
+//! The continuous-batching loop on the engine's own thread. Every step it admits the
+//! requests whose KV has arrived (each samples its first token from the transferred
+//! logits), drops cancelled ones, runs ONE forward over every running request, samples
+//! each and streams the tokens out; finished requests release their pages at once.
+
+use crate::admission::Permit;
+use pdserve_engine::backend::Backend;
+use pdserve_engine::kv::KvLayout;
+use pdserve_engine::sampling::{Sampler, SamplingParams};
+use pdserve_engine::{Engine, EngineError, ForwardItem, Logits, Sequence};
+use pdserve_kv_transfer::Prefilled;
+use pdserve_proto::pb;
+use pdserve_proto::pb::token_event::Kind;
+use pdserve_proto::worker::Load;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use tokio::sync::{mpsc, oneshot};
+use tonic::Status;
+
+pub type Events = mpsc::UnboundedSender<Result<pb::TokenEvent, Status>>;
+
+/// A request whose KV has arrived, ready to join the batch.
+pub struct Admit {
+    pub request_id: String,
+    pub prefilled: Prefilled,
+    pub sampling: SamplingParams,
+    pub max_new_tokens: u32,
+    pub stop_tokens: Vec<u32>,
+    pub prompt_tokens: u32,
+    pub events: Events,
+    pub permit: Permit,
+}
+
+pub struct Ready {
+    pub layout: KvLayout,
+    pub total_pages: usize,
+    pub total_states: usize,
+    pub max_positions: usize,
+}
+
+type ReadyRx = oneshot::Receiver<Result<Ready, EngineError>>;
+
+pub fn spawn<B, F>(
+    make_engine: F,
+    load: Arc<Load>,
+) -> std::io::Result<(mpsc::Sender<Admit>, ReadyRx)>
+where
+    B: Backend + 'static,
+    F: FnOnce() -> Result<Engine<B>, EngineError> + Send + 'static,
+{
+    let (tx, rx) = mpsc::channel(1024);
+    let (ready_tx, ready_rx) = oneshot::channel();
+    std::thread::Builder::new()
+        .name("decode-engine".into())
+        .spawn(move || {
+            let engine = match make_engine() {
+                Ok(e) => e,
+                Err(e) => {
+                    let _ = ready_tx.send(Err(e));
+                    return;
+                }
+            };
+            let _ = ready_tx.send(Ok(Ready {
+                layout: engine.layout().clone(),
+                total_pages: engine.pool().total_pages(),
+                total_states: engine.pool().total_states(),
+                max_positions: engine.config().max_position_embeddings,
+            }));
+            Batch {
+                engine,
+                running: Vec::new(),
+                load,
+            }
+            .run(rx);
+        })?;
+    Ok((tx, ready_rx))
+}
+
+struct Running {
+    request_id: String,
+    seq: Sequence,
+    sampler: Sampler,
+    /// Last sampled token: the next forward's input.
+    last: u32,
+    generated: u32,
+    max_new_tokens: u32,
+    stop_tokens: Vec<u32>,
+    prompt_tokens: u32,
+    events: Events,
+    _permit: Permit,
+}
+
+impl Running {
+    /// Stream `t` out; true when the request is finished.
+    fn emit(&mut self, t: u32) -> bool {
+        let finished = |reason: &str, n: u32, p: u32| pb::TokenEvent {
+            kind: Some(Kind::Finished(pb::Finished {
+                reason: reason.into(),
+                prompt_tokens: p,
+                completion_tokens: n,
+            })),
+        };
+        if self.stop_tokens.contains(&t) {
+            let _ = self
+                .events
+                .send(Ok(finished("stop", self.generated, self.prompt_tokens)));
+            return true;
+        }
+        self.last = t;
+        self.generated += 1;
+        let sent = self.events.send(Ok(pb::TokenEvent {
+            kind: Some(Kind::Token(t)),
+        }));
+        if sent.is_err() {
+            return true;
+        }
+        if self.generated >= self.max_new_tokens {
+            let _ = self
+                .events
+                .send(Ok(finished("length", self.generated, self.prompt_tokens)));
+            return true;
+        }
+        false
+    }
+}
+
+struct Batch<B: Backend> {
+    engine: Engine<B>,
+    running: Vec<Running>,
+    load: Arc<Load>,
+}
+
+impl<B: Backend> Batch<B> {
+    fn run(mut self, mut rx: mpsc::Receiver<Admit>) {
+        loop {
+            if self.running.is_empty() {
+                match rx.blocking_recv() {
+                    Some(a) => self.admit(a),
+                    None => break,
+                }
+            }
+            while let Ok(a) = rx.try_recv() {
+                self.admit(a);
+            }
+            self.drop_cancelled();
+            if !self.running.is_empty() {
+                self.step();
+            }
+            self.publish_load();
+        }
+        for r in std::mem::take(&mut self.running) {
+            let _ = r
+                .events
+                .send(Err(Status::unavailable("decode server shutting down")));
+            self.finish(r);
+        }
+    }
+
+    fn publish_load(&self) {
+        self.load
+            .running
+            .store(self.running.len() as u32, Ordering::Relaxed);
+        self.load.free_pages.store(
+            self.engine.pool().free_page_count() as u64,
+            Ordering::Relaxed,
+        );
+    }
+
+    fn finish(&mut self, r: Running) {
+        if let Err(e) = self.engine.release(r.seq) {
+            tracing::error!(request_id = %r.request_id, error = %e, "releasing a finished request's pages");
+        }
+    }
+
+    fn admit(&mut self, a: Admit) {
+        let _span = tracing::info_span!("admit", request_id = %a.request_id).entered();
+        let fail = |events: &Events, s: Status| {
+            tracing::warn!(error = %s.message(), "request failed at admission");
+            let _ = events.send(Err(s));
+        };
+        let mut sampler = match Sampler::new(a.sampling) {
+            Ok(s) => s,
+            Err(e) => return fail(&a.events, Status::invalid_argument(e.to_string())),
+        };
+        let t = match sampler.sample(&a.prefilled.last_logits) {
+            Ok(t) => t,
+            Err(e) => return fail(&a.events, Status::data_loss(e.to_string())),
+        };
+        if t != a.prefilled.first_token {
+            return fail(
+                &a.events,
+                Status::data_loss(format!(
+                    "prefill server sampled token {} but the transferred logits give {t}",
+                    a.prefilled.first_token
+                )),
+            );
+        }
+        let seq = match self.engine.import_sequence(&a.prefilled.snapshot) {
+            Ok(s) => s,
+            Err(e) => return fail(&a.events, Status::internal(format!("importing KV: {e}"))),
+        };
+        let mut r = Running {
+            request_id: a.request_id,
+            seq,
+            sampler,
+            last: t,
+            generated: 0,
+            max_new_tokens: a.max_new_tokens,
+            stop_tokens: a.stop_tokens,
+            prompt_tokens: a.prompt_tokens,
+            events: a.events,
+            _permit: a.permit,
+        };
+        tracing::debug!(positions = r.seq.len(), "joined the batch");
+        if r.emit(t) {
+            self.finish(r);
+        } else {
+            self.running.push(r);
+        }
+    }
+
+    fn drop_cancelled(&mut self) {
+        let (gone, keep): (Vec<_>, Vec<_>) = std::mem::take(&mut self.running)
+            .into_iter()
+            .partition(|r| r.events.is_closed());
+        self.running = keep;
+        for r in gone {
+            tracing::info!(request_id = %r.request_id, generated = r.generated, "client went away; pages freed");
+            self.finish(r);
+        }
+    }
+
+    fn step(&mut self) {
+        let mut items: Vec<ForwardItem<'_>> = self
+            .running
+            .iter_mut()
+            .map(|r| ForwardItem {
+                seq: &mut r.seq,
+                tokens: std::slice::from_ref(&r.last),
+                logits: Logits::Last,
+            })
+            .collect();
+        let out = self.engine.forward(&mut items);
+        drop(items);
+        let logits = match out {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::error!(error = %e, batch = self.running.len(), "decode step failed");
+                for r in std::mem::take(&mut self.running) {
+                    let _ = r
+                        .events
+                        .send(Err(Status::internal(format!("decode step failed: {e}"))));
+                    self.finish(r);
+                }
+                return;
+            }
+        };
+        let mut done = Vec::new();
+        for (i, (r, l)) in self.running.iter_mut().zip(&logits).enumerate() {
+            match r.sampler.sample(&l.data) {
+                Ok(t) => {
+                    if r.emit(t) {
+                        done.push(i);
+                    }
+                }
+                Err(e) => {
+                    let _ = r
+                        .events
+                        .send(Err(Status::internal(format!("sampling: {e}"))));
+                    done.push(i);
+                }
+            }
+        }
+        for i in done.into_iter().rev() {
+            let r = self.running.swap_remove(i);
+            self.finish(r);
+        }
+    }
+}

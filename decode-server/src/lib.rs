@@ -1,0 +1,102 @@
+//! The decode server: admits a request only when its pages fit (backpressure), pulls the
+//! prompt's KV from a prefill server, imports it into its own pool and runs every admitted
+//! request in one continuously batched decode loop on a dedicated engine thread.
+
+mod admission;
+mod batch;
+mod service;
+
+use pdserve_engine::backend::Backend;
+use pdserve_engine::{Engine, EngineError};
+use pdserve_proto::pb;
+use pdserve_proto::worker::{Load, WorkerService, WorkerStatus};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+#[derive(Debug, Clone)]
+pub struct DecodeSettings {
+    /// Name the model is served under.
+    pub model_name: String,
+    /// Most requests in the running batch.
+    pub max_batch: usize,
+    /// Deadline for a request waiting for pages and a batch slot.
+    pub admit_timeout: Duration,
+    /// Deadline for pulling a prompt's KV from the prefill server (prefill compute included).
+    pub transfer_timeout: Duration,
+    /// Deadline for connecting to a prefill server.
+    pub connect_timeout: Duration,
+    /// Deadline for loading the model.
+    pub load_timeout: Duration,
+    /// Effective configuration, reported by the info RPC.
+    pub config: Vec<pb::ConfigEntry>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error("loading the model: {0}")]
+    Load(#[from] EngineError),
+    #[error("the engine thread stopped while loading the model")]
+    EngineGone,
+    #[error("loading the model took longer than {0:?}")]
+    LoadTimeout(Duration),
+    #[error("gRPC server: {0}")]
+    Transport(#[from] tonic::transport::Error),
+    #[error("starting the engine thread: {0}")]
+    Thread(#[from] std::io::Error),
+}
+
+/// Load the engine with `make_engine` on its own thread, then serve on `listener` until
+/// `shutdown` resolves.
+pub async fn serve<B, F>(
+    settings: DecodeSettings,
+    make_engine: F,
+    listener: tokio::net::TcpListener,
+    shutdown: impl std::future::Future<Output = ()> + Send,
+) -> Result<(), ServeError>
+where
+    B: Backend + 'static,
+    F: FnOnce() -> Result<Engine<B>, EngineError> + Send + 'static,
+{
+    let load = Arc::new(Load::default());
+    let (admits, ready) = batch::spawn(make_engine, load.clone())?;
+    let ready = tokio::time::timeout(settings.load_timeout, ready)
+        .await
+        .map_err(|_| ServeError::LoadTimeout(settings.load_timeout))?
+        .map_err(|_| ServeError::EngineGone)??;
+    load.total_pages
+        .store(ready.total_pages as u64, Ordering::Relaxed);
+    load.free_pages
+        .store(ready.total_pages as u64, Ordering::Relaxed);
+    let status = Arc::new(WorkerStatus {
+        role: "decode".into(),
+        model: settings.model_name.clone(),
+        config: settings.config.clone(),
+        layout: pdserve_kv_transfer::layout_info(&ready.layout),
+        load,
+    });
+    let admission = admission::Admission::new(
+        ready.total_pages,
+        settings.max_batch.min(ready.total_states),
+    );
+    let svc = service::DecodeService {
+        admits,
+        layout: Arc::new(ready.layout),
+        max_positions: ready.max_positions,
+        admission: Arc::new(admission),
+        settings: settings.clone(),
+        status: status.clone(),
+    };
+    tracing::info!(addr = ?listener.local_addr().ok(), layout = %status.layout.fingerprint, max_batch = settings.max_batch, "decode server ready");
+    tonic::transport::Server::builder()
+        .http2_keepalive_interval(Some(Duration::from_secs(1)))
+        .http2_keepalive_timeout(Some(Duration::from_secs(2)))
+        .add_service(pb::decode_server::DecodeServer::new(svc))
+        .add_service(pb::worker_server::WorkerServer::new(WorkerService(status)))
+        .serve_with_incoming_shutdown(
+            tokio_stream::wrappers::TcpListenerStream::new(listener),
+            shutdown,
+        )
+        .await?;
+    Ok(())
+}

@@ -1,0 +1,149 @@
+//! The `Decode` gRPC service: validate, admit (backpressure), pull the prompt's KV from
+//! the named prefill server, hand it to the batch loop, stream tokens back.
+
+use crate::admission::Admission;
+use crate::batch::Admit;
+use crate::DecodeSettings;
+use pdserve_engine::kv::KvLayout;
+use pdserve_engine::sampling::SamplingParams;
+use pdserve_kv_transfer::{pull_prefill, PullOptions, TransferError};
+use pdserve_proto::pb;
+use pdserve_proto::worker::WorkerStatus;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::UnboundedReceiverStream;
+use tonic::{Request, Response, Status};
+
+pub struct DecodeService {
+    pub admits: mpsc::Sender<Admit>,
+    pub layout: Arc<KvLayout>,
+    pub max_positions: usize,
+    pub admission: Arc<Admission>,
+    pub settings: DecodeSettings,
+    pub status: Arc<WorkerStatus>,
+}
+
+fn sampling(s: Option<pb::SamplingParams>) -> Result<(SamplingParams, pb::SamplingParams), Status> {
+    let s = s.unwrap_or(pb::SamplingParams {
+        temperature: 0.0,
+        top_p: 1.0,
+        top_k: 0,
+        seed: 0,
+    });
+    let p = SamplingParams {
+        temperature: s.temperature,
+        top_p: s.top_p,
+        top_k: s.top_k as usize,
+        seed: s.seed,
+    };
+    p.validate()
+        .map_err(|e| Status::invalid_argument(e.to_string()))?;
+    Ok((p, s))
+}
+
+/// Decrements the waiting counter when dropped.
+struct Waiting(Arc<WorkerStatus>);
+
+impl Waiting {
+    fn new(s: &Arc<WorkerStatus>) -> Self {
+        s.load.waiting.fetch_add(1, Ordering::Relaxed);
+        Waiting(s.clone())
+    }
+}
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        self.0.load.waiting.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+#[tonic::async_trait]
+impl pb::decode_server::Decode for DecodeService {
+    type GenerateStream = UnboundedReceiverStream<Result<pb::TokenEvent, Status>>;
+
+    async fn generate(
+        &self,
+        req: Request<pb::GenerateRequest>,
+    ) -> Result<Response<Self::GenerateStream>, Status> {
+        let request_id = pdserve_proto::request_id(&req);
+        let r = req.into_inner();
+        if r.prompt.is_empty() {
+            return Err(Status::invalid_argument("empty prompt"));
+        }
+        if r.max_new_tokens == 0 {
+            return Err(Status::invalid_argument(
+                "max_new_tokens must be at least 1",
+            ));
+        }
+        if r.prefill_addr.is_empty() {
+            return Err(Status::invalid_argument("no prefill server given"));
+        }
+        let (params, wire_params) = sampling(r.sampling)?;
+        let total = r.prompt.len() + r.max_new_tokens as usize;
+        if total > self.max_positions {
+            return Err(Status::invalid_argument(format!(
+                "prompt ({} tokens) + max_new_tokens ({}) exceeds the model's {} positions",
+                r.prompt.len(),
+                r.max_new_tokens,
+                self.max_positions
+            )));
+        }
+        let need = self.layout.pages_for(total);
+        let permit = {
+            let _w = Waiting::new(&self.status);
+            self.admission
+                .admit(need, self.settings.admit_timeout)
+                .await
+                .map_err(|e| Status::resource_exhausted(e.to_string()))?
+        };
+        let (tx, rx) = mpsc::unbounded_channel();
+        let admits = self.admits.clone();
+        let layout = self.layout.clone();
+        let opts = PullOptions {
+            connect_timeout: self.settings.connect_timeout,
+            total_timeout: self.settings.transfer_timeout,
+        };
+        let prompt_tokens = r.prompt.len() as u32;
+        tokio::spawn(async move {
+            let t0 = std::time::Instant::now();
+            let pulled = tokio::select! {
+                p = pull_prefill(&r.prefill_addr, &layout, r.prompt, wire_params, &request_id, opts) => p,
+                _ = tx.closed() => {
+                    tracing::info!(%request_id, "client went away during prefill; cancelled");
+                    return;
+                }
+            };
+            let prefilled = match pulled {
+                Ok(p) => p,
+                Err(e) => {
+                    tracing::warn!(%request_id, prefill = %r.prefill_addr, error = %e, "KV transfer failed");
+                    let mut status = e.to_status();
+                    if matches!(e, TransferError::Unreachable { .. }) {
+                        status.metadata_mut().insert(
+                            pdserve_proto::FAILED_WORKER,
+                            tonic::metadata::MetadataValue::from_static("prefill"),
+                        );
+                    }
+                    let _ = tx.send(Err(status));
+                    return;
+                }
+            };
+            tracing::info!(%request_id, prefill = %r.prefill_addr, pages = prefilled.snapshot.pages.len(), ms = t0.elapsed().as_millis() as u64, "KV received");
+            let admit = Admit {
+                request_id,
+                prefilled,
+                sampling: params,
+                max_new_tokens: r.max_new_tokens,
+                stop_tokens: r.stop_tokens,
+                prompt_tokens,
+                events: tx.clone(),
+                permit,
+            };
+            if admits.send(admit).await.is_err() {
+                let _ = tx.send(Err(Status::unavailable("decode engine stopped")));
+            }
+        });
+        Ok(Response::new(UnboundedReceiverStream::new(rx)))
+    }
+}

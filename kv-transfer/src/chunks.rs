@@ -1,0 +1,231 @@
+//! A sequence snapshot as a stream of messages (header, page chunks, state) and its
+//! reassembly with every chunk's checksum verified before its bytes are used.
+
+use crate::{check_peer, layout_info, TransferError};
+use pdserve_engine::kv::KvLayout;
+use pdserve_engine::SeqSnapshot;
+use pdserve_proto::pb;
+use pdserve_proto::pb::prefill_message::Kind;
+
+/// What a decode server receives: the KV state, the prefill's last logits and the token
+/// the prefill server sampled from them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Prefilled {
+    pub snapshot: SeqSnapshot,
+    pub last_logits: Vec<f32>,
+    pub first_token: u32,
+}
+
+fn crc(data: &[u8]) -> u32 {
+    crc32fast::hash(data)
+}
+
+fn f32s_to_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+/// Split a prefilled sequence into messages; page chunks hold at most `chunk_bytes`
+/// (at least one page each).
+pub fn encode_prefill(
+    layout: &KvLayout,
+    p: &Prefilled,
+    chunk_bytes: usize,
+) -> Vec<pb::PrefillMessage> {
+    let logits = f32s_to_bytes(&p.last_logits);
+    let mut out = vec![pb::PrefillMessage {
+        kind: Some(Kind::Header(pb::PrefillHeader {
+            layout: Some(layout_info(layout)),
+            len: p.snapshot.len as u64,
+            num_pages: p.snapshot.pages.len() as u32,
+            first_token: p.first_token,
+            last_logits_crc32: crc(&logits),
+            last_logits: logits,
+        })),
+    }];
+    let per_chunk = (chunk_bytes / layout.page_bytes.max(1)).max(1);
+    for (i, group) in p.snapshot.pages.chunks(per_chunk).enumerate() {
+        let data: Vec<u8> = group.concat();
+        out.push(pb::PrefillMessage {
+            kind: Some(Kind::Pages(pb::PageChunk {
+                first_page: (i * per_chunk) as u32,
+                num_pages: group.len() as u32,
+                crc32: crc(&data),
+                data,
+            })),
+        });
+    }
+    out.push(pb::PrefillMessage {
+        kind: Some(Kind::State(pb::StateChunk {
+            crc32: crc(&p.snapshot.state),
+            data: p.snapshot.state.clone(),
+        })),
+    });
+    out
+}
+
+fn verify(what: impl FnOnce() -> String, data: &[u8], sent: u32) -> Result<(), TransferError> {
+    let got = crc(data);
+    if got != sent {
+        return Err(TransferError::Checksum {
+            what: what(),
+            sent,
+            got,
+        });
+    }
+    Ok(())
+}
+
+fn protocol(msg: impl Into<String>) -> TransferError {
+    TransferError::Protocol(msg.into())
+}
+
+struct Header {
+    len: usize,
+    num_pages: usize,
+    first_token: u32,
+    logits: Vec<f32>,
+}
+
+/// Reassembles one prefill stream against the receiver's own layout.
+pub struct Assembler<'a> {
+    layout: &'a KvLayout,
+    header: Option<Header>,
+    pages: Vec<Vec<u8>>,
+    state: Option<Vec<u8>>,
+}
+
+impl<'a> Assembler<'a> {
+    pub fn new(layout: &'a KvLayout) -> Self {
+        Assembler {
+            layout,
+            header: None,
+            pages: Vec::new(),
+            state: None,
+        }
+    }
+
+    /// Take one message; errors on a layout mismatch, a bad checksum or an out-of-order part.
+    pub fn push(&mut self, msg: pb::PrefillMessage) -> Result<(), TransferError> {
+        match msg.kind {
+            None => Err(protocol("empty prefill message")),
+            Some(Kind::Header(h)) => self.on_header(h),
+            Some(Kind::Pages(c)) => self.on_pages(c),
+            Some(Kind::State(s)) => self.on_state(s),
+        }
+    }
+
+    fn on_header(&mut self, h: pb::PrefillHeader) -> Result<(), TransferError> {
+        if self.header.is_some() {
+            return Err(protocol("second header in one prefill stream"));
+        }
+        let theirs = h
+            .layout
+            .ok_or_else(|| protocol("prefill header without a layout"))?;
+        check_peer(self.layout, &theirs)?;
+        verify(|| "last logits".into(), &h.last_logits, h.last_logits_crc32)?;
+        if !h.last_logits.len().is_multiple_of(4) {
+            return Err(protocol(format!(
+                "last logits of {} bytes is not a whole number of f32",
+                h.last_logits.len()
+            )));
+        }
+        let len = h.len as usize;
+        let num_pages = h.num_pages as usize;
+        if num_pages != self.layout.pages_for(len) {
+            return Err(protocol(format!(
+                "{num_pages} pages announced for {len} positions; the layout needs {}",
+                self.layout.pages_for(len)
+            )));
+        }
+        let logits = h
+            .last_logits
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        self.header = Some(Header {
+            len,
+            num_pages,
+            first_token: h.first_token,
+            logits,
+        });
+        Ok(())
+    }
+
+    fn on_pages(&mut self, c: pb::PageChunk) -> Result<(), TransferError> {
+        let h = self
+            .header
+            .as_ref()
+            .ok_or_else(|| protocol("page chunk before the header"))?;
+        if self.state.is_some() {
+            return Err(protocol("page chunk after the state"));
+        }
+        let first = c.first_page as usize;
+        let n = c.num_pages as usize;
+        if first != self.pages.len() || first + n > h.num_pages || n == 0 {
+            return Err(protocol(format!(
+                "page chunk [{first}, {}) out of order: expected page {} of {}",
+                first + n,
+                self.pages.len(),
+                h.num_pages
+            )));
+        }
+        let pb_ = self.layout.page_bytes;
+        if c.data.len() != n * pb_ {
+            return Err(protocol(format!(
+                "page chunk of {n} pages has {} bytes; the layout's page is {pb_} bytes",
+                c.data.len()
+            )));
+        }
+        verify(
+            || format!("pages [{first}, {})", first + n),
+            &c.data,
+            c.crc32,
+        )?;
+        self.pages
+            .extend(c.data.chunks_exact(pb_).map(<[u8]>::to_vec));
+        Ok(())
+    }
+
+    fn on_state(&mut self, s: pb::StateChunk) -> Result<(), TransferError> {
+        if self.header.is_none() || self.state.is_some() {
+            return Err(protocol("state chunk out of order"));
+        }
+        if s.data.len() != self.layout.state_bytes {
+            return Err(protocol(format!(
+                "state of {} bytes; the layout's state slot is {} bytes",
+                s.data.len(),
+                self.layout.state_bytes
+            )));
+        }
+        verify(|| "state slot".into(), &s.data, s.crc32)?;
+        self.state = Some(s.data);
+        Ok(())
+    }
+
+    /// The complete, verified sequence; errors if any part is missing.
+    pub fn finish(self) -> Result<Prefilled, TransferError> {
+        let h = self
+            .header
+            .ok_or_else(|| protocol("prefill stream ended before its header"))?;
+        if self.pages.len() != h.num_pages {
+            return Err(protocol(format!(
+                "prefill stream ended after {} of {} pages",
+                self.pages.len(),
+                h.num_pages
+            )));
+        }
+        let state = self
+            .state
+            .ok_or_else(|| protocol("prefill stream ended before the state slot"))?;
+        Ok(Prefilled {
+            snapshot: SeqSnapshot {
+                layout_fingerprint: self.layout.fingerprint(),
+                len: h.len,
+                pages: self.pages,
+                state,
+            },
+            last_logits: h.logits,
+            first_token: h.first_token,
+        })
+    }
+}

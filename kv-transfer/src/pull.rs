@@ -1,0 +1,110 @@
+//! The decode side of a transfer: ask a prefill server to run a prompt and receive its KV.
+
+use crate::{layout_info, Assembler, Prefilled, TransferError};
+use pdserve_engine::kv::KvLayout;
+use pdserve_proto::pb;
+use pdserve_proto::pb::prefill_client::PrefillClient;
+use std::time::{Duration, Instant};
+use tonic::transport::Endpoint;
+
+#[derive(Debug, Clone, Copy)]
+pub struct PullOptions {
+    /// Deadline for the TCP/HTTP2 connection.
+    pub connect_timeout: Duration,
+    /// Deadline for the whole transfer, prefill compute included.
+    pub total_timeout: Duration,
+}
+
+impl Default for PullOptions {
+    fn default() -> Self {
+        PullOptions {
+            connect_timeout: Duration::from_secs(2),
+            total_timeout: Duration::from_secs(120),
+        }
+    }
+}
+
+/// Prefill `prompt` on the server at `addr` (host:port) and receive its verified KV state.
+/// Dropping the returned future cancels the prefill on the server.
+pub async fn pull_prefill(
+    addr: &str,
+    layout: &KvLayout,
+    prompt: Vec<u32>,
+    sampling: pb::SamplingParams,
+    request_id: &str,
+    opts: PullOptions,
+) -> Result<Prefilled, TransferError> {
+    let t0 = Instant::now();
+    let unreachable = |reason: String| TransferError::Unreachable {
+        addr: addr.to_string(),
+        reason,
+    };
+    let endpoint = Endpoint::from_shared(format!("http://{addr}"))
+        .map_err(|e| unreachable(e.to_string()))?
+        .connect_timeout(opts.connect_timeout)
+        .timeout(opts.total_timeout)
+        .http2_keep_alive_interval(Duration::from_secs(1))
+        .keep_alive_timeout(Duration::from_secs(2));
+    let channel = endpoint
+        .connect()
+        .await
+        .map_err(|e| unreachable(format!("{e}: {}", source_chain(&e))))?;
+    let mut client = PrefillClient::new(channel)
+        .max_decoding_message_size(usize::MAX)
+        .max_encoding_message_size(usize::MAX);
+    let req = pb::PrefillRequest {
+        prompt,
+        sampling: Some(sampling),
+        receiver_layout: Some(layout_info(layout)),
+    };
+    let timeout = |what: &'static str| TransferError::Timeout {
+        addr: addr.to_string(),
+        what,
+        secs: t0.elapsed().as_secs_f64(),
+    };
+    let peer = |status: tonic::Status| {
+        // The prefill server itself never answers Unknown: that code is a broken connection.
+        if matches!(
+            status.code(),
+            tonic::Code::Unavailable | tonic::Code::Unknown
+        ) {
+            unreachable(status.message().to_string())
+        } else {
+            TransferError::Peer {
+                addr: addr.to_string(),
+                status,
+            }
+        }
+    };
+    let remaining = || opts.total_timeout.saturating_sub(t0.elapsed());
+    let mut stream = tokio::time::timeout(
+        remaining(),
+        client.prefill(pdserve_proto::with_request_id(req, request_id)),
+    )
+    .await
+    .map_err(|_| timeout("the prefill to start"))?
+    .map_err(peer)?
+    .into_inner();
+    let mut asm = Assembler::new(layout);
+    loop {
+        let msg = tokio::time::timeout(remaining(), stream.message())
+            .await
+            .map_err(|_| timeout("KV pages"))?
+            .map_err(peer)?;
+        match msg {
+            Some(m) => asm.push(m)?,
+            None => break,
+        }
+    }
+    asm.finish()
+}
+
+fn source_chain(e: &dyn std::error::Error) -> String {
+    let mut parts = Vec::new();
+    let mut cur = e.source();
+    while let Some(s) = cur {
+        parts.push(s.to_string());
+        cur = s.source();
+    }
+    parts.join(": ")
+}

@@ -1,0 +1,102 @@
+//! The prefill server: runs prompts on its engine (one dedicated thread) and streams each
+//! prompt's KV pages, state and last logits to the decode server that asked, after
+//! checking that the decode server's KV layout equals its own.
+
+// The engine's own error type passes through unboxed, as the engine returns it.
+#![allow(clippy::result_large_err)]
+
+mod engine_thread;
+mod service;
+
+use pdserve_engine::backend::Backend;
+use pdserve_engine::{Engine, EngineError};
+use pdserve_proto::pb;
+use pdserve_proto::worker::{WorkerService, WorkerStatus};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+#[derive(Debug, Clone)]
+pub struct PrefillSettings {
+    /// Name the model is served under.
+    pub model_name: String,
+    /// Prefill chunk size in tokens (0: whole prompt in one forward).
+    pub chunked_prefill_size: usize,
+    /// Largest page chunk on the wire.
+    pub transfer_chunk_bytes: usize,
+    /// Deadline for one prefill, queueing included.
+    pub request_timeout: Duration,
+    /// Deadline for loading the model.
+    pub load_timeout: Duration,
+    /// Effective configuration, reported by the info RPC.
+    pub config: Vec<pb::ConfigEntry>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error("loading the model: {0}")]
+    Load(#[from] EngineError),
+    #[error("the engine thread stopped while loading the model")]
+    EngineGone,
+    #[error("loading the model took longer than {0:?}")]
+    LoadTimeout(Duration),
+    #[error("gRPC server: {0}")]
+    Transport(#[from] tonic::transport::Error),
+    #[error("starting the engine thread: {0}")]
+    Thread(#[from] std::io::Error),
+}
+
+/// Load the engine with `make_engine` on its own thread, then serve on `listener` until
+/// `shutdown` resolves.
+pub async fn serve<B, F>(
+    settings: PrefillSettings,
+    make_engine: F,
+    listener: tokio::net::TcpListener,
+    shutdown: impl std::future::Future<Output = ()> + Send,
+) -> Result<(), ServeError>
+where
+    B: Backend + 'static,
+    F: FnOnce() -> Result<Engine<B>, EngineError> + Send + 'static,
+{
+    let (jobs, ready) = engine_thread::spawn(make_engine, settings.chunked_prefill_size)?;
+    let ready = tokio::time::timeout(settings.load_timeout, ready)
+        .await
+        .map_err(|_| ServeError::LoadTimeout(settings.load_timeout))?
+        .map_err(|_| ServeError::EngineGone)??;
+    let status = Arc::new(WorkerStatus {
+        role: "prefill".into(),
+        model: settings.model_name.clone(),
+        config: settings.config.clone(),
+        layout: pdserve_kv_transfer::layout_info(&ready.layout),
+        ..Default::default()
+    });
+    status
+        .load
+        .total_pages
+        .store(ready.total_pages as u64, Ordering::Relaxed);
+    status
+        .load
+        .free_pages
+        .store(ready.total_pages as u64, Ordering::Relaxed);
+    let svc = service::PrefillService {
+        jobs,
+        layout: Arc::new(ready.layout),
+        settings: settings.clone(),
+    };
+    tracing::info!(addr = ?listener.local_addr().ok(), layout = %status.layout.fingerprint, "prefill server ready");
+    tonic::transport::Server::builder()
+        .http2_keepalive_interval(Some(Duration::from_secs(1)))
+        .http2_keepalive_timeout(Some(Duration::from_secs(2)))
+        .add_service(
+            pb::prefill_server::PrefillServer::new(svc)
+                .max_encoding_message_size(usize::MAX)
+                .max_decoding_message_size(64 << 20),
+        )
+        .add_service(pb::worker_server::WorkerServer::new(WorkerService(status)))
+        .serve_with_incoming_shutdown(
+            tokio_stream::wrappers::TcpListenerStream::new(listener),
+            shutdown,
+        )
+        .await?;
+    Ok(())
+}

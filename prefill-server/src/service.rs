@@ -1,0 +1,105 @@
+//! The `Prefill` gRPC service.
+
+use crate::engine_thread::Job;
+use crate::PrefillSettings;
+use pdserve_engine::kv::KvLayout;
+use pdserve_engine::sampling::SamplingParams;
+use pdserve_kv_transfer::{check_peer, encode_prefill};
+use pdserve_proto::pb;
+use std::sync::Arc;
+use tokio::sync::{mpsc, oneshot};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status};
+
+pub struct PrefillService {
+    pub jobs: mpsc::Sender<Job>,
+    pub layout: Arc<KvLayout>,
+    pub settings: PrefillSettings,
+}
+
+pub fn sampling_from_pb(s: Option<pb::SamplingParams>) -> SamplingParams {
+    let s = s.unwrap_or(pb::SamplingParams {
+        temperature: 0.0,
+        top_p: 1.0,
+        top_k: 0,
+        seed: 0,
+    });
+    SamplingParams {
+        temperature: s.temperature,
+        top_p: s.top_p,
+        top_k: s.top_k as usize,
+        seed: s.seed,
+    }
+}
+
+#[tonic::async_trait]
+impl pb::prefill_server::Prefill for PrefillService {
+    type PrefillStream = ReceiverStream<Result<pb::PrefillMessage, Status>>;
+
+    async fn prefill(
+        &self,
+        req: Request<pb::PrefillRequest>,
+    ) -> Result<Response<Self::PrefillStream>, Status> {
+        let request_id = pdserve_proto::request_id(&req);
+        let r = req.into_inner();
+        let theirs = r.receiver_layout.ok_or_else(|| {
+            Status::failed_precondition("prefill request without the receiver's KV layout")
+        })?;
+        if let Err(e) = check_peer(&self.layout, &theirs) {
+            tracing::warn!(%request_id, error = %e, "refusing a decode server with a different KV layout");
+            return Err(Status::failed_precondition(e.to_string()));
+        }
+        let (reply, done) = oneshot::channel();
+        let job = Job {
+            prompt: r.prompt,
+            sampling: sampling_from_pb(r.sampling),
+            request_id: request_id.clone(),
+            reply,
+        };
+        let timeout = self.settings.request_timeout;
+        tokio::time::timeout(timeout, self.jobs.send(job))
+            .await
+            .map_err(|_| Status::resource_exhausted("prefill queue full"))?
+            .map_err(|_| Status::unavailable("prefill engine stopped"))?;
+        let (tx, rx) = mpsc::channel(8);
+        let layout = self.layout.clone();
+        let chunk_bytes = self.settings.transfer_chunk_bytes;
+        tokio::spawn(async move {
+            let res = tokio::select! {
+                r = tokio::time::timeout(timeout, done) => r,
+                _ = tx.closed() => {
+                    tracing::info!(%request_id, "decode server went away; cancelling the prefill");
+                    return;
+                }
+            };
+            let prefilled = match res {
+                Ok(Ok(Ok(p))) => p,
+                Ok(Ok(Err(status))) => {
+                    let _ = tx.send(Err(status)).await;
+                    return;
+                }
+                Ok(Err(_)) => {
+                    let _ = tx
+                        .send(Err(Status::internal("prefill engine dropped the request")))
+                        .await;
+                    return;
+                }
+                Err(_) => {
+                    let _ = tx
+                        .send(Err(Status::deadline_exceeded(format!(
+                            "prefill did not finish within {timeout:?}"
+                        ))))
+                        .await;
+                    return;
+                }
+            };
+            for m in encode_prefill(&layout, &prefilled, chunk_bytes) {
+                if tx.send(Ok(m)).await.is_err() {
+                    tracing::info!(%request_id, "decode server went away during the transfer");
+                    return;
+                }
+            }
+        });
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+}

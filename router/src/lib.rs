@@ -1,0 +1,96 @@
+//! The HTTP router: OpenAI-style `POST /v1/completions` (SSE and not), `GET /v1/models`,
+//! `GET /health`. For each request it picks a prefill worker P and a decode worker D
+//! through a [`policy::RoutingPolicy`], asks D to generate with P as its prefill source,
+//! and streams D's tokens to the client. A failure before the first token is retried on
+//! another pair; after it, the client's stream ends with an error event.
+
+mod completions;
+mod detok;
+mod error;
+mod generation;
+pub mod policy;
+mod workers;
+
+pub use error::ApiError;
+pub use workers::{Role, Worker, Workers};
+
+use pdserve_engine::tokenizer::Tokenizer;
+use std::sync::Arc;
+use std::time::Duration;
+
+#[derive(Debug, Clone)]
+pub struct RouterSettings {
+    /// Name the model is served under (`model` in requests may be omitted).
+    pub model_name: String,
+    /// Prefill worker addresses (host:port).
+    pub prefill: Vec<String>,
+    /// Decode worker addresses (host:port).
+    pub decode: Vec<String>,
+    /// Model end-of-sequence ids, used as stop tokens unless a request sets `ignore_eos`.
+    pub eos_token_ids: Vec<u32>,
+    /// Deadline from request to first token (admission, prefill and transfer included).
+    pub first_token_timeout: Duration,
+    /// Deadline between two tokens of a stream.
+    pub token_timeout: Duration,
+    /// Deadline for connecting to a worker.
+    pub connect_timeout: Duration,
+    /// How often worker health is checked.
+    pub health_interval: Duration,
+    /// Pairs tried for one request before its first token.
+    pub max_attempts: usize,
+    /// Effective configuration with sources, served at `GET /config`.
+    pub config: serde_json::Value,
+}
+
+pub struct AppState {
+    pub settings: RouterSettings,
+    pub tokenizer: Option<Arc<Tokenizer>>,
+    pub workers: Arc<Workers>,
+    pub policy: Box<dyn policy::RoutingPolicy>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error("worker address `{addr}`: {reason}")]
+    Address { addr: String, reason: String },
+    #[error("HTTP server: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// The axum application (routes and state), for embedding and tests.
+pub fn app(state: Arc<AppState>) -> axum::Router {
+    use axum::routing::{get, post};
+    axum::Router::new()
+        .route("/v1/completions", post(completions::completions))
+        .route("/v1/models", get(completions::models))
+        .route("/health", get(completions::health))
+        .route("/config", get(completions::config))
+        .with_state(state)
+}
+
+/// Serve until `shutdown` resolves.
+pub async fn serve(
+    settings: RouterSettings,
+    tokenizer: Option<Tokenizer>,
+    listener: tokio::net::TcpListener,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> Result<(), ServeError> {
+    let workers = Arc::new(Workers::new(
+        &settings.prefill,
+        &settings.decode,
+        settings.connect_timeout,
+    )?);
+    let health = tokio::spawn(workers.clone().health_loop(settings.health_interval));
+    let state = Arc::new(AppState {
+        tokenizer: tokenizer.map(Arc::new),
+        workers,
+        policy: Box::new(policy::RoundRobin::default()),
+        settings,
+    });
+    tracing::info!(addr = ?listener.local_addr().ok(), prefill = ?state.settings.prefill, decode = ?state.settings.decode, "router ready");
+    let res = axum::serve(listener, app(state))
+        .with_graceful_shutdown(shutdown)
+        .await;
+    health.abort();
+    Ok(res?)
+}
