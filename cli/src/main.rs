@@ -1,6 +1,7 @@
 //! `pdserve`: the user-facing command line.
 
 mod commands;
+mod gpu_check;
 mod model_args;
 
 use clap::{Parser, Subcommand};
@@ -34,6 +35,8 @@ enum Command {
     Logits(commands::LogitsArgs),
     /// Print a model's effective configuration and KV layout as JSON.
     Inspect(commands::InspectArgs),
+    /// Compare the CUDA backend with the CPU engine on reference fixtures (pass/fail table).
+    GpuCheck(gpu_check::GpuCheckArgs),
 }
 
 fn init_logging(format: LogFormat) {
@@ -55,6 +58,7 @@ fn main() -> ExitCode {
         Command::Generate(a) => commands::generate(a),
         Command::Logits(a) => commands::logits(a),
         Command::Inspect(a) => commands::inspect(a),
+        Command::GpuCheck(a) => gpu_check::gpu_check(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,9 +1,11 @@
 //! Flags shared by every command that loads a model.
 
 use anyhow::{bail, Context, Result};
+use pdserve_engine::backend::Backend;
 use pdserve_engine::kv::{EntryDtype, KvLayoutSpec};
 use pdserve_engine::tokenizer::Tokenizer;
 use pdserve_engine::{CpuBackend, Engine, PoolSize};
+use pdserve_kernels::CudaBackend;
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -12,7 +14,8 @@ pub struct ModelArgs {
     /// Model folder (config.json, *.safetensors, optional tokenizer.json). Default: the embedded model.
     #[arg(long, env = "PDSERVE_MODEL")]
     pub model: Option<PathBuf>,
-    /// Compute device: `cpu` (CUDA arrives with the CUDA backend).
+    /// Compute device: `cpu`, `cuda:N` (fails if CUDA device N cannot be used), or
+    /// `auto` (cuda:0 when its driver, cuBLAS and NVRTC load, else cpu with a warning).
     #[arg(long, default_value = "cpu")]
     pub device: String,
     /// Storage dtype of the indexer's index-K entries: f32 (exact top-k picks) or bf16
@@ -33,8 +36,37 @@ pub struct ModelArgs {
     pub chunked_prefill_size: usize,
 }
 
-pub struct Loaded {
-    pub engine: Engine<CpuBackend>,
+/// Where the model runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Device {
+    Cpu,
+    Cuda(usize),
+    Auto,
+}
+
+impl std::str::FromStr for Device {
+    type Err = anyhow::Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "cpu" => Ok(Device::Cpu),
+            "auto" => Ok(Device::Auto),
+            "cuda" => Ok(Device::Cuda(0)),
+            other => match other.strip_prefix("cuda:").map(str::parse::<usize>) {
+                Some(Ok(n)) => Ok(Device::Cuda(n)),
+                _ => bail!("unknown device `{other}` (expected cpu, cuda:N or auto)"),
+            },
+        }
+    }
+}
+
+/// A command body that runs on whichever backend `--device` selects.
+pub trait OnEngine {
+    fn run<B: Backend>(self, loaded: Loaded<B>) -> Result<()>;
+}
+
+pub struct Loaded<B: Backend> {
+    pub engine: Engine<B>,
     pub tokenizer: Option<Tokenizer>,
     pub dir: PathBuf,
 }
@@ -47,13 +79,27 @@ impl ModelArgs {
         }
     }
 
-    pub fn load(&self) -> Result<Loaded> {
-        if self.device != "cpu" {
-            bail!(
-                "device `{}` is not available in this build: only `cpu` is implemented so far",
-                self.device
-            );
+    /// Load the model on the selected device and run `cmd` with it.
+    pub fn run<C: OnEngine>(&self, cmd: C) -> Result<()> {
+        let device: Device = self.device.parse().context("--device")?;
+        match device {
+            Device::Cpu => cmd.run(self.load(CpuBackend)?),
+            Device::Cuda(n) => {
+                let b = CudaBackend::new(n, None)
+                    .with_context(|| format!("--device cuda:{n}: CUDA backend unavailable"))?;
+                cmd.run(self.load(b)?)
+            }
+            Device::Auto => match CudaBackend::new(0, None) {
+                Ok(b) => cmd.run(self.load(b)?),
+                Err(e) => {
+                    tracing::warn!(error = %e, "--device auto: CUDA unavailable, running on the CPU");
+                    cmd.run(self.load(CpuBackend)?)
+                }
+            },
         }
+    }
+
+    pub fn load<B: Backend>(&self, backend: B) -> Result<Loaded<B>> {
         let dir = self.model_dir()?;
         let t0 = Instant::now();
         let cfg = pdserve_engine::config::ModelConfig::from_model_dir(&dir)?;
@@ -65,7 +111,7 @@ impl ModelArgs {
         }
         let engine = Engine::load(
             &dir,
-            CpuBackend,
+            backend,
             Some(spec),
             PoolSize {
                 pages: self.kv_pages,

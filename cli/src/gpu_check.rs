@@ -1,0 +1,42 @@
+//! `pdserve gpu-check`: the CUDA backend against the CPU engine on reference fixtures.
+
+use anyhow::{bail, Context, Result};
+use pdserve_kernels::check::{check_fixture, header};
+use std::path::PathBuf;
+
+#[derive(clap::Args, Debug)]
+pub struct GpuCheckArgs {
+    /// Folder of fixtures (each a checkpoint plus expected.safetensors and meta.json).
+    #[arg(long, default_value = "tests/fixtures")]
+    fixtures: PathBuf,
+    /// CUDA device ordinal.
+    #[arg(long, default_value_t = 0)]
+    device: usize,
+}
+
+pub fn gpu_check(a: GpuCheckArgs) -> Result<()> {
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir(&a.fixtures)
+        .with_context(|| format!("reading {}", a.fixtures.display()))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.join("expected.safetensors").exists())
+        .collect();
+    dirs.sort();
+    if dirs.is_empty() {
+        bail!("no fixtures under {}", a.fixtures.display());
+    }
+    println!("{}", header());
+    let mut failed = 0;
+    for d in &dirs {
+        let rows = check_fixture(d, a.device)
+            .map_err(|e| anyhow::anyhow!("{}: {e}", d.display()))?;
+        for r in rows {
+            failed += usize::from(!r.pass);
+            println!("{r}");
+        }
+    }
+    if failed > 0 {
+        bail!("{failed} GPU check(s) failed");
+    }
+    println!("all GPU checks passed");
+    Ok(())
+}
