@@ -5,7 +5,7 @@ use pdserve_engine::backend::Backend;
 use pdserve_engine::kv::{EntryDtype, KvLayoutSpec};
 use pdserve_engine::tokenizer::Tokenizer;
 use pdserve_engine::{CpuBackend, Engine, PoolSize};
-use pdserve_kernels::CudaBackend;
+use pdserve_kernels::{CudaBackend, WeightDtype};
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -18,6 +18,10 @@ pub struct ModelArgs {
     /// `auto` (cuda:0 when its driver, cuBLAS and NVRTC load, else cpu with a warning).
     #[arg(long, default_value = "cpu")]
     pub device: String,
+    /// Weight storage on a CUDA device: bf16 (router and hyper-connection maps stay fp32)
+    /// or f32 (fp32 GEMMs; a reference mode for checking the kernels).
+    #[arg(long, default_value = "bf16")]
+    pub cuda_weights: String,
     /// Storage dtype of the indexer's index-K entries: f32 (exact top-k picks) or bf16
     /// (half the bytes; near-ties in indexer scores can pick different entries).
     #[arg(long, default_value = "f32")]
@@ -82,14 +86,19 @@ impl ModelArgs {
     /// Load the model on the selected device and run `cmd` with it.
     pub fn run<C: OnEngine>(&self, cmd: C) -> Result<()> {
         let device: Device = self.device.parse().context("--device")?;
+        let weights: WeightDtype = self
+            .cuda_weights
+            .parse()
+            .map_err(anyhow::Error::msg)
+            .context("--cuda-weights")?;
         match device {
             Device::Cpu => cmd.run(self.load(CpuBackend)?),
             Device::Cuda(n) => {
-                let b = CudaBackend::new(n, None)
+                let b = CudaBackend::with_weights(n, None, weights)
                     .with_context(|| format!("--device cuda:{n}: CUDA backend unavailable"))?;
                 cmd.run(self.load(b)?)
             }
-            Device::Auto => match CudaBackend::new(0, None) {
+            Device::Auto => match CudaBackend::with_weights(0, None, weights) {
                 Ok(b) => cmd.run(self.load(b)?),
                 Err(e) => {
                     tracing::warn!(error = %e, "--device auto: CUDA unavailable, running on the CPU");
@@ -145,4 +154,22 @@ pub fn parse_tokens(s: &str) -> Result<Vec<u32>> {
                 .with_context(|| format!("token id `{t}` is not a non-negative integer"))
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::Device;
+
+    #[test]
+    fn device_names_parse() {
+        assert_eq!("cpu".parse::<Device>().unwrap(), Device::Cpu);
+        assert_eq!("auto".parse::<Device>().unwrap(), Device::Auto);
+        assert_eq!("cuda".parse::<Device>().unwrap(), Device::Cuda(0));
+        assert_eq!("cuda:3".parse::<Device>().unwrap(), Device::Cuda(3));
+        for bad in ["cuda:", "cuda:x", "gpu", "cuda:-1"] {
+            let e = bad.parse::<Device>().unwrap_err().to_string();
+            assert!(e.contains(bad), "{e}");
+        }
+    }
 }

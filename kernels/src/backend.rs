@@ -3,7 +3,7 @@
 
 use crate::device::{dev_err, grid_1d, Arg, DeviceError, Gpu};
 use crate::kv_ops::{self, GpuKv, GpuSelection};
-use crate::tensor::{stores_bf16, Buf, GpuTensor};
+use crate::tensor::{keeps_f32, stores_bf16, Buf, GpuTensor, WeightDtype};
 use cudarc::driver::CudaSlice;
 use pdserve_engine::backend::{
     BResult, Backend, BackendError, BatchPlan, CompressedKeys, CompressorParams, HcParams, HcPre,
@@ -18,6 +18,7 @@ use std::path::PathBuf;
 #[derive(Debug)]
 pub struct CudaBackend {
     pub(crate) gpu: Gpu,
+    weights: WeightDtype,
 }
 
 pub(crate) fn shape_err(op: &'static str, detail: String) -> BackendError {
@@ -37,8 +38,45 @@ pub(crate) fn f32_buf<'a>(t: &'a GpuTensor, op: &'static str) -> BResult<&'a Cud
 impl CudaBackend {
     /// Open CUDA device `ordinal`; kernels are compiled (or loaded from `cache`).
     pub fn new(ordinal: usize, cache: Option<PathBuf>) -> Result<Self, DeviceError> {
+        Self::with_weights(ordinal, cache, WeightDtype::Bf16)
+    }
+
+    pub fn with_weights(
+        ordinal: usize,
+        cache: Option<PathBuf>,
+        weights: WeightDtype,
+    ) -> Result<Self, DeviceError> {
         Ok(CudaBackend {
             gpu: Gpu::open(ordinal, cache)?,
+            weights,
+        })
+    }
+
+    pub fn weight_dtype(&self) -> WeightDtype {
+        self.weights
+    }
+
+    fn upload_as(&self, t: HostTensor, bf16: bool) -> BResult<GpuTensor> {
+        if t.data.len() != t.rows * t.cols {
+            return Err(shape_err(
+                "upload",
+                format!("{}x{} with {} values", t.rows, t.cols, t.data.len()),
+            ));
+        }
+        let buf = if bf16 {
+            let bits: Vec<u16> = t
+                .data
+                .iter()
+                .map(|&v| half::bf16::from_f32(v).to_bits())
+                .collect();
+            Buf::Bf16(self.gpu.upload(&bits)?)
+        } else {
+            Buf::F32(self.gpu.upload(&t.data)?)
+        };
+        Ok(GpuTensor {
+            rows: t.rows,
+            cols: t.cols,
+            buf,
         })
     }
 
@@ -141,7 +179,10 @@ impl Backend for CudaBackend {
     type Selection = GpuSelection;
 
     fn name(&self) -> String {
-        format!("cuda ({}, {})", self.gpu.device_name, self.gpu.arch)
+        format!(
+            "cuda ({}, {}, {:?} weights)",
+            self.gpu.device_name, self.gpu.arch, self.weights
+        )
     }
 
     fn dims(&self, t: &GpuTensor) -> (usize, usize) {
@@ -149,27 +190,14 @@ impl Backend for CudaBackend {
     }
 
     fn upload(&self, t: HostTensor) -> BResult<GpuTensor> {
-        if t.data.len() != t.rows * t.cols {
-            return Err(shape_err(
-                "upload",
-                format!("{}x{} with {} values", t.rows, t.cols, t.data.len()),
-            ));
-        }
-        let buf = if stores_bf16(t.rows, t.cols) {
-            let bits: Vec<u16> = t
-                .data
-                .iter()
-                .map(|&v| half::bf16::from_f32(v).to_bits())
-                .collect();
-            Buf::Bf16(self.gpu.upload(&bits)?)
-        } else {
-            Buf::F32(self.gpu.upload(&t.data)?)
-        };
-        Ok(GpuTensor {
-            rows: t.rows,
-            cols: t.cols,
-            buf,
-        })
+        let bf16 = self.weights == WeightDtype::Bf16 && stores_bf16(t.rows, t.cols);
+        self.upload_as(t, bf16)
+    }
+
+    fn upload_weight(&self, name: &str, t: HostTensor) -> BResult<GpuTensor> {
+        let bf16 =
+            self.weights == WeightDtype::Bf16 && stores_bf16(t.rows, t.cols) && !keeps_f32(name);
+        self.upload_as(t, bf16)
     }
 
     fn to_host(&self, t: &GpuTensor) -> BResult<HostTensor> {

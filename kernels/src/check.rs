@@ -2,15 +2,19 @@
 //! prefill + decode logits of the CUDA backend against the fp32 CPU engine, per-row
 //! relative error and greedy tokens, plus a prefill-on-GPU / decode-on-CPU KV transfer.
 
-use crate::CudaBackend;
+use crate::{CudaBackend, WeightDtype};
 use pdserve_engine::backend::Backend;
-use pdserve_engine::generate::{logits_prefill_decode, prefill};
+use pdserve_engine::generate::{generate, logits_prefill_decode, prefill, GenerateRequest};
+use pdserve_engine::sampling::SamplingParams;
+use pdserve_engine::tokenizer::Tokenizer;
 use pdserve_engine::kv::{EntryDtype, KvLayoutSpec};
 use pdserve_engine::{CpuBackend, Engine, EngineError, ForwardItem, Logits, PoolSize};
 use std::path::{Path, PathBuf};
 
-/// Per-row relative error bound of bf16 GPU logits against the fp32 CPU engine.
+/// Per-row relative error bound of bf16-weight GPU logits against the fp32 CPU engine.
 pub const REL_TOL: f64 = 2e-2;
+/// The same bound with fp32 weights and GEMMs (only summation order differs).
+pub const REL_TOL_F32: f64 = 1e-3;
 
 #[derive(Debug, thiserror::Error)]
 pub enum CheckError {
@@ -26,28 +30,37 @@ pub struct CheckRow {
     pub name: String,
     pub rows: usize,
     pub max_rel_err: f64,
+    /// Row of the largest error.
+    pub worst_row: usize,
     pub greedy_same: usize,
     pub pass: bool,
+    /// Counted as pass/fail; otherwise printed for information only.
+    pub gate: bool,
 }
 
 impl std::fmt::Display for CheckRow {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "{:<44} {:>5} {:>12.3e} {:>9} {}",
+            "{:<52} {:>5} {:>12.3e} {:>6} {:>9} {}",
             self.name,
             self.rows,
             self.max_rel_err,
+            self.worst_row,
             format!("{}/{}", self.greedy_same, self.rows),
-            if self.pass { "PASS" } else { "FAIL" }
+            match (self.gate, self.pass) {
+                (false, _) => "info",
+                (true, true) => "PASS",
+                (true, false) => "FAIL",
+            }
         )
     }
 }
 
 pub fn header() -> String {
     format!(
-        "{:<44} {:>5} {:>12} {:>9} result",
-        "check", "rows", "max rel err", "greedy"
+        "{:<52} {:>5} {:>12} {:>6} {:>9} result",
+        "check", "rows", "max rel err", "at row", "greedy"
     )
 }
 
@@ -115,12 +128,13 @@ fn argmax(v: &[f32]) -> usize {
         .fold(0, |b, (i, x)| if *x > v[b] { i } else { b })
 }
 
-fn compare(name: String, got: &[Vec<f32>], want: &[Vec<f32>]) -> CheckRow {
-    let max_rel_err = got
+fn compare(name: String, got: &[Vec<f32>], want: &[Vec<f32>], tol: f64) -> CheckRow {
+    let (max_rel_err, worst_row) = got
         .iter()
         .zip(want)
         .map(|(g, w)| rel_err(g, w))
-        .fold(0.0, f64::max);
+        .enumerate()
+        .fold((0.0, 0), |a, (i, e)| if e > a.0 { (e, i) } else { a });
     let greedy_same = got
         .iter()
         .zip(want)
@@ -131,8 +145,10 @@ fn compare(name: String, got: &[Vec<f32>], want: &[Vec<f32>]) -> CheckRow {
         name,
         rows,
         max_rel_err,
+        worst_row,
         greedy_same,
-        pass: got.len() == rows && max_rel_err < REL_TOL && greedy_same == rows,
+        pass: got.len() == rows && max_rel_err < tol && greedy_same == rows,
+        gate: true,
     }
 }
 
@@ -168,21 +184,109 @@ pub fn check_fixture(dir: &Path, ordinal: usize) -> Result<Vec<CheckRow>, Box<dy
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
     let mut out = Vec::new();
-    for kv in [EntryDtype::F32, EntryDtype::Bf16] {
-        let s = spec(dir, kv)?;
-        let mut cpu = Engine::load(dir, CpuBackend, Some(s), POOL)?;
-        let mut gpu = Engine::load(dir, CudaBackend::new(ordinal, None)?, Some(s), POOL)?;
-        for &k in &fx.prefill_lens {
+    for wd in [WeightDtype::F32, WeightDtype::Bf16] {
+        let w = match wd {
+            WeightDtype::F32 => "f32",
+            WeightDtype::Bf16 => "bf16",
+        };
+        // fp32 weights: only summation order differs from the CPU engine, so the bound
+        // is tight. bf16 weights on these fp32 random fixtures move indexer scores by
+        // more than their smallest top-k margins (meta.json min_topk_margin ~2e-4), so a
+        // few rows pick other entries: reported for information.
+        let gate = wd == WeightDtype::F32;
+        for kv in [EntryDtype::F32, EntryDtype::Bf16] {
+            if wd == WeightDtype::Bf16 && kv == EntryDtype::Bf16 {
+                continue;
+            }
+            let tol = if kv == EntryDtype::F32 { REL_TOL_F32 } else { REL_TOL };
+            let s = spec(dir, kv)?;
+            let mut cpu = Engine::load(dir, CpuBackend, Some(s), POOL)?;
+            let gpu_b = CudaBackend::with_weights(ordinal, None, wd)?;
+            let mut gpu = Engine::load(dir, gpu_b, Some(s), POOL)?;
+            let tag = format!("{fname} w={w} kv={kv}");
+            let lens: &[usize] = if gate && kv == EntryDtype::F32 {
+                &fx.prefill_lens
+            } else {
+                &fx.prefill_lens[..1]
+            };
+            let mut push = |mut r: CheckRow| {
+                r.gate = gate;
+                out.push(r);
+            };
+            for &k in lens {
+                let want = logits_prefill_decode(&mut cpu, &fx.tokens, k, 0)?;
+                let got = logits_prefill_decode(&mut gpu, &fx.tokens, k, 0)?;
+                push(compare(format!("{tag} prefill {k} + decode"), &got, &want, tol));
+            }
+            let k = fx.prefill_lens[fx.prefill_lens.len() / 2];
             let want = logits_prefill_decode(&mut cpu, &fx.tokens, k, 0)?;
-            let got = logits_prefill_decode(&mut gpu, &fx.tokens, k, 0)?;
-            out.push(compare(format!("{fname} kv={kv} prefill {k} + decode"), &got, &want));
+            if gate && kv == EntryDtype::F32 {
+                let chunked = logits_prefill_decode(&mut gpu, &fx.tokens, k, 7)?;
+                push(compare(format!("{tag} prefill {k} chunks of 7"), &chunked, &want, tol));
+            }
+            let moved = transfer_logits(&mut gpu, &mut cpu, &fx.tokens, k)?;
+            push(compare(format!("{tag} prefill {k} GPU, decode CPU"), &moved, &want, tol));
         }
-        let k = fx.prefill_lens[0];
-        let want = logits_prefill_decode(&mut cpu, &fx.tokens, k, 0)?;
-        let chunked = logits_prefill_decode(&mut gpu, &fx.tokens, k, 7)?;
-        out.push(compare(format!("{fname} kv={kv} prefill {k} chunks of 7"), &chunked, &want));
-        let moved = transfer_logits(&mut gpu, &mut cpu, &fx.tokens, k)?;
-        out.push(compare(format!("{fname} kv={kv} prefill {k} GPU -> decode CPU"), &moved, &want));
+    }
+    Ok(out)
+}
+
+const PROMPTS: &[&str] = &[
+    "The quick brown fox",
+    "Once upon a time, in a small village by the sea, there lived",
+    "fn main() { println!(",
+];
+
+/// The embedded model (bf16 on disk, so bf16 storage is lossless): GPU logits against the
+/// CPU engine over each prompt plus the CPU's greedy continuation, and the GPU's own
+/// greedy generation against the CPU's.
+pub fn check_embedded(ordinal: usize) -> Result<Vec<CheckRow>, Box<dyn std::error::Error>> {
+    let dir = pdserve_engine::embedded::model_dir()?;
+    let tok = Tokenizer::from_model_dir(&dir)?.ok_or("the embedded model has no tokenizer")?;
+    let mut cpu = Engine::load(&dir, CpuBackend, None, POOL)?;
+    let mut gpu = Engine::load(&dir, CudaBackend::new(ordinal, None)?, None, POOL)?;
+    let mut out = Vec::new();
+    for (i, prompt) in PROMPTS.iter().enumerate() {
+        let p = tok.encode(prompt)?;
+        let req = GenerateRequest {
+            prompt: p.clone(),
+            max_new_tokens: 32,
+            sampling: SamplingParams {
+                temperature: 0.0,
+                top_p: 1.0,
+                top_k: 0,
+                seed: 0,
+            },
+            stop_tokens: Vec::new(),
+            chunk_size: 0,
+        };
+        let cpu_gen = generate(&mut cpu, &req, |_| {})?;
+        let mut all = p.clone();
+        all.extend(&cpu_gen.tokens);
+        let want = logits_prefill_decode(&mut cpu, &all, p.len(), 0)?;
+        let got = logits_prefill_decode(&mut gpu, &all, p.len(), 0)?;
+        out.push(compare(
+            format!("embedded w=bf16 prompt {i} prefill {} + decode", p.len()),
+            &got,
+            &want,
+            REL_TOL,
+        ));
+        let gpu_gen = generate(&mut gpu, &req, |_| {})?;
+        let same = gpu_gen
+            .tokens
+            .iter()
+            .zip(&cpu_gen.tokens)
+            .take_while(|(a, b)| a == b)
+            .count();
+        out.push(CheckRow {
+            name: format!("embedded w=bf16 prompt {i} greedy generation"),
+            rows: cpu_gen.tokens.len(),
+            max_rel_err: 0.0,
+            worst_row: same,
+            greedy_same: same,
+            pass: gpu_gen.tokens == cpu_gen.tokens,
+            gate: true,
+        });
     }
     Ok(out)
 }

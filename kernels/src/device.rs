@@ -58,6 +58,13 @@ impl std::fmt::Debug for Gpu {
     }
 }
 
+/// Whether the CUDA driver library loads on this machine.
+#[allow(unsafe_code)]
+pub fn driver_present() -> bool {
+    // SAFETY: only tries to load the dynamic library.
+    unsafe { cudarc::driver::sys::is_culib_present() }
+}
+
 #[allow(unsafe_code)]
 fn libs_present() -> Result<(), DeviceError> {
     // SAFETY: these only try to load the dynamic libraries.

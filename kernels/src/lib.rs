@@ -17,4 +17,4 @@ pub use backend::CudaBackend;
 pub use compile::{CompileError, MODULES};
 pub use device::DeviceError;
 pub use kv_ops::{GpuKv, GpuSelection};
-pub use tensor::GpuTensor;
+pub use tensor::{GpuTensor, WeightDtype};

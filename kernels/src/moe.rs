@@ -1,5 +1,5 @@
 //! MoE of [`CudaBackend`]: router GEMM (cuBLAS), routing kernel, routed experts over
-//! bf16 weights (one warp per output, fp32 accumulation), shared expert, combine.
+//! bf16 or fp32 weights (one warp per output, fp32 accumulation), shared expert, combine.
 
 use crate::backend::{f32_buf, out_ptr, shape_err, CudaBackend};
 use crate::device::{Arg, BLOCK};
@@ -9,10 +9,11 @@ use pdserve_engine::config::ScoringFunc;
 
 const WARPS: usize = BLOCK as usize / 32;
 
-fn bf16_weight<'a>(t: &'a GpuTensor, what: &str) -> BResult<&'a cudarc::driver::CudaSlice<u16>> {
+/// Kernel name suffix and device pointer of an expert weight.
+fn weight(b: &CudaBackend, t: &GpuTensor) -> (&'static str, u64) {
     match &t.buf {
-        Buf::Bf16(s) => Ok(s),
-        Buf::F32(_) => Err(shape_err("moe", format!("{what} must be a bf16 matrix"))),
+        Buf::Bf16(s) => ("_bf16", b.gpu.ptr(s)),
+        Buf::F32(s) => ("_f32", b.gpu.ptr(s)),
     }
 }
 
@@ -77,13 +78,15 @@ pub fn moe(b: &CudaBackend, x: &GpuTensor, p: &MoeParams<'_, GpuTensor>) -> BRes
     let act = g.zeros::<f32>(n * k * inter)?;
     let y = g.zeros::<f32>(n * k * h)?;
     let xs = f32_buf(x, "moe")?;
+    let (gu_kind, gu_ptr) = weight(b, p.gate_up);
+    let (down_kind, down_ptr) = weight(b, p.down);
     g.launch(
-        "k_moe_gate_up",
+        &format!("k_moe_gate_up{gu_kind}"),
         ((n * k) as u32, inter.div_ceil(WARPS) as u32, 1),
         0,
         &[
             Arg::Ptr(g.ptr(xs)),
-            Arg::Ptr(g.ptr(bf16_weight(p.gate_up, "gate_up")?)),
+            Arg::Ptr(gu_ptr),
             Arg::Ptr(g.ptr(&ids)),
             Arg::Ptr(g.ptr(&act)),
             Arg::I32(h as i32),
@@ -93,12 +96,12 @@ pub fn moe(b: &CudaBackend, x: &GpuTensor, p: &MoeParams<'_, GpuTensor>) -> BRes
         ],
     )?;
     g.launch(
-        "k_moe_down",
+        &format!("k_moe_down{down_kind}"),
         ((n * k) as u32, h.div_ceil(WARPS) as u32, 1),
         0,
         &[
             Arg::Ptr(g.ptr(&act)),
-            Arg::Ptr(g.ptr(bf16_weight(p.down, "down")?)),
+            Arg::Ptr(down_ptr),
             Arg::Ptr(g.ptr(&ids)),
             Arg::Ptr(g.ptr(&y)),
             Arg::I32(h as i32),

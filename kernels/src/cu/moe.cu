@@ -41,39 +41,64 @@ extern "C" __global__ void k_moe_route(float* logits, const float* bias, const u
     for (int j = 0; j < k; j++) wts[(i64)r * k + j] = s[id[j]] / sum * routed_scaling;
 }
 
+__device__ __forceinline__ float ldw(const bf16_t* p, i64 i) { return bf16_to_f(p[i]); }
+__device__ __forceinline__ float ldw(const float* p, i64 i) { return p[i]; }
+
 // grid (rows*k, ceil(I / warps)); one warp per intermediate unit: gate and up dot products,
-// clamped SwiGLU. gu: [E*2I, H] bf16.
-extern "C" __global__ void k_moe_gate_up(const float* x, const bf16_t* gu, const int* ids, float* act, int H, int I,
-                                         int k, float limit) {
+// clamped SwiGLU. gu: [E*2I, H].
+template <typename W>
+__device__ void moe_gate_up(const float* x, const W* gu, const int* ids, float* act, int H, int I, int k,
+                            float limit) {
     int a = blockIdx.x, lane = threadIdx.x & 31;
     int i = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (i >= I) return;
     i64 e = ids[a];
     const float* xr = x + (i64)(a / k) * H;
-    const bf16_t* g = gu + (e * 2 * I + i) * H;
-    const bf16_t* u = gu + (e * 2 * I + I + i) * H;
+    const W* g = gu + (e * 2 * I + i) * H;
+    const W* u = gu + (e * 2 * I + I + i) * H;
     float dg = 0.f, du = 0.f;
     for (int c = lane; c < H; c += 32) {
-        dg += xr[c] * bf16_to_f(g[c]);
-        du += xr[c] * bf16_to_f(u[c]);
+        dg += xr[c] * ldw(g, c);
+        du += xr[c] * ldw(u, c);
     }
     dg = warp_sum(dg);
     du = warp_sum(du);
     if (lane == 0) act[(i64)a * I + i] = swiglu_(dg, du, limit);
 }
 
-// grid (rows*k, ceil(H / warps)); down: [E*H, I] bf16.
-extern "C" __global__ void k_moe_down(const float* act, const bf16_t* down, const int* ids, float* y, int H, int I) {
+extern "C" __global__ void k_moe_gate_up_bf16(const float* x, const bf16_t* gu, const int* ids, float* act, int H,
+                                              int I, int k, float limit) {
+    moe_gate_up(x, gu, ids, act, H, I, k, limit);
+}
+
+extern "C" __global__ void k_moe_gate_up_f32(const float* x, const float* gu, const int* ids, float* act, int H,
+                                             int I, int k, float limit) {
+    moe_gate_up(x, gu, ids, act, H, I, k, limit);
+}
+
+// grid (rows*k, ceil(H / warps)); down: [E*H, I].
+template <typename W>
+__device__ void moe_down(const float* act, const W* down, const int* ids, float* y, int H, int I) {
     int a = blockIdx.x, lane = threadIdx.x & 31;
     int hh = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (hh >= H) return;
     i64 e = ids[a];
     const float* ar = act + (i64)a * I;
-    const bf16_t* w = down + (e * H + hh) * I;
+    const W* w = down + (e * H + hh) * I;
     float d = 0.f;
-    for (int c = lane; c < I; c += 32) d += ar[c] * bf16_to_f(w[c]);
+    for (int c = lane; c < I; c += 32) d += ar[c] * ldw(w, c);
     d = warp_sum(d);
     if (lane == 0) y[(i64)a * H + hh] = d;
+}
+
+extern "C" __global__ void k_moe_down_bf16(const float* act, const bf16_t* down, const int* ids, float* y, int H,
+                                           int I) {
+    moe_down(act, down, ids, y, H, I);
+}
+
+extern "C" __global__ void k_moe_down_f32(const float* act, const float* down, const int* ids, float* y, int H,
+                                          int I) {
+    moe_down(act, down, ids, y, H, I);
 }
 
 // One block per row: out = sum over picks in ascending expert id of w * y, plus shared.
