@@ -641,17 +641,8 @@ def make_fixture(name, spec, out_dir, seed):
     print(f"  wrote {path}: {sorted(os.listdir(path))}, {total} bytes")
 
 
-def make_embedded(out_dir, seed, vocab):
-    transformers, DeepseekV4Config, DeepseekV4ForCausalLM = tf()
-    print(f"=== embedded model (seed {seed}, vocab {vocab}) -> {out_dir}")
-    kwargs = dict(EMBEDDED_CONFIG, vocab_size=vocab)
-    cfg = build_config(DeepseekV4Config, kwargs)
-    torch.manual_seed(seed)
-    model = DeepseekV4ForCausalLM(cfg).float().eval()
-    print(f"  layer_types {model.config.layer_types}")
-    print(f"  mlp_layer_types {model.config.mlp_layer_types}")
-    print(f"  rope_parameters {model.config.rope_parameters}")
-    randomise(model, seed)
+def save_embedded(model, out_dir):
+    """Write `model` to out_dir as bfloat16 config.json + model.safetensors (transformers' names)."""
     model = model.to(torch.bfloat16)
     model.config.dtype = torch.bfloat16
     os.makedirs(out_dir, exist_ok=True)
@@ -667,6 +658,20 @@ def make_embedded(out_dir, seed, vocab):
         shutil.move(os.path.join(tmp, f), os.path.join(out_dir, f))
     shutil.rmtree(tmp)
     chmod_files(out_dir)
+
+
+def make_embedded(out_dir, seed, vocab):
+    transformers, DeepseekV4Config, DeepseekV4ForCausalLM = tf()
+    print(f"=== embedded model (seed {seed}, vocab {vocab}) -> {out_dir}")
+    kwargs = dict(EMBEDDED_CONFIG, vocab_size=vocab)
+    cfg = build_config(DeepseekV4Config, kwargs)
+    torch.manual_seed(seed)
+    model = DeepseekV4ForCausalLM(cfg).float().eval()
+    print(f"  layer_types {model.config.layer_types}")
+    print(f"  mlp_layer_types {model.config.mlp_layer_types}")
+    print(f"  rope_parameters {model.config.rope_parameters}")
+    randomise(model, seed)
+    save_embedded(model, out_dir)
     ts = saved_tensors(out_dir)
     dtypes = sorted({v[0] for v in ts.values()})
     print(f"  {len(ts)} tensors, dtypes {dtypes}")
