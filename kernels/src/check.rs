@@ -33,6 +33,9 @@ pub struct CheckRow {
     /// Row of the largest error.
     pub worst_row: usize,
     pub greedy_same: usize,
+    /// Rows whose greedy token differs only at a near-tie: the CPU logits of the two
+    /// tokens are closer than twice that row's largest GPU-CPU logit difference.
+    pub near_ties: usize,
     pub pass: bool,
     /// Counted as pass/fail; otherwise printed for information only.
     pub gate: bool,
@@ -42,12 +45,13 @@ impl std::fmt::Display for CheckRow {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "{:<52} {:>5} {:>12.3e} {:>6} {:>9} {}",
+            "{:<52} {:>5} {:>12.3e} {:>6} {:>9} {:>5} {}",
             self.name,
             self.rows,
             self.max_rel_err,
             self.worst_row,
             format!("{}/{}", self.greedy_same, self.rows),
+            self.near_ties,
             match (self.gate, self.pass) {
                 (false, _) => "info",
                 (true, true) => "PASS",
@@ -59,8 +63,8 @@ impl std::fmt::Display for CheckRow {
 
 pub fn header() -> String {
     format!(
-        "{:<52} {:>5} {:>12} {:>6} {:>9} result",
-        "check", "rows", "max rel err", "at row", "greedy"
+        "{:<52} {:>5} {:>12} {:>6} {:>9} {:>5} result",
+        "check", "rows", "max rel err", "at row", "greedy", "ties"
     )
 }
 
@@ -140,6 +144,15 @@ fn compare(name: String, got: &[Vec<f32>], want: &[Vec<f32>], tol: f64) -> Check
         .zip(want)
         .filter(|(g, w)| argmax(g) == argmax(w))
         .count();
+    let near_ties = got
+        .iter()
+        .zip(want)
+        .filter(|(g, w)| {
+            let (a, b) = (argmax(w), argmax(g));
+            let diff = g.iter().zip(w.iter()).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+            a != b && w[a] - w[b] <= 2.0 * diff
+        })
+        .count();
     let rows = want.len();
     CheckRow {
         name,
@@ -147,7 +160,8 @@ fn compare(name: String, got: &[Vec<f32>], want: &[Vec<f32>], tol: f64) -> Check
         max_rel_err,
         worst_row,
         greedy_same,
-        pass: got.len() == rows && max_rel_err < tol && greedy_same == rows,
+        near_ties,
+        pass: got.len() == rows && max_rel_err < tol && greedy_same + near_ties == rows,
         gate: true,
     }
 }
@@ -245,6 +259,8 @@ pub fn check_embedded(ordinal: usize) -> Result<Vec<CheckRow>, Box<dyn std::erro
     let tok = Tokenizer::from_model_dir(&dir)?.ok_or("the embedded model has no tokenizer")?;
     let mut cpu = Engine::load(&dir, CpuBackend, None, POOL)?;
     let mut gpu = Engine::load(&dir, CudaBackend::new(ordinal, None)?, None, POOL)?;
+    let gpu32_b = CudaBackend::with_weights(ordinal, None, WeightDtype::F32)?;
+    let mut gpu32 = Engine::load(&dir, gpu32_b, None, POOL)?;
     let mut out = Vec::new();
     for (i, prompt) in PROMPTS.iter().enumerate() {
         let p = tok.encode(prompt)?;
@@ -264,6 +280,13 @@ pub fn check_embedded(ordinal: usize) -> Result<Vec<CheckRow>, Box<dyn std::erro
         let mut all = p.clone();
         all.extend(&cpu_gen.tokens);
         let want = logits_prefill_decode(&mut cpu, &all, p.len(), 0)?;
+        let got32 = logits_prefill_decode(&mut gpu32, &all, p.len(), 0)?;
+        out.push(compare(
+            format!("embedded w=f32 prompt {i} prefill {} + decode", p.len()),
+            &got32,
+            &want,
+            REL_TOL_F32,
+        ));
         let got = logits_prefill_decode(&mut gpu, &all, p.len(), 0)?;
         out.push(compare(
             format!("embedded w=bf16 prompt {i} prefill {} + decode", p.len()),
@@ -284,8 +307,11 @@ pub fn check_embedded(ordinal: usize) -> Result<Vec<CheckRow>, Box<dyn std::erro
             max_rel_err: 0.0,
             worst_row: same,
             greedy_same: same,
+            near_ties: 0,
             pass: gpu_gen.tokens == cpu_gen.tokens,
-            gate: true,
+            // Free-running: one near-tie flip changes every later token; the
+            // teacher-forced row above is the gate.
+            gate: false,
         });
     }
     Ok(out)
