@@ -21,7 +21,15 @@ fn cuda_driver_present() -> bool {
 
 fn gen(device: &str) -> std::process::Output {
     bin()
-        .args(["generate", "--device", device, "--tokens", "5,6,7", "--max-new-tokens", "3"])
+        .args([
+            "generate",
+            "--device",
+            device,
+            "--tokens",
+            "5,6,7",
+            "--max-new-tokens",
+            "3",
+        ])
         .output()
         .unwrap()
 }
@@ -45,12 +53,19 @@ fn auto_falls_back_to_cpu_with_a_warning() {
         return;
     }
     let auto = gen("auto");
-    assert!(auto.status.success(), "{}", String::from_utf8_lossy(&auto.stderr));
+    assert!(
+        auto.status.success(),
+        "{}",
+        String::from_utf8_lossy(&auto.stderr)
+    );
     let err = String::from_utf8_lossy(&auto.stderr);
     assert!(err.contains("CUDA unavailable"), "{err}");
     let cpu = gen("cpu");
     assert!(cpu.status.success());
-    assert_eq!(auto.stdout, cpu.stdout, "auto on a CUDA-less machine is the CPU engine");
+    assert_eq!(
+        auto.stdout, cpu.stdout,
+        "auto on a CUDA-less machine is the CPU engine"
+    );
 }
 
 #[test]

@@ -30,7 +30,10 @@ pub(crate) fn f32_buf<'a>(t: &'a GpuTensor, op: &'static str) -> BResult<&'a Cud
         Buf::F32(s) => Ok(s),
         Buf::Bf16(_) => Err(shape_err(
             op,
-            format!("expects an fp32 activation, got a bf16 [{}x{}] tensor", t.rows, t.cols),
+            format!(
+                "expects an fp32 activation, got a bf16 [{}x{}] tensor",
+                t.rows, t.cols
+            ),
         )),
     }
 }
@@ -155,11 +158,13 @@ impl CudaBackend {
                     ],
                 )?;
                 let (xp, wp, op) = (self.gpu.ptr(&xb), self.gpu.ptr(wb), self.gpu.ptr(o));
-                self.gpu.gemm_nt(xp, wp, op, dims, lds, strides, groups, true)?;
+                self.gpu
+                    .gemm_nt(xp, wp, op, dims, lds, strides, groups, true)?;
             }
             Buf::F32(wf) => {
                 let (xp, wp, op) = (self.gpu.ptr(xs), self.gpu.ptr(wf), self.gpu.ptr(o));
-                self.gpu.gemm_nt(xp, wp, op, dims, lds, strides, groups, false)?;
+                self.gpu
+                    .gemm_nt(xp, wp, op, dims, lds, strides, groups, false)?;
             }
         }
         Ok(out)
@@ -337,8 +342,7 @@ impl Backend for CudaBackend {
         group: usize,
         eps: f32,
     ) -> BResult<GpuTensor> {
-        if group == 0 || !x.cols.is_multiple_of(group) || weight.is_some_and(|w| w.len() != group)
-        {
+        if group == 0 || !x.cols.is_multiple_of(group) || weight.is_some_and(|w| w.len() != group) {
             return Err(shape_err(
                 "rms_norm",
                 format!("cols {} group {group}", x.cols),
@@ -459,7 +463,9 @@ impl Backend for CudaBackend {
         compressed: CompressedKeys<'_, GpuSelection>,
         plan: &BatchPlan,
     ) -> BResult<GpuTensor> {
-        kv_ops::attention(self, kv, layout, layer, q, kv_new, sinks, n_heads, compressed, plan)
+        kv_ops::attention(
+            self, kv, layout, layer, q, kv_new, sinks, n_heads, compressed, plan,
+        )
     }
 
     fn window_store(

@@ -5,10 +5,10 @@
 use crate::{CudaBackend, WeightDtype};
 use pdserve_engine::backend::Backend;
 use pdserve_engine::generate::{generate, logits_prefill_decode, prefill, GenerateRequest};
+use pdserve_engine::kv::{EntryDtype, KvLayoutSpec};
 use pdserve_engine::sampling::SamplingParams;
 use pdserve_engine::tokenizer::Tokenizer;
-use pdserve_engine::kv::{EntryDtype, KvLayoutSpec};
-use pdserve_engine::{CpuBackend, Engine, EngineError, ForwardItem, Logits, PoolSize};
+use pdserve_engine::{CpuBackend, Engine, ForwardItem, Logits, PoolSize};
 use std::path::{Path, PathBuf};
 
 /// Per-row relative error bound of bf16-weight GPU logits against the fp32 CPU engine.
@@ -16,13 +16,15 @@ pub const REL_TOL: f64 = 2e-2;
 /// The same bound with fp32 weights and GEMMs (only summation order differs).
 pub const REL_TOL_F32: f64 = 1e-3;
 
+/// A fixture that cannot be read.
 #[derive(Debug, thiserror::Error)]
-pub enum CheckError {
-    #[error("fixture {dir}: {detail}")]
-    Fixture { dir: PathBuf, detail: String },
-    #[error(transparent)]
-    Engine(#[from] EngineError),
+#[error("fixture {dir}: {detail}")]
+pub struct FixtureError {
+    pub dir: PathBuf,
+    pub detail: String,
 }
+
+type AnyResult<T> = Result<T, Box<dyn std::error::Error>>;
 
 /// One line of the table.
 #[derive(Debug, Clone)]
@@ -73,12 +75,13 @@ struct Fixture {
     prefill_lens: Vec<usize>,
 }
 
-fn load_fixture(dir: &Path) -> Result<Fixture, CheckError> {
-    let fx_err = |detail: String| CheckError::Fixture {
+fn load_fixture(dir: &Path) -> Result<Fixture, FixtureError> {
+    let fx_err = |detail: String| FixtureError {
         dir: dir.to_path_buf(),
         detail,
     };
-    let bytes = std::fs::read(dir.join("expected.safetensors")).map_err(|e| fx_err(e.to_string()))?;
+    let bytes =
+        std::fs::read(dir.join("expected.safetensors")).map_err(|e| fx_err(e.to_string()))?;
     let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| fx_err(e.to_string()))?;
     let toks = st.tensor("tokens").map_err(|e| fx_err(e.to_string()))?;
     let tokens = toks
@@ -106,9 +109,8 @@ fn load_fixture(dir: &Path) -> Result<Fixture, CheckError> {
     })
 }
 
-fn spec(dir: &Path, kv: EntryDtype) -> Result<KvLayoutSpec, CheckError> {
-    let cfg = pdserve_engine::config::ModelConfig::from_model_dir(dir)
-        .map_err(EngineError::from)?;
+fn spec(dir: &Path, kv: EntryDtype) -> AnyResult<KvLayoutSpec> {
+    let cfg = pdserve_engine::config::ModelConfig::from_model_dir(dir)?;
     let mut s = KvLayoutSpec::default_for(&cfg);
     s.kv_dtype = kv;
     s.index_k_dtype = kv;
@@ -121,7 +123,11 @@ const POOL: PoolSize = PoolSize {
 };
 
 fn rel_err(got: &[f32], want: &[f32]) -> f64 {
-    let num: f64 = got.iter().zip(want).map(|(a, b)| ((a - b) as f64).powi(2)).sum();
+    let num: f64 = got
+        .iter()
+        .zip(want)
+        .map(|(a, b)| ((a - b) as f64).powi(2))
+        .sum();
     let den: f64 = want.iter().map(|b| (*b as f64).powi(2)).sum();
     (num / den.max(1e-30)).sqrt()
 }
@@ -149,7 +155,11 @@ fn compare(name: String, got: &[Vec<f32>], want: &[Vec<f32>], tol: f64) -> Check
         .zip(want)
         .filter(|(g, w)| {
             let (a, b) = (argmax(w), argmax(g));
-            let diff = g.iter().zip(w.iter()).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+            let diff = g
+                .iter()
+                .zip(w.iter())
+                .map(|(x, y)| (x - y).abs())
+                .fold(0f32, f32::max);
             a != b && w[a] - w[b] <= 2.0 * diff
         })
         .count();
@@ -172,7 +182,7 @@ fn transfer_logits<A: Backend, B: Backend>(
     b: &mut Engine<B>,
     tokens: &[u32],
     k: usize,
-) -> Result<Vec<Vec<f32>>, EngineError> {
+) -> AnyResult<Vec<Vec<f32>>> {
     let mut seq = a.new_sequence()?;
     let mut rows = prefill(a, &mut seq, &tokens[..k], 0, Logits::All)?;
     let snap = a.export_sequence(&seq)?;
@@ -191,7 +201,10 @@ fn transfer_logits<A: Backend, B: Backend>(
 }
 
 /// Run every check on fixture folder `dir` with CUDA device `ordinal`.
-pub fn check_fixture(dir: &Path, ordinal: usize) -> Result<Vec<CheckRow>, Box<dyn std::error::Error>> {
+pub fn check_fixture(
+    dir: &Path,
+    ordinal: usize,
+) -> Result<Vec<CheckRow>, Box<dyn std::error::Error>> {
     let fx = load_fixture(dir)?;
     let fname = dir
         .file_name()
@@ -212,7 +225,11 @@ pub fn check_fixture(dir: &Path, ordinal: usize) -> Result<Vec<CheckRow>, Box<dy
             if wd == WeightDtype::Bf16 && kv == EntryDtype::Bf16 {
                 continue;
             }
-            let tol = if kv == EntryDtype::F32 { REL_TOL_F32 } else { REL_TOL };
+            let tol = if kv == EntryDtype::F32 {
+                REL_TOL_F32
+            } else {
+                REL_TOL
+            };
             let s = spec(dir, kv)?;
             let mut cpu = Engine::load(dir, CpuBackend, Some(s), POOL)?;
             let gpu_b = CudaBackend::with_weights(ordinal, None, wd)?;
@@ -230,16 +247,31 @@ pub fn check_fixture(dir: &Path, ordinal: usize) -> Result<Vec<CheckRow>, Box<dy
             for &k in lens {
                 let want = logits_prefill_decode(&mut cpu, &fx.tokens, k, 0)?;
                 let got = logits_prefill_decode(&mut gpu, &fx.tokens, k, 0)?;
-                push(compare(format!("{tag} prefill {k} + decode"), &got, &want, tol));
+                push(compare(
+                    format!("{tag} prefill {k} + decode"),
+                    &got,
+                    &want,
+                    tol,
+                ));
             }
             let k = fx.prefill_lens[fx.prefill_lens.len() / 2];
             let want = logits_prefill_decode(&mut cpu, &fx.tokens, k, 0)?;
             if gate && kv == EntryDtype::F32 {
                 let chunked = logits_prefill_decode(&mut gpu, &fx.tokens, k, 7)?;
-                push(compare(format!("{tag} prefill {k} chunks of 7"), &chunked, &want, tol));
+                push(compare(
+                    format!("{tag} prefill {k} chunks of 7"),
+                    &chunked,
+                    &want,
+                    tol,
+                ));
             }
             let moved = transfer_logits(&mut gpu, &mut cpu, &fx.tokens, k)?;
-            push(compare(format!("{tag} prefill {k} GPU, decode CPU"), &moved, &want, tol));
+            push(compare(
+                format!("{tag} prefill {k} GPU, decode CPU"),
+                &moved,
+                &want,
+                tol,
+            ));
         }
     }
     Ok(out)

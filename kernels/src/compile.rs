@@ -105,7 +105,12 @@ pub fn cached_ptx(name: &str, src: &str, arch: &str, dir: &Path) -> Result<Strin
     }
     let t0 = std::time::Instant::now();
     let ptx = compile_module(name, src, arch)?;
-    tracing::debug!(module = name, arch, secs = t0.elapsed().as_secs_f32(), "NVRTC compiled");
+    tracing::debug!(
+        module = name,
+        arch,
+        secs = t0.elapsed().as_secs_f32(),
+        "NVRTC compiled"
+    );
     let tmp = path.with_extension(format!("tmp{}", std::process::id()));
     let stored = std::fs::create_dir_all(dir)
         .and_then(|_| std::fs::write(&tmp, &ptx))

@@ -111,7 +111,8 @@ impl Gpu {
             .map_err(|e| DeviceError::Driver(format!("{e:?}")))?;
         let arch = format!("compute_{major}{minor}");
         let device_name = ctx.name().unwrap_or_else(|_| "unknown".into());
-        let blas = CudaBlas::new(stream.clone()).map_err(|e| DeviceError::Driver(format!("{e:?}")))?;
+        let blas =
+            CudaBlas::new(stream.clone()).map_err(|e| DeviceError::Driver(format!("{e:?}")))?;
         let dir = cache.unwrap_or_else(compile::default_cache_dir);
         let mut funcs = HashMap::new();
         for (name, src) in compile::MODULES {
@@ -235,7 +236,8 @@ impl Gpu {
         };
         let alpha = 1f32;
         let beta = 0f32;
-        let to_i = |v: usize| i32::try_from(v).map_err(|_| dev_err(format!("gemm dim {v} too large")));
+        let to_i =
+            |v: usize| i32::try_from(v).map_err(|_| dev_err(format!("gemm dim {v} too large")));
         // SAFETY: pointers come from live device buffers sized by the caller.
         unsafe {
             blas_result::gemm_strided_batched_ex(

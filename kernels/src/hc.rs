@@ -23,7 +23,10 @@ pub fn hc_pre(
         || mix.rows != streams.rows
         || !streams.cols.is_multiple_of(hc)
     {
-        return Err(shape_err("hc_pre", format!("mix cols {} for hc {hc}", mix.cols)));
+        return Err(shape_err(
+            "hc_pre",
+            format!("mix cols {} for hc {hc}", mix.cols),
+        ));
     }
     let (n, h) = (streams.rows, streams.cols / hc);
     let base = b.param_f32(p.base)?;
@@ -109,7 +112,10 @@ pub fn hc_head(
         || mix.rows != streams.rows
         || !streams.cols.is_multiple_of(hc)
     {
-        return Err(shape_err("hc_head", format!("mix cols {} for hc {hc}", mix.cols)));
+        return Err(shape_err(
+            "hc_head",
+            format!("mix cols {} for hc {hc}", mix.cols),
+        ));
     }
     let h = streams.cols / hc;
     let base = b.param_f32(p.base)?;

@@ -168,7 +168,12 @@ pub fn index_select(
             check_entry_page(layout, l.rate, s.pages.len(), nv - 1)?;
         }
     }
-    let max_nv = plan.positions.iter().map(|&p| (p + 1) / l.rate).max().unwrap_or(0);
+    let max_nv = plan
+        .positions
+        .iter()
+        .map(|&p| (p + 1) / l.rate)
+        .max()
+        .unwrap_or(0);
     let dp = DevPlan::upload(&b.gpu, kv, plan)?;
     let g = &b.gpu;
     let scores = g.zeros::<f32>(rows * max_nv)?;
@@ -221,8 +226,7 @@ impl GpuSelection {
     /// The picks of every row as the CPU backend returns them.
     pub fn to_host(&self, b: &CudaBackend) -> BResult<Vec<Vec<u32>>> {
         let v = b.gpu.download(&self.sel, self.rows * self.topk)?;
-        Ok(v
-            .chunks(self.topk.max(1))
+        Ok(v.chunks(self.topk.max(1))
             .take(self.rows)
             .map(|r| r.iter().filter(|&&e| e >= 0).map(|&e| e as u32).collect())
             .collect())
@@ -257,20 +261,31 @@ pub fn attention(
             format!("q cols {}, kv cols {}", q.cols, kv_new.cols),
         ));
     }
-    let max_pos_nv = plan.positions.iter().map(|&p| (p + 1) / l.rate.max(1)).max().unwrap_or(0);
+    let max_pos_nv = plan
+        .positions
+        .iter()
+        .map(|&p| (p + 1) / l.rate.max(1))
+        .max()
+        .unwrap_or(0);
     let (mode, sel_ptr, topk, max_comp) = match &compressed {
         CompressedKeys::None => (0, 0, 0, 0),
         CompressedKeys::AllVisible => (1, 0, 0, max_pos_nv),
         CompressedKeys::Selected(s) => {
             if s.rows != rows {
-                return Err(shape_err("attention", format!("{} selection rows for {rows}", s.rows)));
+                return Err(shape_err(
+                    "attention",
+                    format!("{} selection rows for {rows}", s.rows),
+                ));
             }
             (2, b.gpu.ptr(&s.sel), s.topk, s.topk.min(max_pos_nv))
         }
     };
     if mode != 0 {
         if l.rate == 0 {
-            return Err(shape_err("attention", format!("layer {layer} has no compressed entries")));
+            return Err(shape_err(
+                "attention",
+                format!("layer {layer} has no compressed entries"),
+            ));
         }
         for s in &plan.seqs {
             let nv = (s.start + s.len) / l.rate;
@@ -336,7 +351,10 @@ pub fn window_store(
     let l = layer_of(layout, layer)?;
     let hd = layout.head_dim;
     if kv_new.cols != hd || kv_new.rows != plan.rows() {
-        return Err(shape_err("window_store", format!("kv cols {}", kv_new.cols)));
+        return Err(shape_err(
+            "window_store",
+            format!("kv cols {}", kv_new.cols),
+        ));
     }
     let dp = DevPlan::upload(&b.gpu, kv, plan)?;
     let g = &b.gpu;

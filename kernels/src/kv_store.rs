@@ -36,7 +36,10 @@ impl GpuKv {
     fn page_range(&self, page: PageId) -> BResult<std::ops::Range<usize>> {
         let p = page as usize;
         if p >= self.n_pages {
-            return Err(kv_err(format!("Page({page}) out of range ({} pages)", self.n_pages)));
+            return Err(kv_err(format!(
+                "Page({page}) out of range ({} pages)",
+                self.n_pages
+            )));
         }
         Ok(p * self.page_bytes..(p + 1) * self.page_bytes)
     }
@@ -44,7 +47,10 @@ impl GpuKv {
     fn state_range(&self, slot: StateSlot) -> BResult<std::ops::Range<usize>> {
         let s = slot as usize;
         if s >= self.n_states {
-            return Err(kv_err(format!("State({slot}) out of range ({} slots)", self.n_states)));
+            return Err(kv_err(format!(
+                "State({slot}) out of range ({} slots)",
+                self.n_states
+            )));
         }
         Ok(s * self.state_bytes..(s + 1) * self.state_bytes)
     }
@@ -62,7 +68,9 @@ impl GpuKv {
 
     pub(crate) fn read_state(&self, gpu: &Gpu, slot: StateSlot) -> BResult<Vec<u8>> {
         let r = self.state_range(slot)?;
-        gpu.stream.clone_dtoh(&self.states.slice(r)).map_err(dev_err)
+        gpu.stream
+            .clone_dtoh(&self.states.slice(r))
+            .map_err(dev_err)
     }
 
     pub(crate) fn write_page(&mut self, gpu: &Gpu, page: PageId, bytes: &[u8]) -> BResult<()> {
@@ -122,10 +130,16 @@ impl DevPlan {
                 return Err(kv_err(format!("State({}) out of range", s.state)));
             }
             if let Some(p) = s.pages.iter().find(|&&p| p as usize >= kv.n_pages) {
-                return Err(kv_err(format!("Page({p}) out of range ({} pages)", kv.n_pages)));
+                return Err(kv_err(format!(
+                    "Page({p}) out of range ({} pages)",
+                    kv.n_pages
+                )));
             }
             if s.row0 + s.len > plan.rows() {
-                return Err(kv_err(format!("sequence rows {}+{} past the batch", s.row0, s.len)));
+                return Err(kv_err(format!(
+                    "sequence rows {}+{} past the batch",
+                    s.row0, s.len
+                )));
             }
             seq.extend([
                 to_i32(s.start, "position")?,
@@ -135,13 +149,18 @@ impl DevPlan {
                 to_i32(pt.len(), "page table offset")?,
                 to_i32(s.pages.len(), "pages")?,
             ]);
-            pt.extend(s.pages.iter().map(|&p| p as u32));
+            pt.extend_from_slice(&s.pages);
         }
         if plan.row_seq.len() != plan.rows() || plan.positions.len() != plan.rows() {
-            return Err(kv_err("plan rows, positions and row_seq differ in length".into()));
+            return Err(kv_err(
+                "plan rows, positions and row_seq differ in length".into(),
+            ));
         }
         if let Some(s) = plan.row_seq.iter().find(|&&s| s >= plan.seqs.len()) {
-            return Err(kv_err(format!("row of sequence {s}, plan has {}", plan.seqs.len())));
+            return Err(kv_err(format!(
+                "row of sequence {s}, plan has {}",
+                plan.seqs.len()
+            )));
         }
         let row_seq = plan
             .row_seq

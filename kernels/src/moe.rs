@@ -39,7 +39,10 @@ pub fn moe(b: &CudaBackend, x: &GpuTensor, p: &MoeParams<'_, GpuTensor>) -> BRes
     let hash = match p.hash_experts {
         Some(hash) => {
             if hash.len() != n * k {
-                return Err(shape_err("moe", format!("{} hash ids for {n} rows", hash.len())));
+                return Err(shape_err(
+                    "moe",
+                    format!("{} hash ids for {n} rows", hash.len()),
+                ));
             }
             if let Some(&bad) = hash.iter().find(|&&i| i as usize >= e) {
                 return Err(shape_err("moe", format!("expert id {bad} >= {e}")));

@@ -50,7 +50,9 @@ impl std::str::FromStr for WeightDtype {
         match s {
             "bf16" | "bfloat16" => Ok(WeightDtype::Bf16),
             "f32" | "fp32" | "float32" => Ok(WeightDtype::F32),
-            other => Err(format!("unknown weight dtype `{other}` (expected bf16 or f32)")),
+            other => Err(format!(
+                "unknown weight dtype `{other}` (expected bf16 or f32)"
+            )),
         }
     }
 }

@@ -14,7 +14,10 @@ fn every_kernel_compiles_with_nvrtc() {
             "SKIPPED kernel compilation: libnvrtc.so.13 not found (pip install \
              nvidia-cuda-nvrtc==13.0.88 and put its nvidia/cu13/lib on LD_LIBRARY_PATH)"
         );
-        assert!(!required, "PDSERVE_REQUIRE_NVRTC is set but NVRTC is missing");
+        assert!(
+            !required,
+            "PDSERVE_REQUIRE_NVRTC is set but NVRTC is missing"
+        );
         return;
     }
     let mut failures = Vec::new();
@@ -46,8 +49,12 @@ fn broken_source_reports_nvrtc_log() {
         eprintln!("SKIPPED: NVRTC not found");
         return;
     }
-    let err = compile_module("broken", "extern \"C\" __global__ void k() { int x = ; }", "compute_90")
-        .unwrap_err()
-        .to_string();
+    let err = compile_module(
+        "broken",
+        "extern \"C\" __global__ void k() { int x = ; }",
+        "compute_90",
+    )
+    .unwrap_err()
+    .to_string();
     assert!(err.contains("broken") && err.contains("error"), "{err}");
 }
