@@ -2,7 +2,8 @@
 
 use anyhow::{bail, Context, Result};
 use pdserve_engine::backend::Backend;
-use pdserve_engine::kv::{EntryDtype, KvLayoutSpec};
+use pdserve_engine::kv::sizing::{self, DeviceSize, HostSize};
+use pdserve_engine::kv::{EntryDtype, KvLayout, KvLayoutSpec};
 use pdserve_engine::tokenizer::Tokenizer;
 use pdserve_engine::{CpuBackend, Engine, PoolSize};
 use pdserve_kernels::{CudaBackend, WeightDtype};
@@ -22,8 +23,9 @@ pub struct ModelArgs {
     /// or f32 (fp32 GEMMs; a reference mode for checking the kernels).
     #[arg(long, default_value = "bf16")]
     pub cuda_weights: String,
-    /// Storage dtype of the indexer's index-K entries: f32 (exact top-k picks) or bf16
-    /// (half the bytes; near-ties in indexer scores can pick different entries).
+    /// Storage dtype of the indexer's index-K entries: f32 (exact top-k picks), bf16 (half
+    /// the bytes) or fp8 (e4m3 + one fp32 scale per entry: 132 B per 128-dim entry).
+    /// Below f32, near-ties in indexer scores can pick different entries.
     #[arg(long, default_value = "f32")]
     pub index_k_dtype: String,
     /// Storage dtype of compressed-KV and sliding-window entries: f32 or bf16.
@@ -32,9 +34,23 @@ pub struct ModelArgs {
     /// Positions per KV page (a multiple of every compress rate). Default: 256 rounded up to one.
     #[arg(long)]
     pub page_tokens: Option<usize>,
-    /// KV pages in the pool.
-    #[arg(long, default_value_t = 1024)]
+    /// KV pages in the device pool.
+    #[arg(long, default_value_t = 1024, conflicts_with = "kv_mem_fraction")]
     pub kv_pages: usize,
+    /// Size the device KV pool as this fraction (0, 1] of the device's memory instead
+    /// (host memory available now, with --device cpu).
+    #[arg(long)]
+    pub kv_mem_fraction: Option<f64>,
+    /// Host (hierarchical cache) pool = this many times the device pool's pages (>= 1).
+    #[arg(long, default_value_t = 2.0, conflicts_with = "hicache_size")]
+    pub hicache_ratio: f64,
+    /// Host (hierarchical cache) pool size in GB instead of --hicache-ratio.
+    #[arg(long)]
+    pub hicache_size: Option<f64>,
+    /// Checksum every KV page and state slot around each step and fail requests whose
+    /// pages changed outside the step's expected writes (costly; for debugging).
+    #[arg(long)]
+    pub kv_audit: bool,
     /// Prefill chunk size in tokens (0: whole prompt in one forward).
     #[arg(long, default_value_t = 512)]
     pub chunked_prefill_size: usize,
@@ -71,11 +87,44 @@ pub trait OnEngine {
 
 pub struct Loaded<B: Backend> {
     pub engine: Engine<B>,
+    /// Host pool pages from --hicache-ratio / --hicache-size (checked at startup), for
+    /// a `kv::HostPool` behind the engine's prefix cache.
+    pub host_pages: usize,
     pub tokenizer: Option<Tokenizer>,
     pub dir: PathBuf,
 }
 
+/// Per-request state slots of the device pool.
+const STATE_SLOTS: usize = 64;
+
 impl ModelArgs {
+    /// Device and host pool pages from the flags; sizes that cannot work are errors here,
+    /// at startup.
+    pub fn pool_pages(&self, layout: &KvLayout, states: usize) -> Result<(usize, usize)> {
+        let available = sizing::host_memory_available();
+        let device = match self.kv_mem_fraction {
+            Some(fraction) => DeviceSize::MemFraction {
+                fraction,
+                memory_bytes: available
+                    .context("--kv-mem-fraction: cannot read the available memory")?,
+            },
+            None => DeviceSize::Pages(self.kv_pages),
+        };
+        let device_pages = sizing::device_pages(layout, device, states)?;
+        let host = match self.hicache_size {
+            Some(gb) => HostSize::Gb(gb),
+            None => HostSize::Ratio(self.hicache_ratio),
+        };
+        // With --device cpu the device pool lives in host memory too.
+        let left = available.map(|a| {
+            a.saturating_sub(
+                (device_pages * layout.page_bytes + states * layout.state_bytes) as u64,
+            )
+        });
+        let host_pages = sizing::host_pages(layout, device_pages, host, left)?;
+        Ok((device_pages, host_pages))
+    }
+
     pub fn model_dir(&self) -> Result<PathBuf> {
         match &self.model {
             Some(d) => Ok(d.clone()),
@@ -118,16 +167,19 @@ impl ModelArgs {
         if let Some(p) = self.page_tokens {
             spec.page_tokens = p;
         }
-        let engine = Engine::load(
+        let layout = KvLayout::new(&cfg, spec).context("KV layout")?;
+        let (device_pages, host_pages) = self.pool_pages(&layout, STATE_SLOTS)?;
+        let mut engine = Engine::load(
             &dir,
             backend,
             Some(spec),
             PoolSize {
-                pages: self.kv_pages,
-                states: 64,
+                pages: device_pages,
+                states: STATE_SLOTS,
             },
         )
         .with_context(|| format!("loading model from {}", dir.display()))?;
+        engine.set_kv_audit(self.kv_audit);
         let tokenizer = Tokenizer::from_model_dir(&dir)?;
         tracing::info!(
             model = %dir.display(),
@@ -138,6 +190,7 @@ impl ModelArgs {
         );
         Ok(Loaded {
             engine,
+            host_pages,
             tokenizer,
             dir,
         })

@@ -3,9 +3,13 @@
 
 use crate::backend::{Backend, BackendError, BatchPlan, HostTensor, SeqPlan};
 use crate::config::ModelConfig;
-use crate::kv::{KvLayout, KvLayoutSpec, LayoutError, PagePool, PoolError, SeqKv};
+use crate::kv::audit::{self, PoolChecksums};
+use crate::kv::{
+    DevicePool, KvLayout, KvLayoutSpec, LayoutError, PageId, PagePool, PoolError, SeqKv, StateSlot,
+};
 use crate::model::{LoadError, Model, ModelWeights};
 use crate::weights::Checkpoint;
+use std::collections::BTreeSet;
 use std::path::Path;
 
 #[derive(Debug, thiserror::Error)]
@@ -24,6 +28,13 @@ pub enum EngineError {
     Backend(#[from] BackendError),
     #[error("invalid request: {0}")]
     Request(String),
+    #[error("KV audit: pages {pages:?} and state slots {states:?} changed outside this step's expected writes; the request's KV state is corrupt")]
+    KvAudit {
+        pages: Vec<PageId>,
+        states: Vec<StateSlot>,
+    },
+    #[error(transparent)]
+    Host(#[from] crate::kv::HostPoolError),
 }
 
 /// Pool sizing.
@@ -45,7 +56,7 @@ impl Default for PoolSize {
 /// A sequence's KV handle. Create with [`Engine::new_sequence`], give back with [`Engine::release`].
 #[derive(Debug)]
 pub struct Sequence {
-    kv: SeqKv,
+    pub(crate) kv: SeqKv,
 }
 
 impl Sequence {
@@ -92,11 +103,14 @@ pub struct ForwardItem<'a> {
 }
 
 pub struct Engine<B: Backend> {
-    backend: B,
+    pub(crate) backend: B,
     model: Model<B>,
-    layout: KvLayout,
-    pool: PagePool,
-    kv: B::KvStore,
+    pub(crate) device: DevicePool<B>,
+    kv_audit: bool,
+    /// Pages/slots the audit found corrupt; sequences holding them fail until they are freed.
+    poisoned: BTreeSet<PageId>,
+    poisoned_states: BTreeSet<StateSlot>,
+    scribble: Option<PageId>,
 }
 
 impl<B: Backend> Engine<B> {
@@ -122,12 +136,14 @@ impl<B: Backend> Engine<B> {
     ) -> Result<Self, EngineError> {
         let spec = spec.unwrap_or_else(|| KvLayoutSpec::default_for(&cfg));
         let layout = KvLayout::new(&cfg, spec)?;
-        let kv = backend.alloc_kv(&layout, size.pages, size.states)?;
+        let device = DevicePool::new(&backend, layout, size.pages, size.states)?;
         Ok(Engine {
             model: Model::new(cfg, weights),
-            layout,
-            pool: PagePool::new(size.pages, size.states),
-            kv,
+            device,
+            kv_audit: false,
+            poisoned: BTreeSet::new(),
+            poisoned_states: BTreeSet::new(),
+            scribble: None,
             backend,
         })
     }
@@ -137,7 +153,29 @@ impl<B: Backend> Engine<B> {
     }
 
     pub fn layout(&self) -> &KvLayout {
-        &self.layout
+        &self.device.layout
+    }
+
+    /// Turn the per-step write audit on or off (`--kv-audit`; costly: it checksums the
+    /// whole pool twice per forward).
+    pub fn set_kv_audit(&mut self, on: bool) {
+        self.kv_audit = on;
+    }
+
+    pub fn kv_audit(&self) -> bool {
+        self.kv_audit
+    }
+
+    /// The device pool (pages, state slots and their storage).
+    pub fn device_pool(&self) -> &DevicePool<B> {
+        &self.device
+    }
+
+    /// Test hook: after the next forward's model pass, overwrite `page` with garbage, as a
+    /// kernel writing out of bounds would. Only the audit tests use it.
+    #[doc(hidden)]
+    pub fn debug_scribble_after_next_forward(&mut self, page: PageId) {
+        self.scribble = Some(page);
     }
 
     pub fn backend(&self) -> &B {
@@ -145,19 +183,21 @@ impl<B: Backend> Engine<B> {
     }
 
     pub fn pool(&self) -> &PagePool {
-        &self.pool
+        &self.device.pages
     }
 
     pub fn kv_store(&self) -> &B::KvStore {
-        &self.kv
+        &self.device.store
     }
 
     pub fn new_sequence(&mut self) -> Result<Sequence, EngineError> {
-        let state = self.pool.alloc_state()?;
-        if let Err(e) = self.backend.reset_state(&mut self.kv, &self.layout, state) {
-            self.pool.release_state(state)?;
+        let state = self.device.pages.alloc_state()?;
+        let d = &mut self.device;
+        if let Err(e) = self.backend.reset_state(&mut d.store, &d.layout, state) {
+            self.device.pages.release_state(state)?;
             return Err(e.into());
         }
+        self.poisoned_states.remove(&state);
         Ok(Sequence {
             kv: SeqKv {
                 pages: Vec::new(),
@@ -169,9 +209,53 @@ impl<B: Backend> Engine<B> {
 
     /// Free a sequence's pages and state slot.
     pub fn release(&mut self, seq: Sequence) -> Result<(), EngineError> {
-        self.pool.release_pages(&seq.kv.pages)?;
-        self.pool.release_state(seq.kv.state)?;
+        self.release_pages(&seq.kv.pages)?;
+        self.device.pages.release_state(seq.kv.state)?;
+        self.poisoned_states.remove(&seq.kv.state);
         Ok(())
+    }
+
+    /// Drop one reference on each page; a page whose last reference goes is free again
+    /// (and no longer counted as corrupt).
+    pub(crate) fn release_pages(&mut self, pages: &[PageId]) -> Result<(), EngineError> {
+        self.device.pages.release_pages(pages)?;
+        for p in pages {
+            if self.device.pages.refcount(*p) == 0 {
+                self.poisoned.remove(p);
+            }
+        }
+        self.device.publish_metrics();
+        Ok(())
+    }
+
+    /// Whether the audit marked `page` corrupt.
+    pub fn is_poisoned(&self, page: PageId) -> bool {
+        self.poisoned.contains(&page)
+    }
+
+    /// A new sequence that shares `pages` and starts from `state` (a state slot's bytes)
+    /// at position `len`. It takes over one reference the caller holds on each page; on
+    /// error those references stay with the caller.
+    pub(crate) fn sequence_from_prefix(
+        &mut self,
+        pages: &[PageId],
+        state: &[u8],
+        len: usize,
+    ) -> Result<Sequence, EngineError> {
+        if pages.len() != self.layout().pages_for(len) {
+            return Err(EngineError::Request(format!(
+                "prefix of {len} positions given {} pages",
+                pages.len()
+            )));
+        }
+        let mut seq = self.new_sequence()?;
+        if let Err(e) = self.device.write_state(&self.backend, seq.kv.state, state) {
+            self.release(seq)?;
+            return Err(e.into());
+        }
+        seq.kv.pages = pages.to_vec();
+        seq.kv.len = len;
+        Ok(seq)
     }
 
     /// Copy out a sequence's pages and state.
@@ -180,29 +264,27 @@ impl<B: Backend> Engine<B> {
             .kv
             .pages
             .iter()
-            .map(|&p| self.backend.page_bytes(&self.kv, &self.layout, p))
+            .map(|&p| self.device.read_page(&self.backend, p))
             .collect::<Result<Vec<_>, _>>()?;
         Ok(SeqSnapshot {
-            layout_fingerprint: self.layout.fingerprint(),
+            layout_fingerprint: self.device.fingerprint.clone(),
             len: seq.kv.len,
             pages,
-            state: self
-                .backend
-                .state_bytes(&self.kv, &self.layout, seq.kv.state)?,
+            state: self.device.read_state(&self.backend, seq.kv.state)?,
         })
     }
 
     /// A new sequence holding a snapshot's state (pages and state slot freshly allocated).
     pub fn import_sequence(&mut self, snap: &SeqSnapshot) -> Result<Sequence, EngineError> {
-        let fp = self.layout.fingerprint();
+        let fp = self.device.fingerprint.clone();
         if snap.layout_fingerprint != fp {
             return Err(EngineError::Request(format!(
                 "KV snapshot has layout {}, this engine's is {fp}",
                 snap.layout_fingerprint
             )));
         }
-        let (pb, sb) = (self.layout.page_bytes, self.layout.state_bytes);
-        if snap.pages.len() != self.layout.pages_for(snap.len)
+        let (pb, sb) = (self.layout().page_bytes, self.layout().state_bytes);
+        if snap.pages.len() != self.layout().pages_for(snap.len)
             || snap.pages.iter().any(|p| p.len() != pb)
             || snap.state.len() != sb
         {
@@ -211,18 +293,17 @@ impl<B: Backend> Engine<B> {
                 snap.len,
                 snap.pages.len(),
                 snap.state.len(),
-                self.layout.pages_for(snap.len)
+                self.layout().pages_for(snap.len)
             )));
         }
         let mut seq = self.new_sequence()?;
         let written = (|| {
-            seq.kv.pages = self.pool.alloc_pages(snap.pages.len())?;
+            seq.kv.pages = self.device.pages.alloc_pages(snap.pages.len())?;
             for (&p, bytes) in seq.kv.pages.iter().zip(&snap.pages) {
-                self.backend
-                    .write_page(&mut self.kv, &self.layout, p, bytes)?;
+                self.device.write_page(&self.backend, p, bytes)?;
             }
-            self.backend
-                .write_state(&mut self.kv, &self.layout, seq.kv.state, &snap.state)?;
+            self.device
+                .write_state(&self.backend, seq.kv.state, &snap.state)?;
             Ok::<(), EngineError>(())
         })();
         match written {
@@ -237,21 +318,67 @@ impl<B: Backend> Engine<B> {
         }
     }
 
+    /// Fail a forward whose sequences hold pages the audit found corrupt.
+    fn check_poison(&self, items: &[ForwardItem<'_>]) -> Result<(), EngineError> {
+        if self.poisoned.is_empty() && self.poisoned_states.is_empty() {
+            return Ok(());
+        }
+        let mut pages = Vec::new();
+        let mut states = Vec::new();
+        for it in items {
+            pages.extend(it.seq.kv.pages.iter().filter(|p| self.poisoned.contains(p)));
+            if self.poisoned_states.contains(&it.seq.kv.state) {
+                states.push(it.seq.kv.state);
+            }
+        }
+        if pages.is_empty() && states.is_empty() {
+            return Ok(());
+        }
+        Err(EngineError::KvAudit { pages, states })
+    }
+
+    /// Compare the pool against its checksums from before the step.
+    fn audit_step(&mut self, before: &PoolChecksums, plan: &BatchPlan) -> Result<(), EngineError> {
+        let after = PoolChecksums::take(&self.backend, &self.device)?;
+        let expected = audit::expected_writes(plan, self.device.layout.page_tokens);
+        let bad = audit::compare(before, &after, &expected);
+        if bad.is_empty() {
+            return Ok(());
+        }
+        tracing::error!(
+            pages = ?bad.pages,
+            states = ?bad.states,
+            expected_pages = ?expected.0,
+            "KV audit: unexpected writes in this step"
+        );
+        crate::kv::metrics::audit_violations(bad.count());
+        let pool = &self.device.pages;
+        self.poisoned
+            .extend(bad.pages.iter().copied().filter(|&p| pool.refcount(p) > 0));
+        self.poisoned_states.extend(bad.states.iter().copied());
+        Err(EngineError::KvAudit {
+            pages: bad.pages,
+            states: bad.states,
+        })
+    }
+
     /// Grow every sequence's page table to cover its new tokens; all or nothing.
     fn reserve(&mut self, items: &mut [ForwardItem<'_>]) -> Result<(), EngineError> {
         let need: Vec<usize> = items
             .iter()
             .map(|it| {
-                self.layout
+                self.device
+                    .layout
                     .pages_for(it.seq.kv.len + it.tokens.len())
                     .saturating_sub(it.seq.kv.pages.len())
             })
             .collect();
         let total: usize = need.iter().sum();
-        let mut fresh = self.pool.alloc_pages(total)?.into_iter();
+        let mut fresh = self.device.pages.alloc_pages(total)?.into_iter();
         for (it, n) in items.iter_mut().zip(need) {
             it.seq.kv.pages.extend(fresh.by_ref().take(n));
         }
+        self.device.publish_metrics();
         Ok(())
     }
 
@@ -278,6 +405,7 @@ impl<B: Backend> Engine<B> {
                 )));
             }
         }
+        self.check_poison(items)?;
         self.reserve(items)?;
         let mut plan = BatchPlan::default();
         let mut logit_rows = Vec::new();
@@ -304,13 +432,24 @@ impl<B: Backend> Engine<B> {
             counts.push(rows.len());
             logit_rows.extend(rows);
         }
+        let before = match self.kv_audit {
+            true => Some(PoolChecksums::take(&self.backend, &self.device)?),
+            false => None,
+        };
         let logits = self.model.forward(
             &self.backend,
-            &mut self.kv,
-            &self.layout,
+            &mut self.device.store,
+            &self.device.layout,
             &plan,
             &logit_rows,
         )?;
+        if let Some(page) = self.scribble.take() {
+            let garbage = vec![0xA5u8; self.device.layout.page_bytes];
+            self.device.write_page(&self.backend, page, &garbage)?;
+        }
+        if let Some(before) = before {
+            self.audit_step(&before, &plan)?;
+        }
         for it in items.iter_mut() {
             it.seq.kv.len += it.tokens.len();
         }

@@ -116,14 +116,14 @@ fn float_dtypes_round_trip() {
     let vals = [1.0f32, -2.5, 0.15625, 24576.0, -0.0, 7.75];
     let mut m = BTreeMap::new();
     m.insert(
-        "a".to_string(),
+        "model.a".to_string(),
         f32_t(&[2, 3], &[1.1, -2.2, 3.3, 1e-30, -4e20, 0.1]),
     );
-    m.insert("b".to_string(), bf16_t(&[3, 2], &vals));
-    m.insert("c".to_string(), f16_t(&[6], &vals));
-    m.insert("d".to_string(), i64_t(&[2, 2], &[0, -1, 1 << 40, 3]));
+    m.insert("model.b".to_string(), bf16_t(&[3, 2], &vals));
+    m.insert("model.c".to_string(), f16_t(&[6], &vals));
+    m.insert("model.d".to_string(), i64_t(&[2, 2], &[0, -1, 1 << 40, 3]));
     m.insert(
-        "e".to_string(),
+        "model.e".to_string(),
         T {
             dtype: DiskDtype::I32,
             shape: vec![3],
@@ -131,7 +131,7 @@ fn float_dtypes_round_trip() {
         },
     );
     m.insert(
-        "f".to_string(),
+        "model.f".to_string(),
         T {
             dtype: DiskDtype::U8,
             shape: vec![2],
@@ -141,39 +141,42 @@ fn float_dtypes_round_trip() {
     write(&dir.path().join("model.safetensors"), &m);
 
     let ck = Checkpoint::open(dir.path()).unwrap();
-    assert_eq!(ck.names(), vec!["a", "b", "c", "d", "e", "f"]);
-    assert_eq!(ck.shape("b"), Some(vec![3, 2]));
-    assert_eq!(ck.dtype("c"), Some(DiskDtype::F16));
+    assert_eq!(
+        ck.names(),
+        vec!["model.a", "model.b", "model.c", "model.d", "model.e", "model.f"]
+    );
+    assert_eq!(ck.shape("model.b"), Some(vec![3, 2]));
+    assert_eq!(ck.dtype("model.c"), Some(DiskDtype::F16));
     assert_eq!(ck.shape("zz"), None);
-    assert_eq!(ck.tensor_bytes("a"), 24);
+    assert_eq!(ck.tensor_bytes("model.a"), 24);
     assert_eq!(ck.total_bytes(), 24 + 12 + 12 + 32 + 12 + 2);
 
-    let a = ck.tensor_f32("a").unwrap();
+    let a = ck.tensor_f32("model.a").unwrap();
     assert_eq!(a.shape, vec![2, 3]);
     assert_eq!(a.data, vec![1.1, -2.2, 3.3, 1e-30, -4e20, 0.1]);
     // all of `vals` are exact in bf16 and f16
-    assert_eq!(ck.tensor_f32("b").unwrap().data, vals.to_vec());
-    assert_eq!(ck.tensor_f32("c").unwrap().data, vals.to_vec());
+    assert_eq!(ck.tensor_f32("model.b").unwrap().data, vals.to_vec());
+    assert_eq!(ck.tensor_f32("model.c").unwrap().data, vals.to_vec());
     assert_eq!(
-        ck.tensor_i64("d").unwrap(),
+        ck.tensor_i64("model.d").unwrap(),
         (vec![2, 2], vec![0, -1, 1 << 40, 3])
     );
-    assert_eq!(ck.tensor_i64("e").unwrap(), (vec![3], vec![5, -6, 7]));
+    assert_eq!(ck.tensor_i64("model.e").unwrap(), (vec![3], vec![5, -6, 7]));
 
-    let err = ck.tensor_f32("f").unwrap_err();
+    let err = ck.tensor_f32("model.f").unwrap_err();
     assert!(matches!(err, WeightsError::Dtype { .. }));
     assert!(
-        err.to_string().contains("`f`") && err.to_string().contains("U8"),
+        err.to_string().contains("`model.f`") && err.to_string().contains("U8"),
         "{err}"
     );
-    let err = ck.tensor_i64("a").unwrap_err();
+    let err = ck.tensor_i64("model.a").unwrap_err();
     assert!(
-        err.to_string().contains("`a`") && err.to_string().contains("F32"),
+        err.to_string().contains("`model.a`") && err.to_string().contains("F32"),
         "{err}"
     );
     let err = ck.tensor_f32("missing").unwrap_err();
     assert!(matches!(err, WeightsError::NotFound { .. }) && err.to_string().contains("missing"));
-    let raw = ck.raw("b").unwrap();
+    let raw = ck.raw("model.b").unwrap();
     assert_eq!(
         (raw.dtype, raw.shape, raw.bytes.len()),
         (DiskDtype::BF16, &[3usize, 2][..], 12)
@@ -187,11 +190,11 @@ fn large_tensor_conversion_is_complete() {
     let n = 200_003;
     let vals: Vec<f32> = (0..n).map(|i| (i % 256) as f32).collect();
     let mut m = BTreeMap::new();
-    m.insert("big".to_string(), bf16_t(&[n], &vals));
+    m.insert("model.big".to_string(), bf16_t(&[n], &vals));
     write(&dir.path().join("model.safetensors"), &m);
     let t = Checkpoint::open(dir.path())
         .unwrap()
-        .tensor_f32("big")
+        .tensor_f32("model.big")
         .unwrap();
     assert_eq!(t.data, vals);
 }
@@ -200,15 +203,15 @@ fn large_tensor_conversion_is_complete() {
 fn sharded_index() {
     let dir = tempfile::tempdir().unwrap();
     let mut s1 = BTreeMap::new();
-    s1.insert("x".to_string(), f32_t(&[2], &[1.0, 2.0]));
+    s1.insert("model.x".to_string(), f32_t(&[2], &[1.0, 2.0]));
     s1.insert("not_in_index".to_string(), f32_t(&[1], &[9.0]));
     let mut s2 = BTreeMap::new();
-    s2.insert("y".to_string(), f16_t(&[1, 2], &[3.0, 4.0]));
+    s2.insert("model.y".to_string(), f16_t(&[1, 2], &[3.0, 4.0]));
     write(&dir.path().join("model-00001-of-00002.safetensors"), &s1);
     write(&dir.path().join("model-00002-of-00002.safetensors"), &s2);
     let index = serde_json::json!({
         "metadata": { "total_size": 12 },
-        "weight_map": { "x": "model-00001-of-00002.safetensors", "y": "model-00002-of-00002.safetensors" }
+        "weight_map": { "model.x": "model-00001-of-00002.safetensors", "model.y": "model-00002-of-00002.safetensors" }
     });
     std::fs::write(
         dir.path().join("model.safetensors.index.json"),
@@ -217,10 +220,10 @@ fn sharded_index() {
     .unwrap();
 
     let ck = Checkpoint::open(dir.path()).unwrap();
-    assert_eq!(ck.names(), vec!["x", "y"]);
+    assert_eq!(ck.names(), vec!["model.x", "model.y"]);
     assert_eq!(ck.files().len(), 2);
-    assert_eq!(ck.tensor_f32("x").unwrap().data, vec![1.0, 2.0]);
-    assert_eq!(ck.tensor_f32("y").unwrap().data, vec![3.0, 4.0]);
+    assert_eq!(ck.tensor_f32("model.x").unwrap().data, vec![1.0, 2.0]);
+    assert_eq!(ck.tensor_f32("model.y").unwrap().data, vec![3.0, 4.0]);
     assert_eq!(ck.total_bytes(), 8 + 4);
 
     // index pointing at a tensor the shard lacks
@@ -415,7 +418,7 @@ fn validate_lists_every_problem_at_once() {
     set.remove("model.layers.1.self_attn.compressor.indexer.q_b_proj.weight");
     set.remove("model.hc_head.hc_base");
     set.insert(
-        "model.layers.0.self_attn.wq_a.weight".into(),
+        "model.layers.0.self_attn.surprise.weight".into(),
         f32_t(&[1], &[0.0]),
     );
     set.insert(
@@ -452,7 +455,7 @@ fn validate_lists_every_problem_at_once() {
     );
     assert_eq!(
         report.unexpected,
-        vec!["model.layers.0.self_attn.wq_a.weight"]
+        vec!["model.layers.0.self_attn.surprise.weight"]
     );
     assert_eq!(report.wrong_shape.len(), 1);
     assert_eq!(report.wrong_shape[0].name, "model.layers.2.self_attn.sinks");
@@ -473,7 +476,7 @@ fn validate_lists_every_problem_at_once() {
         "missing tensors (2)",
         "model.hc_head.hc_base",
         "unexpected tensors (1)",
-        "wq_a",
+        "surprise",
         "model.layers.2.self_attn.sinks: expected [2], found [3]",
         "model.layers.1.mlp.gate.weight: F64",
         "model.layers.0.mlp.gate.tid2eid: 2 expert ids outside 0..4",

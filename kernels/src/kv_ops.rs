@@ -128,7 +128,7 @@ pub fn compress(
             Arg::I64(entry_off as i64),
             Arg::I32(epp as i32),
             Arg::I32(layout.page_tokens as i32),
-            Arg::I32(dt_code(dt)),
+            Arg::I32(dt_code(dt)?),
             Arg::I32(p.rope.dim() as i32),
             Arg::F32(p.eps),
         ],
@@ -200,7 +200,7 @@ pub fn index_select(
             Arg::I64(l.index_page_offset as i64),
             Arg::I32(l.index_entries_per_page as i32),
             Arg::I32(layout.page_tokens as i32),
-            Arg::I32(dt_code(layout.index_k_dtype)),
+            Arg::I32(dt_code(layout.index_k_dtype)?),
             Arg::F32((ihd as f32).powf(-0.5)),
             Arg::F32((n_heads as f32).powf(-0.5)),
         ],
@@ -333,7 +333,7 @@ pub fn attention(
             Arg::I64(l.comp_page_offset as i64),
             Arg::I32(l.comp_entries_per_page.max(1) as i32),
             Arg::I32(layout.page_tokens as i32),
-            Arg::I32(dt_code(layout.kv_dtype)),
+            Arg::I32(dt_code(layout.kv_dtype)?),
             Arg::F32((hd as f32).powf(-0.5)),
         ],
     )?;
@@ -372,7 +372,7 @@ pub fn window_store(
             Arg::I32(hd as i32),
             Arg::I32(layout.sliding_window as i32),
             Arg::I64(l.window_state_offset as i64),
-            Arg::I32(dt_code(layout.kv_dtype)),
+            Arg::I32(dt_code(layout.kv_dtype)?),
         ],
     )
 }

@@ -23,6 +23,9 @@ fn kv_err(msg: String) -> BackendError {
 
 impl GpuKv {
     pub(crate) fn new(gpu: &Gpu, layout: &KvLayout, pages: usize, states: usize) -> BResult<Self> {
+        // Refuse layouts the kernels cannot address before any memory is taken.
+        dt_code(layout.kv_dtype)?;
+        dt_code(layout.index_k_dtype)?;
         Ok(GpuKv {
             pages: gpu.zeros::<u8>(pages * layout.page_bytes)?,
             states: gpu.zeros::<u8>(states * layout.state_bytes)?,
@@ -101,10 +104,15 @@ impl GpuKv {
 }
 
 /// Kernel code of an entry dtype (`dt` in common.cuh).
-pub(crate) fn dt_code(d: EntryDtype) -> i32 {
+pub(crate) fn dt_code(d: EntryDtype) -> BResult<i32> {
     match d {
-        EntryDtype::F32 => 0,
-        EntryDtype::Bf16 => 1,
+        EntryDtype::F32 => Ok(0),
+        EntryDtype::Bf16 => Ok(1),
+        EntryDtype::Fp8E4m3 => Err(kv_err(
+            "fp8 index-K is not implemented by the CUDA backend yet: use --index-k-dtype \
+             f32 or bf16"
+                .into(),
+        )),
     }
 }
 

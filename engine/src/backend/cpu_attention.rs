@@ -5,7 +5,7 @@
 //! by index), so a row's result does not depend on how the sequence was chunked.
 
 use super::cpu::{rms_norm_into, softmax, CpuTensor};
-use super::cpu_kv::{quantize, CpuKv, Region};
+use super::cpu_kv::{quantize, CpuKv, EntryLoc, Region};
 use super::gemm::dot;
 use super::{
     BResult, BackendError, BatchPlan, CompressedKeys, CompressorParams, CompressorPart, SeqPlan,
@@ -32,7 +32,7 @@ fn entry_loc(
     part: CompressorPart,
     seq: &SeqPlan,
     w: usize,
-) -> BResult<(Region, usize, EntryDtype, usize)> {
+) -> BResult<EntryLoc> {
     let page_idx = w * l.rate / layout.page_tokens;
     let page = *seq.pages.get(page_idx).ok_or_else(|| {
         kv_err(format!(
@@ -44,22 +44,23 @@ fn entry_loc(
         CompressorPart::Main => {
             let slot = w % l.comp_entries_per_page;
             let bytes = layout.head_dim * layout.kv_dtype.bytes();
-            (
-                Region::Page(page),
-                l.comp_page_offset + slot * bytes,
-                layout.kv_dtype,
-                layout.head_dim,
-            )
+            EntryLoc {
+                region: Region::Page(page),
+                off: l.comp_page_offset + slot * bytes,
+                scale_off: None,
+                dtype: layout.kv_dtype,
+                dim: layout.head_dim,
+            }
         }
         CompressorPart::Index => {
-            let slot = w % l.index_entries_per_page;
-            let bytes = layout.index_head_dim * layout.index_k_dtype.bytes();
-            (
-                Region::Page(page),
-                l.index_page_offset + slot * bytes,
-                layout.index_k_dtype,
-                layout.index_head_dim,
-            )
+            let (off, scale_off) = layout.index_entry_offsets(l, w % l.index_entries_per_page);
+            EntryLoc {
+                region: Region::Page(page),
+                off,
+                scale_off,
+                dtype: layout.index_k_dtype,
+                dim: layout.index_head_dim,
+            }
         }
     })
 }
@@ -75,10 +76,10 @@ fn read_entries(
 ) -> BResult<Vec<f32>> {
     let mut out = Vec::new();
     for w in ids {
-        let (r, off, dt, dim) = entry_loc(layout, l, part, seq, w)?;
+        let loc = entry_loc(layout, l, part, seq, w)?;
         let at = out.len();
-        out.resize(at + dim, 0.0);
-        kv.read(r, off, dt, &mut out[at..])?;
+        out.resize(at + loc.dim, 0.0);
+        kv.read_entry(&loc, &mut out[at..])?;
     }
     Ok(out)
 }
@@ -172,8 +173,8 @@ pub fn compress(
             rms_norm_into(&pooled, Some(&p.norm_weight.data), p.eps, &mut entry);
             p.rope.cos_sin(w * rate, &mut cos, &mut sin);
             p.rope.apply(&mut entry, &cos, &sin, false);
-            let (reg, off, dt, _) = entry_loc(layout, &l, p.part, seq, w)?;
-            kv.write(reg, off, dt, &entry)?;
+            let loc = entry_loc(layout, &l, p.part, seq, w)?;
+            kv.write_entry(&loc, &entry)?;
         }
     }
     Ok(())
@@ -374,4 +375,108 @@ pub fn window_store(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::*;
+    use crate::backend::SeqPlan;
+    use crate::config::ModelConfig;
+    use crate::kv::KvLayoutSpec;
+    use rand::{Rng, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
+
+    fn normal(rng: &mut ChaCha8Rng) -> f32 {
+        let (u, v): (f32, f32) = (rng.random::<f32>().max(1e-7), rng.random());
+        (-2.0 * u.ln()).sqrt() * (std::f32::consts::TAU * v).cos()
+    }
+
+    /// Indexer picks with index-K stored in `dtype`, on a CSA layer of V4's index dims
+    /// (128-dim keys, 64 heads) holding `nv` entries.
+    fn picks(
+        dtype: EntryDtype,
+        keys: &[f32],
+        q: &CpuTensor,
+        w: &CpuTensor,
+        nv: usize,
+    ) -> Vec<Vec<u32>> {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/mixed");
+        let mut cfg = ModelConfig::from_model_dir(&dir).unwrap();
+        cfg.index_head_dim = 128;
+        let mut spec = KvLayoutSpec::default_for(&cfg);
+        spec.page_tokens = 64;
+        spec.index_k_dtype = dtype;
+        let layout = KvLayout::new(&cfg, spec).unwrap();
+        let layer = 1; // CSA, rate 4
+        let l = layout.layers[layer].clone();
+        let npages = layout.pages_for(nv * l.rate);
+        let mut kv = CpuKv::new(&layout, npages, 1);
+        let rows = q.rows;
+        let seq = SeqPlan {
+            start: nv * l.rate - rows,
+            len: rows,
+            row0: 0,
+            pages: (0..npages as u32).collect(),
+            state: 0,
+        };
+        for e in 0..nv {
+            let loc = entry_loc(&layout, &l, CompressorPart::Index, &seq, e).unwrap();
+            kv.write_entry(&loc, &keys[e * 128..(e + 1) * 128]).unwrap();
+        }
+        let plan = BatchPlan {
+            seqs: vec![seq],
+            tokens: vec![0; rows],
+            positions: vec![0; rows],
+            row_seq: vec![0; rows],
+        };
+        index_select(&kv, &layout, layer, q, w, 64, 64, &plan).unwrap()
+    }
+
+    /// fp8 e4m3 index-K against f32: share of the top-64 picks (of 512 candidates) kept.
+    /// Measured (seed 7, 32 queries): fp8 mean 0.981, worst row 0.953; bf16 0.998 / 0.984.
+    #[test]
+    fn fp8_index_k_keeps_most_top_k_picks() {
+        let mut rng = ChaCha8Rng::seed_from_u64(7);
+        let nv = 512;
+        let rows = 32;
+        // Normed keys with a few outlier channels, as after the compressor's RMS norm.
+        let keys: Vec<f32> = (0..nv * 128)
+            .map(|i| normal(&mut rng) * if i % 128 < 4 { 4.0 } else { 1.0 })
+            .collect();
+        let q = CpuTensor {
+            rows,
+            cols: 64 * 128,
+            data: (0..rows * 64 * 128).map(|_| normal(&mut rng)).collect(),
+        };
+        let w = CpuTensor {
+            rows,
+            cols: 64,
+            data: (0..rows * 64).map(|_| normal(&mut rng)).collect(),
+        };
+        let exact = picks(EntryDtype::F32, &keys, &q, &w, nv);
+        for (dtype, min_mean, min_row) in [
+            (EntryDtype::Fp8E4m3, 0.9, 0.8),
+            (EntryDtype::Bf16, 0.97, 0.9),
+        ] {
+            let got = picks(dtype, &keys, &q, &w, nv);
+            let overlaps: Vec<f64> = exact
+                .iter()
+                .zip(&got)
+                .map(|(a, b)| {
+                    assert_eq!(a.len(), 64);
+                    a.iter().filter(|x| b.contains(x)).count() as f64 / a.len() as f64
+                })
+                .collect();
+            let mean = overlaps.iter().sum::<f64>() / overlaps.len() as f64;
+            let worst = overlaps.iter().copied().fold(1.0, f64::min);
+            println!(
+                "{dtype}: top-64 of {nv} overlap with f32: mean {mean:.3}, worst row {worst:.3}"
+            );
+            assert!(
+                mean >= min_mean && worst >= min_row,
+                "{dtype}: mean {mean}, worst {worst}"
+            );
+        }
+    }
 }

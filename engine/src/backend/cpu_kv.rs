@@ -1,6 +1,7 @@
 //! Host-memory storage of a KV pool for the CPU backend, addressed through the layout.
 
 use super::{BResult, BackendError};
+use crate::kv::fp8;
 use crate::kv::{EntryDtype, KvLayout, PageId, StateSlot};
 use half::bf16;
 
@@ -84,6 +85,47 @@ impl CpuKv {
         Ok(())
     }
 
+    /// Read one entry at `loc` (dequantising fp8 with its scale).
+    pub fn read_entry(&self, loc: &EntryLoc, out: &mut [f32]) -> BResult<()> {
+        match (loc.dtype, loc.scale_off) {
+            (EntryDtype::Fp8E4m3, Some(so)) => {
+                let bytes: &[u8] = bytemuck::cast_slice(self.words(loc.region)?);
+                let codes = bytes.get(loc.off..loc.off + out.len()).ok_or_else(|| {
+                    BackendError::Kv(format!("read past region at byte {}", loc.off))
+                })?;
+                let scale = read_f32_le(bytes, so)?;
+                fp8::dequantize_entry(codes, scale, out);
+                Ok(())
+            }
+            (EntryDtype::Fp8E4m3, None) => {
+                Err(BackendError::Kv("fp8 entry without a scale".into()))
+            }
+            (dt, _) => self.read(loc.region, loc.off, dt, out),
+        }
+    }
+
+    /// Write one entry at `loc` (quantising fp8 with scale amax/448).
+    pub fn write_entry(&mut self, loc: &EntryLoc, vals: &[f32]) -> BResult<()> {
+        match (loc.dtype, loc.scale_off) {
+            (EntryDtype::Fp8E4m3, Some(so)) => {
+                let bytes: &mut [u8] = bytemuck::cast_slice_mut(self.words_mut(loc.region)?);
+                if loc.off + vals.len() > bytes.len() || so + 4 > bytes.len() {
+                    return Err(BackendError::Kv(format!(
+                        "write past region at byte {}",
+                        loc.off
+                    )));
+                }
+                let scale = fp8::quantize_entry(vals, &mut bytes[loc.off..loc.off + vals.len()]);
+                bytes[so..so + 4].copy_from_slice(&scale.to_le_bytes());
+                Ok(())
+            }
+            (EntryDtype::Fp8E4m3, None) => {
+                Err(BackendError::Kv("fp8 entry without a scale".into()))
+            }
+            (dt, _) => self.write(loc.region, loc.off, dt, vals),
+        }
+    }
+
     /// Read `out.len()` values of `dtype` at byte offset `off` of region `r`.
     pub fn read(&self, r: Region, off: usize, dtype: EntryDtype, out: &mut [f32]) -> BResult<()> {
         let w = self.words(r)?;
@@ -91,6 +133,11 @@ impl CpuKv {
             EntryDtype::F32 => {
                 let src = slice_f32(w, off, out.len())?;
                 out.copy_from_slice(src);
+            }
+            EntryDtype::Fp8E4m3 => {
+                return Err(BackendError::Kv(
+                    "fp8 values are read per entry (read_entry)".into(),
+                ))
             }
             EntryDtype::Bf16 => {
                 let halves: &[u16] = bytemuck::cast_slice(w);
@@ -118,6 +165,11 @@ impl CpuKv {
                     .ok_or_else(|| BackendError::Kv(format!("write past region at byte {off}")))?;
                 dst.copy_from_slice(vals);
             }
+            EntryDtype::Fp8E4m3 => {
+                return Err(BackendError::Kv(
+                    "fp8 values are written per entry (write_entry)".into(),
+                ))
+            }
             EntryDtype::Bf16 => {
                 let halves: &mut [u16] = bytemuck::cast_slice_mut(w);
                 let s = off / 2;
@@ -136,6 +188,25 @@ impl CpuKv {
     pub fn f32s(&self, r: Region, off: usize, len: usize) -> BResult<&[f32]> {
         slice_f32(self.words(r)?, off, len)
     }
+}
+
+/// Where one compressed / index-K entry lives.
+#[derive(Debug, Clone, Copy)]
+pub struct EntryLoc {
+    pub region: Region,
+    pub off: usize,
+    /// fp8: byte offset of the entry's fp32 scale.
+    pub scale_off: Option<usize>,
+    pub dtype: EntryDtype,
+    pub dim: usize,
+}
+
+fn read_f32_le(bytes: &[u8], at: usize) -> BResult<f32> {
+    let b: [u8; 4] = bytes
+        .get(at..at + 4)
+        .and_then(|s| s.try_into().ok())
+        .ok_or_else(|| BackendError::Kv(format!("scale past region at byte {at}")))?;
+    Ok(f32::from_le_bytes(b))
 }
 
 fn slice_f32(w: &[u32], off: usize, len: usize) -> BResult<&[f32]> {

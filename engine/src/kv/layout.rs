@@ -20,13 +20,35 @@ use sha2::{Digest, Sha256};
 pub enum EntryDtype {
     F32,
     Bf16,
+    /// fp8 e4m3 values plus one fp32 scale per entry (index-K only). In a page, all
+    /// keys of a layer's index region come first, then all their scales.
+    Fp8E4m3,
 }
 
 impl EntryDtype {
+    /// Every dtype, for tests and tables.
+    pub const ALL: [EntryDtype; 3] = [EntryDtype::F32, EntryDtype::Bf16, EntryDtype::Fp8E4m3];
+
+    /// Bytes of one value (fp8: the key byte; its entry also has a scale, see
+    /// [`EntryDtype::entry_bytes`]).
     pub fn bytes(self) -> usize {
         match self {
             EntryDtype::F32 => 4,
             EntryDtype::Bf16 => 2,
+            EntryDtype::Fp8E4m3 => 1,
+        }
+    }
+
+    /// Bytes of one `dim`-wide entry, scale included.
+    pub fn entry_bytes(self, dim: usize) -> usize {
+        dim * self.bytes() + self.scale_bytes()
+    }
+
+    /// Bytes of the per-entry scale (fp8 only).
+    pub fn scale_bytes(self) -> usize {
+        match self {
+            EntryDtype::Fp8E4m3 => 4,
+            EntryDtype::F32 | EntryDtype::Bf16 => 0,
         }
     }
 
@@ -34,6 +56,7 @@ impl EntryDtype {
         match self {
             EntryDtype::F32 => "f32",
             EntryDtype::Bf16 => "bf16",
+            EntryDtype::Fp8E4m3 => "fp8_e4m3",
         }
     }
 
@@ -41,9 +64,10 @@ impl EntryDtype {
         match s {
             "f32" | "fp32" | "float32" => Ok(EntryDtype::F32),
             "bf16" | "bfloat16" => Ok(EntryDtype::Bf16),
+            "fp8" | "fp8_e4m3" | "e4m3" => Ok(EntryDtype::Fp8E4m3),
             other => Err(LayoutError::Invalid {
                 field: "dtype",
-                reason: format!("unknown entry dtype `{other}` (expected f32 or bf16)"),
+                reason: format!("unknown entry dtype `{other}` (expected f32, bf16 or fp8)"),
             }),
         }
     }
@@ -107,6 +131,9 @@ pub struct LayerKvLayout {
     /// Index-K entries per page (CSA only).
     pub index_entries_per_page: usize,
     pub index_page_offset: usize,
+    /// fp8 index-K: where the entries' fp32 scales start (after all keys); equal to
+    /// the end of the keys for dtypes without scales.
+    pub index_scale_offset: usize,
     /// Sliding-window ring in the state slot: `window` entries of `head_dim`.
     pub window_state_offset: usize,
     /// Compressor ring in the state slot: `comp_ring_slots` rows of `comp_row_floats` f32
@@ -172,6 +199,12 @@ impl KvLayout {
                 reason: "must be positive".into(),
             });
         }
+        if spec.kv_dtype == EntryDtype::Fp8E4m3 {
+            return Err(LayoutError::Invalid {
+                field: "kv_dtype",
+                reason: "fp8 is only supported for index-K entries (use f32 or bf16)".into(),
+            });
+        }
         let hd = cfg.head_dim;
         let ihd = cfg.index_head_dim;
         let mut page = 0usize;
@@ -197,6 +230,7 @@ impl KvLayout {
                 comp_page_offset: page,
                 index_entries_per_page: 0,
                 index_page_offset: page,
+                index_scale_offset: page,
                 window_state_offset,
                 comp_state_offset: state,
                 comp_ring_slots: 0,
@@ -219,8 +253,14 @@ impl KvLayout {
                     page = align16(page + l.comp_entries_per_page * hd * spec.kv_dtype.bytes());
                     l.index_page_offset = page;
                     l.index_entries_per_page = spec.page_tokens / rate;
-                    page =
-                        align16(page + l.index_entries_per_page * ihd * spec.index_k_dtype.bytes());
+                    let keys = l.index_entries_per_page * ihd * spec.index_k_dtype.bytes();
+                    l.index_scale_offset = align16(page + keys);
+                    let scales = l.index_entries_per_page * spec.index_k_dtype.scale_bytes();
+                    page = align16(if scales > 0 {
+                        l.index_scale_offset + scales
+                    } else {
+                        page + keys
+                    });
                     // Overlapping windows: the ring keeps the previous window too.
                     l.comp_ring_slots = 2 * rate;
                     l.comp_width = 2 * hd;
@@ -251,6 +291,51 @@ impl KvLayout {
         len.div_ceil(self.page_tokens)
     }
 
+    /// Byte offsets inside a page of index-K entry `slot` of layer `l`: the key bytes,
+    /// and for fp8 its fp32 scale.
+    pub fn index_entry_offsets(&self, l: &LayerKvLayout, slot: usize) -> (usize, Option<usize>) {
+        let key = l.index_page_offset + slot * self.index_head_dim * self.index_k_dtype.bytes();
+        let scale = (self.index_k_dtype.scale_bytes() > 0)
+            .then(|| l.index_scale_offset + slot * self.index_k_dtype.scale_bytes());
+        (key, scale)
+    }
+
+    /// Byte ranges of a state slot that a sequence continuing from a page cut (a multiple
+    /// of every compress rate) can still read: every sliding-window ring and the CSA
+    /// compressor and indexer rings (they keep the previous window). HCA compressor rings
+    /// are left out: at a cut all their windows are closed, and every row the next window
+    /// pools is written after the cut. Sorted, disjoint, adjacent ranges merged.
+    pub fn state_ranges_live_at_cut(&self) -> Vec<std::ops::Range<usize>> {
+        let mut r: Vec<std::ops::Range<usize>> = Vec::new();
+        let window = self.sliding_window * self.head_dim * self.kv_dtype.bytes();
+        for l in &self.layers {
+            r.push(l.window_state_offset..l.window_state_offset + window);
+            if l.kind == LayerKind::Csa {
+                let comp = l.comp_ring_slots * l.comp_row_floats() * 4;
+                r.push(l.comp_state_offset..l.comp_state_offset + comp);
+                let idx = l.index_ring_slots * l.index_row_floats() * 4;
+                r.push(l.index_state_offset..l.index_state_offset + idx);
+            }
+        }
+        r.sort_by_key(|x| x.start);
+        let mut merged: Vec<std::ops::Range<usize>> = Vec::new();
+        for x in r.into_iter().filter(|x| !x.is_empty()) {
+            match merged.last_mut() {
+                Some(m) if m.end >= x.start => m.end = m.end.max(x.end),
+                _ => merged.push(x),
+            }
+        }
+        merged
+    }
+
+    /// Bytes of a prefix-cache state snapshot ([`KvLayout::state_ranges_live_at_cut`]).
+    pub fn cut_snapshot_bytes(&self) -> usize {
+        self.state_ranges_live_at_cut()
+            .iter()
+            .map(|r| r.len())
+            .sum()
+    }
+
     /// Named scalar fields, in a fixed order; the fingerprint and the peer check use these.
     pub fn fields(&self) -> Vec<(String, String)> {
         let mut f = vec![
@@ -271,8 +356,20 @@ impl KvLayout {
             ("state_bytes".to_string(), self.state_bytes.to_string()),
         ];
         for (i, l) in self.layers.iter().enumerate() {
-            f.push((format!("layers[{i}].kind"), format!("{:?}", l.kind)));
-            f.push((format!("layers[{i}].rate"), l.rate.to_string()));
+            let mut push = |name: &str, v: String| f.push((format!("layers[{i}].{name}"), v));
+            push("kind", format!("{:?}", l.kind));
+            push("rate", l.rate.to_string());
+            push("comp_entries_per_page", l.comp_entries_per_page.to_string());
+            push("comp_page_offset", l.comp_page_offset.to_string());
+            push(
+                "index_entries_per_page",
+                l.index_entries_per_page.to_string(),
+            );
+            push("index_page_offset", l.index_page_offset.to_string());
+            push("index_scale_offset", l.index_scale_offset.to_string());
+            push("window_state_offset", l.window_state_offset.to_string());
+            push("comp_state_offset", l.comp_state_offset.to_string());
+            push("index_state_offset", l.index_state_offset.to_string());
         }
         f
     }

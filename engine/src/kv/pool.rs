@@ -45,6 +45,11 @@ impl PagePool {
         self.refcount.len()
     }
 
+    /// References held on `page` (0: free or out of range).
+    pub fn refcount(&self, page: PageId) -> u32 {
+        self.refcount.get(page as usize).copied().unwrap_or(0)
+    }
+
     pub fn free_page_count(&self) -> usize {
         self.free_pages.len()
     }

@@ -108,3 +108,44 @@ pub fn max_rel_err(got: &[Vec<f32>], want: &[Vec<f32>]) -> (f64, usize) {
         .map(|(i, (g, w))| (rel_err(g, w), i))
         .fold((0.0, 0), |a, b| if b.0 > a.0 { b } else { a })
 }
+
+/// Smallest page size the fixture's compress rates allow (many cut points).
+pub fn smallest_page_tokens(dir: &Path) -> usize {
+    let cfg = pdserve_engine::config::ModelConfig::from_model_dir(dir).unwrap();
+    cfg.layer_types
+        .iter()
+        .filter_map(|k| cfg.compress_rate(*k))
+        .fold(1, |a, r| {
+            let g = (1..=a.min(r))
+                .rev()
+                .find(|d| a % d == 0 && r % d == 0)
+                .unwrap();
+            a / g * r
+        })
+}
+
+/// Engine with a chosen index-K dtype, page size and pool size.
+pub fn engine_sized(
+    dir: &Path,
+    index_k: EntryDtype,
+    page_tokens: usize,
+    pages: usize,
+) -> Engine<CpuBackend> {
+    engine_dtypes(dir, EntryDtype::F32, index_k, page_tokens, pages)
+}
+
+/// Engine with chosen KV and index-K dtypes, page size and pool size.
+pub fn engine_dtypes(
+    dir: &Path,
+    kv: EntryDtype,
+    index_k: EntryDtype,
+    page_tokens: usize,
+    pages: usize,
+) -> Engine<CpuBackend> {
+    let cfg = pdserve_engine::config::ModelConfig::from_model_dir(dir).unwrap();
+    let mut spec = KvLayoutSpec::default_for(&cfg);
+    spec.kv_dtype = kv;
+    spec.index_k_dtype = index_k;
+    spec.page_tokens = page_tokens;
+    Engine::load(dir, CpuBackend, Some(spec), PoolSize { pages, states: 16 }).unwrap()
+}

@@ -1,0 +1,85 @@
+//! The device pool: page/state bookkeeping plus the backend's storage of every page and
+//! state slot ("device" memory is host memory on the CPU backend, GPU memory on CUDA).
+//! Every size comes from its [`KvLayout`].
+
+use super::{metrics, KvLayout, PageId, PagePool, StateSlot};
+use crate::backend::{BResult, Backend, BackendError};
+
+pub struct DevicePool<B: Backend> {
+    pub(crate) layout: KvLayout,
+    pub(crate) fingerprint: String,
+    pub(crate) pages: PagePool,
+    pub(crate) store: B::KvStore,
+}
+
+impl<B: Backend> DevicePool<B> {
+    pub fn new(backend: &B, layout: KvLayout, pages: usize, states: usize) -> BResult<Self> {
+        let store = backend.alloc_kv(&layout, pages, states)?;
+        let pool = DevicePool {
+            fingerprint: layout.fingerprint(),
+            layout,
+            pages: PagePool::new(pages, states),
+            store,
+        };
+        pool.publish_metrics();
+        Ok(pool)
+    }
+
+    pub fn layout(&self) -> &KvLayout {
+        &self.layout
+    }
+
+    pub fn fingerprint(&self) -> &str {
+        &self.fingerprint
+    }
+
+    pub fn bookkeeping(&self) -> &PagePool {
+        &self.pages
+    }
+
+    pub fn store(&self) -> &B::KvStore {
+        &self.store
+    }
+
+    /// Bytes of a page (exactly `layout.page_bytes`).
+    pub fn read_page(&self, backend: &B, page: PageId) -> BResult<Vec<u8>> {
+        let b = backend.page_bytes(&self.store, &self.layout, page)?;
+        self.check_len("page", b.len(), self.layout.page_bytes)?;
+        Ok(b)
+    }
+
+    pub fn write_page(&mut self, backend: &B, page: PageId, bytes: &[u8]) -> BResult<()> {
+        self.check_len("page", bytes.len(), self.layout.page_bytes)?;
+        backend.write_page(&mut self.store, &self.layout, page, bytes)
+    }
+
+    pub fn read_state(&self, backend: &B, slot: StateSlot) -> BResult<Vec<u8>> {
+        let b = backend.state_bytes(&self.store, &self.layout, slot)?;
+        self.check_len("state slot", b.len(), self.layout.state_bytes)?;
+        Ok(b)
+    }
+
+    pub fn write_state(&mut self, backend: &B, slot: StateSlot, bytes: &[u8]) -> BResult<()> {
+        self.check_len("state slot", bytes.len(), self.layout.state_bytes)?;
+        backend.write_state(&mut self.store, &self.layout, slot, bytes)
+    }
+
+    fn check_len(&self, what: &str, got: usize, want: usize) -> BResult<()> {
+        if got != want {
+            return Err(BackendError::Kv(format!(
+                "{what} of {got} bytes where layout {} has {want}",
+                self.fingerprint
+            )));
+        }
+        Ok(())
+    }
+
+    /// Set the `pool="device"` gauges.
+    pub fn publish_metrics(&self) {
+        metrics::pages(
+            "device",
+            self.pages.total_pages() - self.pages.free_page_count(),
+            self.pages.total_pages(),
+        );
+    }
+}

@@ -1,0 +1,419 @@
+//! The prefix cache: a radix tree over token ids whose edges are one page of tokens.
+//!
+//! Cut points are the multiples of `page_tokens` (itself a multiple of every compress
+//! rate), so a cached prefix is a chain of FULL pages, shared between sequences by
+//! reference count (a page is never written again once a sequence has moved past it),
+//! plus a snapshot of the state slot (compressor rings and sliding window) taken at the
+//! cut and copied into the new sequence's own state slot. A hit skips the prefix's
+//! forward entirely and is bit-identical to recomputing it.
+//!
+//! Eviction is LRU (ties: deepest first). An evicted device page is backed up to the
+//! [`HostPool`]; a host-tier hit loads it back into a fresh device page before the
+//! prefill continues. Pages held by a running sequence (reference count above the
+//! cache's own one) are never evicted. State snapshots live in host memory with their
+//! node (`layout.state_bytes` each).
+
+mod evict;
+
+use super::{metrics, HostPool, HostPoolError, PageId};
+use crate::backend::Backend;
+use crate::engine::{Engine, EngineError, ForwardItem, Logits, Sequence};
+use std::collections::HashMap;
+
+type NodeId = usize;
+const ROOT: NodeId = 0;
+
+struct Node {
+    parent: NodeId,
+    depth: usize,
+    key: Vec<u32>,
+    children: HashMap<Vec<u32>, NodeId>,
+    /// Device page; the cache holds one reference on it.
+    device: Option<PageId>,
+    /// Host copy (pages under a cut are immutable, so a copy stays valid).
+    host: Option<PageId>,
+    /// State slot bytes after this node's last token, only the ranges a continuation
+    /// can read ([`KvLayout::state_ranges_live_at_cut`]).
+    state: Vec<u8>,
+    last_use: u64,
+}
+
+/// Result of [`PrefixCache::prefill`].
+#[derive(Debug)]
+pub struct CachedPrefill {
+    /// The sequence, `tokens.len()` positions long; release it with [`Engine::release`].
+    pub seq: Sequence,
+    /// Logits rows `want` asked for, for the positions computed in this call (with
+    /// [`Logits::All`], the rows after the cached prefix).
+    pub logits: Vec<Vec<f32>>,
+    /// Prefix positions taken from the cache (device and host tiers together).
+    pub hit_tokens: usize,
+    /// Of those, positions loaded back from the host tier.
+    pub host_hit_tokens: usize,
+}
+
+/// Counts for tests and `inspect`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CacheStats {
+    pub nodes: usize,
+    pub device_pages: usize,
+    pub host_pages: usize,
+}
+
+pub struct PrefixCache {
+    host: HostPool,
+    /// Live state ranges at a cut, from the layout.
+    live: Vec<std::ops::Range<usize>>,
+    state_bytes: usize,
+    nodes: Vec<Option<Node>>,
+    free_ids: Vec<NodeId>,
+    tick: u64,
+    page_tokens: usize,
+}
+
+fn internal(msg: String) -> EngineError {
+    EngineError::Request(format!("prefix cache: {msg}"))
+}
+
+impl PrefixCache {
+    /// A cache in front of `engine`'s device pool, backed by `host` (same layout, or an
+    /// error naming the differing field).
+    pub fn new<B: Backend>(engine: &Engine<B>, host: HostPool) -> Result<Self, EngineError> {
+        host.layout()
+            .check_compatible(engine.layout())
+            .map_err(HostPoolError::from)?;
+        let root = Node {
+            parent: ROOT,
+            depth: 0,
+            key: Vec::new(),
+            children: HashMap::new(),
+            device: None,
+            host: None,
+            state: Vec::new(),
+            last_use: 0,
+        };
+        Ok(PrefixCache {
+            page_tokens: engine.layout().page_tokens,
+            live: engine.layout().state_ranges_live_at_cut(),
+            state_bytes: engine.layout().state_bytes,
+            host,
+            nodes: vec![Some(root)],
+            free_ids: Vec::new(),
+            tick: 0,
+        })
+    }
+
+    pub fn host(&self) -> &HostPool {
+        &self.host
+    }
+
+    pub fn stats(&self) -> CacheStats {
+        let live = self.nodes.iter().skip(1).flatten();
+        CacheStats {
+            nodes: live.clone().count(),
+            device_pages: live.clone().filter(|n| n.device.is_some()).count(),
+            host_pages: live.filter(|n| n.host.is_some()).count(),
+        }
+    }
+
+    fn node(&self, id: NodeId) -> Result<&Node, EngineError> {
+        self.nodes
+            .get(id)
+            .and_then(Option::as_ref)
+            .ok_or_else(|| internal(format!("node {id} missing")))
+    }
+
+    fn node_mut(&mut self, id: NodeId) -> Result<&mut Node, EngineError> {
+        self.nodes
+            .get_mut(id)
+            .and_then(Option::as_mut)
+            .ok_or_else(|| internal(format!("node {id} missing")))
+    }
+
+    /// Longest chain of cached pages matching `tokens`, ending at a cut `<= max_len`.
+    fn lookup<B: Backend>(
+        &self,
+        engine: &Engine<B>,
+        tokens: &[u32],
+        max_len: usize,
+    ) -> Vec<NodeId> {
+        let p = self.page_tokens;
+        let mut chain = Vec::new();
+        let mut at = ROOT;
+        while (chain.len() + 1) * p <= max_len {
+            let key = &tokens[chain.len() * p..(chain.len() + 1) * p];
+            let next = self.nodes[at]
+                .as_ref()
+                .and_then(|n| n.children.get(key).copied());
+            let usable = next
+                .and_then(|id| self.nodes[id].as_ref())
+                .is_some_and(|n| {
+                    !n.device.is_some_and(|pg| engine.is_poisoned(pg))
+                        && (n.device.is_some() || n.host.is_some())
+                });
+            match next {
+                Some(id) if usable => {
+                    chain.push(id);
+                    at = id;
+                }
+                _ => break,
+            }
+        }
+        chain
+    }
+
+    /// Prefill `tokens` into a new sequence, reusing the longest cached prefix (at least
+    /// one token is always computed, for the logits) and caching every new cut point.
+    pub fn prefill<B: Backend>(
+        &mut self,
+        engine: &mut Engine<B>,
+        tokens: &[u32],
+        chunk: usize,
+        want: Logits,
+    ) -> Result<CachedPrefill, EngineError> {
+        if tokens.is_empty() {
+            return Err(EngineError::Request("empty prompt".into()));
+        }
+        let (mut seq, last, host_hit) = self.begin(engine, tokens)?;
+        let hit = seq.len();
+        metrics::hit_tokens("device", hit - host_hit);
+        metrics::hit_tokens("host", host_hit);
+        metrics::miss_tokens(tokens.len() - hit);
+        match self.extend(engine, &mut seq, tokens, chunk, want, last) {
+            Ok(logits) => Ok(CachedPrefill {
+                seq,
+                logits,
+                hit_tokens: hit,
+                host_hit_tokens: host_hit,
+            }),
+            Err(e) => {
+                if let Err(r) = engine.release(seq) {
+                    tracing::error!(error = %r, "releasing a failed prefill's sequence");
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// A sequence holding the cached prefix; returns it, its last node and host-hit tokens.
+    fn begin<B: Backend>(
+        &mut self,
+        engine: &mut Engine<B>,
+        tokens: &[u32],
+    ) -> Result<(Sequence, NodeId, usize), EngineError> {
+        let mut chain = self.lookup(engine, tokens, tokens.len() - 1);
+        self.tick += 1;
+        for &id in &chain {
+            self.node_mut(id)?.last_use = self.tick;
+        }
+        // Hold (for the new sequence) every device page of the chain first, so that making
+        // room for host pages cannot evict them.
+        let mut held: Vec<PageId> = Vec::new();
+        for &id in &chain {
+            if let Some(p) = self.node(id)?.device {
+                engine.device.pages.retain_pages(&[p])?;
+                held.push(p);
+            }
+        }
+        let loaded = self.load_chain(engine, &mut chain, &mut held);
+        let built = loaded.and_then(|host_hit| {
+            let Some(&last) = chain.last() else {
+                return Ok((engine.new_sequence()?, ROOT, 0));
+            };
+            let pages = chain
+                .iter()
+                .map(|&id| {
+                    self.node(id)?
+                        .device
+                        .ok_or_else(|| internal(format!("node {id} not on device")))
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            let state = self.expand(&self.node(last)?.state)?;
+            let seq =
+                engine.sequence_from_prefix(&pages, &state, chain.len() * self.page_tokens)?;
+            Ok((seq, last, host_hit))
+        });
+        if built.is_err() {
+            engine.release_pages(&held)?;
+        }
+        built
+    }
+
+    /// Bring host-only nodes of `chain` back onto the device (holding each for the new
+    /// sequence); the chain is cut where no device page can be had. Returns host-hit tokens.
+    fn load_chain<B: Backend>(
+        &mut self,
+        engine: &mut Engine<B>,
+        chain: &mut Vec<NodeId>,
+        held: &mut Vec<PageId>,
+    ) -> Result<usize, EngineError> {
+        let mut host_hit = 0;
+        for i in 0..chain.len() {
+            let id = chain[i];
+            let node = self.node(id)?;
+            if node.device.is_some() {
+                continue;
+            }
+            let hp = node
+                .host
+                .ok_or_else(|| internal(format!("node {id} in neither tier")))?;
+            let Some(p) = self.alloc_device_page(engine)? else {
+                // No room: keep the prefix before this node; drop the holds after it.
+                let rest: Vec<PageId> = chain[i..]
+                    .iter()
+                    .filter_map(|&c| self.nodes[c].as_ref().and_then(|n| n.device))
+                    .collect();
+                for p in rest {
+                    if let Some(k) = held.iter().position(|&h| h == p) {
+                        held.swap_remove(k);
+                        engine.release_pages(&[p])?;
+                    }
+                }
+                chain.truncate(i);
+                break;
+            };
+            if let Err(e) = self.host.load(&engine.backend, &mut engine.device, hp, p) {
+                engine.release_pages(&[p])?;
+                return Err(e.into());
+            }
+            self.node_mut(id)?.device = Some(p);
+            engine.device.pages.retain_pages(&[p])?;
+            held.push(p);
+            host_hit += self.page_tokens;
+        }
+        Ok(host_hit)
+    }
+
+    /// One device page (reference owned by the caller), evicting if needed.
+    fn alloc_device_page<B: Backend>(
+        &mut self,
+        engine: &mut Engine<B>,
+    ) -> Result<Option<PageId>, EngineError> {
+        loop {
+            if let Ok(mut v) = engine.device.pages.alloc_pages(1) {
+                engine.device.publish_metrics();
+                return Ok(v.pop());
+            }
+            if !self.evict_one_device(engine)? {
+                return Ok(None);
+            }
+        }
+    }
+
+    /// A full state slot from a snapshot's live ranges (the rest zero: never read).
+    fn expand(&self, snap: &[u8]) -> Result<Vec<u8>, EngineError> {
+        let mut full = vec![0u8; self.state_bytes];
+        let mut at = 0;
+        for r in &self.live {
+            let src = snap
+                .get(at..at + r.len())
+                .ok_or_else(|| internal("state snapshot shorter than its layout".into()))?;
+            full[r.clone()].copy_from_slice(src);
+            at += r.len();
+        }
+        Ok(full)
+    }
+
+    /// Run the rest of the prompt, stopping at every cut to cache it.
+    fn extend<B: Backend>(
+        &mut self,
+        engine: &mut Engine<B>,
+        seq: &mut Sequence,
+        tokens: &[u32],
+        chunk: usize,
+        want: Logits,
+        mut node: NodeId,
+    ) -> Result<Vec<Vec<f32>>, EngineError> {
+        let p = self.page_tokens;
+        let chunk = if chunk == 0 { tokens.len() } else { chunk };
+        let mut rows = Vec::new();
+        while seq.len() < tokens.len() {
+            let at = seq.len();
+            let end = (at + chunk).min(tokens.len()).min((at / p + 1) * p);
+            let logits = match want {
+                Logits::All => Logits::All,
+                Logits::Last if end == tokens.len() => Logits::Last,
+                _ => Logits::None,
+            };
+            let need = engine
+                .layout()
+                .pages_for(end)
+                .saturating_sub(seq.kv.pages.len());
+            self.make_room(engine, need)?;
+            let out = engine.forward(&mut [ForwardItem {
+                seq: &mut *seq,
+                tokens: &tokens[at..end],
+                logits,
+            }])?;
+            for t in out {
+                rows.extend(t.data.chunks(t.cols.max(1)).map(<[f32]>::to_vec));
+            }
+            if end.is_multiple_of(p) {
+                node = self.insert(engine, node, seq, &tokens[end - p..end])?;
+            }
+        }
+        Ok(rows)
+    }
+
+    /// Evict until `need` device pages are free (or nothing more can go).
+    pub fn make_room<B: Backend>(
+        &mut self,
+        engine: &mut Engine<B>,
+        need: usize,
+    ) -> Result<(), EngineError> {
+        while engine.pool().free_page_count() < need {
+            if !self.evict_one_device(engine)? {
+                break;
+            }
+        }
+        Ok(())
+    }
+
+    /// Cache the cut `seq` just reached under `parent`; returns the node for it.
+    fn insert<B: Backend>(
+        &mut self,
+        engine: &mut Engine<B>,
+        parent: NodeId,
+        seq: &Sequence,
+        key: &[u32],
+    ) -> Result<NodeId, EngineError> {
+        if let Some(&c) = self.node(parent)?.children.get(key) {
+            self.node_mut(c)?.last_use = self.tick;
+            return Ok(c);
+        }
+        let page = *seq
+            .kv
+            .pages
+            .get(seq.len() / self.page_tokens - 1)
+            .ok_or_else(|| internal("sequence shorter than its cut".into()))?;
+        let full = engine.device.read_state(&engine.backend, seq.kv.state)?;
+        let state: Vec<u8> = self
+            .live
+            .iter()
+            .flat_map(|r| full[r.clone()].iter().copied())
+            .collect();
+        engine.device.pages.retain_pages(&[page])?;
+        let node = Node {
+            parent,
+            depth: self.node(parent)?.depth + 1,
+            key: key.to_vec(),
+            children: HashMap::new(),
+            device: Some(page),
+            host: None,
+            state,
+            last_use: self.tick,
+        };
+        let id = match self.free_ids.pop() {
+            Some(id) => {
+                self.nodes[id] = Some(node);
+                id
+            }
+            None => {
+                self.nodes.push(Some(node));
+                self.nodes.len() - 1
+            }
+        };
+        self.node_mut(parent)?.children.insert(key.to_vec(), id);
+        Ok(id)
+    }
+}
