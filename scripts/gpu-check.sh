@@ -42,6 +42,7 @@ echo "   embedded (bf16 on disk): bf16 weights < 2e-2; fixtures (fp32 random): f
 echo "   (kv=bf16: 2e-2), bf16 weights as info. greedy: argmax equal on every row, except 'ties':"
 echo "   rows whose two candidates' CPU logits differ by less than twice the row's max |GPU-CPU|."
 echo "   'greedy generation' rows (free-running, one flip changes every later token) are info."
+echo "   --kv-audit row: 4 sequences, 300 batched decode steps, no write outside the expected pages."
 "$BIN" gpu-check --fixtures tests/fixtures --device "$DEVICE"
 echo "== kernel cache: second start loads PTX from $PDSERVE_KERNEL_CACHE"
 ls "$PDSERVE_KERNEL_CACHE" | head -n 20
