@@ -356,10 +356,24 @@ impl<B: Backend> Engine<B> {
         self.poisoned
             .extend(bad.pages.iter().copied().filter(|&p| pool.refcount(p) > 0));
         self.poisoned_states.extend(bad.states.iter().copied());
-        Err(EngineError::KvAudit {
-            pages: bad.pages,
-            states: bad.states,
-        })
+        // Fail this step only if one of its own sequences holds corrupted state; other
+        // owners fail when they next run (check_poison), so only affected requests end.
+        let pages: Vec<PageId> = plan
+            .seqs
+            .iter()
+            .flat_map(|s| s.pages.iter().copied())
+            .filter(|p| bad.pages.contains(p))
+            .collect();
+        let states: Vec<StateSlot> = plan
+            .seqs
+            .iter()
+            .map(|s| s.state)
+            .filter(|s| bad.states.contains(s))
+            .collect();
+        if pages.is_empty() && states.is_empty() {
+            return Ok(());
+        }
+        Err(EngineError::KvAudit { pages, states })
     }
 
     /// Grow every sequence's page table to cover its new tokens; all or nothing.
