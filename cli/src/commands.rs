@@ -1,7 +1,8 @@
 //! The `generate`, `logits` and `inspect` commands.
 
-use crate::model_args::{parse_tokens, ModelArgs};
+use crate::model_args::{parse_tokens, Loaded, ModelArgs, OnEngine};
 use anyhow::{bail, Context, Result};
+use pdserve_engine::backend::Backend;
 use pdserve_engine::generate::{generate as run_generate, logits_prefill_decode, GenerateRequest};
 use pdserve_engine::sampling::SamplingParams;
 use pdserve_engine::tokenizer::Tokenizer;
@@ -76,7 +77,17 @@ impl TextStream<'_> {
 }
 
 pub fn generate(a: GenerateArgs) -> Result<()> {
-    let loaded = a.model.load()?;
+    let model = a.model.clone();
+    model.run(a)
+}
+
+impl OnEngine for GenerateArgs {
+    fn run<B: Backend>(self, loaded: Loaded<B>) -> Result<()> {
+        generate_on(self, loaded)
+    }
+}
+
+fn generate_on<B: Backend>(a: GenerateArgs, loaded: Loaded<B>) -> Result<()> {
     let mut engine = loaded.engine;
     let tok = loaded.tokenizer.as_ref();
     let prompt = match (&a.tokens, &a.prompt, tok) {
@@ -188,10 +199,27 @@ pub fn logits(a: LogitsArgs) -> Result<()> {
             tokens.len()
         );
     }
-    let mut engine = a.model.load()?.engine;
+    let model = a.model.clone();
+    model.run(LogitsRun { a, tokens })
+}
+
+struct LogitsRun {
+    a: LogitsArgs,
+    tokens: Vec<u32>,
+}
+
+impl OnEngine for LogitsRun {
+    fn run<B: Backend>(self, loaded: Loaded<B>) -> Result<()> {
+        let LogitsRun { a, tokens } = self;
+        logits_on(&a, &tokens, loaded)
+    }
+}
+
+fn logits_on<B: Backend>(a: &LogitsArgs, tokens: &[u32], loaded: Loaded<B>) -> Result<()> {
+    let mut engine = loaded.engine;
     let rows = logits_prefill_decode(
         &mut engine,
-        &tokens,
+        tokens,
         a.prefill_len,
         a.model.chunked_prefill_size,
     )?;
@@ -211,10 +239,22 @@ pub struct InspectArgs {
 }
 
 pub fn inspect(a: InspectArgs) -> Result<()> {
-    let loaded = a.model.load()?;
+    a.model.run(InspectRun)
+}
+
+struct InspectRun;
+
+impl OnEngine for InspectRun {
+    fn run<B: Backend>(self, loaded: Loaded<B>) -> Result<()> {
+        inspect_on(loaded)
+    }
+}
+
+fn inspect_on<B: Backend>(loaded: Loaded<B>) -> Result<()> {
     let e = &loaded.engine;
     let v = serde_json::json!({
         "model_dir": loaded.dir,
+        "backend": e.backend().name(),
         "config": e.config(),
         "kv_layout": e.layout(),
         "kv_layout_fingerprint": e.layout().fingerprint(),

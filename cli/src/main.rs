@@ -1,6 +1,7 @@
 //! `pdserve`: the user-facing command line.
 
 mod commands;
+mod gpu_check;
 mod layered;
 mod model_args;
 mod roles;
@@ -46,6 +47,8 @@ enum Command {
     Router(roles::RouterFlags),
     /// Start router + prefill + decode servers on this machine and wait for Ctrl-C.
     Up(up::UpArgs),
+    /// Compare the CUDA backend with the CPU engine on reference fixtures (pass/fail table).
+    GpuCheck(gpu_check::GpuCheckArgs),
 }
 
 fn init_logging(format: LogFormat) {
@@ -71,6 +74,7 @@ fn main() -> ExitCode {
         Command::Decode(f) => serve::worker(roles::WorkerRole::Decode, f),
         Command::Router(f) => serve::router(f),
         Command::Up(a) => up::up(a, matches!(cli.log_format, LogFormat::Json)),
+        Command::GpuCheck(a) => gpu_check::gpu_check(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

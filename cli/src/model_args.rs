@@ -1,10 +1,12 @@
 //! Flags shared by every command that loads a model.
 
 use anyhow::{bail, Context, Result};
+use pdserve_engine::backend::Backend;
 use pdserve_engine::kv::sizing::{self, DeviceSize, HostSize};
 use pdserve_engine::kv::{EntryDtype, KvLayout, KvLayoutSpec};
 use pdserve_engine::tokenizer::Tokenizer;
 use pdserve_engine::{CpuBackend, Engine, PoolSize};
+use pdserve_kernels::{CudaBackend, WeightDtype};
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -13,9 +15,14 @@ pub struct ModelArgs {
     /// Model folder (config.json, *.safetensors, optional tokenizer.json). Default: the embedded model.
     #[arg(long, env = "PDSERVE_MODEL")]
     pub model: Option<PathBuf>,
-    /// Compute device: `cpu` (CUDA arrives with the CUDA backend).
+    /// Compute device: `cpu`, `cuda:N` (fails if CUDA device N cannot be used), or
+    /// `auto` (cuda:0 when its driver, cuBLAS and NVRTC load, else cpu with a warning).
     #[arg(long, default_value = "cpu")]
     pub device: String,
+    /// Weight storage on a CUDA device: bf16 (router and hyper-connection maps stay fp32)
+    /// or f32 (fp32 GEMMs; a reference mode for checking the kernels).
+    #[arg(long, default_value = "bf16")]
+    pub cuda_weights: String,
     /// Storage dtype of the indexer's index-K entries: f32 (exact top-k picks), bf16 (half
     /// the bytes) or fp8 (e4m3 + one fp32 scale per entry: 132 B per 128-dim entry).
     /// Below f32, near-ties in indexer scores can pick different entries.
@@ -49,8 +56,37 @@ pub struct ModelArgs {
     pub chunked_prefill_size: usize,
 }
 
-pub struct Loaded {
-    pub engine: Engine<CpuBackend>,
+/// Where the model runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Device {
+    Cpu,
+    Cuda(usize),
+    Auto,
+}
+
+impl std::str::FromStr for Device {
+    type Err = anyhow::Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "cpu" => Ok(Device::Cpu),
+            "auto" => Ok(Device::Auto),
+            "cuda" => Ok(Device::Cuda(0)),
+            other => match other.strip_prefix("cuda:").map(str::parse::<usize>) {
+                Some(Ok(n)) => Ok(Device::Cuda(n)),
+                _ => bail!("unknown device `{other}` (expected cpu, cuda:N or auto)"),
+            },
+        }
+    }
+}
+
+/// A command body that runs on whichever backend `--device` selects.
+pub trait OnEngine {
+    fn run<B: Backend>(self, loaded: Loaded<B>) -> Result<()>;
+}
+
+pub struct Loaded<B: Backend> {
+    pub engine: Engine<B>,
     /// Host pool pages from --hicache-ratio / --hicache-size (checked at startup), for
     /// a `kv::HostPool` behind the engine's prefix cache.
     pub host_pages: usize,
@@ -96,13 +132,32 @@ impl ModelArgs {
         }
     }
 
-    pub fn load(&self) -> Result<Loaded> {
-        if self.device != "cpu" {
-            bail!(
-                "device `{}` is not available in this build: only `cpu` is implemented so far",
-                self.device
-            );
+    /// Load the model on the selected device and run `cmd` with it.
+    pub fn run<C: OnEngine>(&self, cmd: C) -> Result<()> {
+        let device: Device = self.device.parse().context("--device")?;
+        let weights: WeightDtype = self
+            .cuda_weights
+            .parse()
+            .map_err(anyhow::Error::msg)
+            .context("--cuda-weights")?;
+        match device {
+            Device::Cpu => cmd.run(self.load(CpuBackend)?),
+            Device::Cuda(n) => {
+                let b = CudaBackend::with_weights(n, None, weights)
+                    .with_context(|| format!("--device cuda:{n}: CUDA backend unavailable"))?;
+                cmd.run(self.load(b)?)
+            }
+            Device::Auto => match CudaBackend::with_weights(0, None, weights) {
+                Ok(b) => cmd.run(self.load(b)?),
+                Err(e) => {
+                    tracing::warn!(error = %e, "--device auto: CUDA unavailable, running on the CPU");
+                    cmd.run(self.load(CpuBackend)?)
+                }
+            },
         }
+    }
+
+    pub fn load<B: Backend>(&self, backend: B) -> Result<Loaded<B>> {
         let dir = self.model_dir()?;
         let t0 = Instant::now();
         let cfg = pdserve_engine::config::ModelConfig::from_model_dir(&dir)?;
@@ -116,7 +171,7 @@ impl ModelArgs {
         let (device_pages, host_pages) = self.pool_pages(&layout, STATE_SLOTS)?;
         let mut engine = Engine::load(
             &dir,
-            CpuBackend,
+            backend,
             Some(spec),
             PoolSize {
                 pages: device_pages,
@@ -152,4 +207,22 @@ pub fn parse_tokens(s: &str) -> Result<Vec<u32>> {
                 .with_context(|| format!("token id `{t}` is not a non-negative integer"))
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::Device;
+
+    #[test]
+    fn device_names_parse() {
+        assert_eq!("cpu".parse::<Device>().unwrap(), Device::Cpu);
+        assert_eq!("auto".parse::<Device>().unwrap(), Device::Auto);
+        assert_eq!("cuda".parse::<Device>().unwrap(), Device::Cuda(0));
+        assert_eq!("cuda:3".parse::<Device>().unwrap(), Device::Cuda(3));
+        for bad in ["cuda:", "cuda:x", "gpu", "cuda:-1"] {
+            let e = bad.parse::<Device>().unwrap_err().to_string();
+            assert!(e.contains(bad), "{e}");
+        }
+    }
 }

@@ -142,6 +142,13 @@ pub trait Backend: Send + Sync {
     fn name(&self) -> String;
     fn dims(&self, t: &Self::Tensor) -> (usize, usize);
     fn upload(&self, t: HostTensor) -> BResult<Self::Tensor>;
+    /// Upload checkpoint tensor `name` (the model's module name); a backend may choose its
+    /// storage by name (the CUDA backend keeps the router and hyper-connection maps in
+    /// fp32). Default: [`Backend::upload`].
+    fn upload_weight(&self, name: &str, t: HostTensor) -> BResult<Self::Tensor> {
+        let _ = name;
+        self.upload(t)
+    }
     fn to_host(&self, t: &Self::Tensor) -> BResult<HostTensor>;
     /// Rows `rows` of `t`, in that order.
     fn gather_rows(&self, t: &Self::Tensor, rows: &[usize]) -> BResult<Self::Tensor>;

@@ -87,11 +87,14 @@ impl<B: Backend> Loader<'_, B> {
         } else {
             t.shape[..t.shape.len() - 1].iter().product()
         };
-        Ok(self.backend.upload(HostTensor {
-            rows,
-            cols,
-            data: t.data,
-        })?)
+        Ok(self.backend.upload_weight(
+            name,
+            HostTensor {
+                rows,
+                cols,
+                data: t.data,
+            },
+        )?)
     }
 
     fn hc(

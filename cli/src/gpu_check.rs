@@ -1,0 +1,44 @@
+//! `pdserve gpu-check`: the CUDA backend against the CPU engine on reference fixtures.
+
+use anyhow::{bail, Context, Result};
+use pdserve_kernels::check::{check_embedded, check_fixture, header, CheckRow};
+use std::path::PathBuf;
+
+#[derive(clap::Args, Debug)]
+pub struct GpuCheckArgs {
+    /// Folder of fixtures (each a checkpoint plus expected.safetensors and meta.json).
+    #[arg(long, default_value = "tests/fixtures")]
+    fixtures: PathBuf,
+    /// CUDA device ordinal.
+    #[arg(long, default_value_t = 0)]
+    device: usize,
+}
+
+pub fn gpu_check(a: GpuCheckArgs) -> Result<()> {
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir(&a.fixtures)
+        .with_context(|| format!("reading {}", a.fixtures.display()))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.join("expected.safetensors").exists())
+        .collect();
+    dirs.sort();
+    if dirs.is_empty() {
+        bail!("no fixtures under {}", a.fixtures.display());
+    }
+    println!("{}", header());
+    let mut failed = 0;
+    let mut show = |rows: Vec<CheckRow>| {
+        for r in rows {
+            failed += usize::from(r.gate && !r.pass);
+            println!("{r}");
+        }
+    };
+    show(check_embedded(a.device).map_err(|e| anyhow::anyhow!("embedded model: {e}"))?);
+    for d in &dirs {
+        show(check_fixture(d, a.device).map_err(|e| anyhow::anyhow!("{}: {e}", d.display()))?);
+    }
+    if failed > 0 {
+        bail!("{failed} GPU check(s) failed");
+    }
+    println!("all GPU checks passed");
+    Ok(())
+}

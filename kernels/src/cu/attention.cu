@@ -1,0 +1,98 @@
+// Sink attention: every row attends over its sliding window (earlier positions from the
+// state ring, this forward's from kv_new rounded through the KV dtype) and its compressed
+// entries (mode 0: none, 1: every visible entry, 2: the indexer's picks). K = V.
+// grid (rows, n_heads); dynamic shared memory: max_keys floats.
+extern "C" __global__ void k_attention(const unsigned char* pages, const unsigned char* states, i64 page_bytes,
+                                       i64 state_bytes, const int* seq, const u32* pt, const int* row_seq,
+                                       const int* positions, const float* q, const float* kv_new, const float* sinks,
+                                       const int* sel, int topk, float* out, int n_heads, int hd, int window,
+                                       i64 win_off, int rate, int mode, i64 comp_off, int comp_epp, int page_tokens,
+                                       int dt, float scale) {
+    extern __shared__ float lg[];
+    __shared__ float red[32];
+    __shared__ int nsel;
+    int r = blockIdx.x, h = blockIdx.y;
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const int* sq = seq + row_seq[r] * SEQ_INTS;
+    int start = sq[SEQ_START], row0 = sq[SEQ_ROW0];
+    const unsigned char* st = states + (i64)sq[SEQ_STATE] * state_bytes + win_off;
+    const u32* table = pt + sq[SEQ_PT];
+    int pos = positions[r];
+    int lo = pos + 1 - window;
+    if (lo < 0) lo = 0;
+    int nwin = pos - lo + 1;
+    if (threadIdx.x == 0) {
+        int n = 0;
+        if (mode == 1) n = (pos + 1) / rate;
+        if (mode == 2)
+            for (int j = 0; j < topk; j++) n += sel[(i64)r * topk + j] >= 0;
+        nsel = n;
+    }
+    __syncthreads();
+    int nk = nwin + nsel;
+    int eb = dt_bytes(dt);
+    const float* qh = q + ((i64)r * n_heads + h) * hd;
+    // Key j: window position lo+j, then compressed entries.
+#define KEY_FETCH(j, c, outv)                                                                      \
+    {                                                                                              \
+        int j_ = (j);                                                                              \
+        if (j_ < nwin) {                                                                           \
+            int kp = lo + j_;                                                                      \
+            if (kp < start) outv = ld_entry(st + (i64)(kp % window) * hd * eb, (c), dt);           \
+            else outv = round_dt(kv_new[(i64)(row0 + kp - start) * hd + (c)], dt);                 \
+        } else {                                                                                   \
+            int e = mode == 1 ? j_ - nwin : sel[(i64)r * topk + (j_ - nwin)];                      \
+            u32 pg = table[(i64)e * rate / page_tokens];                                           \
+            outv = ld_entry(pages + (i64)pg * page_bytes + comp_off + (i64)(e % comp_epp) * hd * eb, \
+                            (c), dt);                                                              \
+        }                                                                                          \
+    }
+    for (int j = warp; j < nk; j += nw) {
+        float d = 0.f;
+        for (int c = lane; c < hd; c += 32) {
+            float kv;
+            KEY_FETCH(j, c, kv);
+            d += qh[c] * kv;
+        }
+        d = warp_sum(d);
+        if (lane == 0) lg[j] = d * scale;
+    }
+    __syncthreads();
+    float sink = sinks[h];
+    float m = sink;
+    for (int j = threadIdx.x; j < nk; j += blockDim.x) m = fmaxf(m, lg[j]);
+    m = block_max(m, red);
+    float s = 0.f;
+    for (int j = threadIdx.x; j < nk; j += blockDim.x) {
+        float e = expf(lg[j] - m);
+        lg[j] = e;
+        s += e;
+    }
+    s = block_sum(s, red) + expf(sink - m);
+    for (int j = threadIdx.x; j < nk; j += blockDim.x) lg[j] = lg[j] / s;
+    __syncthreads();
+    float* o = out + ((i64)r * n_heads + h) * hd;
+    for (int c = threadIdx.x; c < hd; c += blockDim.x) {
+        float acc = 0.f;
+        for (int j = 0; j < nk; j++) {
+            float kv;
+            KEY_FETCH(j, c, kv);
+            acc += lg[j] * kv;
+        }
+        o[c] = acc;
+    }
+#undef KEY_FETCH
+}
+
+// Store rows into the sliding-window rings: only each sequence's last `window` positions.
+extern "C" __global__ void k_window_store(unsigned char* states, i64 state_bytes, const int* seq, const int* row_seq,
+                                          const int* positions, const float* kv_new, int hd, int window, i64 win_off,
+                                          int dt) {
+    int r = blockIdx.x;
+    const int* sq = seq + row_seq[r] * SEQ_INTS;
+    int end = sq[SEQ_START] + sq[SEQ_LEN];
+    int pos = positions[r];
+    if (pos + window < end) return;
+    unsigned char* dst = states + (i64)sq[SEQ_STATE] * state_bytes + win_off + (i64)(pos % window) * hd * dt_bytes(dt);
+    for (int c = threadIdx.x; c < hd; c += blockDim.x) st_entry(dst, c, dt, kv_new[(i64)r * hd + c]);
+}

@@ -1,0 +1,80 @@
+// Compressor: feed projected kv/gate rows into the per-sequence fp32 ring; each window a
+// row closes is pooled (softmax over slots + position bias), RMS-normed, roped at w*rate
+// and stored as entry w in the sequence's pages. One block per sequence walks its rows
+// in order (the ring is sequential state).
+//
+// seq/pt: sequence table and page tables (common.cuh). bias: [rate, width];
+// norm_w: [dim]; cs/sn: [rows, rd/2], cos/sin at the window position of rows that close one.
+// Dynamic shared memory: dim floats.
+extern "C" __global__ void k_compress(unsigned char* pages, unsigned char* states, i64 page_bytes, i64 state_bytes,
+                                      const int* seq, const u32* pt, const float* proj_kv, const float* proj_gate,
+                                      const float* bias, const float* norm_w, const float* cs, const float* sn,
+                                      int width, int rate, int slots, int overlap, i64 ring_off, i64 entry_off,
+                                      int entries_per_page, int page_tokens, int dt, int rd, float eps) {
+    extern __shared__ float pooled[];
+    __shared__ float red[32];
+    const int* sq = seq + blockIdx.x * SEQ_INTS;
+    int start = sq[SEQ_START], len = sq[SEQ_LEN], row0 = sq[SEQ_ROW0];
+    float* ring = (float*)(states + (i64)sq[SEQ_STATE] * state_bytes + ring_off);
+    const u32* table = pt + sq[SEQ_PT];
+    int dim = overlap ? width / 2 : width;
+    int half = overlap ? dim : 0;
+    for (int i = 0; i < len; i++) {
+        int pos = start + i;
+        i64 r = row0 + i;
+        float* slot = ring + (i64)(pos % slots) * 2 * width;
+        for (int c = threadIdx.x; c < width; c += blockDim.x) {
+            slot[c] = proj_kv[r * width + c];
+            slot[width + c] = proj_gate[r * width + c];
+        }
+        __syncthreads();
+        if ((pos + 1) % rate != 0) continue;
+        int w = (pos + 1) / rate - 1;
+        float ss = 0.f;
+        for (int c = threadIdx.x; c < dim; c += blockDim.x) {
+            float m = NEG_INF;
+            if (overlap && w > 0)
+                for (int j = 0; j < rate; j++) {
+                    const float* prev = ring + (i64)(((w - 1) * rate + j) % slots) * 2 * width;
+                    m = fmaxf(m, prev[width + c] + bias[j * width + c]);
+                }
+            for (int j = 0; j < rate; j++) {
+                const float* cur = ring + (i64)((w * rate + j) % slots) * 2 * width;
+                m = fmaxf(m, cur[width + half + c] + bias[j * width + half + c]);
+            }
+            float s = 0.f, acc = 0.f;
+            if (overlap && w > 0)
+                for (int j = 0; j < rate; j++) {
+                    const float* prev = ring + (i64)(((w - 1) * rate + j) % slots) * 2 * width;
+                    float e = expf(prev[width + c] + bias[j * width + c] - m);
+                    s += e;
+                    acc += e * prev[c];
+                }
+            for (int j = 0; j < rate; j++) {
+                const float* cur = ring + (i64)((w * rate + j) % slots) * 2 * width;
+                float e = expf(cur[width + half + c] + bias[j * width + half + c] - m);
+                s += e;
+                acc += e * cur[half + c];
+            }
+            float p = acc / s;
+            pooled[c] = p;
+            ss += p * p;
+        }
+        ss = block_sum(ss, red) / (float)dim;
+        float rr = 1.f / sqrtf(ss + eps);
+        for (int c = threadIdx.x; c < dim; c += blockDim.x) pooled[c] = norm_w[c] * (pooled[c] * rr);
+        __syncthreads();
+        for (int k = threadIdx.x; k < rd / 2; k += blockDim.x) {
+            float cc = cs[r * (rd / 2) + k], s = sn[r * (rd / 2) + k];
+            float* p = pooled + dim - rd + 2 * k;
+            float x0 = p[0], x1 = p[1];
+            p[0] = x0 * cc + (-x1) * s;
+            p[1] = x1 * cc + x0 * s;
+        }
+        __syncthreads();
+        u32 page = table[(i64)w * rate / page_tokens];
+        unsigned char* dst = pages + (i64)page * page_bytes + entry_off + (i64)(w % entries_per_page) * dim * dt_bytes(dt);
+        for (int c = threadIdx.x; c < dim; c += blockDim.x) st_entry(dst, c, dt, pooled[c]);
+        __syncthreads();
+    }
+}

@@ -1,0 +1,80 @@
+// Manifold-constrained hyper-connections (fp32): pre/post/comb mapping, stream update, head.
+
+#define HC_MAX 16
+
+// One block per row. mix: [rows, (2+hc)*hc]; streams: [rows, hc*h].
+extern "C" __global__ void k_hc_pre(const float* streams, const float* mix, const float* base, const float* scale,
+                                    float* post, float* comb, float* collapsed, int h, int hc, int iters, float eps) {
+    __shared__ float pre[HC_MAX];
+    __shared__ float c[HC_MAX * HC_MAX];
+    int r = blockIdx.x;
+    const float* m = mix + (i64)r * (2 + hc) * hc;
+    if (threadIdx.x == 0) {
+        for (int k = 0; k < hc; k++) pre[k] = sigmoidf_(m[k] * scale[0] + base[k]) + eps;
+        for (int k = 0; k < hc; k++) post[(i64)r * hc + k] = 2.f * sigmoidf_(m[hc + k] * scale[1] + base[hc + k]);
+        for (int i = 0; i < hc * hc; i++) c[i] = m[2 * hc + i] * scale[2] + base[2 * hc + i];
+        for (int i = 0; i < hc; i++) {
+            float mx = NEG_INF;
+            for (int j = 0; j < hc; j++) mx = fmaxf(mx, c[i * hc + j]);
+            float s = 0.f;
+            for (int j = 0; j < hc; j++) { c[i * hc + j] = expf(c[i * hc + j] - mx); s += c[i * hc + j]; }
+            for (int j = 0; j < hc; j++) c[i * hc + j] = c[i * hc + j] / s + eps;
+        }
+        // Columns once, then (rows, columns) for each further iteration.
+        int rounds = iters > 1 ? iters : 1;
+        for (int it = 0; it < rounds; it++) {
+            if (it > 0) {
+                for (int i = 0; i < hc; i++) {
+                    float acc = 0.f;
+                    for (int j = 0; j < hc; j++) acc += c[i * hc + j];
+                    float s = acc + eps;
+                    for (int j = 0; j < hc; j++) c[i * hc + j] /= s;
+                }
+            }
+            for (int j = 0; j < hc; j++) {
+                float acc = 0.f;
+                for (int i = 0; i < hc; i++) acc += c[i * hc + j];
+                float s = acc + eps;
+                for (int i = 0; i < hc; i++) c[i * hc + j] /= s;
+            }
+        }
+        for (int i = 0; i < hc * hc; i++) comb[(i64)r * hc * hc + i] = c[i];
+    }
+    __syncthreads();
+    const float* s = streams + (i64)r * hc * h;
+    for (int d = threadIdx.x; d < h; d += blockDim.x) {
+        float acc = 0.f;
+        for (int k = 0; k < hc; k++) acc += pre[k] * s[(i64)k * h + d];
+        collapsed[(i64)r * h + d] = acc;
+    }
+}
+
+// new[k] = post[k] * out + sum_j comb[j,k] * streams[j]; one block per row.
+extern "C" __global__ void k_hc_post(const float* streams, const float* out, const float* post, const float* comb,
+                                     float* res, int h, int hc) {
+    int r = blockIdx.x;
+    const float* s = streams + (i64)r * hc * h;
+    const float* o = out + (i64)r * h;
+    const float* cb = comb + (i64)r * hc * hc;
+    for (int t = threadIdx.x; t < hc * h; t += blockDim.x) {
+        int k = t / h, d = t % h;
+        float mixv = 0.f;
+        for (int j = 0; j < hc; j++) mixv += cb[j * hc + k] * s[(i64)j * h + d];
+        res[(i64)r * hc * h + t] = post[(i64)r * hc + k] * o[d] + mixv;
+    }
+}
+
+// sum_k (sigmoid(mix_k*scale + base_k) + eps) * streams[k]; one block per row.
+extern "C" __global__ void k_hc_head(const float* streams, const float* mix, const float* base, const float* scale,
+                                     float* out, int h, int hc, float eps) {
+    __shared__ float pre[HC_MAX];
+    int r = blockIdx.x;
+    if (threadIdx.x < hc) pre[threadIdx.x] = sigmoidf_(mix[(i64)r * hc + threadIdx.x] * scale[0] + base[threadIdx.x]) + eps;
+    __syncthreads();
+    const float* s = streams + (i64)r * hc * h;
+    for (int d = threadIdx.x; d < h; d += blockDim.x) {
+        float acc = 0.f;
+        for (int k = 0; k < hc; k++) acc += pre[k] * s[(i64)k * h + d];
+        out[(i64)r * h + d] = acc;
+    }
+}

@@ -1,0 +1,32 @@
+// RMS norm over groups and interleaved partial rope.
+
+// One block per group of `group` consecutive values; `w` (length `group`) may be null.
+extern "C" __global__ void k_rms_norm(const float* x, const float* w, float* out, int group, float eps) {
+    __shared__ float sh[32];
+    const float* v = x + (i64)blockIdx.x * group;
+    float* o = out + (i64)blockIdx.x * group;
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < group; i += blockDim.x) ss += v[i] * v[i];
+    ss = block_sum(ss, sh) / (float)group;
+    float r = 1.f / sqrtf(ss + eps);
+    for (int i = threadIdx.x; i < group; i += blockDim.x)
+        o[i] = w ? w[i] * (v[i] * r) : v[i] * r;
+}
+
+// One block per row. cos/sin: [rows, rd/2] at each row's position. Rotates the trailing
+// `rd` channels of every `head_dim` head; `inverse` uses -sin.
+extern "C" __global__ void k_rope(float* x, const float* cs, const float* sn, int cols, int head_dim, int rd, int inverse) {
+    int r = blockIdx.x;
+    int half = rd / 2, heads = cols / head_dim;
+    float* row = x + (i64)r * cols;
+    for (int t = threadIdx.x; t < heads * half; t += blockDim.x) {
+        int hh = t / half, i = t % half;
+        float c = cs[(i64)r * half + i];
+        float s = sn[(i64)r * half + i];
+        if (inverse) s = -s;
+        float* p = row + hh * head_dim + head_dim - rd + 2 * i;
+        float x0 = p[0], x1 = p[1];
+        p[0] = x0 * c + (-x1) * s;
+        p[1] = x1 * c + x0 * s;
+    }
+}

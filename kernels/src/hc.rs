@@ -1,0 +1,141 @@
+//! Hyper-connection ops of [`CudaBackend`].
+
+use crate::backend::{f32_buf, out_ptr, shape_err, CudaBackend};
+use crate::device::Arg;
+use crate::tensor::GpuTensor;
+use pdserve_engine::backend::{BResult, HcParams, HcPre};
+
+/// Largest `hc_mult` the kernels hold in shared memory (`HC_MAX` in hc.cu).
+const HC_MAX: usize = 16;
+
+pub fn hc_pre(
+    b: &CudaBackend,
+    streams: &GpuTensor,
+    mix: &GpuTensor,
+    p: &HcParams<'_, GpuTensor>,
+) -> BResult<HcPre<GpuTensor>> {
+    let hc = p.hc;
+    if hc == 0
+        || hc > HC_MAX
+        || mix.cols != (2 + hc) * hc
+        || p.base.len() != mix.cols
+        || p.scale.len() != 3
+        || mix.rows != streams.rows
+        || !streams.cols.is_multiple_of(hc)
+    {
+        return Err(shape_err(
+            "hc_pre",
+            format!("mix cols {} for hc {hc}", mix.cols),
+        ));
+    }
+    let (n, h) = (streams.rows, streams.cols / hc);
+    let base = b.param_f32(p.base)?;
+    let scale = b.param_f32(p.scale)?;
+    let post = b.new_f32(n, hc)?;
+    let comb = b.new_f32(n, hc * hc)?;
+    let collapsed = b.new_f32(n, h)?;
+    let g = &b.gpu;
+    g.launch(
+        "k_hc_pre",
+        (n as u32, 1, 1),
+        0,
+        &[
+            Arg::Ptr(g.ptr(f32_buf(streams, "hc_pre")?)),
+            Arg::Ptr(g.ptr(f32_buf(mix, "hc_pre")?)),
+            Arg::Ptr(g.ptr(&base)),
+            Arg::Ptr(g.ptr(&scale)),
+            Arg::Ptr(out_ptr(g, &post)?),
+            Arg::Ptr(out_ptr(g, &comb)?),
+            Arg::Ptr(out_ptr(g, &collapsed)?),
+            Arg::I32(h as i32),
+            Arg::I32(hc as i32),
+            Arg::I32(p.sinkhorn_iters as i32),
+            Arg::F32(p.eps),
+        ],
+    )?;
+    Ok(HcPre {
+        post,
+        comb,
+        collapsed,
+    })
+}
+
+pub fn hc_post(
+    b: &CudaBackend,
+    streams: &GpuTensor,
+    out: &GpuTensor,
+    pre: &HcPre<GpuTensor>,
+    hc: usize,
+) -> BResult<GpuTensor> {
+    let h = out.cols;
+    if streams.cols != hc * h
+        || streams.rows != out.rows
+        || pre.post.len() != out.rows * hc
+        || pre.comb.len() != out.rows * hc * hc
+    {
+        return Err(shape_err(
+            "hc_post",
+            format!("streams cols {} out cols {h}", streams.cols),
+        ));
+    }
+    let res = b.new_f32(streams.rows, streams.cols)?;
+    let g = &b.gpu;
+    g.launch(
+        "k_hc_post",
+        (streams.rows as u32, 1, 1),
+        0,
+        &[
+            Arg::Ptr(g.ptr(f32_buf(streams, "hc_post")?)),
+            Arg::Ptr(g.ptr(f32_buf(out, "hc_post")?)),
+            Arg::Ptr(g.ptr(f32_buf(&pre.post, "hc_post")?)),
+            Arg::Ptr(g.ptr(f32_buf(&pre.comb, "hc_post")?)),
+            Arg::Ptr(out_ptr(g, &res)?),
+            Arg::I32(h as i32),
+            Arg::I32(hc as i32),
+        ],
+    )?;
+    Ok(res)
+}
+
+pub fn hc_head(
+    b: &CudaBackend,
+    streams: &GpuTensor,
+    mix: &GpuTensor,
+    p: &HcParams<'_, GpuTensor>,
+) -> BResult<GpuTensor> {
+    let hc = p.hc;
+    if hc == 0
+        || hc > HC_MAX
+        || mix.cols != hc
+        || p.base.len() != hc
+        || p.scale.is_empty()
+        || mix.rows != streams.rows
+        || !streams.cols.is_multiple_of(hc)
+    {
+        return Err(shape_err(
+            "hc_head",
+            format!("mix cols {} for hc {hc}", mix.cols),
+        ));
+    }
+    let h = streams.cols / hc;
+    let base = b.param_f32(p.base)?;
+    let scale = b.param_f32(p.scale)?;
+    let out = b.new_f32(streams.rows, h)?;
+    let g = &b.gpu;
+    g.launch(
+        "k_hc_head",
+        (streams.rows as u32, 1, 1),
+        0,
+        &[
+            Arg::Ptr(g.ptr(f32_buf(streams, "hc_head")?)),
+            Arg::Ptr(g.ptr(f32_buf(mix, "hc_head")?)),
+            Arg::Ptr(g.ptr(&base)),
+            Arg::Ptr(g.ptr(&scale)),
+            Arg::Ptr(out_ptr(g, &out)?),
+            Arg::I32(h as i32),
+            Arg::I32(hc as i32),
+            Arg::F32(p.eps),
+        ],
+    )?;
+    Ok(out)
+}

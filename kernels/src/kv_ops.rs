@@ -1,0 +1,378 @@
+//! Paged-KV ops of [`CudaBackend`]: compressor, lightning indexer, sink attention and
+//! window stores. Host code validates shapes and page reach, then launches one kernel.
+
+use crate::backend::{f32_buf, out_ptr, shape_err, CudaBackend};
+use crate::device::{Arg, BLOCK};
+pub use crate::kv_store::GpuKv;
+use crate::kv_store::{check_entry_page, dt_code, DevPlan};
+use cudarc::driver::CudaSlice;
+use pdserve_engine::backend::{
+    BResult, BackendError, BatchPlan, CompressedKeys, CompressorParams, CompressorPart,
+};
+use pdserve_engine::config::LayerKind;
+use pdserve_engine::kv::{KvLayout, LayerKvLayout};
+
+/// Indexer picks: `[rows, topk]` entry ids, ascending, `-1` padded.
+#[derive(Debug)]
+pub struct GpuSelection {
+    pub(crate) sel: CudaSlice<i32>,
+    pub rows: usize,
+    pub topk: usize,
+}
+
+/// Largest dynamic shared memory a kernel asks for without opting in.
+const SHARED_LIMIT: usize = 48 * 1024;
+const WARPS: usize = BLOCK as usize / 32;
+
+fn layer_of(layout: &KvLayout, layer: usize) -> BResult<&LayerKvLayout> {
+    layout
+        .layers
+        .get(layer)
+        .ok_or_else(|| BackendError::Kv(format!("layer {layer} not in layout")))
+}
+
+#[allow(clippy::too_many_arguments)]
+pub fn compress(
+    b: &CudaBackend,
+    kv: &mut GpuKv,
+    layout: &KvLayout,
+    layer: usize,
+    proj_kv: &crate::tensor::GpuTensor,
+    proj_gate: &crate::tensor::GpuTensor,
+    p: &CompressorParams<'_, crate::tensor::GpuTensor>,
+    plan: &BatchPlan,
+) -> BResult<()> {
+    let l = layer_of(layout, layer)?;
+    let (ring_off, slots, width) = match p.part {
+        CompressorPart::Main => (l.comp_state_offset, l.comp_ring_slots, l.comp_width),
+        CompressorPart::Index => (l.index_state_offset, l.index_ring_slots, l.index_width),
+    };
+    let overlap = l.kind == LayerKind::Csa;
+    let dim = if overlap { width / 2 } else { width };
+    let rate = l.rate;
+    let (entry_off, epp, dt, want_dim) = match p.part {
+        CompressorPart::Main => (
+            l.comp_page_offset,
+            l.comp_entries_per_page,
+            layout.kv_dtype,
+            layout.head_dim,
+        ),
+        CompressorPart::Index => (
+            l.index_page_offset,
+            l.index_entries_per_page,
+            layout.index_k_dtype,
+            layout.index_head_dim,
+        ),
+    };
+    if rate == 0
+        || proj_kv.cols != width
+        || proj_gate.cols != width
+        || proj_kv.rows != plan.rows()
+        || proj_gate.rows != plan.rows()
+        || p.position_bias.len() != rate * width
+        || p.norm_weight.len() != dim
+        || dim != want_dim
+        || p.rope.dim() > dim
+        || dim * 4 > SHARED_LIMIT
+    {
+        return Err(shape_err(
+            "compress",
+            format!(
+                "layer {layer}: rows of {} / {} for width {width}, rate {rate}",
+                proj_kv.cols, proj_gate.cols
+            ),
+        ));
+    }
+    for s in &plan.seqs {
+        let (first, last) = (s.start / rate, (s.start + s.len) / rate);
+        if last > first {
+            check_entry_page(layout, rate, s.pages.len(), last - 1)?;
+        }
+    }
+    let dp = DevPlan::upload(&b.gpu, kv, plan)?;
+    let (cs, sn) = b.rope_tables(
+        p.rope,
+        plan.positions.iter().map(|&pos| {
+            if (pos + 1).is_multiple_of(rate) {
+                ((pos + 1) / rate - 1) * rate
+            } else {
+                0
+            }
+        }),
+    )?;
+    let bias = b.param_f32(p.position_bias)?;
+    let norm = b.param_f32(p.norm_weight)?;
+    let g = &b.gpu;
+    g.launch(
+        "k_compress",
+        (plan.seqs.len() as u32, 1, 1),
+        (dim * 4) as u32,
+        &[
+            Arg::Ptr(g.ptr(&kv.pages)),
+            Arg::Ptr(g.ptr(&kv.states)),
+            Arg::I64(kv.page_bytes as i64),
+            Arg::I64(kv.state_bytes as i64),
+            Arg::Ptr(g.ptr(&dp.seq)),
+            Arg::Ptr(g.ptr(&dp.pt)),
+            Arg::Ptr(g.ptr(f32_buf(proj_kv, "compress")?)),
+            Arg::Ptr(g.ptr(f32_buf(proj_gate, "compress")?)),
+            Arg::Ptr(g.ptr(&bias)),
+            Arg::Ptr(g.ptr(&norm)),
+            Arg::Ptr(g.ptr(&cs)),
+            Arg::Ptr(g.ptr(&sn)),
+            Arg::I32(width as i32),
+            Arg::I32(rate as i32),
+            Arg::I32(slots as i32),
+            Arg::I32(overlap as i32),
+            Arg::I64(ring_off as i64),
+            Arg::I64(entry_off as i64),
+            Arg::I32(epp as i32),
+            Arg::I32(layout.page_tokens as i32),
+            Arg::I32(dt_code(dt)?),
+            Arg::I32(p.rope.dim() as i32),
+            Arg::F32(p.eps),
+        ],
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+pub fn index_select(
+    b: &CudaBackend,
+    kv: &GpuKv,
+    layout: &KvLayout,
+    layer: usize,
+    q: &crate::tensor::GpuTensor,
+    weights: &crate::tensor::GpuTensor,
+    n_heads: usize,
+    topk: usize,
+    plan: &BatchPlan,
+) -> BResult<GpuSelection> {
+    let l = layer_of(layout, layer)?;
+    let ihd = layout.index_head_dim;
+    let rows = plan.rows();
+    if q.cols != n_heads * ihd
+        || weights.cols != n_heads
+        || l.kind != LayerKind::Csa
+        || q.rows != rows
+        || weights.rows != rows
+        || topk == 0
+    {
+        return Err(shape_err(
+            "index_select",
+            format!("q cols {}, weights cols {}", q.cols, weights.cols),
+        ));
+    }
+    for s in &plan.seqs {
+        let nv = (s.start + s.len) / l.rate;
+        if nv > 0 {
+            check_entry_page(layout, l.rate, s.pages.len(), nv - 1)?;
+        }
+    }
+    let max_nv = plan
+        .positions
+        .iter()
+        .map(|&p| (p + 1) / l.rate)
+        .max()
+        .unwrap_or(0);
+    let dp = DevPlan::upload(&b.gpu, kv, plan)?;
+    let g = &b.gpu;
+    let scores = g.zeros::<f32>(rows * max_nv)?;
+    let flags = g.zeros::<u8>(rows * max_nv)?;
+    let sel = g.zeros::<i32>(rows * topk)?;
+    g.launch(
+        "k_index_scores",
+        (rows as u32, max_nv.div_ceil(WARPS) as u32, 1),
+        0,
+        &[
+            Arg::Ptr(g.ptr(&kv.pages)),
+            Arg::I64(kv.page_bytes as i64),
+            Arg::Ptr(g.ptr(&dp.seq)),
+            Arg::Ptr(g.ptr(&dp.pt)),
+            Arg::Ptr(g.ptr(&dp.row_seq)),
+            Arg::Ptr(g.ptr(&dp.positions)),
+            Arg::Ptr(g.ptr(f32_buf(q, "index_select")?)),
+            Arg::Ptr(g.ptr(f32_buf(weights, "index_select")?)),
+            Arg::Ptr(g.ptr(&scores)),
+            Arg::I32(max_nv as i32),
+            Arg::I32(n_heads as i32),
+            Arg::I32(ihd as i32),
+            Arg::I32(l.rate as i32),
+            Arg::I64(l.index_page_offset as i64),
+            Arg::I32(l.index_entries_per_page as i32),
+            Arg::I32(layout.page_tokens as i32),
+            Arg::I32(dt_code(layout.index_k_dtype)?),
+            Arg::F32((ihd as f32).powf(-0.5)),
+            Arg::F32((n_heads as f32).powf(-0.5)),
+        ],
+    )?;
+    g.launch(
+        "k_topk",
+        (rows as u32, 1, 1),
+        0,
+        &[
+            Arg::Ptr(g.ptr(&scores)),
+            Arg::Ptr(g.ptr(&dp.positions)),
+            Arg::Ptr(g.ptr(&flags)),
+            Arg::Ptr(g.ptr(&sel)),
+            Arg::I32(max_nv as i32),
+            Arg::I32(topk as i32),
+            Arg::I32(l.rate as i32),
+        ],
+    )?;
+    Ok(GpuSelection { sel, rows, topk })
+}
+
+impl GpuSelection {
+    /// The picks of every row as the CPU backend returns them.
+    pub fn to_host(&self, b: &CudaBackend) -> BResult<Vec<Vec<u32>>> {
+        let v = b.gpu.download(&self.sel, self.rows * self.topk)?;
+        Ok(v.chunks(self.topk.max(1))
+            .take(self.rows)
+            .map(|r| r.iter().filter(|&&e| e >= 0).map(|&e| e as u32).collect())
+            .collect())
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+pub fn attention(
+    b: &CudaBackend,
+    kv: &GpuKv,
+    layout: &KvLayout,
+    layer: usize,
+    q: &crate::tensor::GpuTensor,
+    kv_new: &crate::tensor::GpuTensor,
+    sinks: &crate::tensor::GpuTensor,
+    n_heads: usize,
+    compressed: CompressedKeys<'_, GpuSelection>,
+    plan: &BatchPlan,
+) -> BResult<crate::tensor::GpuTensor> {
+    let l = layer_of(layout, layer)?;
+    let hd = layout.head_dim;
+    let window = layout.sliding_window;
+    let rows = plan.rows();
+    if q.cols != n_heads * hd
+        || kv_new.cols != hd
+        || sinks.len() != n_heads
+        || q.rows != rows
+        || kv_new.rows != rows
+    {
+        return Err(shape_err(
+            "attention",
+            format!("q cols {}, kv cols {}", q.cols, kv_new.cols),
+        ));
+    }
+    let max_pos_nv = plan
+        .positions
+        .iter()
+        .map(|&p| (p + 1) / l.rate.max(1))
+        .max()
+        .unwrap_or(0);
+    let (mode, sel_ptr, topk, max_comp) = match &compressed {
+        CompressedKeys::None => (0, 0, 0, 0),
+        CompressedKeys::AllVisible => (1, 0, 0, max_pos_nv),
+        CompressedKeys::Selected(s) => {
+            if s.rows != rows {
+                return Err(shape_err(
+                    "attention",
+                    format!("{} selection rows for {rows}", s.rows),
+                ));
+            }
+            (2, b.gpu.ptr(&s.sel), s.topk, s.topk.min(max_pos_nv))
+        }
+    };
+    if mode != 0 {
+        if l.rate == 0 {
+            return Err(shape_err(
+                "attention",
+                format!("layer {layer} has no compressed entries"),
+            ));
+        }
+        for s in &plan.seqs {
+            let nv = (s.start + s.len) / l.rate;
+            if nv > 0 {
+                check_entry_page(layout, l.rate, s.pages.len(), nv - 1)?;
+            }
+        }
+    }
+    let max_keys = window + max_comp;
+    if max_keys * 4 > SHARED_LIMIT {
+        return Err(shape_err(
+            "attention",
+            format!("{max_keys} keys per row exceed the kernel's shared memory"),
+        ));
+    }
+    let dp = DevPlan::upload(&b.gpu, kv, plan)?;
+    let sinks = b.param_f32(sinks)?;
+    let out = b.new_f32(rows, n_heads * hd)?;
+    let g = &b.gpu;
+    g.launch(
+        "k_attention",
+        (rows as u32, n_heads as u32, 1),
+        (max_keys * 4) as u32,
+        &[
+            Arg::Ptr(g.ptr(&kv.pages)),
+            Arg::Ptr(g.ptr(&kv.states)),
+            Arg::I64(kv.page_bytes as i64),
+            Arg::I64(kv.state_bytes as i64),
+            Arg::Ptr(g.ptr(&dp.seq)),
+            Arg::Ptr(g.ptr(&dp.pt)),
+            Arg::Ptr(g.ptr(&dp.row_seq)),
+            Arg::Ptr(g.ptr(&dp.positions)),
+            Arg::Ptr(g.ptr(f32_buf(q, "attention")?)),
+            Arg::Ptr(g.ptr(f32_buf(kv_new, "attention")?)),
+            Arg::Ptr(g.ptr(&sinks)),
+            Arg::Ptr(sel_ptr),
+            Arg::I32(topk as i32),
+            Arg::Ptr(out_ptr(g, &out)?),
+            Arg::I32(n_heads as i32),
+            Arg::I32(hd as i32),
+            Arg::I32(window as i32),
+            Arg::I64(l.window_state_offset as i64),
+            Arg::I32(l.rate.max(1) as i32),
+            Arg::I32(mode),
+            Arg::I64(l.comp_page_offset as i64),
+            Arg::I32(l.comp_entries_per_page.max(1) as i32),
+            Arg::I32(layout.page_tokens as i32),
+            Arg::I32(dt_code(layout.kv_dtype)?),
+            Arg::F32((hd as f32).powf(-0.5)),
+        ],
+    )?;
+    Ok(out)
+}
+
+pub fn window_store(
+    b: &CudaBackend,
+    kv: &mut GpuKv,
+    layout: &KvLayout,
+    layer: usize,
+    kv_new: &crate::tensor::GpuTensor,
+    plan: &BatchPlan,
+) -> BResult<()> {
+    let l = layer_of(layout, layer)?;
+    let hd = layout.head_dim;
+    if kv_new.cols != hd || kv_new.rows != plan.rows() {
+        return Err(shape_err(
+            "window_store",
+            format!("kv cols {}", kv_new.cols),
+        ));
+    }
+    let dp = DevPlan::upload(&b.gpu, kv, plan)?;
+    let g = &b.gpu;
+    g.launch(
+        "k_window_store",
+        (plan.rows() as u32, 1, 1),
+        0,
+        &[
+            Arg::Ptr(g.ptr(&kv.states)),
+            Arg::I64(kv.state_bytes as i64),
+            Arg::Ptr(g.ptr(&dp.seq)),
+            Arg::Ptr(g.ptr(&dp.row_seq)),
+            Arg::Ptr(g.ptr(&dp.positions)),
+            Arg::Ptr(g.ptr(f32_buf(kv_new, "window_store")?)),
+            Arg::I32(hd as i32),
+            Arg::I32(layout.sliding_window as i32),
+            Arg::I64(l.window_state_offset as i64),
+            Arg::I32(dt_code(layout.kv_dtype)?),
+        ],
+    )
+}

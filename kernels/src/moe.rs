@@ -1,0 +1,147 @@
+//! MoE of [`CudaBackend`]: router GEMM (cuBLAS), routing kernel, routed experts over
+//! bf16 or fp32 weights (one warp per output, fp32 accumulation), shared expert, combine.
+
+use crate::backend::{f32_buf, out_ptr, shape_err, CudaBackend};
+use crate::device::{Arg, BLOCK};
+use crate::tensor::{Buf, GpuTensor};
+use pdserve_engine::backend::{BResult, Backend, MoeParams};
+use pdserve_engine::config::ScoringFunc;
+
+const WARPS: usize = BLOCK as usize / 32;
+
+/// Kernel name suffix and device pointer of an expert weight.
+fn weight(b: &CudaBackend, t: &GpuTensor) -> (&'static str, u64) {
+    match &t.buf {
+        Buf::Bf16(s) => ("_bf16", b.gpu.ptr(s)),
+        Buf::F32(s) => ("_f32", b.gpu.ptr(s)),
+    }
+}
+
+pub fn moe(b: &CudaBackend, x: &GpuTensor, p: &MoeParams<'_, GpuTensor>) -> BResult<GpuTensor> {
+    let (n, h) = (x.rows, x.cols);
+    let (e, k, inter) = (p.n_experts, p.top_k, p.intermediate);
+    if p.router.rows != e
+        || p.gate_up.rows != e * 2 * inter
+        || p.down.rows != e * h
+        || p.gate_up.cols != h
+        || p.down.cols != inter
+        || k == 0
+        || k > e
+    {
+        return Err(shape_err(
+            "moe",
+            format!(
+                "router {} experts, gate_up rows {}",
+                p.router.rows, p.gate_up.rows
+            ),
+        ));
+    }
+    let hash = match p.hash_experts {
+        Some(hash) => {
+            if hash.len() != n * k {
+                return Err(shape_err(
+                    "moe",
+                    format!("{} hash ids for {n} rows", hash.len()),
+                ));
+            }
+            if let Some(&bad) = hash.iter().find(|&&i| i as usize >= e) {
+                return Err(shape_err("moe", format!("expert id {bad} >= {e}")));
+            }
+            Some(b.gpu.upload(hash)?)
+        }
+        None => None,
+    };
+    let logits = b.matmul(x, p.router)?;
+    let bias = p.correction_bias.map(|t| b.param_f32(t)).transpose()?;
+    let g = &b.gpu;
+    let ids = g.zeros::<i32>(n * k)?;
+    let wts = g.zeros::<f32>(n * k)?;
+    let scoring = match p.scoring {
+        ScoringFunc::SqrtSoftplus => 0,
+        ScoringFunc::Sigmoid => 1,
+        ScoringFunc::Softmax => 2,
+    };
+    g.launch(
+        "k_moe_route",
+        (n.div_ceil(BLOCK as usize) as u32, 1, 1),
+        0,
+        &[
+            Arg::Ptr(out_ptr(g, &logits)?),
+            Arg::Ptr(bias.as_ref().map_or(0, |s| g.ptr(s))),
+            Arg::Ptr(hash.as_ref().map_or(0, |s| g.ptr(s))),
+            Arg::Ptr(g.ptr(&ids)),
+            Arg::Ptr(g.ptr(&wts)),
+            Arg::I32(n as i32),
+            Arg::I32(e as i32),
+            Arg::I32(k as i32),
+            Arg::I32(scoring),
+            Arg::F32(p.routed_scaling),
+        ],
+    )?;
+    let act = g.zeros::<f32>(n * k * inter)?;
+    let y = g.zeros::<f32>(n * k * h)?;
+    let xs = f32_buf(x, "moe")?;
+    let (gu_kind, gu_ptr) = weight(b, p.gate_up);
+    let (down_kind, down_ptr) = weight(b, p.down);
+    g.launch(
+        &format!("k_moe_gate_up{gu_kind}"),
+        ((n * k) as u32, inter.div_ceil(WARPS) as u32, 1),
+        0,
+        &[
+            Arg::Ptr(g.ptr(xs)),
+            Arg::Ptr(gu_ptr),
+            Arg::Ptr(g.ptr(&ids)),
+            Arg::Ptr(g.ptr(&act)),
+            Arg::I32(h as i32),
+            Arg::I32(inter as i32),
+            Arg::I32(k as i32),
+            Arg::F32(p.swiglu_limit),
+        ],
+    )?;
+    g.launch(
+        &format!("k_moe_down{down_kind}"),
+        ((n * k) as u32, h.div_ceil(WARPS) as u32, 1),
+        0,
+        &[
+            Arg::Ptr(g.ptr(&act)),
+            Arg::Ptr(down_ptr),
+            Arg::Ptr(g.ptr(&ids)),
+            Arg::Ptr(g.ptr(&y)),
+            Arg::I32(h as i32),
+            Arg::I32(inter as i32),
+        ],
+    )?;
+    // Shared expert.
+    let sg = b.matmul(x, p.shared_gate)?;
+    let su = b.matmul(x, p.shared_up)?;
+    let sact = b.new_f32(n, p.shared_gate.rows)?;
+    g.launch(
+        "k_swiglu",
+        crate::device::grid_1d(sact.len()),
+        0,
+        &[
+            Arg::Ptr(g.ptr(f32_buf(&sg, "moe")?)),
+            Arg::Ptr(g.ptr(f32_buf(&su, "moe")?)),
+            Arg::Ptr(out_ptr(g, &sact)?),
+            Arg::I64(sact.len() as i64),
+            Arg::F32(p.swiglu_limit),
+        ],
+    )?;
+    let shared = b.matmul(&sact, p.shared_down)?;
+    let out = b.new_f32(n, h)?;
+    g.launch(
+        "k_moe_combine",
+        (n as u32, 1, 1),
+        0,
+        &[
+            Arg::Ptr(g.ptr(&y)),
+            Arg::Ptr(g.ptr(&ids)),
+            Arg::Ptr(g.ptr(&wts)),
+            Arg::Ptr(g.ptr(f32_buf(&shared, "moe")?)),
+            Arg::Ptr(out_ptr(g, &out)?),
+            Arg::I32(h as i32),
+            Arg::I32(k as i32),
+        ],
+    )?;
+    Ok(out)
+}
