@@ -107,6 +107,45 @@ async fn router_healthy(addr: &str) -> bool {
     )
 }
 
+/// The prompt of the first request `up` sends, to show the cluster answering.
+const SMOKE_PROMPT: &str = "The quick brown fox";
+
+/// One non-streamed completion through the router: the text of its first choice.
+async fn first_answer(addr: &str) -> Result<String> {
+    let body = serde_json::json!({ "prompt": SMOKE_PROMPT, "max_tokens": 16, "temperature": 0 })
+        .to_string();
+    let exchange = async {
+        let mut s = tokio::net::TcpStream::connect(addr).await?;
+        let req = format!(
+            "POST /v1/completions HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+             Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        );
+        s.write_all(req.as_bytes()).await?;
+        let mut buf = String::new();
+        s.read_to_string(&mut buf).await?;
+        Ok::<_, std::io::Error>(buf)
+    };
+    let raw = tokio::time::timeout(Duration::from_secs(60), exchange)
+        .await
+        .context("the first completion took longer than 60 s")??;
+    let (head, json) = raw
+        .split_once("\r\n\r\n")
+        .context("malformed HTTP response from the router")?;
+    if !head.starts_with("HTTP/1.1 200") {
+        bail!(
+            "the first completion failed: {} {json}",
+            head.lines().next().unwrap_or_default()
+        );
+    }
+    let v: serde_json::Value =
+        serde_json::from_str(json).context("router answered with invalid JSON")?;
+    v["choices"][0]["text"]
+        .as_str()
+        .map(str::to_string)
+        .context("router answer has no choices[0].text")
+}
+
 /// The first child that has exited, with its status.
 fn exited(procs: &mut [Proc]) -> Option<String> {
     for p in procs.iter_mut() {
@@ -212,6 +251,8 @@ async fn run(a: UpArgs, log_json: bool) -> Result<()> {
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
         println!("pdserve up: ready at {url}");
+        let answer = first_answer(&raddr).await?;
+        println!("pdserve up: the cluster answers: {SMOKE_PROMPT:?} -> {answer:?}");
         println!(
             "  curl {url}/v1/completions -H 'Content-Type: application/json' -d '{{\"prompt\": \"The quick brown fox\", \"max_tokens\": 16}}'"
         );
