@@ -1,10 +1,8 @@
 //! Compile proto/pdserve.proto with protox (pure Rust; no system protoc).
-#![allow(clippy::unwrap_used, clippy::expect_used)]
 
-fn main() {
+fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("cargo:rerun-if-changed=proto/pdserve.proto");
-    let fds = protox::compile(["proto/pdserve.proto"], ["proto"]).expect("compile pdserve.proto");
-    tonic_prost_build::configure()
-        .compile_fds(fds)
-        .expect("generate gRPC code");
+    let fds = protox::compile(["proto/pdserve.proto"], ["proto"])?;
+    tonic_prost_build::configure().compile_fds(fds)?;
+    Ok(())
 }

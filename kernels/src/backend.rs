@@ -6,8 +6,8 @@ use crate::kv_ops::{self, GpuKv, GpuSelection};
 use crate::tensor::{keeps_f32, stores_bf16, Buf, GpuTensor, WeightDtype};
 use cudarc::driver::CudaSlice;
 use pdserve_engine::backend::{
-    BResult, Backend, BackendError, BatchPlan, CompressedKeys, CompressorParams, HcParams, HcPre,
-    HostTensor, MoeParams,
+    BResult, Backend, BatchPlan, CompressedKeys, CompressorParams, HcParams, HcPre, HostTensor,
+    MoeParams,
 };
 use pdserve_engine::kv::{KvLayout, PageId, StateSlot};
 use pdserve_engine::rope::Rope;
@@ -21,9 +21,8 @@ pub struct CudaBackend {
     weights: WeightDtype,
 }
 
-pub(crate) fn shape_err(op: &'static str, detail: String) -> BackendError {
-    BackendError::Shape { op, detail }
-}
+use pdserve_engine::backend::shapes;
+pub(crate) use pdserve_engine::backend::shapes::shape_err;
 
 pub(crate) fn f32_buf<'a>(t: &'a GpuTensor, op: &'static str) -> BResult<&'a CudaSlice<f32>> {
     match &t.buf {
@@ -280,12 +279,7 @@ impl Backend for CudaBackend {
     }
 
     fn embed(&self, table: &GpuTensor, tokens: &[u32], copies: usize) -> BResult<GpuTensor> {
-        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= table.rows) {
-            return Err(shape_err(
-                "embed",
-                format!("token id {t} >= vocab {}", table.rows),
-            ));
-        }
+        shapes::check_embed(table.rows, tokens)?;
         let h = table.cols;
         let toks = self.gpu.upload(tokens)?;
         let out = self.new_f32(tokens.len(), copies * h)?;
@@ -309,29 +303,12 @@ impl Backend for CudaBackend {
     }
 
     fn matmul(&self, x: &GpuTensor, w: &GpuTensor) -> BResult<GpuTensor> {
-        if x.cols != w.cols {
-            return Err(shape_err(
-                "matmul",
-                format!("[{},{}] x [{},{}]^T", x.rows, x.cols, w.rows, w.cols),
-            ));
-        }
+        shapes::check_matmul((x.rows, x.cols), (w.rows, w.cols))?;
         self.matmul_into(x, w, 1)
     }
 
     fn grouped_matmul(&self, x: &GpuTensor, w: &GpuTensor, groups: usize) -> BResult<GpuTensor> {
-        if groups == 0
-            || !x.cols.is_multiple_of(groups)
-            || !w.rows.is_multiple_of(groups)
-            || w.cols * groups != x.cols
-        {
-            return Err(shape_err(
-                "grouped_matmul",
-                format!(
-                    "x [{},{}], w [{},{}], {groups} groups",
-                    x.rows, x.cols, w.rows, w.cols
-                ),
-            ));
-        }
+        shapes::check_grouped_matmul((x.rows, x.cols), (w.rows, w.cols), groups)?;
         self.matmul_into(x, w, groups)
     }
 
@@ -342,12 +319,7 @@ impl Backend for CudaBackend {
         group: usize,
         eps: f32,
     ) -> BResult<GpuTensor> {
-        if group == 0 || !x.cols.is_multiple_of(group) || weight.is_some_and(|w| w.len() != group) {
-            return Err(shape_err(
-                "rms_norm",
-                format!("cols {} group {group}", x.cols),
-            ));
-        }
+        shapes::check_rms_norm(x.cols, weight.map(|w| w.len()), group)?;
         let w = weight.map(|w| self.param_f32(w)).transpose()?;
         let out = self.new_f32(x.rows, x.cols)?;
         self.gpu.launch(
@@ -373,12 +345,7 @@ impl Backend for CudaBackend {
         positions: &[usize],
         inverse: bool,
     ) -> BResult<()> {
-        if !x.cols.is_multiple_of(head_dim) || positions.len() != x.rows || rope.dim() > head_dim {
-            return Err(shape_err(
-                "rope",
-                format!("[{},{}] head_dim {head_dim}", x.rows, x.cols),
-            ));
-        }
+        shapes::check_rope((x.rows, x.cols), head_dim, positions.len(), rope.dim())?;
         let (cs, sn) = self.rope_tables(rope, positions.iter().copied())?;
         self.gpu.launch(
             "k_rope",

@@ -3,10 +3,21 @@
 use crate::backend::{f32_buf, out_ptr, shape_err, CudaBackend};
 use crate::device::Arg;
 use crate::tensor::GpuTensor;
-use pdserve_engine::backend::{BResult, HcParams, HcPre};
+use pdserve_engine::backend::{shapes, BResult, HcParams, HcPre};
 
 /// Largest `hc_mult` the kernels hold in shared memory (`HC_MAX` in hc.cu).
 const HC_MAX: usize = 16;
+
+/// The kernels' own limit on top of the shared shape checks.
+fn check_hc_max(op: &'static str, hc: usize) -> BResult<()> {
+    if hc > HC_MAX {
+        return Err(shape_err(
+            op,
+            format!("hc {hc} exceeds the kernels' limit {HC_MAX}"),
+        ));
+    }
+    Ok(())
+}
 
 pub fn hc_pre(
     b: &CudaBackend,
@@ -15,19 +26,14 @@ pub fn hc_pre(
     p: &HcParams<'_, GpuTensor>,
 ) -> BResult<HcPre<GpuTensor>> {
     let hc = p.hc;
-    if hc == 0
-        || hc > HC_MAX
-        || mix.cols != (2 + hc) * hc
-        || p.base.len() != mix.cols
-        || p.scale.len() != 3
-        || mix.rows != streams.rows
-        || !streams.cols.is_multiple_of(hc)
-    {
-        return Err(shape_err(
-            "hc_pre",
-            format!("mix cols {} for hc {hc}", mix.cols),
-        ));
-    }
+    shapes::check_hc_pre(
+        (streams.rows, streams.cols),
+        (mix.rows, mix.cols),
+        p.base.len(),
+        p.scale.len(),
+        hc,
+    )?;
+    check_hc_max("hc_pre", hc)?;
     let (n, h) = (streams.rows, streams.cols / hc);
     let base = b.param_f32(p.base)?;
     let scale = b.param_f32(p.scale)?;
@@ -68,16 +74,13 @@ pub fn hc_post(
     hc: usize,
 ) -> BResult<GpuTensor> {
     let h = out.cols;
-    if streams.cols != hc * h
-        || streams.rows != out.rows
-        || pre.post.len() != out.rows * hc
-        || pre.comb.len() != out.rows * hc * hc
-    {
-        return Err(shape_err(
-            "hc_post",
-            format!("streams cols {} out cols {h}", streams.cols),
-        ));
-    }
+    shapes::check_hc_post(
+        (streams.rows, streams.cols),
+        (out.rows, out.cols),
+        pre.post.len(),
+        pre.comb.len(),
+        hc,
+    )?;
     let res = b.new_f32(streams.rows, streams.cols)?;
     let g = &b.gpu;
     g.launch(
@@ -104,19 +107,14 @@ pub fn hc_head(
     p: &HcParams<'_, GpuTensor>,
 ) -> BResult<GpuTensor> {
     let hc = p.hc;
-    if hc == 0
-        || hc > HC_MAX
-        || mix.cols != hc
-        || p.base.len() != hc
-        || p.scale.is_empty()
-        || mix.rows != streams.rows
-        || !streams.cols.is_multiple_of(hc)
-    {
-        return Err(shape_err(
-            "hc_head",
-            format!("mix cols {} for hc {hc}", mix.cols),
-        ));
-    }
+    shapes::check_hc_head(
+        (streams.rows, streams.cols),
+        (mix.rows, mix.cols),
+        p.base.len(),
+        p.scale.len(),
+        hc,
+    )?;
+    check_hc_max("hc_head", hc)?;
     let h = streams.cols / hc;
     let base = b.param_f32(p.base)?;
     let scale = b.param_f32(p.scale)?;

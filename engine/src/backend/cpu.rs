@@ -2,9 +2,10 @@
 
 use super::cpu_kv::{CpuKv, Region};
 use super::gemm::matmul_nt;
+use super::shapes::shape_err;
 use super::{
-    cpu_attention, BResult, Backend, BackendError, BatchPlan, CompressedKeys, CompressorParams,
-    HcParams, HcPre, HostTensor, MoeParams,
+    cpu_attention, shapes, BResult, Backend, BatchPlan, CompressedKeys, CompressorParams, HcParams,
+    HcPre, HostTensor, MoeParams,
 };
 use crate::config::ScoringFunc;
 use crate::kv::{KvLayout, PageId, StateSlot};
@@ -36,10 +37,6 @@ impl CpuTensor {
 /// The CPU backend; matmuls use rayon's global pool.
 #[derive(Debug, Default, Clone)]
 pub struct CpuBackend;
-
-fn shape_err(op: &'static str, detail: String) -> BackendError {
-    BackendError::Shape { op, detail }
-}
 
 pub(super) fn sigmoid(x: f32) -> f32 {
     1.0 / (1.0 + (-x).exp())
@@ -187,16 +184,11 @@ impl Backend for CpuBackend {
     }
 
     fn embed(&self, table: &CpuTensor, tokens: &[u32], copies: usize) -> BResult<CpuTensor> {
+        shapes::check_embed(table.rows, tokens)?;
         let h = table.cols;
         let mut out = CpuTensor::zeros(tokens.len(), copies * h);
         for (i, &t) in tokens.iter().enumerate() {
             let t = t as usize;
-            if t >= table.rows {
-                return Err(shape_err(
-                    "embed",
-                    format!("token id {t} >= vocab {}", table.rows),
-                ));
-            }
             for c in 0..copies {
                 let o = i * copies * h + c * h;
                 out.data[o..o + h].copy_from_slice(table.row(t));
@@ -206,29 +198,12 @@ impl Backend for CpuBackend {
     }
 
     fn matmul(&self, x: &CpuTensor, w: &CpuTensor) -> BResult<CpuTensor> {
-        if x.cols != w.cols {
-            return Err(shape_err(
-                "matmul",
-                format!("[{},{}] x [{},{}]^T", x.rows, x.cols, w.rows, w.cols),
-            ));
-        }
+        shapes::check_matmul((x.rows, x.cols), (w.rows, w.cols))?;
         Ok(self.mm(&x.data, x.rows, x.cols, &w.data, w.rows))
     }
 
     fn grouped_matmul(&self, x: &CpuTensor, w: &CpuTensor, groups: usize) -> BResult<CpuTensor> {
-        if groups == 0
-            || !x.cols.is_multiple_of(groups)
-            || !w.rows.is_multiple_of(groups)
-            || w.cols * groups != x.cols
-        {
-            return Err(shape_err(
-                "grouped_matmul",
-                format!(
-                    "x [{},{}], w [{},{}], {groups} groups",
-                    x.rows, x.cols, w.rows, w.cols
-                ),
-            ));
-        }
+        shapes::check_grouped_matmul((x.rows, x.cols), (w.rows, w.cols), groups)?;
         let (din, dout) = (w.cols, w.rows / groups);
         let mut out = CpuTensor::zeros(x.rows, w.rows);
         for g in 0..groups {
@@ -257,15 +232,7 @@ impl Backend for CpuBackend {
         group: usize,
         eps: f32,
     ) -> BResult<CpuTensor> {
-        if group == 0
-            || !x.cols.is_multiple_of(group)
-            || weight.is_some_and(|w| w.data.len() != group)
-        {
-            return Err(shape_err(
-                "rms_norm",
-                format!("cols {} group {group}", x.cols),
-            ));
-        }
+        shapes::check_rms_norm(x.cols, weight.map(|w| w.data.len()), group)?;
         let mut out = CpuTensor::zeros(x.rows, x.cols);
         let w = weight.map(|w| w.data.as_slice());
         out.data
@@ -283,12 +250,7 @@ impl Backend for CpuBackend {
         positions: &[usize],
         inverse: bool,
     ) -> BResult<()> {
-        if !x.cols.is_multiple_of(head_dim) || positions.len() != x.rows || rope.dim() > head_dim {
-            return Err(shape_err(
-                "rope",
-                format!("[{},{}] head_dim {head_dim}", x.rows, x.cols),
-            ));
-        }
+        shapes::check_rope((x.rows, x.cols), head_dim, positions.len(), rope.dim())?;
         let cols = x.cols;
         x.data
             .par_chunks_mut(cols)
@@ -311,12 +273,13 @@ impl Backend for CpuBackend {
         p: &HcParams<'_, CpuTensor>,
     ) -> BResult<HcPre<CpuTensor>> {
         let hc = p.hc;
-        if mix.cols != (2 + hc) * hc || p.base.data.len() != mix.cols || p.scale.data.len() != 3 {
-            return Err(shape_err(
-                "hc_pre",
-                format!("mix cols {} for hc {hc}", mix.cols),
-            ));
-        }
+        shapes::check_hc_pre(
+            (streams.rows, streams.cols),
+            (mix.rows, mix.cols),
+            p.base.data.len(),
+            p.scale.data.len(),
+            hc,
+        )?;
         let n = streams.rows;
         let h = streams.cols / hc;
         let (base, scale) = (&p.base.data, &p.scale.data);
@@ -371,12 +334,13 @@ impl Backend for CpuBackend {
         hc: usize,
     ) -> BResult<CpuTensor> {
         let h = out.cols;
-        if streams.cols != hc * h || streams.rows != out.rows {
-            return Err(shape_err(
-                "hc_post",
-                format!("streams cols {} out cols {h}", streams.cols),
-            ));
-        }
+        shapes::check_hc_post(
+            (streams.rows, streams.cols),
+            (out.rows, out.cols),
+            pre.post.data.len(),
+            pre.comb.data.len(),
+            hc,
+        )?;
         let mut res = CpuTensor::zeros(streams.rows, streams.cols);
         for r in 0..streams.rows {
             let s = streams.row(r);
@@ -404,12 +368,13 @@ impl Backend for CpuBackend {
         p: &HcParams<'_, CpuTensor>,
     ) -> BResult<CpuTensor> {
         let hc = p.hc;
-        if mix.cols != hc || p.base.data.len() != hc || p.scale.data.is_empty() {
-            return Err(shape_err(
-                "hc_head",
-                format!("mix cols {} for hc {hc}", mix.cols),
-            ));
-        }
+        shapes::check_hc_head(
+            (streams.rows, streams.cols),
+            (mix.rows, mix.cols),
+            p.base.data.len(),
+            p.scale.data.len(),
+            hc,
+        )?;
         let h = streams.cols / hc;
         let mut out = CpuTensor::zeros(streams.rows, h);
         for r in 0..streams.rows {

@@ -6,6 +6,7 @@ pub mod cpu;
 mod cpu_attention;
 mod cpu_kv;
 mod gemm;
+pub mod shapes;
 
 use crate::kv::{KvLayout, PageId, StateSlot};
 use crate::rope::Rope;
