@@ -450,13 +450,28 @@ impl<B: Backend> Engine<B> {
             true => Some(PoolChecksums::take(&self.backend, &self.device)?),
             false => None,
         };
-        let logits = self.model.forward(
-            &self.backend,
-            &mut self.device.store,
-            &self.device.layout,
-            &plan,
-            &logit_rows,
-        )?;
+        let decode = items
+            .iter()
+            .all(|it| it.tokens.len() == 1 && matches!(it.logits, Logits::Last));
+        let logits = if decode {
+            let (model, layout) = (&self.model, &self.device.layout);
+            self.backend.decode_step(
+                &mut self.device.store,
+                &plan,
+                &mut |b: &B, kv: &mut B::KvStore, plan: &BatchPlan| {
+                    let rows: Vec<usize> = (0..plan.rows()).collect();
+                    model.forward_device(b, kv, layout, plan, &rows)
+                },
+            )?
+        } else {
+            self.model.forward(
+                &self.backend,
+                &mut self.device.store,
+                &self.device.layout,
+                &plan,
+                &logit_rows,
+            )?
+        };
         if let Some(page) = self.scribble.take() {
             let garbage = vec![0xA5u8; self.device.layout.page_bytes];
             self.device.write_page(&self.backend, page, &garbage)?;

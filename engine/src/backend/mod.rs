@@ -132,6 +132,11 @@ pub struct HcPre<T> {
 
 pub type BResult<T> = Result<T, BackendError>;
 
+/// One step's forward pass as a backend runs it: `(backend, kv, plan)` -> the logits of
+/// every row of `plan`, in row order, still on the device.
+pub type StepForward<'a, B> = dyn FnMut(&B, &mut <B as Backend>::KvStore, &BatchPlan) -> BResult<<B as Backend>::Tensor>
+    + 'a;
+
 pub trait Backend: Send + Sync {
     /// A 2-D tensor (activations and weights; vectors are `[1, n]`).
     type Tensor: Send + Sync;
@@ -292,4 +297,20 @@ pub trait Backend: Send + Sync {
     ) -> BResult<()>;
     /// Routed experts plus shared expert.
     fn moe(&self, x: &Self::Tensor, p: &MoeParams<'_, Self::Tensor>) -> BResult<Self::Tensor>;
+
+    /// Run one decode step: every sequence of `plan` has exactly one new row, and
+    /// `forward` returns the logits of every row. A backend may pad the batch and replay a
+    /// captured graph (the CUDA backend does); the default runs `forward` once.
+    fn decode_step(
+        &self,
+        kv: &mut Self::KvStore,
+        plan: &BatchPlan,
+        forward: &mut StepForward<'_, Self>,
+    ) -> BResult<HostTensor>
+    where
+        Self: Sized,
+    {
+        let logits = forward(self, kv, plan)?;
+        self.to_host(&logits)
+    }
 }

@@ -66,6 +66,18 @@ impl<B: Backend> Model<B> {
         plan: &BatchPlan,
         logit_rows: &[usize],
     ) -> BResult<HostTensor> {
+        b.to_host(&self.forward_device(b, kv, layout, plan, logit_rows)?)
+    }
+
+    /// [`Model::forward`] leaving the logits on the device.
+    pub fn forward_device(
+        &self,
+        b: &B,
+        kv: &mut B::KvStore,
+        layout: &KvLayout,
+        plan: &BatchPlan,
+        logit_rows: &[usize],
+    ) -> BResult<B::Tensor> {
         let cfg = &self.cfg;
         let w = &self.weights;
         let mut x = b.embed(&w.embed_tokens, &plan.tokens, cfg.hc_mult)?;
@@ -94,7 +106,7 @@ impl<B: Backend> Model<B> {
         let mix = self.hc_mix(b, &x, &w.hc_head.fn_)?;
         let y = b.hc_head(&x, &mix, &self.hc_params(&w.hc_head))?;
         let y = b.rms_norm(&y, Some(&w.norm), cfg.hidden_size, cfg.rms_norm_eps)?;
-        b.to_host(&b.matmul(&y, w.lm_head())?)
+        b.matmul(&y, w.lm_head())
     }
 
     fn compressor_params<'a>(
