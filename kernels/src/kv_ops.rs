@@ -3,9 +3,9 @@
 
 use crate::backend::{f32_buf, out_ptr, shape_err, CudaBackend};
 use crate::device::{Arg, BLOCK};
+use crate::devmem::DevMem;
 pub use crate::kv_store::GpuKv;
 use crate::kv_store::{check_entry_page, dt_code, DevPlan};
-use cudarc::driver::CudaSlice;
 use pdserve_engine::backend::{
     BResult, BackendError, BatchPlan, CompressedKeys, CompressorParams, CompressorPart,
 };
@@ -15,7 +15,7 @@ use pdserve_engine::kv::{KvLayout, LayerKvLayout};
 /// Indexer picks: `[rows, topk]` entry ids, ascending, `-1` padded.
 #[derive(Debug)]
 pub struct GpuSelection {
-    pub(crate) sel: CudaSlice<i32>,
+    pub(crate) sel: DevMem<i32>,
     pub rows: usize,
     pub topk: usize,
 }
@@ -23,6 +23,17 @@ pub struct GpuSelection {
 /// Largest dynamic shared memory a kernel asks for without opting in.
 const SHARED_LIMIT: usize = 48 * 1024;
 const WARPS: usize = BLOCK as usize / 32;
+
+/// Compressed entries a launch is sized for: the batch's most, rounded up to a power of
+/// two (the kernels bound every row by its own count), so that decode steps of a bucket
+/// launch identically while contexts grow and replay one captured graph.
+fn entry_bucket(n: usize) -> usize {
+    if n == 0 {
+        0
+    } else {
+        n.next_power_of_two().max(32)
+    }
+}
 
 fn layer_of(layout: &KvLayout, layer: usize) -> BResult<&LayerKvLayout> {
     layout
@@ -168,12 +179,13 @@ pub fn index_select(
             check_entry_page(layout, l.rate, s.pages.len(), nv - 1)?;
         }
     }
-    let max_nv = plan
-        .positions
-        .iter()
-        .map(|&p| (p + 1) / l.rate)
-        .max()
-        .unwrap_or(0);
+    let max_nv = entry_bucket(
+        plan.positions
+            .iter()
+            .map(|&p| (p + 1) / l.rate)
+            .max()
+            .unwrap_or(0),
+    );
     let dp = DevPlan::upload(&b.gpu, kv, plan)?;
     let g = &b.gpu;
     let scores = g.zeros::<f32>(rows * max_nv)?;
@@ -261,12 +273,13 @@ pub fn attention(
             format!("q cols {}, kv cols {}", q.cols, kv_new.cols),
         ));
     }
-    let max_pos_nv = plan
-        .positions
-        .iter()
-        .map(|&p| (p + 1) / l.rate.max(1))
-        .max()
-        .unwrap_or(0);
+    let max_pos_nv = entry_bucket(
+        plan.positions
+            .iter()
+            .map(|&p| (p + 1) / l.rate.max(1))
+            .max()
+            .unwrap_or(0),
+    );
     let (mode, sel_ptr, topk, max_comp) = match &compressed {
         CompressedKeys::None => (0, 0, 0, 0),
         CompressedKeys::AllVisible => (1, 0, 0, max_pos_nv),

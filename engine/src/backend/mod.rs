@@ -134,8 +134,8 @@ pub type BResult<T> = Result<T, BackendError>;
 
 /// One step's forward pass as a backend runs it: `(backend, kv, plan)` -> the logits of
 /// every row of `plan`, in row order, still on the device.
-pub type StepForward<'a, B> = dyn FnMut(&B, &mut <B as Backend>::KvStore, &BatchPlan) -> BResult<<B as Backend>::Tensor>
-    + 'a;
+pub type StepForward<'a, B> =
+    dyn FnMut(&B, &mut <B as Backend>::KvStore, &BatchPlan) -> BResult<<B as Backend>::Tensor> + 'a;
 
 pub trait Backend: Send + Sync {
     /// A 2-D tensor (activations and weights; vectors are `[1, n]`).
