@@ -432,3 +432,75 @@ pub(crate) fn decode_step(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::*;
+
+    fn plan(starts: &[usize], pages: &[usize]) -> BatchPlan {
+        let mut p = BatchPlan::default();
+        for (i, (&s, &n)) in starts.iter().zip(pages).enumerate() {
+            p.seqs.push(SeqPlan {
+                start: s,
+                len: 1,
+                row0: i,
+                pages: (0..n as PageId).map(|x| x + 10 * i as PageId).collect(),
+                state: i as StateSlot,
+            });
+            p.tokens.push(5 + i as u32);
+            p.positions.push(s);
+            p.row_seq.push(i);
+        }
+        p
+    }
+
+    #[test]
+    fn buckets_cover_every_batch_size_with_few_shapes() {
+        for n in 1..=600 {
+            let b = bucket(n);
+            assert!(b >= n, "bucket({n}) = {b}");
+            assert!(b <= n * 2 || n <= 2, "bucket({n}) = {b} wastes too much");
+        }
+        assert_eq!(bucket(1), 1);
+        assert_eq!(bucket(3), 4);
+        assert_eq!(bucket(64), 64);
+        assert_eq!(bucket(65), 96);
+        assert_eq!(bucket(300), 320);
+        let distinct: std::collections::BTreeSet<usize> = (1..=256).map(bucket).collect();
+        assert_eq!(distinct.len(), 14);
+    }
+
+    #[test]
+    fn padding_adds_dummy_rows_and_equal_page_tables() {
+        let p = plan(&[37, 300, 5], &[1, 2, 1]);
+        let padded = pad_plan(&p, 8, 99, 7);
+        assert_eq!(padded.rows(), 8);
+        assert_eq!(padded.seqs.len(), 8);
+        // Real sequences keep their pages and positions, padded with the dummy page.
+        assert_eq!(padded.seqs[1].pages, vec![10, 11, 99, 99]);
+        assert_eq!(padded.seqs[0].start, 37);
+        assert_eq!(padded.positions[..3], [37, 300, 5]);
+        assert_eq!(padded.tokens[..3], [5, 6, 7]);
+        for (i, s) in padded.seqs.iter().enumerate().skip(3) {
+            assert_eq!((s.start, s.len, s.row0, s.state), (0, 1, i, 7));
+            assert_eq!(s.pages, vec![99; 4]);
+            assert_eq!(padded.row_seq[i], i);
+        }
+        // Every page table has one length, so the staged plan has one size per bucket.
+        assert!(padded.seqs.iter().all(|s| s.pages.len() == 4));
+        let longer = pad_plan(&plan(&[1], &[5]), 1, 99, 7);
+        assert_eq!(longer.seqs[0].pages.len(), 8);
+    }
+
+    #[test]
+    fn signatures_compare_every_byte() {
+        let a = Signature::new(b"kernel-a 1 2 3");
+        assert!(a == Signature::new(b"kernel-a 1 2 3"));
+        assert!(a != Signature::new(b"kernel-a 1 2 4"));
+        // Equal hashes never make different signatures equal.
+        let mut forged = Signature::new(b"other");
+        forged.hash = a.hash;
+        assert!(a != forged);
+    }
+}

@@ -176,3 +176,53 @@ impl StepState {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::*;
+
+    fn dry_step(values: &[u8], rows: u32) -> StepRecord {
+        let mut st = StepState::default();
+        st.begin(StepMode::Dry);
+        let a = st.alloc(10).unwrap();
+        let b = st.alloc(300).unwrap();
+        assert_eq!((a, b), (0, 256), "arena allocations are 256-byte aligned");
+        let (p1, o1) = st.stage(values).unwrap();
+        let (p2, o2) = st.stage(&[9, 9]).unwrap();
+        assert_eq!((p1, o1), (0, 0));
+        assert_eq!((p2, o2), (256, 256));
+        st.sign_launch(
+            "k",
+            (rows, 1, 1),
+            0,
+            &[Arg::Ptr(b), Arg::I32(3), Arg::F32(0.5)],
+        );
+        let rec = st.end();
+        assert_eq!(st.mode, StepMode::Off);
+        assert_eq!(rec.arena_bytes, 556);
+        assert_eq!(&rec.staged[..values.len()], values);
+        assert_eq!(&rec.staged[256..], &[9, 9]);
+        rec
+    }
+
+    #[test]
+    fn signature_depends_on_launches_not_on_staged_values() {
+        let a = dry_step(&[1, 2, 3], 4);
+        let b = dry_step(&[7, 7, 7], 4);
+        let c = dry_step(&[1, 2, 3], 5);
+        assert_eq!(a.signature, b.signature);
+        assert_ne!(a.staged, b.staged);
+        assert_ne!(a.signature, c.signature);
+    }
+
+    #[test]
+    fn only_a_dry_pass_may_outgrow_the_buffers() {
+        let mut st = StepState::default();
+        st.begin(StepMode::Eager);
+        let err = st.alloc(16).unwrap_err().to_string();
+        assert!(err.contains("sized by its dry pass"), "{err}");
+        st.begin(StepMode::Capture);
+        assert!(st.stage(&[1]).is_err());
+    }
+}
