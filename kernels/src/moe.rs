@@ -1,5 +1,6 @@
-//! MoE of [`CudaBackend`]: router GEMM (cuBLAS), routing kernel, routed experts over
-//! bf16 or fp32 weights (one warp per output, fp32 accumulation), shared expert, combine.
+//! MoE of [`CudaBackend`]: router GEMM (cuBLAS), routing kernel, picks grouped by expert,
+//! routed experts over bf16 or fp32 weights (one warp per output unit of an expert, run
+//! against all of that expert's picks; fp32 accumulation), shared expert, combine.
 
 use crate::backend::{f32_buf, out_ptr, shape_err, CudaBackend};
 use crate::device::{Arg, BLOCK};
@@ -78,20 +79,39 @@ pub fn moe(b: &CudaBackend, x: &GpuTensor, p: &MoeParams<'_, GpuTensor>) -> BRes
             Arg::F32(p.routed_scaling),
         ],
     )?;
-    let act = g.zeros::<f32>(n * k * inter)?;
-    let y = g.zeros::<f32>(n * k * h)?;
+    // Picks grouped by expert, so each expert's weights are read once per MOE_TILE picks
+    // instead of once per pick.
+    let list = g.uninit::<i32>(e * n)?;
+    let count = g.uninit::<i32>(e)?;
+    g.launch(
+        "k_moe_lists",
+        (e.div_ceil(BLOCK as usize) as u32, 1, 1),
+        0,
+        &[
+            Arg::Ptr(g.ptr(&ids)),
+            Arg::Ptr(g.ptr(&list)),
+            Arg::Ptr(g.ptr(&count)),
+            Arg::I32(n as i32),
+            Arg::I32(e as i32),
+            Arg::I32(k as i32),
+        ],
+    )?;
+    let act = g.uninit::<f32>(n * k * inter)?;
+    let y = g.uninit::<f32>(n * k * h)?;
     let xs = f32_buf(x, "moe")?;
     let (gu_kind, gu_ptr) = weight(b, p.gate_up);
     let (down_kind, down_ptr) = weight(b, p.down);
     g.launch(
-        &format!("k_moe_gate_up{gu_kind}"),
-        ((n * k) as u32, inter.div_ceil(WARPS) as u32, 1),
+        &format!("k_moe_gate_up_grouped{gu_kind}"),
+        (e as u32, inter.div_ceil(WARPS) as u32, 1),
         0,
         &[
             Arg::Ptr(g.ptr(xs)),
             Arg::Ptr(gu_ptr),
-            Arg::Ptr(g.ptr(&ids)),
+            Arg::Ptr(g.ptr(&list)),
+            Arg::Ptr(g.ptr(&count)),
             Arg::Ptr(g.ptr(&act)),
+            Arg::I32(n as i32),
             Arg::I32(h as i32),
             Arg::I32(inter as i32),
             Arg::I32(k as i32),
@@ -99,14 +119,16 @@ pub fn moe(b: &CudaBackend, x: &GpuTensor, p: &MoeParams<'_, GpuTensor>) -> BRes
         ],
     )?;
     g.launch(
-        &format!("k_moe_down{down_kind}"),
-        ((n * k) as u32, h.div_ceil(WARPS) as u32, 1),
+        &format!("k_moe_down_grouped{down_kind}"),
+        (e as u32, h.div_ceil(WARPS) as u32, 1),
         0,
         &[
             Arg::Ptr(g.ptr(&act)),
             Arg::Ptr(down_ptr),
-            Arg::Ptr(g.ptr(&ids)),
+            Arg::Ptr(g.ptr(&list)),
+            Arg::Ptr(g.ptr(&count)),
             Arg::Ptr(g.ptr(&y)),
+            Arg::I32(n as i32),
             Arg::I32(h as i32),
             Arg::I32(inter as i32),
         ],

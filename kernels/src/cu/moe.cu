@@ -44,61 +44,110 @@ extern "C" __global__ void k_moe_route(float* logits, const float* bias, const u
 __device__ __forceinline__ float ldw(const bf16_t* p, i64 i) { return bf16_to_f(p[i]); }
 __device__ __forceinline__ float ldw(const float* p, i64 i) { return p[i]; }
 
-// grid (rows*k, ceil(I / warps)); one warp per intermediate unit: gate and up dot products,
-// clamped SwiGLU. gu: [E*2I, H].
-template <typename W>
-__device__ void moe_gate_up(const float* x, const W* gu, const int* ids, float* act, int H, int I, int k,
-                            float limit) {
-    int a = blockIdx.x, lane = threadIdx.x & 31;
-    int i = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (i >= I) return;
-    i64 e = ids[a];
-    const float* xr = x + (i64)(a / k) * H;
-    const W* g = gu + (e * 2 * I + i) * H;
-    const W* u = gu + (e * 2 * I + I + i) * H;
-    float dg = 0.f, du = 0.f;
-    for (int c = lane; c < H; c += 32) {
-        dg += xr[c] * ldw(g, c);
-        du += xr[c] * ldw(u, c);
+// Tokens per expert: list[e * rows + j] = the j-th pick (row * k + slot, ascending) that
+// chose expert e; count[e] = how many. One thread per expert.
+extern "C" __global__ void k_moe_lists(const int* ids, int* list, int* count, int rows, int E, int k) {
+    for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < E; e += gridDim.x * blockDim.x) {
+        int n = 0;
+        for (int a = 0; a < rows * k; a++)
+            if (ids[a] == e) list[(i64)e * rows + n++] = a;
+        count[e] = n;
     }
-    dg = warp_sum(dg);
-    du = warp_sum(du);
-    if (lane == 0) act[(i64)a * I + i] = swiglu_(dg, du, limit);
 }
 
-extern "C" __global__ void k_moe_gate_up_bf16(const float* x, const bf16_t* gu, const int* ids, float* act, int H,
-                                              int I, int k, float limit) {
-    moe_gate_up(x, gu, ids, act, H, I, k, limit);
-}
+// Picks handled per pass over an expert's weights (per-lane accumulators in registers).
+#define MOE_TILE 8
 
-extern "C" __global__ void k_moe_gate_up_f32(const float* x, const float* gu, const int* ids, float* act, int H,
-                                             int I, int k, float limit) {
-    moe_gate_up(x, gu, ids, act, H, I, k, limit);
-}
-
-// grid (rows*k, ceil(H / warps)); down: [E*H, I].
+// grid (E, ceil(I / warps)): each warp owns one intermediate unit of one expert and runs
+// every pick of that expert against it, reading the weight rows once per MOE_TILE picks.
+// Per pick the sums are formed exactly as in moe_gate_up (lane-strided, then warp_sum).
 template <typename W>
-__device__ void moe_down(const float* act, const W* down, const int* ids, float* y, int H, int I) {
-    int a = blockIdx.x, lane = threadIdx.x & 31;
+__device__ void moe_gate_up_grouped(const float* x, const W* gu, const int* list, const int* count, float* act,
+                                    int rows, int H, int I, int k, float limit) {
+    int e = blockIdx.x, lane = threadIdx.x & 31;
+    int i = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    int n = count[e];
+    if (i >= I || n == 0) return;
+    const W* g = gu + ((i64)e * 2 * I + i) * H;
+    const W* u = gu + ((i64)e * 2 * I + I + i) * H;
+    const int* picks = list + (i64)e * rows;
+    for (int t0 = 0; t0 < n; t0 += MOE_TILE) {
+        int nt = min(MOE_TILE, n - t0);
+        float dg[MOE_TILE], du[MOE_TILE];
+        const float* xr[MOE_TILE];
+        for (int t = 0; t < MOE_TILE; t++) {
+            dg[t] = 0.f;
+            du[t] = 0.f;
+            xr[t] = x + (i64)(picks[t0 + min(t, nt - 1)] / k) * H;
+        }
+        for (int c = lane; c < H; c += 32) {
+            float wg = ldw(g, c), wu = ldw(u, c);
+#pragma unroll
+            for (int t = 0; t < MOE_TILE; t++) {
+                float xv = xr[t][c];
+                dg[t] += xv * wg;
+                du[t] += xv * wu;
+            }
+        }
+#pragma unroll
+        for (int t = 0; t < MOE_TILE; t++) {
+            float a = warp_sum(dg[t]), b = warp_sum(du[t]);
+            if (lane == 0 && t < nt) act[(i64)picks[t0 + t] * I + i] = swiglu_(a, b, limit);
+        }
+    }
+}
+
+extern "C" __global__ void k_moe_gate_up_grouped_bf16(const float* x, const bf16_t* gu, const int* list,
+                                                      const int* count, float* act, int rows, int H, int I, int k,
+                                                      float limit) {
+    moe_gate_up_grouped(x, gu, list, count, act, rows, H, I, k, limit);
+}
+
+extern "C" __global__ void k_moe_gate_up_grouped_f32(const float* x, const float* gu, const int* list,
+                                                     const int* count, float* act, int rows, int H, int I, int k,
+                                                     float limit) {
+    moe_gate_up_grouped(x, gu, list, count, act, rows, H, I, k, limit);
+}
+
+// grid (E, ceil(H / warps)); the down projection of every pick of expert e, as moe_down.
+template <typename W>
+__device__ void moe_down_grouped(const float* act, const W* down, const int* list, const int* count, float* y,
+                                 int rows, int H, int I) {
+    int e = blockIdx.x, lane = threadIdx.x & 31;
     int hh = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (hh >= H) return;
-    i64 e = ids[a];
-    const float* ar = act + (i64)a * I;
-    const W* w = down + (e * H + hh) * I;
-    float d = 0.f;
-    for (int c = lane; c < I; c += 32) d += ar[c] * ldw(w, c);
-    d = warp_sum(d);
-    if (lane == 0) y[(i64)a * H + hh] = d;
+    int n = count[e];
+    if (hh >= H || n == 0) return;
+    const W* w = down + ((i64)e * H + hh) * I;
+    const int* picks = list + (i64)e * rows;
+    for (int t0 = 0; t0 < n; t0 += MOE_TILE) {
+        int nt = min(MOE_TILE, n - t0);
+        float d[MOE_TILE];
+        const float* ar[MOE_TILE];
+        for (int t = 0; t < MOE_TILE; t++) {
+            d[t] = 0.f;
+            ar[t] = act + (i64)picks[t0 + min(t, nt - 1)] * I;
+        }
+        for (int c = lane; c < I; c += 32) {
+            float wv = ldw(w, c);
+#pragma unroll
+            for (int t = 0; t < MOE_TILE; t++) d[t] += ar[t][c] * wv;
+        }
+#pragma unroll
+        for (int t = 0; t < MOE_TILE; t++) {
+            float v = warp_sum(d[t]);
+            if (lane == 0 && t < nt) y[(i64)picks[t0 + t] * H + hh] = v;
+        }
+    }
 }
 
-extern "C" __global__ void k_moe_down_bf16(const float* act, const bf16_t* down, const int* ids, float* y, int H,
-                                           int I) {
-    moe_down(act, down, ids, y, H, I);
+extern "C" __global__ void k_moe_down_grouped_bf16(const float* act, const bf16_t* down, const int* list,
+                                                   const int* count, float* y, int rows, int H, int I) {
+    moe_down_grouped(act, down, list, count, y, rows, H, I);
 }
 
-extern "C" __global__ void k_moe_down_f32(const float* act, const float* down, const int* ids, float* y, int H,
-                                          int I) {
-    moe_down(act, down, ids, y, H, I);
+extern "C" __global__ void k_moe_down_grouped_f32(const float* act, const float* down, const int* list,
+                                                  const int* count, float* y, int rows, int H, int I) {
+    moe_down_grouped(act, down, list, count, y, rows, H, I);
 }
 
 // One block per row: out = sum over picks in ascending expert id of w * y, plus shared.
