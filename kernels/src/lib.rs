@@ -15,6 +15,7 @@ mod hc;
 pub mod kv_ops;
 mod kv_store;
 mod moe;
+mod moe_gemm;
 mod step;
 pub mod tensor;
 

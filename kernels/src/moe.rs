@@ -4,6 +4,7 @@
 
 use crate::backend::{f32_buf, out_ptr, shape_err, CudaBackend};
 use crate::device::{Arg, BLOCK};
+use crate::devmem::DevMem;
 use crate::tensor::{Buf, GpuTensor};
 use pdserve_engine::backend::{BResult, Backend, MoeParams};
 use pdserve_engine::config::ScoringFunc;
@@ -11,7 +12,7 @@ use pdserve_engine::config::ScoringFunc;
 const WARPS: usize = BLOCK as usize / 32;
 
 /// Kernel name suffix and device pointer of an expert weight.
-fn weight(b: &CudaBackend, t: &GpuTensor) -> (&'static str, u64) {
+pub(crate) fn weight(b: &CudaBackend, t: &GpuTensor) -> (&'static str, u64) {
     match &t.buf {
         Buf::Bf16(s) => ("_bf16", b.gpu.ptr(s)),
         Buf::F32(s) => ("_f32", b.gpu.ptr(s)),
@@ -79,6 +80,57 @@ pub fn moe(b: &CudaBackend, x: &GpuTensor, p: &MoeParams<'_, GpuTensor>) -> BRes
             Arg::F32(p.routed_scaling),
         ],
     )?;
+    let y = if crate::moe_gemm::worthwhile(g, n, k, e) {
+        crate::moe_gemm::routed(b, x, p, &ids)?
+    } else {
+        routed_grouped(b, x, p, &ids)?
+    };
+    // Shared expert.
+    let sg = b.matmul(x, p.shared_gate)?;
+    let su = b.matmul(x, p.shared_up)?;
+    let sact = b.new_f32(n, p.shared_gate.rows)?;
+    g.launch(
+        "k_swiglu",
+        crate::device::grid_1d(sact.len()),
+        0,
+        &[
+            Arg::Ptr(g.ptr(f32_buf(&sg, "moe")?)),
+            Arg::Ptr(g.ptr(f32_buf(&su, "moe")?)),
+            Arg::Ptr(out_ptr(g, &sact)?),
+            Arg::I64(sact.len() as i64),
+            Arg::F32(p.swiglu_limit),
+        ],
+    )?;
+    let shared = b.matmul(&sact, p.shared_down)?;
+    let out = b.new_f32(n, h)?;
+    g.launch(
+        "k_moe_combine",
+        (n as u32, 1, 1),
+        0,
+        &[
+            Arg::Ptr(g.ptr(&y)),
+            Arg::Ptr(g.ptr(&ids)),
+            Arg::Ptr(g.ptr(&wts)),
+            Arg::Ptr(g.ptr(f32_buf(&shared, "moe")?)),
+            Arg::Ptr(out_ptr(g, &out)?),
+            Arg::I32(h as i32),
+            Arg::I32(k as i32),
+        ],
+    )?;
+    Ok(out)
+}
+
+/// Routed experts on CUDA cores, picks grouped by expert on the device (no host
+/// synchronisation: the decode-step path). Returns `y`: `[rows * k, H]`, one row per pick.
+fn routed_grouped(
+    b: &CudaBackend,
+    x: &GpuTensor,
+    p: &MoeParams<'_, GpuTensor>,
+    ids: &DevMem<i32>,
+) -> BResult<DevMem<f32>> {
+    let (n, h) = (x.rows, x.cols);
+    let (e, k, inter) = (p.n_experts, p.top_k, p.intermediate);
+    let g = &b.gpu;
     // Picks grouped by expert, so each expert's weights are read once per MOE_TILE picks
     // instead of once per pick.
     let list = g.uninit::<i32>(e * n)?;
@@ -88,7 +140,7 @@ pub fn moe(b: &CudaBackend, x: &GpuTensor, p: &MoeParams<'_, GpuTensor>) -> BRes
         (e.div_ceil(BLOCK as usize) as u32, 1, 1),
         0,
         &[
-            Arg::Ptr(g.ptr(&ids)),
+            Arg::Ptr(g.ptr(ids)),
             Arg::Ptr(g.ptr(&list)),
             Arg::Ptr(g.ptr(&count)),
             Arg::I32(n as i32),
@@ -133,37 +185,5 @@ pub fn moe(b: &CudaBackend, x: &GpuTensor, p: &MoeParams<'_, GpuTensor>) -> BRes
             Arg::I32(inter as i32),
         ],
     )?;
-    // Shared expert.
-    let sg = b.matmul(x, p.shared_gate)?;
-    let su = b.matmul(x, p.shared_up)?;
-    let sact = b.new_f32(n, p.shared_gate.rows)?;
-    g.launch(
-        "k_swiglu",
-        crate::device::grid_1d(sact.len()),
-        0,
-        &[
-            Arg::Ptr(g.ptr(f32_buf(&sg, "moe")?)),
-            Arg::Ptr(g.ptr(f32_buf(&su, "moe")?)),
-            Arg::Ptr(out_ptr(g, &sact)?),
-            Arg::I64(sact.len() as i64),
-            Arg::F32(p.swiglu_limit),
-        ],
-    )?;
-    let shared = b.matmul(&sact, p.shared_down)?;
-    let out = b.new_f32(n, h)?;
-    g.launch(
-        "k_moe_combine",
-        (n as u32, 1, 1),
-        0,
-        &[
-            Arg::Ptr(g.ptr(&y)),
-            Arg::Ptr(g.ptr(&ids)),
-            Arg::Ptr(g.ptr(&wts)),
-            Arg::Ptr(g.ptr(f32_buf(&shared, "moe")?)),
-            Arg::Ptr(out_ptr(g, &out)?),
-            Arg::I32(h as i32),
-            Arg::I32(k as i32),
-        ],
-    )?;
-    Ok(out)
+    Ok(y)
 }

@@ -55,6 +55,28 @@ extern "C" __global__ void k_moe_lists(const int* ids, int* list, int* count, in
     }
 }
 
+// Whether a weight row can be read 8 values (16 bytes) at a time: bf16 rows whose length
+// is a multiple of 8 and whose start is 16-byte aligned.
+__device__ __forceinline__ bool vec8(const bf16_t* row, int n) {
+    return n % 8 == 0 && ((unsigned long long)row & 15) == 0;
+}
+__device__ __forceinline__ bool vec8(const float*, int) { return false; }
+
+// 8 consecutive bf16 weights as floats (one 16-byte load).
+__device__ __forceinline__ void ld8(const bf16_t* p, float* out) {
+    uint4 v = *reinterpret_cast<const uint4*>(p);
+    u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int q = 0; q < 4; q++) {
+        out[2 * q] = __uint_as_float(w[q] << 16);
+        out[2 * q + 1] = __uint_as_float(w[q] & 0xffff0000u);
+    }
+}
+__device__ __forceinline__ void ld8(const float* p, float* out) {
+#pragma unroll
+    for (int q = 0; q < 8; q++) out[q] = p[q];
+}
+
 // Picks handled per pass over an expert's weights (per-lane accumulators in registers).
 #define MOE_TILE 8
 
@@ -80,13 +102,31 @@ __device__ void moe_gate_up_grouped(const float* x, const W* gu, const int* list
             du[t] = 0.f;
             xr[t] = x + (i64)(picks[t0 + min(t, nt - 1)] / k) * H;
         }
-        for (int c = lane; c < H; c += 32) {
-            float wg = ldw(g, c), wu = ldw(u, c);
+        if (vec8(g, H) && vec8(u, H)) {
+            // 8 weights (16 bytes) per lane per load: 512 contiguous bytes per warp.
+            for (int c = lane * 8; c < H; c += 256) {
+                float wg[8], wu[8];
+                ld8(g + c, wg);
+                ld8(u + c, wu);
 #pragma unroll
-            for (int t = 0; t < MOE_TILE; t++) {
-                float xv = xr[t][c];
-                dg[t] += xv * wg;
-                du[t] += xv * wu;
+                for (int t = 0; t < MOE_TILE; t++) {
+                    const float* xc = xr[t] + c;
+#pragma unroll
+                    for (int q = 0; q < 8; q++) {
+                        dg[t] += xc[q] * wg[q];
+                        du[t] += xc[q] * wu[q];
+                    }
+                }
+            }
+        } else {
+            for (int c = lane; c < H; c += 32) {
+                float wg = ldw(g, c), wu = ldw(u, c);
+#pragma unroll
+                for (int t = 0; t < MOE_TILE; t++) {
+                    float xv = xr[t][c];
+                    dg[t] += xv * wg;
+                    du[t] += xv * wu;
+                }
             }
         }
 #pragma unroll
@@ -127,10 +167,23 @@ __device__ void moe_down_grouped(const float* act, const W* down, const int* lis
             d[t] = 0.f;
             ar[t] = act + (i64)picks[t0 + min(t, nt - 1)] * I;
         }
-        for (int c = lane; c < I; c += 32) {
-            float wv = ldw(w, c);
+        if (vec8(w, I)) {
+            for (int c = lane * 8; c < I; c += 256) {
+                float wv[8];
+                ld8(w + c, wv);
 #pragma unroll
-            for (int t = 0; t < MOE_TILE; t++) d[t] += ar[t][c] * wv;
+                for (int t = 0; t < MOE_TILE; t++) {
+                    const float* ac = ar[t] + c;
+#pragma unroll
+                    for (int q = 0; q < 8; q++) d[t] += ac[q] * wv[q];
+                }
+            }
+        } else {
+            for (int c = lane; c < I; c += 32) {
+                float wv = ldw(w, c);
+#pragma unroll
+                for (int t = 0; t < MOE_TILE; t++) d[t] += ar[t][c] * wv;
+            }
         }
 #pragma unroll
         for (int t = 0; t < MOE_TILE; t++) {
