@@ -15,6 +15,9 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
+/// Dynamic shared memory the attention kernel may use (Hopper allows up to 227 KiB).
+pub(crate) const ATTENTION_SHARED: usize = 160 * 1024;
+
 /// Bytes of cuBLAS workspace (Hopper GEMMs want up to 32 MiB).
 const BLAS_WORKSPACE: usize = 32 << 20;
 
@@ -159,6 +162,14 @@ impl Gpu {
                 let func = module
                     .load_function(f)
                     .map_err(|e| DeviceError::Driver(format!("kernel {f}: {e:?}")))?;
+                if f == "k_attention" {
+                    // Scores of long contexts' compressed keys live in shared memory.
+                    func.set_attribute(
+                        cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        ATTENTION_SHARED as i32,
+                    )
+                    .map_err(|e| DeviceError::Driver(format!("kernel {f}: shared memory: {e:?}")))?;
+                }
                 funcs.insert(f.to_string(), func);
             }
         }

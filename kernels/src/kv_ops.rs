@@ -2,7 +2,7 @@
 //! window stores. Host code validates shapes and page reach, then launches one kernel.
 
 use crate::backend::{f32_buf, out_ptr, shape_err, CudaBackend};
-use crate::device::{Arg, BLOCK};
+use crate::device::{Arg, ATTENTION_SHARED, BLOCK};
 use crate::devmem::DevMem;
 pub use crate::kv_store::GpuKv;
 use crate::kv_store::{check_entry_page, dt_code, DevPlan};
@@ -23,6 +23,8 @@ pub struct GpuSelection {
 /// Largest dynamic shared memory a kernel asks for without opting in.
 const SHARED_LIMIT: usize = 48 * 1024;
 const WARPS: usize = BLOCK as usize / 32;
+/// Channels per lane the attention kernel holds (`ATT_MAXQ` in attention.cu).
+const ATT_MAXQ: usize = 16;
 
 /// Compressed entries a launch is sized for: the batch's most, rounded up to a power of
 /// two (the kernels bound every row by its own count), so that decode steps of a bucket
@@ -189,7 +191,6 @@ pub fn index_select(
     let dp = DevPlan::upload(&b.gpu, kv, plan)?;
     let g = &b.gpu;
     let scores = g.zeros::<f32>(rows * max_nv)?;
-    let flags = g.zeros::<u8>(rows * max_nv)?;
     let sel = g.zeros::<i32>(rows * topk)?;
     g.launch(
         "k_index_scores",
@@ -224,7 +225,6 @@ pub fn index_select(
         &[
             Arg::Ptr(g.ptr(&scores)),
             Arg::Ptr(g.ptr(&dp.positions)),
-            Arg::Ptr(g.ptr(&flags)),
             Arg::Ptr(g.ptr(&sel)),
             Arg::I32(max_nv as i32),
             Arg::I32(topk as i32),
@@ -308,10 +308,15 @@ pub fn attention(
         }
     }
     let max_keys = window + max_comp;
-    if max_keys * 4 > SHARED_LIMIT {
+    let shared = (max_keys + WARPS * hd) * 4;
+    if shared > ATTENTION_SHARED || hd % 32 != 0 || hd > 32 * ATT_MAXQ {
         return Err(shape_err(
             "attention",
-            format!("{max_keys} keys per row exceed the kernel's shared memory"),
+            format!(
+                "{max_keys} keys per row and head_dim {hd} exceed the kernel (shared memory \
+                 {shared} of {ATTENTION_SHARED} bytes; head_dim a multiple of 32 up to {})",
+                32 * ATT_MAXQ
+            ),
         ));
     }
     let dp = DevPlan::upload(&b.gpu, kv, plan)?;
@@ -321,7 +326,7 @@ pub fn attention(
     g.launch(
         "k_attention",
         (rows as u32, n_heads as u32, 1),
-        (max_keys * 4) as u32,
+        shared as u32,
         &[
             Arg::Ptr(g.ptr(&kv.pages)),
             Arg::Ptr(g.ptr(&kv.states)),
@@ -348,6 +353,7 @@ pub fn attention(
             Arg::I32(layout.page_tokens as i32),
             Arg::I32(dt_code(layout.kv_dtype)?),
             Arg::F32((hd as f32).powf(-0.5)),
+            Arg::I32(max_keys as i32),
         ],
     )?;
     Ok(out)

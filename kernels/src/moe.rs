@@ -135,19 +135,23 @@ fn routed_grouped(
     // instead of once per pick.
     let list = g.uninit::<i32>(e * n)?;
     let count = g.uninit::<i32>(e)?;
+    let active = g.uninit::<i32>(e + 1)?;
     g.launch(
         "k_moe_lists",
-        (e.div_ceil(BLOCK as usize) as u32, 1, 1),
+        (1, 1, 1),
         0,
         &[
             Arg::Ptr(g.ptr(ids)),
             Arg::Ptr(g.ptr(&list)),
             Arg::Ptr(g.ptr(&count)),
+            Arg::Ptr(g.ptr(&active)),
             Arg::I32(n as i32),
             Arg::I32(e as i32),
             Arg::I32(k as i32),
         ],
     )?;
+    // One block column per expert that may be used: at most one per pick.
+    let slots = e.min(n * k) as u32;
     let act = g.uninit::<f32>(n * k * inter)?;
     let y = g.uninit::<f32>(n * k * h)?;
     let xs = f32_buf(x, "moe")?;
@@ -155,15 +159,17 @@ fn routed_grouped(
     let (down_kind, down_ptr) = weight(b, p.down);
     g.launch(
         &format!("k_moe_gate_up_grouped{gu_kind}"),
-        (e as u32, inter.div_ceil(WARPS) as u32, 1),
+        (slots, inter.div_ceil(WARPS) as u32, 1),
         0,
         &[
             Arg::Ptr(g.ptr(xs)),
             Arg::Ptr(gu_ptr),
             Arg::Ptr(g.ptr(&list)),
+            Arg::Ptr(g.ptr(&active)),
             Arg::Ptr(g.ptr(&count)),
             Arg::Ptr(g.ptr(&act)),
             Arg::I32(n as i32),
+            Arg::I32(e as i32),
             Arg::I32(h as i32),
             Arg::I32(inter as i32),
             Arg::I32(k as i32),
@@ -172,15 +178,17 @@ fn routed_grouped(
     )?;
     g.launch(
         &format!("k_moe_down_grouped{down_kind}"),
-        (e as u32, h.div_ceil(WARPS) as u32, 1),
+        (slots, h.div_ceil(WARPS) as u32, 1),
         0,
         &[
             Arg::Ptr(g.ptr(&act)),
             Arg::Ptr(down_ptr),
             Arg::Ptr(g.ptr(&list)),
+            Arg::Ptr(g.ptr(&active)),
             Arg::Ptr(g.ptr(&count)),
             Arg::Ptr(g.ptr(&y)),
             Arg::I32(n as i32),
+            Arg::I32(e as i32),
             Arg::I32(h as i32),
             Arg::I32(inter as i32),
         ],

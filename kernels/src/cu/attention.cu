@@ -1,13 +1,15 @@
 // Sink attention: every row attends over its sliding window (earlier positions from the
 // state ring, this forward's from kv_new rounded through the KV dtype) and its compressed
 // entries (mode 0: none, 1: every visible entry, 2: the indexer's picks). K = V.
-// grid (rows, n_heads); dynamic shared memory: max_keys floats.
+// grid (rows, n_heads); dynamic shared memory: max_keys + warps * hd floats (scores, then
+// the warps' partial outputs). hd: a multiple of 32, at most 32 * ATT_MAXQ.
+#define ATT_MAXQ 16
 extern "C" __global__ void k_attention(const unsigned char* pages, const unsigned char* states, i64 page_bytes,
                                        i64 state_bytes, const int* seq, const u32* pt, const int* row_seq,
                                        const int* positions, const float* q, const float* kv_new, const float* sinks,
                                        const int* sel, int topk, float* out, int n_heads, int hd, int window,
                                        i64 win_off, int rate, int mode, i64 comp_off, int comp_epp, int page_tokens,
-                                       int dt, float scale) {
+                                       int dt, float scale, int max_keys) {
     extern __shared__ float lg[];
     __shared__ float red[32];
     __shared__ int nsel;
@@ -47,12 +49,20 @@ extern "C" __global__ void k_attention(const unsigned char* pages, const unsigne
                             (c), dt);                                                              \
         }                                                                                          \
     }
+    // Scores: one warp per key; lane holds channels lane + 32*q of the query in registers.
+    int nq = hd >> 5;
+    float qv[ATT_MAXQ];
+#pragma unroll
+    for (int q = 0; q < ATT_MAXQ; q++) qv[q] = q < nq ? qh[lane + 32 * q] : 0.f;
     for (int j = warp; j < nk; j += nw) {
         float d = 0.f;
-        for (int c = lane; c < hd; c += 32) {
-            float kv;
-            KEY_FETCH(j, c, kv);
-            d += qh[c] * kv;
+#pragma unroll
+        for (int q = 0; q < ATT_MAXQ; q++) {
+            if (q < nq) {
+                float kv;
+                KEY_FETCH(j, lane + 32 * q, kv);
+                d += qv[q] * kv;
+            }
         }
         d = warp_sum(d);
         if (lane == 0) lg[j] = d * scale;
@@ -71,15 +81,32 @@ extern "C" __global__ void k_attention(const unsigned char* pages, const unsigne
     s = block_sum(s, red) + expf(sink - m);
     for (int j = threadIdx.x; j < nk; j += blockDim.x) lg[j] = lg[j] / s;
     __syncthreads();
+    // Output: warp w sums keys w, w + nw, ... over all channels (lane: channels lane + 32*q),
+    // then the warps' partial sums are added in warp order.
+    float acc[ATT_MAXQ];
+#pragma unroll
+    for (int q = 0; q < ATT_MAXQ; q++) acc[q] = 0.f;
+    for (int j = warp; j < nk; j += nw) {
+        float p = lg[j];
+#pragma unroll
+        for (int q = 0; q < ATT_MAXQ; q++) {
+            if (q < nq) {
+                float kv;
+                KEY_FETCH(j, lane + 32 * q, kv);
+                acc[q] += p * kv;
+            }
+        }
+    }
+    float* part = lg + max_keys;
+#pragma unroll
+    for (int q = 0; q < ATT_MAXQ; q++)
+        if (q < nq) part[warp * hd + lane + 32 * q] = acc[q];
+    __syncthreads();
     float* o = out + ((i64)r * n_heads + h) * hd;
     for (int c = threadIdx.x; c < hd; c += blockDim.x) {
-        float acc = 0.f;
-        for (int j = 0; j < nk; j++) {
-            float kv;
-            KEY_FETCH(j, c, kv);
-            acc += lg[j] * kv;
-        }
-        o[c] = acc;
+        float v = 0.f;
+        for (int w = 0; w < nw; w++) v += part[w * hd + c];
+        o[c] = v;
     }
 #undef KEY_FETCH
 }

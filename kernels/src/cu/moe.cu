@@ -45,13 +45,22 @@ __device__ __forceinline__ float ldw(const bf16_t* p, i64 i) { return bf16_to_f(
 __device__ __forceinline__ float ldw(const float* p, i64 i) { return p[i]; }
 
 // Tokens per expert: list[e * rows + j] = the j-th pick (row * k + slot, ascending) that
-// chose expert e; count[e] = how many. One thread per expert.
-extern "C" __global__ void k_moe_lists(const int* ids, int* list, int* count, int rows, int E, int k) {
-    for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < E; e += gridDim.x * blockDim.x) {
+// chose expert e; count[e] = how many; active[0..count of used experts) = the used experts in
+// ascending order, active[E] = how many there are. One block.
+extern "C" __global__ void k_moe_lists(const int* ids, int* list, int* count, int* active, int rows, int E,
+                                       int k) {
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
         int n = 0;
         for (int a = 0; a < rows * k; a++)
             if (ids[a] == e) list[(i64)e * rows + n++] = a;
         count[e] = n;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int m = 0;
+        for (int e = 0; e < E; e++)
+            if (count[e] > 0) active[m++] = e;
+        active[E] = m;
     }
 }
 
@@ -84,12 +93,14 @@ __device__ __forceinline__ void ld8(const float* p, float* out) {
 // every pick of that expert against it, reading the weight rows once per MOE_TILE picks.
 // Per pick the sums are formed exactly as in moe_gate_up (lane-strided, then warp_sum).
 template <typename W>
-__device__ void moe_gate_up_grouped(const float* x, const W* gu, const int* list, const int* count, float* act,
-                                    int rows, int H, int I, int k, float limit) {
-    int e = blockIdx.x, lane = threadIdx.x & 31;
+__device__ void moe_gate_up_grouped(const float* x, const W* gu, const int* list, const int* count,
+                                    const int* active, float* act, int rows, int E, int H, int I, int k,
+                                    float limit) {
+    if ((int)blockIdx.x >= active[E]) return;
+    int e = active[blockIdx.x], lane = threadIdx.x & 31;
     int i = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5);
     int n = count[e];
-    if (i >= I || n == 0) return;
+    if (i >= I) return;
     const W* g = gu + ((i64)e * 2 * I + i) * H;
     const W* u = gu + ((i64)e * 2 * I + I + i) * H;
     const int* picks = list + (i64)e * rows;
@@ -138,25 +149,28 @@ __device__ void moe_gate_up_grouped(const float* x, const W* gu, const int* list
 }
 
 extern "C" __global__ void k_moe_gate_up_grouped_bf16(const float* x, const bf16_t* gu, const int* list,
-                                                      const int* count, float* act, int rows, int H, int I, int k,
-                                                      float limit) {
-    moe_gate_up_grouped(x, gu, list, count, act, rows, H, I, k, limit);
+                                                      const int* active,
+                                                      const int* count, float* act, int rows, int E, int H, int I,
+                                                      int k, float limit) {
+    moe_gate_up_grouped(x, gu, list, count, active, act, rows, E, H, I, k, limit);
 }
 
 extern "C" __global__ void k_moe_gate_up_grouped_f32(const float* x, const float* gu, const int* list,
-                                                     const int* count, float* act, int rows, int H, int I, int k,
-                                                     float limit) {
-    moe_gate_up_grouped(x, gu, list, count, act, rows, H, I, k, limit);
+                                                      const int* active,
+                                                     const int* count, float* act, int rows, int E, int H, int I,
+                                                     int k, float limit) {
+    moe_gate_up_grouped(x, gu, list, count, active, act, rows, E, H, I, k, limit);
 }
 
 // grid (E, ceil(H / warps)); the down projection of every pick of expert e, as moe_down.
 template <typename W>
-__device__ void moe_down_grouped(const float* act, const W* down, const int* list, const int* count, float* y,
-                                 int rows, int H, int I) {
-    int e = blockIdx.x, lane = threadIdx.x & 31;
+__device__ void moe_down_grouped(const float* act, const W* down, const int* list, const int* count,
+                                 const int* active, float* y, int rows, int E, int H, int I) {
+    if ((int)blockIdx.x >= active[E]) return;
+    int e = active[blockIdx.x], lane = threadIdx.x & 31;
     int hh = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5);
     int n = count[e];
-    if (hh >= H || n == 0) return;
+    if (hh >= H) return;
     const W* w = down + ((i64)e * H + hh) * I;
     const int* picks = list + (i64)e * rows;
     for (int t0 = 0; t0 < n; t0 += MOE_TILE) {
@@ -194,13 +208,15 @@ __device__ void moe_down_grouped(const float* act, const W* down, const int* lis
 }
 
 extern "C" __global__ void k_moe_down_grouped_bf16(const float* act, const bf16_t* down, const int* list,
-                                                   const int* count, float* y, int rows, int H, int I) {
-    moe_down_grouped(act, down, list, count, y, rows, H, I);
+                                                   const int* active,
+                                                   const int* count, float* y, int rows, int E, int H, int I) {
+    moe_down_grouped(act, down, list, count, active, y, rows, E, H, I);
 }
 
 extern "C" __global__ void k_moe_down_grouped_f32(const float* act, const float* down, const int* list,
-                                                  const int* count, float* y, int rows, int H, int I) {
-    moe_down_grouped(act, down, list, count, y, rows, H, I);
+                                                   const int* active,
+                                                  const int* count, float* y, int rows, int E, int H, int I) {
+    moe_down_grouped(act, down, list, count, active, y, rows, E, H, I);
 }
 
 // One block per row: out = sum over picks in ascending expert id of w * y, plus shared.
