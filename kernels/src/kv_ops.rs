@@ -309,7 +309,7 @@ pub fn attention(
     }
     let max_keys = window + max_comp;
     let shared = (max_keys + WARPS * hd) * 4;
-    if shared > ATTENTION_SHARED || hd % 32 != 0 || hd > 32 * ATT_MAXQ {
+    if shared > ATTENTION_SHARED || !hd.is_multiple_of(32) || hd > 32 * ATT_MAXQ {
         return Err(shape_err(
             "attention",
             format!(
