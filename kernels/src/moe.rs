@@ -10,6 +10,8 @@ use pdserve_engine::backend::{BResult, Backend, MoeParams};
 use pdserve_engine::config::ScoringFunc;
 
 const WARPS: usize = BLOCK as usize / 32;
+/// Picks per row the combine kernel orders in shared memory (`order[64]` in moe.cu).
+const MAX_TOP_K: usize = 64;
 
 /// Kernel name suffix and device pointer of an expert weight.
 pub(crate) fn weight(b: &CudaBackend, t: &GpuTensor) -> (&'static str, u64) {
@@ -29,6 +31,7 @@ pub fn moe(b: &CudaBackend, x: &GpuTensor, p: &MoeParams<'_, GpuTensor>) -> BRes
         || p.down.cols != inter
         || k == 0
         || k > e
+        || k > MAX_TOP_K
     {
         return Err(shape_err(
             "moe",

@@ -34,21 +34,26 @@ extern "C" __global__ void k_attention(const unsigned char* pages, const unsigne
     int nk = nwin + nsel;
     int eb = dt_bytes(dt);
     const float* qh = q + ((i64)r * n_heads + h) * hd;
-    // Key j: window position lo+j, then compressed entries.
-#define KEY_FETCH(j, c, outv)                                                                      \
+    // Key j: window position lo+j (earlier ones from the ring, this forward's from kv_new,
+    // rounded through the KV dtype), then compressed entries. Addressed once per key.
+#define KEY_PTR(j, ptr, fresh)                                                                     \
     {                                                                                              \
         int j_ = (j);                                                                              \
+        fresh = false;                                                                             \
         if (j_ < nwin) {                                                                           \
             int kp = lo + j_;                                                                      \
-            if (kp < start) outv = ld_entry(st + (i64)(kp % window) * hd * eb, (c), dt);           \
-            else outv = round_dt(kv_new[(i64)(row0 + kp - start) * hd + (c)], dt);                 \
+            if (kp < start) ptr = st + (i64)(kp % window) * hd * eb;                               \
+            else {                                                                                 \
+                ptr = (const unsigned char*)(kv_new + (i64)(row0 + kp - start) * hd);              \
+                fresh = true;                                                                      \
+            }                                                                                      \
         } else {                                                                                   \
             int e = mode == 1 ? j_ - nwin : sel[(i64)r * topk + (j_ - nwin)];                      \
-            u32 pg = table[(i64)e * rate / page_tokens];                                           \
-            outv = ld_entry(pages + (i64)pg * page_bytes + comp_off + (i64)(e % comp_epp) * hd * eb, \
-                            (c), dt);                                                              \
+            u32 pg = table[(e * rate) / page_tokens];                                              \
+            ptr = pages + (i64)pg * page_bytes + comp_off + (i64)(e % comp_epp) * hd * eb;         \
         }                                                                                          \
     }
+#define KEY_VAL(ptr, fresh, c) ((fresh) ? round_dt(((const float*)(ptr))[c], dt) : ld_entry((ptr), (c), dt))
     // Scores: one warp per key; lane holds channels lane + 32*q of the query in registers.
     int nq = hd >> 5;
     float qv[ATT_MAXQ];
@@ -56,14 +61,12 @@ extern "C" __global__ void k_attention(const unsigned char* pages, const unsigne
     for (int q = 0; q < ATT_MAXQ; q++) qv[q] = q < nq ? qh[lane + 32 * q] : 0.f;
     for (int j = warp; j < nk; j += nw) {
         float d = 0.f;
+        const unsigned char* kptr;
+        bool fresh;
+        KEY_PTR(j, kptr, fresh);
 #pragma unroll
-        for (int q = 0; q < ATT_MAXQ; q++) {
-            if (q < nq) {
-                float kv;
-                KEY_FETCH(j, lane + 32 * q, kv);
-                d += qv[q] * kv;
-            }
-        }
+        for (int q = 0; q < ATT_MAXQ; q++)
+            if (q < nq) d += qv[q] * KEY_VAL(kptr, fresh, lane + 32 * q);
         d = warp_sum(d);
         if (lane == 0) lg[j] = d * scale;
     }
@@ -88,14 +91,12 @@ extern "C" __global__ void k_attention(const unsigned char* pages, const unsigne
     for (int q = 0; q < ATT_MAXQ; q++) acc[q] = 0.f;
     for (int j = warp; j < nk; j += nw) {
         float p = lg[j];
+        const unsigned char* kptr;
+        bool fresh;
+        KEY_PTR(j, kptr, fresh);
 #pragma unroll
-        for (int q = 0; q < ATT_MAXQ; q++) {
-            if (q < nq) {
-                float kv;
-                KEY_FETCH(j, lane + 32 * q, kv);
-                acc[q] += p * kv;
-            }
-        }
+        for (int q = 0; q < ATT_MAXQ; q++)
+            if (q < nq) acc[q] += p * KEY_VAL(kptr, fresh, lane + 32 * q);
     }
     float* part = lg + max_keys;
 #pragma unroll
@@ -108,7 +109,8 @@ extern "C" __global__ void k_attention(const unsigned char* pages, const unsigne
         for (int w = 0; w < nw; w++) v += part[w * hd + c];
         o[c] = v;
     }
-#undef KEY_FETCH
+#undef KEY_PTR
+#undef KEY_VAL
 }
 
 // Store rows into the sliding-window rings: only each sequence's last `window` positions.

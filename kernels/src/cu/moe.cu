@@ -86,6 +86,13 @@ __device__ __forceinline__ void ld8(const float* p, float* out) {
     for (int q = 0; q < 8; q++) out[q] = p[q];
 }
 
+// 8 consecutive floats (two 16-byte loads; `p` 16-byte aligned).
+__device__ __forceinline__ void ld8f(const float* p, float* out) {
+    float4 a = *reinterpret_cast<const float4*>(p), b = *reinterpret_cast<const float4*>(p + 4);
+    out[0] = a.x; out[1] = a.y; out[2] = a.z; out[3] = a.w;
+    out[4] = b.x; out[5] = b.y; out[6] = b.z; out[7] = b.w;
+}
+
 // Picks handled per pass over an expert's weights (per-lane accumulators in registers).
 #define MOE_TILE 8
 
@@ -121,11 +128,14 @@ __device__ void moe_gate_up_grouped(const float* x, const W* gu, const int* list
                 ld8(u + c, wu);
 #pragma unroll
                 for (int t = 0; t < MOE_TILE; t++) {
-                    const float* xc = xr[t] + c;
+                    if (t < nt) {
+                        float xc[8];
+                        ld8f(xr[t] + c, xc);
 #pragma unroll
-                    for (int q = 0; q < 8; q++) {
-                        dg[t] += xc[q] * wg[q];
-                        du[t] += xc[q] * wu[q];
+                        for (int q = 0; q < 8; q++) {
+                            dg[t] += xc[q] * wg[q];
+                            du[t] += xc[q] * wu[q];
+                        }
                     }
                 }
             }
@@ -187,9 +197,12 @@ __device__ void moe_down_grouped(const float* act, const W* down, const int* lis
                 ld8(w + c, wv);
 #pragma unroll
                 for (int t = 0; t < MOE_TILE; t++) {
-                    const float* ac = ar[t] + c;
+                    if (t < nt) {
+                        float ac[8];
+                        ld8f(ar[t] + c, ac);
 #pragma unroll
-                    for (int q = 0; q < 8; q++) d[t] += ac[q] * wv[q];
+                        for (int q = 0; q < 8; q++) d[t] += ac[q] * wv[q];
+                    }
                 }
             }
         } else {
@@ -222,10 +235,12 @@ extern "C" __global__ void k_moe_down_grouped_f32(const float* act, const float*
 // One block per row: out = sum over picks in ascending expert id of w * y, plus shared.
 extern "C" __global__ void k_moe_combine(const float* y, const int* ids, const float* wts, const float* shared,
                                          float* out, int H, int k) {
+    // Picks in ascending (expert id, pick) order, like the CPU's per-expert loop: ordered
+    // once per row by thread 0, then used by every channel.
+    __shared__ int order[64];
+    __shared__ float weight[64];
     int r = blockIdx.x;
-    for (int c = threadIdx.x; c < H; c += blockDim.x) {
-        float acc = 0.f;
-        // picks in ascending (expert id, pick) order, like the CPU's per-expert loop
+    if (threadIdx.x == 0) {
         i64 last = -1;
         for (int n = 0; n < k; n++) {
             int bj = -1;
@@ -235,8 +250,14 @@ extern "C" __global__ void k_moe_combine(const float* y, const int* ids, const f
                 if (key > last && (bj < 0 || key < bkey)) { bj = j; bkey = key; }
             }
             last = bkey;
-            acc += y[((i64)r * k + bj) * H + c] * wts[(i64)r * k + bj];
+            order[n] = bj;
+            weight[n] = wts[(i64)r * k + bj];
         }
+    }
+    __syncthreads();
+    for (int c = threadIdx.x; c < H; c += blockDim.x) {
+        float acc = 0.f;
+        for (int n = 0; n < k; n++) acc += y[((i64)r * k + order[n]) * H + c] * weight[n];
         out[(i64)r * H + c] = acc + shared[(i64)r * H + c];
     }
 }
