@@ -25,6 +25,8 @@ const SHARED_LIMIT: usize = 48 * 1024;
 const WARPS: usize = BLOCK as usize / 32;
 /// Channels per lane the attention kernel holds (`ATT_MAXQ` in attention.cu).
 const ATT_MAXQ: usize = 16;
+/// Heads per attention block (`ATT_G` in attention.cu).
+const ATT_G: usize = 4;
 
 /// Compressed entries a launch is sized for: the batch's most, rounded up to a power of
 /// two (the kernels bound every row by its own count), so that decode steps of a bucket
@@ -308,7 +310,14 @@ pub fn attention(
         }
     }
     let max_keys = window + max_comp;
-    let shared = (max_keys + WARPS * hd) * 4;
+    let group = if n_heads.is_multiple_of(ATT_G) {
+        ATT_G
+    } else {
+        1
+    };
+    // Queries and scores (fp32) plus one 8-byte key address per key, 8-byte aligned.
+    let floats = group * (hd + max_keys);
+    let shared = (floats + floats % 2) * 4 + max_keys * 8;
     if shared > ATTENTION_SHARED || !hd.is_multiple_of(32) || hd > 32 * ATT_MAXQ {
         return Err(shape_err(
             "attention",
@@ -325,7 +334,7 @@ pub fn attention(
     let g = &b.gpu;
     g.launch(
         "k_attention",
-        (rows as u32, n_heads as u32, 1),
+        (rows as u32, (n_heads / group) as u32, 1),
         shared as u32,
         &[
             Arg::Ptr(g.ptr(&kv.pages)),
@@ -354,6 +363,7 @@ pub fn attention(
             Arg::I32(dt_code(layout.kv_dtype)?),
             Arg::F32((hd as f32).powf(-0.5)),
             Arg::I32(max_keys as i32),
+            Arg::I32(group as i32),
         ],
     )?;
     Ok(out)
