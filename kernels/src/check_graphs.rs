@@ -148,6 +148,63 @@ fn verify_random(ordinal: usize, tok: &Tokenizer, steps: usize) -> AnyResult<Che
     })
 }
 
+/// One decode step of every sequence in `seqs`, feeding `toks`; each row's logits.
+fn decode_logits<B: pdserve_engine::backend::Backend>(
+    e: &mut Engine<B>,
+    seqs: &mut [Sequence],
+    toks: &[u32],
+) -> AnyResult<Vec<Vec<f32>>> {
+    let mut items: Vec<ForwardItem<'_>> = seqs
+        .iter_mut()
+        .zip(toks)
+        .map(|(seq, t)| ForwardItem {
+            seq,
+            tokens: std::slice::from_ref(t),
+            logits: Logits::Last,
+        })
+        .collect();
+    Ok(e.forward(&mut items)?.into_iter().map(|t| t.data).collect())
+}
+
+/// Batched decode steps (every prompt twice: 12 sequences, so the MoE runs its
+/// padded-batch GEMM path) on the GPU against the fp32 CPU engine, teacher-forced with
+/// the CPU's greedy tokens.
+fn batched_vs_cpu(ordinal: usize, tok: &Tokenizer, steps: usize) -> AnyResult<CheckRow> {
+    let dir = pdserve_engine::embedded::model_dir()?;
+    let mut gpu = engine(ordinal, GraphMode::Capture, false)?;
+    let mut cpu = Engine::load(&dir, pdserve_engine::CpuBackend, None, POOL)?;
+    let (mut gseqs, _) = start(&mut gpu, tok, 2)?;
+    let mut cseqs = Vec::new();
+    let mut next = Vec::new();
+    for p in PROMPTS.iter().cycle().take(PROMPTS.len() * 2) {
+        let ids = tok.encode(p)?;
+        let mut seq = cpu.new_sequence()?;
+        let rows = prefill(&mut cpu, &mut seq, &ids, 0, Logits::Last)?;
+        next.push(rows.last().map_or(0, |r| argmax(r)));
+        cseqs.push(seq);
+    }
+    let (mut got, mut want) = (Vec::new(), Vec::new());
+    for _ in 0..steps {
+        let toks = next.clone();
+        let g = decode_logits(&mut gpu, &mut gseqs, &toks)?;
+        let c = decode_logits(&mut cpu, &mut cseqs, &toks)?;
+        for (n, row) in next.iter_mut().zip(&c) {
+            *n = argmax(row);
+        }
+        got.extend(g);
+        want.extend(c);
+    }
+    for s in gseqs {
+        gpu.release(s)?;
+    }
+    Ok(crate::check::compare(
+        format!("embedded w=bf16 12 seqs x {steps} batched decode steps"),
+        &got,
+        &want,
+        crate::check::REL_TOL,
+    ))
+}
+
 /// Greedy tokens/s of one sequence decoding `steps` tokens.
 fn batch1_rate(
     ordinal: usize,
@@ -187,7 +244,10 @@ fn batch1_rate(
 pub fn check_graphs(ordinal: usize) -> AnyResult<(Vec<CheckRow>, Vec<String>)> {
     let dir = pdserve_engine::embedded::model_dir()?;
     let tok = Tokenizer::from_model_dir(&dir)?.ok_or("the embedded model has no tokenizer")?;
-    let mut rows = vec![verify_random(ordinal, &tok, 200)?];
+    let mut rows = vec![
+        verify_random(ordinal, &tok, 200)?,
+        batched_vs_cpu(ordinal, &tok, 30)?,
+    ];
     let steps = 200;
     let (eager, eager_toks, eager_phases) = batch1_rate(ordinal, &tok, GraphMode::Eager, steps)?;
     let (graph, graph_toks, graph_phases) = batch1_rate(ordinal, &tok, GraphMode::Capture, steps)?;

@@ -36,6 +36,15 @@ impl<T> DevMem<T> {
         }
     }
 
+    /// A view of the values from index `first` on.
+    pub(crate) fn view_from(&self, first: usize) -> DevMem<T> {
+        let first = first.min(self.len);
+        DevMem::view(
+            self.ptr + (first * std::mem::size_of::<T>()) as u64,
+            self.len - first,
+        )
+    }
+
     pub fn ptr(&self) -> u64 {
         self.ptr
     }

@@ -85,6 +85,9 @@ pub fn moe(b: &CudaBackend, x: &GpuTensor, p: &MoeParams<'_, GpuTensor>) -> BRes
     )?;
     let y = if crate::moe_gemm::worthwhile(g, n, k, e) {
         crate::moe_gemm::routed(b, x, p, &ids)?
+    } else if crate::moe_gemm::padded_worthwhile(p, n, k, e) {
+        let (list, count) = expert_lists(b, &ids, n, e, k)?;
+        crate::moe_gemm::routed_padded(b, x, p, &list, &count)?
     } else {
         routed_grouped(b, x, p, &ids)?
     };
@@ -136,23 +139,8 @@ fn routed_grouped(
     let g = &b.gpu;
     // Picks grouped by expert, so each expert's weights are read once per MOE_TILE picks
     // instead of once per pick.
-    let list = g.uninit::<i32>(e * n)?;
-    let count = g.uninit::<i32>(e)?;
-    let active = g.uninit::<i32>(e + 1)?;
-    g.launch(
-        "k_moe_lists",
-        (1, 1, 1),
-        0,
-        &[
-            Arg::Ptr(g.ptr(ids)),
-            Arg::Ptr(g.ptr(&list)),
-            Arg::Ptr(g.ptr(&count)),
-            Arg::Ptr(g.ptr(&active)),
-            Arg::I32(n as i32),
-            Arg::I32(e as i32),
-            Arg::I32(k as i32),
-        ],
-    )?;
+    let (list, count) = expert_lists(b, ids, n, e, k)?;
+    let active = count.view_from(e);
     // One block column per expert that may be used: at most one per pick.
     let slots = e.min(n * k) as u32;
     let act = g.uninit::<f32>(n * k * inter)?;
@@ -197,4 +185,35 @@ fn routed_grouped(
         ],
     )?;
     Ok(y)
+}
+
+/// Picks by expert on the device: `list[e * rows + j]` is the j-th pick (row * k + slot) of
+/// expert e; `count` holds `E` counts, then the used experts in ascending order, then how
+/// many are used (see `k_moe_lists`).
+fn expert_lists(
+    b: &CudaBackend,
+    ids: &DevMem<i32>,
+    n: usize,
+    e: usize,
+    k: usize,
+) -> BResult<(DevMem<i32>, DevMem<i32>)> {
+    let g = &b.gpu;
+    let list = g.uninit::<i32>(e * n)?;
+    let count = g.uninit::<i32>(2 * e + 1)?;
+    let active = count.view_from(e);
+    g.launch(
+        "k_moe_lists",
+        (1, 1, 1),
+        0,
+        &[
+            Arg::Ptr(g.ptr(ids)),
+            Arg::Ptr(g.ptr(&list)),
+            Arg::Ptr(g.ptr(&count)),
+            Arg::Ptr(g.ptr(&active)),
+            Arg::I32(n as i32),
+            Arg::I32(e as i32),
+            Arg::I32(k as i32),
+        ],
+    )?;
+    Ok((list, count))
 }

@@ -167,6 +167,105 @@ pub(crate) fn routed(
     Ok(y)
 }
 
+/// Whether the padded-batch GEMM path pays inside a decode step: bf16 experts and at least
+/// one pick per expert on average (so most experts' weights are read anyway).
+pub(crate) fn padded_worthwhile(
+    p: &MoeParams<'_, GpuTensor>,
+    rows: usize,
+    k: usize,
+    experts: usize,
+) -> bool {
+    p.gate_up.is_bf16() && p.down.is_bf16() && rows * k >= experts
+}
+
+/// Routed experts as two strided-batched GEMMs over every expert, each with `rows` padded
+/// pick slots (an expert gets at most one pick per row): no host synchronisation, so it
+/// runs inside captured decode steps. Reads every expert's weights once; the padding costs
+/// tensor-core time only. Returns `y`: `[rows * k, H]`, one row per pick.
+pub(crate) fn routed_padded(
+    b: &CudaBackend,
+    x: &GpuTensor,
+    p: &MoeParams<'_, GpuTensor>,
+    list: &DevMem<i32>,
+    count: &DevMem<i32>,
+) -> BResult<DevMem<f32>> {
+    let (n, h) = (x.rows, x.cols);
+    let (e, k, inter) = (p.n_experts, p.top_k, p.intermediate);
+    let g = &b.gpu;
+    let (_, gu_ptr) = weight(b, p.gate_up);
+    let (_, down_ptr) = weight(b, p.down);
+    let xp = g.uninit::<u16>(e * n * h)?;
+    let grid = (e as u32, n as u32, 1);
+    g.launch(
+        "k_moe_gather_padded",
+        grid,
+        0,
+        &[
+            Arg::Ptr(g.ptr(f32_buf(x, "moe")?)),
+            Arg::Ptr(g.ptr(list)),
+            Arg::Ptr(g.ptr(count)),
+            Arg::Ptr(g.ptr(&xp)),
+            Arg::I32(n as i32),
+            Arg::I32(h as i32),
+            Arg::I32(k as i32),
+        ],
+    )?;
+    let gu = g.uninit::<f32>(e * n * 2 * inter)?;
+    g.gemm_nt(
+        g.ptr(&xp),
+        gu_ptr,
+        g.ptr(&gu),
+        (n, 2 * inter, h),
+        (h, h, 2 * inter),
+        (
+            (n * h) as i64,
+            (2 * inter * h) as i64,
+            (n * 2 * inter) as i64,
+        ),
+        e,
+        true,
+    )?;
+    let act = g.uninit::<u16>(e * n * inter)?;
+    g.launch(
+        "k_swiglu_halves_bf16",
+        grid_1d(e * n * inter),
+        0,
+        &[
+            Arg::Ptr(g.ptr(&gu)),
+            Arg::Ptr(g.ptr(&act)),
+            Arg::I64((e * n * inter) as i64),
+            Arg::I32(inter as i32),
+            Arg::F32(p.swiglu_limit),
+        ],
+    )?;
+    let yp = g.uninit::<f32>(e * n * h)?;
+    g.gemm_nt(
+        g.ptr(&act),
+        down_ptr,
+        g.ptr(&yp),
+        (n, h, inter),
+        (inter, inter, h),
+        ((n * inter) as i64, (h * inter) as i64, (n * h) as i64),
+        e,
+        true,
+    )?;
+    let y = g.uninit::<f32>(n * k * h)?;
+    g.launch(
+        "k_moe_scatter_padded",
+        grid,
+        0,
+        &[
+            Arg::Ptr(g.ptr(&yp)),
+            Arg::Ptr(g.ptr(list)),
+            Arg::Ptr(g.ptr(count)),
+            Arg::Ptr(g.ptr(&y)),
+            Arg::I32(n as i32),
+            Arg::I32(h as i32),
+        ],
+    )?;
+    Ok(y)
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]

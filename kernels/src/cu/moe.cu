@@ -232,6 +232,38 @@ extern "C" __global__ void k_moe_down_grouped_f32(const float* act, const float*
     moe_down_grouped(act, down, list, count, active, y, rows, E, H, I);
 }
 
+// Padded per-expert batches for one strided-batched GEMM: xp[e, t] = bf16(x[row of the
+// t-th pick of e]) for t < count[e], zeros after. grid (E, rows).
+extern "C" __global__ void k_moe_gather_padded(const float* x, const int* list, const int* count, bf16_t* xp,
+                                               int rows, int H, int k) {
+    int e = blockIdx.x, t = blockIdx.y;
+    bf16_t* dst = xp + ((i64)e * rows + t) * H;
+    if (t >= count[e]) {
+        for (int c = threadIdx.x; c < H; c += blockDim.x) dst[c] = 0;
+        return;
+    }
+    const float* src = x + (i64)(list[(i64)e * rows + t] / k) * H;
+    for (int c = threadIdx.x; c < H; c += blockDim.x) dst[c] = f_to_bf16(src[c]);
+}
+
+// gu: [n, 2*inter] (gate columns, then up columns) -> act: bf16 [n, inter].
+extern "C" __global__ void k_swiglu_halves_bf16(const float* gu, bf16_t* act, i64 n, int inter, float limit) {
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        i64 r = i / inter, c = i % inter;
+        act[i] = f_to_bf16(swiglu_(gu[r * 2 * inter + c], gu[r * 2 * inter + inter + c], limit));
+    }
+}
+
+// y[pick] = yp[e, t] for the t-th pick of expert e. grid (E, rows).
+extern "C" __global__ void k_moe_scatter_padded(const float* yp, const int* list, const int* count, float* y,
+                                                int rows, int H) {
+    int e = blockIdx.x, t = blockIdx.y;
+    if (t >= count[e]) return;
+    const float* src = yp + ((i64)e * rows + t) * H;
+    float* dst = y + (i64)list[(i64)e * rows + t] * H;
+    for (int c = threadIdx.x; c < H; c += blockDim.x) dst[c] = src[c];
+}
+
 // One block per row: out = sum over picks in ascending expert id of w * y, plus shared.
 extern "C" __global__ void k_moe_combine(const float* y, const int* ids, const float* wts, const float* shared,
                                          float* out, int H, int k) {
