@@ -18,6 +18,9 @@ use std::sync::{Arc, Mutex};
 /// Dynamic shared memory the attention kernel may use (Hopper allows up to 227 KiB).
 pub(crate) const ATTENTION_SHARED: usize = 160 * 1024;
 
+/// Copies to the host at least this large go through the page-locked buffer.
+const PINNED_MIN: usize = 1 << 20;
+
 /// Bytes of cuBLAS workspace (Hopper GEMMs want up to 32 MiB).
 const BLAS_WORKSPACE: usize = 32 << 20;
 
@@ -59,6 +62,8 @@ pub struct Gpu {
     _blas_workspace: CudaSlice<u8>,
     /// Decode-step arena, staging buffer and signature (see `step`).
     step: Mutex<StepState>,
+    /// Page-locked bounce buffer of large device-to-host copies.
+    pinned: Mutex<Option<cudarc::driver::PinnedHostSlice<u8>>>,
     funcs: HashMap<String, CudaFunction>,
     pub arch: String,
     pub device_name: String,
@@ -179,6 +184,7 @@ impl Gpu {
             blas,
             _blas_workspace: workspace,
             step: Mutex::new(StepState::default()),
+            pinned: Mutex::new(None),
             funcs,
             arch,
             device_name,
@@ -289,6 +295,10 @@ impl Gpu {
             ));
         }
         let n = n.min(s.len());
+        let bytes = n * std::mem::size_of::<T>();
+        if bytes >= PINNED_MIN {
+            return self.download_pinned(s.ptr(), n);
+        }
         let mut v = vec![T::default(); n];
         if n > 0 {
             // SAFETY: `s` holds at least `n` values; the stream is synchronised before `v`
@@ -303,6 +313,47 @@ impl Gpu {
             .map_err(dev_err)?;
         }
         self.synchronize()?;
+        Ok(v)
+    }
+
+    /// A large copy to the host through a reused page-locked buffer (pageable copies of
+    /// tens of MB, such as a large batch's logits, run several times slower).
+    #[allow(unsafe_code)]
+    fn download_pinned<T: DeviceRepr>(&self, src: u64, n: usize) -> BResult<Vec<T>> {
+        let bytes = n * std::mem::size_of::<T>();
+        let mut pinned = self
+            .pinned
+            .lock()
+            .map_err(|_| BackendError::Device("pinned buffer poisoned by a panic".into()))?;
+        if pinned.as_ref().is_none_or(|p| p.len() < bytes) {
+            *pinned = None;
+            // SAFETY: plain page-locked bytes; every byte read below was written by the copy.
+            let buf = unsafe {
+                self.ctx
+                    .alloc_pinned_with_flags::<u8>(bytes.next_power_of_two(), 0)
+            }
+            .map_err(dev_err)?;
+            *pinned = Some(buf);
+        }
+        let buf = pinned
+            .as_mut()
+            .ok_or_else(|| BackendError::Device("pinned buffer missing".into()))?;
+        let host = buf.as_mut_ptr().map_err(dev_err)?;
+        // SAFETY: `host` holds at least `bytes` bytes; the stream is synchronised before
+        // they are read.
+        unsafe {
+            let dst = std::slice::from_raw_parts_mut(host, bytes);
+            cudarc::driver::result::memcpy_dtoh_async(dst, src, self.stream.cu_stream())
+                .map_err(dev_err)?;
+        }
+        self.synchronize()?;
+        let mut v = Vec::<T>::with_capacity(n);
+        // SAFETY: `bytes` bytes of plain-old-data values (DeviceRepr) copied into capacity
+        // for exactly `n` values, then the length is set.
+        unsafe {
+            std::ptr::copy_nonoverlapping(host.cast_const(), v.as_mut_ptr().cast::<u8>(), bytes);
+            v.set_len(n);
+        }
         Ok(v)
     }
 
