@@ -37,6 +37,7 @@ pub(crate) enum Arg {
     Ptr(u64),
     I32(i32),
     I64(i64),
+    U64(u64),
     F32(f32),
 }
 
@@ -195,6 +196,7 @@ impl Gpu {
                 Arg::Ptr(v) => b.arg(v),
                 Arg::I32(v) => b.arg(v),
                 Arg::I64(v) => b.arg(v),
+                Arg::U64(v) => b.arg(v),
                 Arg::F32(v) => b.arg(v),
             };
         }

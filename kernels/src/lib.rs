@@ -4,6 +4,7 @@
 //! run time, and [`CudaBackend::new`] says clearly why a device cannot be used.
 
 pub mod backend;
+pub mod bench;
 pub mod check;
 pub mod compile;
 pub mod device;
@@ -12,6 +13,7 @@ mod hc;
 pub mod kv_ops;
 mod kv_store;
 mod moe;
+mod random;
 pub mod tensor;
 
 pub use backend::CudaBackend;
