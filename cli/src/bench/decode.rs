@@ -117,10 +117,10 @@ pub fn run<B: BenchBackend>(a: &DecodeArgs, mut backend: B) -> Result<Vec<Decode
     let pages_per_seq = layout.pages_for(max_c + span + 1);
     let pool = max_b * pages_per_seq;
     println!(
-        "KV pool: {max_b} sequences x {pages_per_seq} pages of {} B + state slots of {} B = {:.2} GB",
+        "KV pool: {max_b} sequences x {pages_per_seq} pages of {} B + state slots of {} B = {}",
         layout.page_bytes,
         layout.state_bytes,
-        (pool * layout.page_bytes + max_b * layout.state_bytes) as f64 / 1e9
+        super::table::size((pool * layout.page_bytes + max_b * layout.state_bytes) as f64)
     );
     let mut kv = backend.alloc_kv(layout, pool, max_b)?;
     let variants: Vec<(Vec<u8>, Vec<u8>)> = (0..8)

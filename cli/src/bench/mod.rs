@@ -108,8 +108,8 @@ impl<B: BenchBackend> Prepared<B> {
             cfg.vocab_size
         );
         println!(
-            "weights: {:.2} GB (random, seed {}); KV layout {} (kv {}, index-K {}, {} tokens/page)",
-            wb.total as f64 / 1e9,
+            "weights: {} (random, seed {}); KV layout {} (kv {}, index-K {}, {} tokens/page)",
+            table::size(wb.total as f64),
             flags.seed,
             layout.fingerprint(),
             layout.kv_dtype,

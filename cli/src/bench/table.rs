@@ -57,6 +57,16 @@ pub fn mb(bytes: f64) -> String {
     num(bytes / 1e6)
 }
 
+/// Bytes with a decimal unit (GB, MB, kB, B).
+pub fn size(bytes: f64) -> String {
+    match bytes {
+        b if b >= 1e9 => format!("{} GB", num(b / 1e9)),
+        b if b >= 1e6 => format!("{} MB", num(b / 1e6)),
+        b if b >= 1e3 => format!("{} kB", num(b / 1e3)),
+        b => format!("{} B", num(b)),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -77,5 +87,7 @@ mod tests {
         assert_eq!(num(1234.0), "1234");
         assert_eq!(num(0.0001234), "1.23e-4");
         assert_eq!(mb(2.5e6), "2.50");
+        assert_eq!(size(12.9e9), "12.9 GB");
+        assert_eq!(size(685e3), "685 kB");
     }
 }
