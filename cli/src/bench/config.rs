@@ -45,7 +45,7 @@ pub struct ModelFlags {
 pub fn flash_layer_type(i: usize) -> &'static str {
     match i {
         0 | 1 => "sliding_attention",
-        _ if i % 2 == 0 => "compressed_sparse_attention",
+        _ if i.is_multiple_of(2) => "compressed_sparse_attention",
         _ => "heavily_compressed_attention",
     }
 }

@@ -63,7 +63,7 @@ impl BenchBackend for CpuBackend {
         }
         Ok(Ceiling {
             rate: 2.0 * (n * 4) as f64 / median(runs),
-            how: format!("host copy of {} MiB, read+write", n * 4 >> 20),
+            how: format!("host copy of {} MiB, read+write", (n * 4) >> 20),
         })
     }
 

@@ -108,11 +108,7 @@ pub fn kv_read_bytes(cfg: &ModelConfig, layout: &KvLayout, pos: usize) -> u64 {
         .layers
         .iter()
         .map(|l| {
-            let visible = if l.rate > 0 {
-                ((pos + 1) / l.rate) as u64
-            } else {
-                0
-            };
+            let visible = (pos + 1).checked_div(l.rate).unwrap_or(0) as u64;
             window * kv_entry
                 + match l.kind {
                     LayerKind::Sliding => 0,
