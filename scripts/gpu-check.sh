@@ -5,6 +5,7 @@
 #
 #   scripts/gpu-check.sh                 # uses target/release/pdserve
 #   PDSERVE_BIN=path/to/pdserve DEVICE=1 scripts/gpu-check.sh
+#   scripts/gpu-check.sh --only graphs   # one group: embedded, fixtures, graphs
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${PDSERVE_BIN:-target/release/pdserve}
@@ -43,7 +44,7 @@ echo "   (kv=bf16: 2e-2), bf16 weights as info. greedy: argmax equal on every ro
 echo "   rows whose two candidates' CPU logits differ by less than twice the row's max |GPU-CPU|."
 echo "   'greedy generation' rows (free-running, one flip changes every later token) are info."
 echo "   --kv-audit row: 4 sequences, 300 batched decode steps, no write outside the expected pages."
-"$BIN" gpu-check --fixtures tests/fixtures --device "$DEVICE"
+"$BIN" gpu-check --fixtures tests/fixtures --device "$DEVICE" "$@"
 echo "== kernel cache: second start loads PTX from $PDSERVE_KERNEL_CACHE"
 ls "$PDSERVE_KERNEL_CACHE" | head -n 20
 "$BIN" --log-format text generate --device "cuda:$DEVICE" --max-new-tokens 16 --prompt "The quick brown fox"

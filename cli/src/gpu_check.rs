@@ -2,6 +2,7 @@
 
 use anyhow::{bail, Context, Result};
 use pdserve_kernels::check::{check_embedded, check_fixture, header, CheckRow};
+use pdserve_kernels::check_graphs::check_graphs;
 use std::path::PathBuf;
 
 #[derive(clap::Args, Debug)]
@@ -12,6 +13,9 @@ pub struct GpuCheckArgs {
     /// CUDA device ordinal.
     #[arg(long, default_value_t = 0)]
     device: usize,
+    /// Run only these groups of checks (default: all).
+    #[arg(long, value_delimiter = ',', value_parser = ["embedded", "fixtures", "graphs"])]
+    only: Vec<String>,
 }
 
 pub fn gpu_check(a: GpuCheckArgs) -> Result<()> {
@@ -32,9 +36,23 @@ pub fn gpu_check(a: GpuCheckArgs) -> Result<()> {
             println!("{r}");
         }
     };
-    show(check_embedded(a.device).map_err(|e| anyhow::anyhow!("embedded model: {e}"))?);
-    for d in &dirs {
-        show(check_fixture(d, a.device).map_err(|e| anyhow::anyhow!("{}: {e}", d.display()))?);
+    let run = |group: &str| a.only.is_empty() || a.only.iter().any(|g| g == group);
+    if run("embedded") {
+        show(check_embedded(a.device).map_err(|e| anyhow::anyhow!("embedded model: {e}"))?);
+    }
+    if run("fixtures") {
+        for d in &dirs {
+            show(check_fixture(d, a.device).map_err(|e| anyhow::anyhow!("{}: {e}", d.display()))?);
+        }
+    }
+    let mut figures = Vec::new();
+    if run("graphs") {
+        let (rows, f) = check_graphs(a.device).map_err(|e| anyhow::anyhow!("CUDA graphs: {e}"))?;
+        show(rows);
+        figures = f;
+    }
+    for f in figures {
+        println!("{f}");
     }
     if failed > 0 {
         bail!("{failed} GPU check(s) failed");

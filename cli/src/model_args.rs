@@ -6,7 +6,7 @@ use pdserve_engine::kv::sizing::{self, DeviceSize, HostSize};
 use pdserve_engine::kv::{EntryDtype, KvLayout, KvLayoutSpec};
 use pdserve_engine::tokenizer::Tokenizer;
 use pdserve_engine::{CpuBackend, Engine, PoolSize};
-use pdserve_kernels::{CudaBackend, WeightDtype};
+use pdserve_kernels::{CudaBackend, GraphMode, WeightDtype};
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -23,6 +23,15 @@ pub struct ModelArgs {
     /// or f32 (fp32 GEMMs; a reference mode for checking the kernels).
     #[arg(long, default_value = "bf16")]
     pub cuda_weights: String,
+    /// Decode steps on a CUDA device: `capture` (one CUDA graph per batch-size bucket,
+    /// captured on first use, then replayed) or `eager` (the same kernels launched one by
+    /// one).
+    #[arg(long, default_value = "capture")]
+    pub cuda_graph: String,
+    /// Run every CUDA decode step both from its graph and eagerly, and fail it unless the
+    /// logits, pages and states are bitwise equal (slow; for checking).
+    #[arg(long)]
+    pub verify_graphs: bool,
     /// Storage dtype of the indexer's index-K entries: f32 (exact top-k picks), bf16 (half
     /// the bytes) or fp8 (e4m3 + one fp32 scale per entry: 132 B per 128-dim entry).
     /// Below f32, near-ties in indexer scores can pick different entries.
@@ -140,14 +149,26 @@ impl ModelArgs {
             .parse()
             .map_err(anyhow::Error::msg)
             .context("--cuda-weights")?;
+        let graphs: GraphMode = self
+            .cuda_graph
+            .parse()
+            .map_err(anyhow::Error::msg)
+            .context("--cuda-graph")?;
+        let open = |n: usize| {
+            CudaBackend::with_weights(n, None, weights).map(|mut b| {
+                b.set_graph_mode(graphs);
+                b.set_verify_graphs(self.verify_graphs);
+                b
+            })
+        };
         match device {
             Device::Cpu => cmd.run(self.load(CpuBackend)?),
             Device::Cuda(n) => {
-                let b = CudaBackend::with_weights(n, None, weights)
+                let b = open(n)
                     .with_context(|| format!("--device cuda:{n}: CUDA backend unavailable"))?;
                 cmd.run(self.load(b)?)
             }
-            Device::Auto => match CudaBackend::with_weights(0, None, weights) {
+            Device::Auto => match open(0) {
                 Ok(b) => cmd.run(self.load(b)?),
                 Err(e) => {
                     tracing::warn!(error = %e, "--device auto: CUDA unavailable, running on the CPU");

@@ -2,29 +2,35 @@
 //! hyper-connections); paged-KV ops live in `kv_ops`, MoE in `moe`.
 
 use crate::device::{dev_err, grid_1d, Arg, DeviceError, Gpu};
+use crate::devmem::DevMem;
+use crate::graphs::{GraphCache, GraphStats};
 use crate::kv_ops::{self, GpuKv, GpuSelection};
 use crate::tensor::{keeps_f32, stores_bf16, Buf, GpuTensor, WeightDtype};
-use cudarc::driver::CudaSlice;
+use crate::GraphMode;
+use pdserve_engine::backend::StepForward;
 use pdserve_engine::backend::{
     BResult, Backend, BatchPlan, CompressedKeys, CompressorParams, HcParams, HcPre, HostTensor,
     MoeParams, WeightInit,
 };
 use pdserve_engine::kv::{KvLayout, PageId, StateSlot};
 use pdserve_engine::rope::Rope;
-use std::borrow::Cow;
 use std::path::PathBuf;
+use std::sync::Mutex;
 
 /// The CUDA backend: one device, one stream.
 #[derive(Debug)]
 pub struct CudaBackend {
     pub(crate) gpu: Gpu,
     weights: WeightDtype,
+    graph_mode: GraphMode,
+    verify_graphs: bool,
+    graphs: Mutex<GraphCache>,
 }
 
 use pdserve_engine::backend::shapes;
 pub(crate) use pdserve_engine::backend::shapes::shape_err;
 
-pub(crate) fn f32_buf<'a>(t: &'a GpuTensor, op: &'static str) -> BResult<&'a CudaSlice<f32>> {
+pub(crate) fn f32_buf<'a>(t: &'a GpuTensor, op: &'static str) -> BResult<&'a DevMem<f32>> {
     match &t.buf {
         Buf::F32(s) => Ok(s),
         Buf::Bf16(_) => Err(shape_err(
@@ -51,7 +57,47 @@ impl CudaBackend {
         Ok(CudaBackend {
             gpu: Gpu::open(ordinal, cache)?,
             weights,
+            graph_mode: GraphMode::default(),
+            verify_graphs: false,
+            graphs: Mutex::new(GraphCache::default()),
         })
+    }
+
+    /// How decode steps run (`--cuda-graph`).
+    pub fn set_graph_mode(&mut self, mode: GraphMode) {
+        self.graph_mode = mode;
+    }
+
+    pub fn graph_mode(&self) -> GraphMode {
+        self.graph_mode
+    }
+
+    /// Run every decode step eagerly and as a graph replay and fail it unless logits,
+    /// pages and states are bitwise equal (`--verify-graphs`; graph mode only).
+    pub fn set_verify_graphs(&mut self, on: bool) {
+        self.verify_graphs = on;
+    }
+
+    pub fn verify_graphs(&self) -> bool {
+        self.verify_graphs
+    }
+
+    pub(crate) fn graph_cache(&self) -> BResult<std::sync::MutexGuard<'_, GraphCache>> {
+        self.graphs
+            .lock()
+            .map_err(|_| dev_err("graph cache poisoned by a panic"))
+    }
+
+    /// Graphs captured and replayed so far.
+    pub fn graph_stats(&self) -> GraphStats {
+        self.graph_cache()
+            .map(|c| GraphStats {
+                captures: c.captures,
+                replays: c.replays,
+                held: c.held(),
+                phases: c.phases,
+            })
+            .unwrap_or_default()
     }
 
     pub fn weight_dtype(&self) -> WeightDtype {
@@ -92,20 +138,21 @@ impl CudaBackend {
         &self.gpu
     }
 
+    /// An fp32 output tensor; every caller's kernel writes all of it.
     pub(crate) fn new_f32(&self, rows: usize, cols: usize) -> BResult<GpuTensor> {
         Ok(GpuTensor {
             rows,
             cols,
-            buf: Buf::F32(self.gpu.zeros::<f32>(rows * cols)?),
+            buf: Buf::F32(self.gpu.uninit::<f32>(rows * cols)?),
         })
     }
 
     /// An fp32 view of a parameter (bf16 parameters are widened into a new buffer).
-    pub(crate) fn param_f32<'a>(&self, t: &'a GpuTensor) -> BResult<Cow<'a, CudaSlice<f32>>> {
+    pub(crate) fn param_f32(&self, t: &GpuTensor) -> BResult<DevMem<f32>> {
         match &t.buf {
-            Buf::F32(s) => Ok(Cow::Borrowed(s)),
+            Buf::F32(s) => Ok(DevMem::view(s.ptr(), s.len())),
             Buf::Bf16(s) => {
-                let out = self.gpu.zeros::<f32>(t.len())?;
+                let out = self.gpu.uninit::<f32>(t.len())?;
                 self.gpu.launch(
                     "k_bf16_to_f32",
                     grid_1d(t.len()),
@@ -116,7 +163,7 @@ impl CudaBackend {
                         Arg::I64(t.len() as i64),
                     ],
                 )?;
-                Ok(Cow::Owned(out))
+                Ok(out)
             }
         }
     }
@@ -127,7 +174,7 @@ impl CudaBackend {
         &self,
         rope: &Rope,
         positions: impl Iterator<Item = usize>,
-    ) -> BResult<(CudaSlice<f32>, CudaSlice<f32>)> {
+    ) -> BResult<(DevMem<f32>, DevMem<f32>)> {
         let half = rope.dim() / 2;
         let (mut cs, mut sn) = (Vec::new(), Vec::new());
         let (mut c, mut s) = (vec![0f32; half], vec![0f32; half]);
@@ -151,7 +198,7 @@ impl CudaBackend {
         let strides = (din as i64, (dout * din) as i64, dout as i64);
         match &w.buf {
             Buf::Bf16(wb) => {
-                let xb = self.gpu.zeros::<u16>(x.len())?;
+                let xb = self.gpu.uninit::<u16>(x.len())?;
                 self.gpu.launch(
                     "k_f32_to_bf16",
                     grid_1d(x.len()),
@@ -471,5 +518,14 @@ impl Backend for CudaBackend {
 
     fn moe(&self, x: &GpuTensor, p: &MoeParams<'_, GpuTensor>) -> BResult<GpuTensor> {
         crate::moe::moe(self, x, p)
+    }
+
+    fn decode_step(
+        &self,
+        kv: &mut GpuKv,
+        plan: &BatchPlan,
+        forward: &mut StepForward<'_, Self>,
+    ) -> BResult<HostTensor> {
+        crate::graphs::decode_step(self, kv, plan, forward)
     }
 }

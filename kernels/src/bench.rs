@@ -54,6 +54,21 @@ impl CudaBackend {
         Ok(out)
     }
 
+    /// `bytes` bytes from device address `src` to `dst` on the stream.
+    #[allow(unsafe_code)]
+    fn copy_dtod(&self, dst: u64, src: u64, bytes: usize) -> BResult<()> {
+        if self.gpu.in_step() {
+            return Err(BackendError::Device(
+                "bandwidth probe inside a decode step".into(),
+            ));
+        }
+        // SAFETY: both ranges are `bytes` long inside live allocations made by the caller.
+        unsafe {
+            cudarc::driver::result::memcpy_dtod_async(dst, src, bytes, self.gpu.stream.cu_stream())
+        }
+        .map_err(dev_err)
+    }
+
     /// Memory bandwidth over a `bytes`-byte buffer (use one far larger than the L2 cache).
     pub fn measure_bandwidth(&self, bytes: usize, iters: usize) -> BResult<Bandwidth> {
         let n = (bytes / 16).max(1) * 4;
@@ -61,12 +76,11 @@ impl CudaBackend {
         let Buf::F32(src) = &src.buf else {
             return Err(dev_err("random f32 buffer"));
         };
-        let mut dst = self.gpu.zeros::<f32>(n)?;
-        let copy = self.time_runs(iters, || {
-            self.gpu.stream.memcpy_dtod(src, &mut dst).map_err(dev_err)
-        })?;
+        let dst = self.gpu.zeros_owned::<f32>(n)?;
+        let (sp, dp) = (self.gpu.ptr(src), self.gpu.ptr(&dst));
+        let copy = self.time_runs(iters, || self.copy_dtod(dp, sp, n * 4))?;
         let blocks = (n / 4).div_ceil(BLOCK as usize).clamp(1, 16 * 1024);
-        let sums = self.gpu.zeros::<f32>(blocks)?;
+        let sums = self.gpu.zeros_owned::<f32>(blocks)?;
         let read = self.time_runs(iters, || {
             self.gpu.launch(
                 "k_read_probe",
@@ -94,7 +108,7 @@ impl CudaBackend {
         let (Buf::Bf16(a), Buf::Bf16(w)) = (&a.buf, &w.buf) else {
             return Err(dev_err("random bf16 buffers"));
         };
-        let c = self.gpu.zeros::<f32>(n * n)?;
+        let c = self.gpu.zeros_owned::<f32>(n * n)?;
         let (ap, wp, cp) = (self.gpu.ptr(a), self.gpu.ptr(w), self.gpu.ptr(&c));
         let runs = self.time_runs(iters, || {
             self.gpu

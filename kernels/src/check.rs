@@ -138,7 +138,7 @@ fn argmax(v: &[f32]) -> usize {
         .fold(0, |b, (i, x)| if *x > v[b] { i } else { b })
 }
 
-fn compare(name: String, got: &[Vec<f32>], want: &[Vec<f32>], tol: f64) -> CheckRow {
+pub(crate) fn compare(name: String, got: &[Vec<f32>], want: &[Vec<f32>], tol: f64) -> CheckRow {
     let (max_rel_err, worst_row) = got
         .iter()
         .zip(want)

@@ -2,6 +2,8 @@
 //! kernels. Every CUDA call's result is checked and returned as a `BackendError::Device`.
 
 use crate::compile::{self, CompileError};
+use crate::devmem::DevMem;
+use crate::step::{StepMode, StepRecord, StepState};
 use cudarc::cublas::{result as blas_result, sys as blas_sys, CudaBlas};
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig,
@@ -11,7 +13,13 @@ use cudarc::nvrtc::Ptx;
 use pdserve_engine::backend::{BResult, BackendError};
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+
+/// Dynamic shared memory the attention kernel may use (Hopper allows up to 227 KiB).
+pub(crate) const ATTENTION_SHARED: usize = 160 * 1024;
+
+/// Bytes of cuBLAS workspace (Hopper GEMMs want up to 32 MiB).
+const BLAS_WORKSPACE: usize = 32 << 20;
 
 /// Why a CUDA device cannot be used.
 #[derive(Debug, thiserror::Error)]
@@ -37,7 +45,6 @@ pub(crate) enum Arg {
     Ptr(u64),
     I32(i32),
     I64(i64),
-    U64(u64),
     F32(f32),
 }
 
@@ -48,6 +55,10 @@ pub struct Gpu {
     pub ctx: Arc<CudaContext>,
     pub stream: Arc<CudaStream>,
     blas: CudaBlas,
+    /// cuBLAS's workspace, set once so that no GEMM allocates (required under capture).
+    _blas_workspace: CudaSlice<u8>,
+    /// Decode-step arena, staging buffer and signature (see `step`).
+    step: Mutex<StepState>,
     funcs: HashMap<String, CudaFunction>,
     pub arch: String,
     pub device_name: String,
@@ -106,7 +117,10 @@ impl Gpu {
         // One stream, no cross-stream event tracking (also required for graph capture).
         // SAFETY: every op of this backend runs on `stream`.
         unsafe { ctx.disable_event_tracking() };
-        let stream = ctx.default_stream();
+        // A created stream: the legacy default stream cannot be captured.
+        let stream = ctx
+            .new_stream()
+            .map_err(|e| DeviceError::Driver(format!("creating a stream: {e:?}")))?;
         let (major, minor) = ctx
             .compute_capability()
             .map_err(|e| DeviceError::Driver(format!("{e:?}")))?;
@@ -114,6 +128,22 @@ impl Gpu {
         let device_name = ctx.name().unwrap_or_else(|_| "unknown".into());
         let blas =
             CudaBlas::new(stream.clone()).map_err(|e| DeviceError::Driver(format!("{e:?}")))?;
+        let workspace = stream
+            .alloc_zeros::<u8>(BLAS_WORKSPACE)
+            .map_err(|e| DeviceError::Driver(format!("cuBLAS workspace: {e:?}")))?;
+        {
+            let (wp, _sync) = workspace.device_ptr(&stream);
+            // SAFETY: the workspace lives as long as the handle (both in `Gpu`).
+            unsafe {
+                blas_sys::cublasSetWorkspace_v2(
+                    *blas.handle(),
+                    wp as *mut std::ffi::c_void,
+                    BLAS_WORKSPACE,
+                )
+            }
+            .result()
+            .map_err(|e| DeviceError::Driver(format!("cublasSetWorkspace: {e:?}")))?;
+        }
         let dir = cache.unwrap_or_else(compile::default_cache_dir);
         let mut funcs = HashMap::new();
         for (name, src) in compile::MODULES {
@@ -132,6 +162,14 @@ impl Gpu {
                 let func = module
                     .load_function(f)
                     .map_err(|e| DeviceError::Driver(format!("kernel {f}: {e:?}")))?;
+                if f == "k_attention" {
+                    // Scores of long contexts' compressed keys live in shared memory.
+                    func.set_attribute(
+                        cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        ATTENTION_SHARED as i32,
+                    )
+                    .map_err(|e| DeviceError::Driver(format!("kernel {f}: shared memory: {e:?}")))?;
+                }
                 funcs.insert(f.to_string(), func);
             }
         }
@@ -139,39 +177,188 @@ impl Gpu {
             ctx,
             stream,
             blas,
+            _blas_workspace: workspace,
+            step: Mutex::new(StepState::default()),
             funcs,
             arch,
             device_name,
         })
     }
 
-    pub(crate) fn ptr<T>(&self, s: &CudaSlice<T>) -> u64 {
-        let (p, _sync) = s.device_ptr(&self.stream);
-        p
+    pub(crate) fn ptr<T>(&self, s: &DevMem<T>) -> u64 {
+        s.ptr()
     }
 
-    pub(crate) fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, n: usize) -> BResult<CudaSlice<T>> {
-        self.stream.alloc_zeros::<T>(n.max(1)).map_err(dev_err)
+    fn step(&self) -> BResult<std::sync::MutexGuard<'_, StepState>> {
+        self.step
+            .lock()
+            .map_err(|_| BackendError::Device("decode-step state poisoned by a panic".into()))
     }
 
-    pub(crate) fn upload<T: DeviceRepr>(&self, v: &[T]) -> BResult<CudaSlice<T>> {
-        if v.is_empty() {
-            // A one-element buffer stands in for an empty one (never read).
-            #[allow(unsafe_code)]
-            // SAFETY: allocated, never read before a write.
-            return unsafe { self.stream.alloc::<T>(1) }.map_err(dev_err);
+    /// A zero-filled buffer of `n` values: from the step arena inside a decode step,
+    /// else a new allocation.
+    pub(crate) fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, n: usize) -> BResult<DevMem<T>> {
+        let mut st = self.step()?;
+        if st.mode == StepMode::Off {
+            drop(st);
+            return self.zeros_owned(n);
         }
-        self.stream.clone_htod(v).map_err(dev_err)
+        let bytes = n.max(1) * std::mem::size_of::<T>();
+        let ptr = st.alloc(bytes)?;
+        if st.mode != StepMode::Dry {
+            // SAFETY: `ptr` is `bytes` bytes inside the live arena.
+            #[allow(unsafe_code)]
+            unsafe {
+                cudarc::driver::result::memset_d8_async(ptr, 0, bytes, self.stream.cu_stream())
+            }
+            .map_err(dev_err)?;
+        }
+        Ok(DevMem::view(ptr, n))
     }
 
+    /// A buffer of `n` values the caller's kernel overwrites entirely before any read:
+    /// like [`Gpu::zeros`] without the fill (one graph node less per op).
+    #[allow(unsafe_code)]
+    pub(crate) fn uninit<T: DeviceRepr>(&self, n: usize) -> BResult<DevMem<T>> {
+        let mut st = self.step()?;
+        if st.mode == StepMode::Off {
+            drop(st);
+            // SAFETY: the caller writes every value before reading any.
+            let s = unsafe { self.stream.alloc::<T>(n.max(1)) }.map_err(dev_err)?;
+            return Ok(DevMem::owned(s, &self.stream, n));
+        }
+        let ptr = st.alloc(n.max(1) * std::mem::size_of::<T>())?;
+        Ok(DevMem::view(ptr, n))
+    }
+
+    /// A new zero-filled allocation that outlives any step (weights, KV pools).
+    pub(crate) fn zeros_owned<T: DeviceRepr + ValidAsZeroBits>(
+        &self,
+        n: usize,
+    ) -> BResult<DevMem<T>> {
+        let s = self.stream.alloc_zeros::<T>(n.max(1)).map_err(dev_err)?;
+        Ok(DevMem::owned(s, &self.stream, n))
+    }
+
+    /// Copy `v` to the device: into the step's staging buffer inside a decode step
+    /// (copied right away when eager, before the graph launch otherwise), else into a new
+    /// allocation.
+    #[allow(unsafe_code)]
+    pub(crate) fn upload<T: DeviceRepr>(&self, v: &[T]) -> BResult<DevMem<T>> {
+        let mut st = self.step()?;
+        if st.mode == StepMode::Off {
+            drop(st);
+            if v.is_empty() {
+                // A one-element buffer stands in for an empty one (never read).
+                // SAFETY: allocated, never read before a write.
+                let s = unsafe { self.stream.alloc::<T>(1) }.map_err(dev_err)?;
+                return Ok(DevMem::owned(s, &self.stream, 0));
+            }
+            let s = self.stream.clone_htod(v).map_err(dev_err)?;
+            return Ok(DevMem::owned(s, &self.stream, v.len()));
+        }
+        // SAFETY: plain-old-data values (DeviceRepr) viewed as their bytes.
+        let bytes = unsafe {
+            std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v))
+        };
+        let (ptr, off) = st.stage(bytes)?;
+        if st.mode == StepMode::Eager && !bytes.is_empty() {
+            // SAFETY: the staging buffer holds `off + len` bytes (sized by the dry pass);
+            // a pageable-memory copy has read its source when the call returns.
+            unsafe {
+                cudarc::driver::result::memcpy_htod_async(
+                    ptr,
+                    &st.staged()[off..off + bytes.len()],
+                    self.stream.cu_stream(),
+                )
+            }
+            .map_err(dev_err)?;
+        }
+        Ok(DevMem::view(ptr, v.len()))
+    }
+
+    #[allow(unsafe_code)]
     pub(crate) fn download<T: DeviceRepr + Default + Clone>(
         &self,
-        s: &CudaSlice<T>,
+        s: &DevMem<T>,
         n: usize,
     ) -> BResult<Vec<T>> {
-        let mut v = self.stream.clone_dtoh(s).map_err(dev_err)?;
-        v.truncate(n);
+        if self.step()?.mode != StepMode::Off {
+            return Err(BackendError::Device(
+                "a device-to-host copy inside a decode step".into(),
+            ));
+        }
+        let n = n.min(s.len());
+        let mut v = vec![T::default(); n];
+        if n > 0 {
+            // SAFETY: `s` holds at least `n` values; the stream is synchronised before `v`
+            // is read.
+            unsafe {
+                cudarc::driver::result::memcpy_dtoh_async(
+                    &mut v[..],
+                    s.ptr(),
+                    self.stream.cu_stream(),
+                )
+            }
+            .map_err(dev_err)?;
+        }
+        self.synchronize()?;
         Ok(v)
+    }
+
+    /// Copy `bytes` to device address `dst` (outside a decode step).
+    #[allow(unsafe_code)]
+    pub(crate) fn copy_to_device(&self, dst: u64, bytes: &[u8]) -> BResult<()> {
+        if self.in_step() {
+            return Err(BackendError::Device(
+                "a direct host-to-device copy inside a decode step".into(),
+            ));
+        }
+        // SAFETY: callers pass a destination range inside a live allocation; a
+        // pageable-memory copy has read its source when the call returns.
+        unsafe { cudarc::driver::result::memcpy_htod_async(dst, bytes, self.stream.cu_stream()) }
+            .map_err(dev_err)
+    }
+
+    /// Start recording a decode step in `mode`.
+    pub(crate) fn begin_step(&self, mode: StepMode) -> BResult<()> {
+        self.step()?.begin(mode);
+        Ok(())
+    }
+
+    /// Stop recording; returns what the step recorded.
+    pub(crate) fn end_step(&self) -> BResult<StepRecord> {
+        Ok(self.step()?.end())
+    }
+
+    /// Size the arena and staging buffer for `rec`; true when they moved.
+    pub(crate) fn ensure_step_buffers(&self, rec: &StepRecord) -> BResult<bool> {
+        self.step()?.ensure(&self.stream, rec)
+    }
+
+    /// Copy a dry pass's staged data to the staging buffer (before a graph launch).
+    #[allow(unsafe_code)]
+    pub(crate) fn copy_staged(&self, rec: &StepRecord) -> BResult<()> {
+        if rec.staged.is_empty() {
+            return Ok(());
+        }
+        let base = self.step()?.staging_base();
+        // SAFETY: `ensure_step_buffers(rec)` sized the staging buffer for these bytes.
+        unsafe {
+            cudarc::driver::result::memcpy_htod_async(
+                base,
+                &rec.staged[..],
+                self.stream.cu_stream(),
+            )
+        }
+        .map_err(dev_err)
+    }
+
+    /// Whether a decode step is being recorded (dummy page and state ids are then valid).
+    pub(crate) fn in_step(&self) -> bool {
+        self.step()
+            .map(|s| s.mode != StepMode::Off)
+            .unwrap_or(false)
     }
 
     /// Launch kernel `name` on the stream.
@@ -190,13 +377,21 @@ impl Gpu {
             .funcs
             .get(name)
             .ok_or_else(|| BackendError::Device(format!("kernel {name} not loaded")))?;
+        {
+            let mut st = self.step()?;
+            if st.mode != StepMode::Off {
+                st.sign_launch(name, grid, shared, args);
+            }
+            if st.mode == StepMode::Dry {
+                return Ok(());
+            }
+        }
         let mut b = self.stream.launch_builder(f);
         for a in args {
             match a {
                 Arg::Ptr(v) => b.arg(v),
                 Arg::I32(v) => b.arg(v),
                 Arg::I64(v) => b.arg(v),
-                Arg::U64(v) => b.arg(v),
                 Arg::F32(v) => b.arg(v),
             };
         }
@@ -229,6 +424,34 @@ impl Gpu {
         let (n, m, k) = dims;
         if n == 0 || m == 0 {
             return Ok(());
+        }
+        {
+            let mut st = self.step()?;
+            if st.mode != StepMode::Off {
+                let (ldx, ldw, ldc) = lds;
+                st.sign(
+                    b'G',
+                    &[
+                        x,
+                        w,
+                        c,
+                        n as u64,
+                        m as u64,
+                        k as u64,
+                        ldx as u64,
+                        ldw as u64,
+                        ldc as u64,
+                        strides.0 as u64,
+                        strides.1 as u64,
+                        strides.2 as u64,
+                        batch as u64,
+                        ab_bf16 as u64,
+                    ],
+                );
+            }
+            if st.mode == StepMode::Dry {
+                return Ok(());
+            }
         }
         let (ldx, ldw, ldc) = lds;
         let dt = if ab_bf16 {

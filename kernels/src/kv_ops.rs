@@ -2,10 +2,10 @@
 //! window stores. Host code validates shapes and page reach, then launches one kernel.
 
 use crate::backend::{f32_buf, out_ptr, shape_err, CudaBackend};
-use crate::device::{Arg, BLOCK};
+use crate::device::{Arg, ATTENTION_SHARED, BLOCK};
+use crate::devmem::DevMem;
 pub use crate::kv_store::GpuKv;
 use crate::kv_store::{check_entry_page, dt_code, DevPlan};
-use cudarc::driver::CudaSlice;
 use pdserve_engine::backend::{
     BResult, BackendError, BatchPlan, CompressedKeys, CompressorParams, CompressorPart,
 };
@@ -15,7 +15,7 @@ use pdserve_engine::kv::{KvLayout, LayerKvLayout};
 /// Indexer picks: `[rows, topk]` entry ids, ascending, `-1` padded.
 #[derive(Debug)]
 pub struct GpuSelection {
-    pub(crate) sel: CudaSlice<i32>,
+    pub(crate) sel: DevMem<i32>,
     pub rows: usize,
     pub topk: usize,
 }
@@ -23,6 +23,21 @@ pub struct GpuSelection {
 /// Largest dynamic shared memory a kernel asks for without opting in.
 const SHARED_LIMIT: usize = 48 * 1024;
 const WARPS: usize = BLOCK as usize / 32;
+/// Channels per lane the attention kernel holds (`ATT_MAXQ` in attention.cu).
+const ATT_MAXQ: usize = 16;
+/// Heads per attention block (`ATT_G` in attention.cu).
+const ATT_G: usize = 4;
+
+/// Compressed entries a launch is sized for: the batch's most, rounded up to a power of
+/// two (the kernels bound every row by its own count), so that decode steps of a bucket
+/// launch identically while contexts grow and replay one captured graph.
+fn entry_bucket(n: usize) -> usize {
+    if n == 0 {
+        0
+    } else {
+        n.next_power_of_two().max(32)
+    }
+}
 
 fn layer_of(layout: &KvLayout, layer: usize) -> BResult<&LayerKvLayout> {
     layout
@@ -168,16 +183,16 @@ pub fn index_select(
             check_entry_page(layout, l.rate, s.pages.len(), nv - 1)?;
         }
     }
-    let max_nv = plan
-        .positions
-        .iter()
-        .map(|&p| (p + 1) / l.rate)
-        .max()
-        .unwrap_or(0);
+    let max_nv = entry_bucket(
+        plan.positions
+            .iter()
+            .map(|&p| (p + 1) / l.rate)
+            .max()
+            .unwrap_or(0),
+    );
     let dp = DevPlan::upload(&b.gpu, kv, plan)?;
     let g = &b.gpu;
     let scores = g.zeros::<f32>(rows * max_nv)?;
-    let flags = g.zeros::<u8>(rows * max_nv)?;
     let sel = g.zeros::<i32>(rows * topk)?;
     g.launch(
         "k_index_scores",
@@ -212,7 +227,6 @@ pub fn index_select(
         &[
             Arg::Ptr(g.ptr(&scores)),
             Arg::Ptr(g.ptr(&dp.positions)),
-            Arg::Ptr(g.ptr(&flags)),
             Arg::Ptr(g.ptr(&sel)),
             Arg::I32(max_nv as i32),
             Arg::I32(topk as i32),
@@ -261,12 +275,13 @@ pub fn attention(
             format!("q cols {}, kv cols {}", q.cols, kv_new.cols),
         ));
     }
-    let max_pos_nv = plan
-        .positions
-        .iter()
-        .map(|&p| (p + 1) / l.rate.max(1))
-        .max()
-        .unwrap_or(0);
+    let max_pos_nv = entry_bucket(
+        plan.positions
+            .iter()
+            .map(|&p| (p + 1) / l.rate.max(1))
+            .max()
+            .unwrap_or(0),
+    );
     let (mode, sel_ptr, topk, max_comp) = match &compressed {
         CompressedKeys::None => (0, 0, 0, 0),
         CompressedKeys::AllVisible => (1, 0, 0, max_pos_nv),
@@ -295,10 +310,22 @@ pub fn attention(
         }
     }
     let max_keys = window + max_comp;
-    if max_keys * 4 > SHARED_LIMIT {
+    let group = if n_heads.is_multiple_of(ATT_G) {
+        ATT_G
+    } else {
+        1
+    };
+    // Queries and scores (fp32) plus one 8-byte key address per key, 8-byte aligned.
+    let floats = group * (hd + max_keys);
+    let shared = (floats + floats % 2) * 4 + max_keys * 8;
+    if shared > ATTENTION_SHARED || !hd.is_multiple_of(32) || hd > 32 * ATT_MAXQ {
         return Err(shape_err(
             "attention",
-            format!("{max_keys} keys per row exceed the kernel's shared memory"),
+            format!(
+                "{max_keys} keys per row and head_dim {hd} exceed the kernel (shared memory \
+                 {shared} of {ATTENTION_SHARED} bytes; head_dim a multiple of 32 up to {})",
+                32 * ATT_MAXQ
+            ),
         ));
     }
     let dp = DevPlan::upload(&b.gpu, kv, plan)?;
@@ -307,8 +334,8 @@ pub fn attention(
     let g = &b.gpu;
     g.launch(
         "k_attention",
-        (rows as u32, n_heads as u32, 1),
-        (max_keys * 4) as u32,
+        (rows as u32, (n_heads / group) as u32, 1),
+        shared as u32,
         &[
             Arg::Ptr(g.ptr(&kv.pages)),
             Arg::Ptr(g.ptr(&kv.states)),
@@ -335,6 +362,8 @@ pub fn attention(
             Arg::I32(layout.page_tokens as i32),
             Arg::I32(dt_code(layout.kv_dtype)?),
             Arg::F32((hd as f32).powf(-0.5)),
+            Arg::I32(max_keys as i32),
+            Arg::I32(group as i32),
         ],
     )?;
     Ok(out)

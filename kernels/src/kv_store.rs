@@ -2,19 +2,21 @@
 //! through the layout) and the device copy of a batch plan.
 
 use crate::device::{dev_err, Gpu};
-use cudarc::driver::CudaSlice;
+use crate::devmem::DevMem;
 use pdserve_engine::backend::{BResult, BackendError, BatchPlan};
 use pdserve_engine::kv::{EntryDtype, KvLayout, PageId, StateSlot};
 
-/// All pages and state slots of one pool on the device.
+/// All pages and state slots of one pool on the device, plus one dummy page and one dummy
+/// state slot past the pool's ids that the padded rows of a decode graph write to.
 #[derive(Debug)]
 pub struct GpuKv {
-    pub(crate) pages: CudaSlice<u8>,
-    pub(crate) states: CudaSlice<u8>,
+    pub(crate) pages: DevMem<u8>,
+    pub(crate) states: DevMem<u8>,
     pub(crate) page_bytes: usize,
     pub(crate) state_bytes: usize,
     pub(crate) n_pages: usize,
     pub(crate) n_states: usize,
+    pub(crate) page_tokens: usize,
 }
 
 fn kv_err(msg: String) -> BackendError {
@@ -27,12 +29,13 @@ impl GpuKv {
         dt_code(layout.kv_dtype)?;
         dt_code(layout.index_k_dtype)?;
         Ok(GpuKv {
-            pages: gpu.zeros::<u8>(pages * layout.page_bytes)?,
-            states: gpu.zeros::<u8>(states * layout.state_bytes)?,
+            pages: gpu.zeros_owned::<u8>((pages + 1) * layout.page_bytes)?,
+            states: gpu.zeros_owned::<u8>((states + 1) * layout.state_bytes)?,
             page_bytes: layout.page_bytes,
             state_bytes: layout.state_bytes,
             n_pages: pages,
             n_states: states,
+            page_tokens: layout.page_tokens,
         })
     }
 
@@ -58,22 +61,45 @@ impl GpuKv {
         Ok(s * self.state_bytes..(s + 1) * self.state_bytes)
     }
 
+    /// The page padded decode rows point at (never handed to the engine).
+    pub(crate) fn dummy_page(&self) -> PageId {
+        self.n_pages as PageId
+    }
+
+    /// The state slot padded decode rows use (never handed to the engine).
+    pub(crate) fn dummy_state(&self) -> StateSlot {
+        self.n_states as StateSlot
+    }
+
+    #[allow(unsafe_code)]
     pub(crate) fn zero_state(&mut self, gpu: &Gpu, slot: StateSlot) -> BResult<()> {
         let r = self.state_range(slot)?;
-        let mut v = self.states.slice_mut(r);
-        gpu.stream.memset_zeros(&mut v).map_err(dev_err)
+        // SAFETY: `r` lies inside the state buffer (checked by state_range).
+        unsafe {
+            cudarc::driver::result::memset_d8_async(
+                self.states.ptr() + r.start as u64,
+                0,
+                r.len(),
+                gpu.stream.cu_stream(),
+            )
+        }
+        .map_err(dev_err)
     }
 
     pub(crate) fn read_page(&self, gpu: &Gpu, page: PageId) -> BResult<Vec<u8>> {
         let r = self.page_range(page)?;
-        gpu.stream.clone_dtoh(&self.pages.slice(r)).map_err(dev_err)
+        gpu.download(
+            &DevMem::<u8>::view(self.pages.ptr() + r.start as u64, r.len()),
+            r.len(),
+        )
     }
 
     pub(crate) fn read_state(&self, gpu: &Gpu, slot: StateSlot) -> BResult<Vec<u8>> {
         let r = self.state_range(slot)?;
-        gpu.stream
-            .clone_dtoh(&self.states.slice(r))
-            .map_err(dev_err)
+        gpu.download(
+            &DevMem::<u8>::view(self.states.ptr() + r.start as u64, r.len()),
+            r.len(),
+        )
     }
 
     pub(crate) fn write_page(&mut self, gpu: &Gpu, page: PageId, bytes: &[u8]) -> BResult<()> {
@@ -85,8 +111,7 @@ impl GpuKv {
                 bytes.len()
             )));
         }
-        let mut v = self.pages.slice_mut(r);
-        gpu.stream.memcpy_htod(bytes, &mut v).map_err(dev_err)
+        gpu.copy_to_device(self.pages.ptr() + r.start as u64, bytes)
     }
 
     pub(crate) fn write_state(&mut self, gpu: &Gpu, slot: StateSlot, bytes: &[u8]) -> BResult<()> {
@@ -98,8 +123,7 @@ impl GpuKv {
                 bytes.len()
             )));
         }
-        let mut v = self.states.slice_mut(r);
-        gpu.stream.memcpy_htod(bytes, &mut v).map_err(dev_err)
+        gpu.copy_to_device(self.states.ptr() + r.start as u64, bytes)
     }
 }
 
@@ -118,10 +142,10 @@ pub(crate) fn dt_code(d: EntryDtype) -> BResult<i32> {
 
 /// A batch plan on the device (see `SEQ_*` in common.cuh).
 pub(crate) struct DevPlan {
-    pub seq: CudaSlice<i32>,
-    pub pt: CudaSlice<u32>,
-    pub row_seq: CudaSlice<i32>,
-    pub positions: CudaSlice<i32>,
+    pub seq: DevMem<i32>,
+    pub pt: DevMem<u32>,
+    pub row_seq: DevMem<i32>,
+    pub positions: DevMem<i32>,
 }
 
 fn to_i32(v: usize, what: &str) -> BResult<i32> {
@@ -129,20 +153,14 @@ fn to_i32(v: usize, what: &str) -> BResult<i32> {
 }
 
 impl DevPlan {
-    /// Validate every state slot and page id against the pool, then upload.
+    /// Validate every state slot and page id against the pool, then upload. Inside a
+    /// decode step the dummy page and state slot are valid too (the step's padded rows use
+    /// them; the engine's own plan was checked without them by [`DevPlan::validate`]).
     pub(crate) fn upload(gpu: &Gpu, kv: &GpuKv, plan: &BatchPlan) -> BResult<Self> {
+        check_ids(kv, plan, usize::from(gpu.in_step()))?;
         let mut seq = Vec::with_capacity(plan.seqs.len() * 6);
         let mut pt = Vec::new();
         for s in &plan.seqs {
-            if s.state as usize >= kv.n_states {
-                return Err(kv_err(format!("State({}) out of range", s.state)));
-            }
-            if let Some(p) = s.pages.iter().find(|&&p| p as usize >= kv.n_pages) {
-                return Err(kv_err(format!(
-                    "Page({p}) out of range ({} pages)",
-                    kv.n_pages
-                )));
-            }
             if s.row0 + s.len > plan.rows() {
                 return Err(kv_err(format!(
                     "sequence rows {}+{} past the batch",
@@ -187,6 +205,27 @@ impl DevPlan {
             positions: gpu.upload(&positions)?,
         })
     }
+
+    /// Error unless every page and state id of `plan` belongs to the pool.
+    pub(crate) fn validate(kv: &GpuKv, plan: &BatchPlan) -> BResult<()> {
+        check_ids(kv, plan, 0)
+    }
+}
+
+/// Page and state ids below the pool's counts plus `extra` (the dummy ids).
+fn check_ids(kv: &GpuKv, plan: &BatchPlan, extra: usize) -> BResult<()> {
+    for s in &plan.seqs {
+        if s.state as usize >= kv.n_states + extra {
+            return Err(kv_err(format!("State({}) out of range", s.state)));
+        }
+        if let Some(p) = s.pages.iter().find(|&&p| p as usize >= kv.n_pages + extra) {
+            return Err(kv_err(format!(
+                "Page({p}) out of range ({} pages)",
+                kv.n_pages
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// Error unless entry `w` of a rate-`rate` layer lies in one of the sequence's pages.

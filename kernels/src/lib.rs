@@ -6,19 +6,26 @@
 pub mod backend;
 pub mod bench;
 pub mod check;
+pub mod check_graphs;
 pub mod compile;
 pub mod device;
+mod devmem;
 mod graph_mode;
+pub mod graphs;
 mod hc;
 pub mod kv_ops;
 mod kv_store;
 mod moe;
+mod moe_gemm;
 mod random;
+mod step;
 pub mod tensor;
 
 pub use backend::CudaBackend;
 pub use compile::{CompileError, MODULES};
 pub use device::DeviceError;
+pub use devmem::DevMem;
 pub use graph_mode::GraphMode;
+pub use graphs::{GraphStats, StepPhases};
 pub use kv_ops::{GpuKv, GpuSelection};
 pub use tensor::{GpuTensor, WeightDtype};

@@ -1,16 +1,20 @@
-//! MoE of [`CudaBackend`]: router GEMM (cuBLAS), routing kernel, routed experts over
-//! bf16 or fp32 weights (one warp per output, fp32 accumulation), shared expert, combine.
+//! MoE of [`CudaBackend`]: router GEMM (cuBLAS), routing kernel, picks grouped by expert,
+//! routed experts over bf16 or fp32 weights (one warp per output unit of an expert, run
+//! against all of that expert's picks; fp32 accumulation), shared expert, combine.
 
 use crate::backend::{f32_buf, out_ptr, shape_err, CudaBackend};
 use crate::device::{Arg, BLOCK};
+use crate::devmem::DevMem;
 use crate::tensor::{Buf, GpuTensor};
 use pdserve_engine::backend::{BResult, Backend, MoeParams};
 use pdserve_engine::config::ScoringFunc;
 
 const WARPS: usize = BLOCK as usize / 32;
+/// Picks per row the combine kernel orders in shared memory (`order[64]` in moe.cu).
+const MAX_TOP_K: usize = 64;
 
 /// Kernel name suffix and device pointer of an expert weight.
-fn weight(b: &CudaBackend, t: &GpuTensor) -> (&'static str, u64) {
+pub(crate) fn weight(b: &CudaBackend, t: &GpuTensor) -> (&'static str, u64) {
     match &t.buf {
         Buf::Bf16(s) => ("_bf16", b.gpu.ptr(s)),
         Buf::F32(s) => ("_f32", b.gpu.ptr(s)),
@@ -27,6 +31,7 @@ pub fn moe(b: &CudaBackend, x: &GpuTensor, p: &MoeParams<'_, GpuTensor>) -> BRes
         || p.down.cols != inter
         || k == 0
         || k > e
+        || k > MAX_TOP_K
     {
         return Err(shape_err(
             "moe",
@@ -78,39 +83,14 @@ pub fn moe(b: &CudaBackend, x: &GpuTensor, p: &MoeParams<'_, GpuTensor>) -> BRes
             Arg::F32(p.routed_scaling),
         ],
     )?;
-    let act = g.zeros::<f32>(n * k * inter)?;
-    let y = g.zeros::<f32>(n * k * h)?;
-    let xs = f32_buf(x, "moe")?;
-    let (gu_kind, gu_ptr) = weight(b, p.gate_up);
-    let (down_kind, down_ptr) = weight(b, p.down);
-    g.launch(
-        &format!("k_moe_gate_up{gu_kind}"),
-        ((n * k) as u32, inter.div_ceil(WARPS) as u32, 1),
-        0,
-        &[
-            Arg::Ptr(g.ptr(xs)),
-            Arg::Ptr(gu_ptr),
-            Arg::Ptr(g.ptr(&ids)),
-            Arg::Ptr(g.ptr(&act)),
-            Arg::I32(h as i32),
-            Arg::I32(inter as i32),
-            Arg::I32(k as i32),
-            Arg::F32(p.swiglu_limit),
-        ],
-    )?;
-    g.launch(
-        &format!("k_moe_down{down_kind}"),
-        ((n * k) as u32, h.div_ceil(WARPS) as u32, 1),
-        0,
-        &[
-            Arg::Ptr(g.ptr(&act)),
-            Arg::Ptr(down_ptr),
-            Arg::Ptr(g.ptr(&ids)),
-            Arg::Ptr(g.ptr(&y)),
-            Arg::I32(h as i32),
-            Arg::I32(inter as i32),
-        ],
-    )?;
+    let y = if crate::moe_gemm::worthwhile(g, n, k, e) {
+        crate::moe_gemm::routed(b, x, p, &ids)?
+    } else if crate::moe_gemm::padded_worthwhile(p, n, k, e) {
+        let (list, count) = expert_lists(b, &ids, n, e, k)?;
+        crate::moe_gemm::routed_padded(b, x, p, &list, &count)?
+    } else {
+        routed_grouped(b, x, p, &ids)?
+    };
     // Shared expert.
     let sg = b.matmul(x, p.shared_gate)?;
     let su = b.matmul(x, p.shared_up)?;
@@ -144,4 +124,96 @@ pub fn moe(b: &CudaBackend, x: &GpuTensor, p: &MoeParams<'_, GpuTensor>) -> BRes
         ],
     )?;
     Ok(out)
+}
+
+/// Routed experts on CUDA cores, picks grouped by expert on the device (no host
+/// synchronisation: the decode-step path). Returns `y`: `[rows * k, H]`, one row per pick.
+fn routed_grouped(
+    b: &CudaBackend,
+    x: &GpuTensor,
+    p: &MoeParams<'_, GpuTensor>,
+    ids: &DevMem<i32>,
+) -> BResult<DevMem<f32>> {
+    let (n, h) = (x.rows, x.cols);
+    let (e, k, inter) = (p.n_experts, p.top_k, p.intermediate);
+    let g = &b.gpu;
+    // Picks grouped by expert, so each expert's weights are read once per MOE_TILE picks
+    // instead of once per pick.
+    let (list, count) = expert_lists(b, ids, n, e, k)?;
+    let active = count.view_from(e);
+    // One block column per expert that may be used: at most one per pick.
+    let slots = e.min(n * k) as u32;
+    let act = g.uninit::<f32>(n * k * inter)?;
+    let y = g.uninit::<f32>(n * k * h)?;
+    let xs = f32_buf(x, "moe")?;
+    let (gu_kind, gu_ptr) = weight(b, p.gate_up);
+    let (down_kind, down_ptr) = weight(b, p.down);
+    g.launch(
+        &format!("k_moe_gate_up_grouped{gu_kind}"),
+        (slots, inter.div_ceil(WARPS) as u32, 1),
+        0,
+        &[
+            Arg::Ptr(g.ptr(xs)),
+            Arg::Ptr(gu_ptr),
+            Arg::Ptr(g.ptr(&list)),
+            Arg::Ptr(g.ptr(&active)),
+            Arg::Ptr(g.ptr(&count)),
+            Arg::Ptr(g.ptr(&act)),
+            Arg::I32(n as i32),
+            Arg::I32(e as i32),
+            Arg::I32(h as i32),
+            Arg::I32(inter as i32),
+            Arg::I32(k as i32),
+            Arg::F32(p.swiglu_limit),
+        ],
+    )?;
+    g.launch(
+        &format!("k_moe_down_grouped{down_kind}"),
+        (slots, h.div_ceil(WARPS) as u32, 1),
+        0,
+        &[
+            Arg::Ptr(g.ptr(&act)),
+            Arg::Ptr(down_ptr),
+            Arg::Ptr(g.ptr(&list)),
+            Arg::Ptr(g.ptr(&active)),
+            Arg::Ptr(g.ptr(&count)),
+            Arg::Ptr(g.ptr(&y)),
+            Arg::I32(n as i32),
+            Arg::I32(e as i32),
+            Arg::I32(h as i32),
+            Arg::I32(inter as i32),
+        ],
+    )?;
+    Ok(y)
+}
+
+/// Picks by expert on the device: `list[e * rows + j]` is the j-th pick (row * k + slot) of
+/// expert e; `count` holds `E` counts, then the used experts in ascending order, then how
+/// many are used (see `k_moe_lists`).
+fn expert_lists(
+    b: &CudaBackend,
+    ids: &DevMem<i32>,
+    n: usize,
+    e: usize,
+    k: usize,
+) -> BResult<(DevMem<i32>, DevMem<i32>)> {
+    let g = &b.gpu;
+    let list = g.uninit::<i32>(e * n)?;
+    let count = g.uninit::<i32>(2 * e + 1)?;
+    let active = count.view_from(e);
+    g.launch(
+        "k_moe_lists",
+        (1, 1, 1),
+        0,
+        &[
+            Arg::Ptr(g.ptr(ids)),
+            Arg::Ptr(g.ptr(&list)),
+            Arg::Ptr(g.ptr(&count)),
+            Arg::Ptr(g.ptr(&active)),
+            Arg::I32(n as i32),
+            Arg::I32(e as i32),
+            Arg::I32(k as i32),
+        ],
+    )?;
+    Ok((list, count))
 }

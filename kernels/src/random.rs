@@ -6,7 +6,8 @@ use crate::device::{grid_1d, Arg};
 use crate::tensor::{Buf, GpuTensor};
 use pdserve_engine::backend::{BResult, WeightInit};
 
-/// A `rows x cols` tensor of `init` values keyed by `seed`, stored bf16 or fp32.
+/// A `rows x cols` tensor of `init` values keyed by `seed`, stored bf16 or fp32, in its
+/// own allocation (weights outlive every decode step).
 pub(crate) fn random_tensor(
     b: &CudaBackend,
     rows: usize,
@@ -19,11 +20,11 @@ pub(crate) fn random_tensor(
     let (kind, p0, p1) = init.kernel_params();
     let g = &b.gpu;
     let (buf, ptr, kernel) = if bf16 {
-        let s = g.zeros::<u16>(n)?;
+        let s = g.zeros_owned::<u16>(n)?;
         let p = g.ptr(&s);
         (Buf::Bf16(s), p, "k_random_bf16")
     } else {
-        let s = g.zeros::<f32>(n)?;
+        let s = g.zeros_owned::<f32>(n)?;
         let p = g.ptr(&s);
         (Buf::F32(s), p, "k_random_f32")
     };
@@ -34,7 +35,8 @@ pub(crate) fn random_tensor(
         &[
             Arg::Ptr(ptr),
             Arg::I64(n as i64),
-            Arg::U64(seed),
+            // The kernel reads the same 8 bytes as `unsigned long long`.
+            Arg::I64(seed as i64),
             Arg::I32(kind),
             Arg::F32(p0),
             Arg::F32(p1),

@@ -1,13 +1,13 @@
 //! Device tensors: fp32 activations, bf16 weight matrices.
 
-use cudarc::driver::CudaSlice;
+use crate::devmem::DevMem;
 
 /// Storage of a [`GpuTensor`].
 #[derive(Debug)]
 pub enum Buf {
-    F32(CudaSlice<f32>),
+    F32(DevMem<f32>),
     /// bf16 bits.
-    Bf16(CudaSlice<u16>),
+    Bf16(DevMem<u16>),
 }
 
 /// A row-major 2-D tensor on the device.

@@ -99,17 +99,9 @@ impl BenchBackend for CpuBackend {
 
 /// THE one place the bench switches the CUDA backend's decode graph mode; returns the
 /// label of rows run in `mode`.
-///
-/// On this branch `CudaBackend` has no graph-mode setter and its `decode_step` is the
-/// trait default (one eager forward), so every row is eager and "capture" rows say so.
-/// When `CudaBackend::set_graph_mode(GraphMode)` exists, this body becomes:
-/// `backend.set_graph_mode(mode); mode.to_string()`.
 pub fn set_graph_mode(backend: &mut CudaBackend, mode: GraphMode) -> String {
-    let _ = backend;
-    match mode {
-        GraphMode::Eager => "eager".into(),
-        GraphMode::Capture => "eager (graphs not wired)".into(),
-    }
+    backend.set_graph_mode(mode);
+    mode.to_string()
 }
 
 impl BenchBackend for CudaBackend {

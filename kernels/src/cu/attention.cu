@@ -1,17 +1,25 @@
 // Sink attention: every row attends over its sliding window (earlier positions from the
 // state ring, this forward's from kv_new rounded through the KV dtype) and its compressed
 // entries (mode 0: none, 1: every visible entry, 2: the indexer's picks). K = V.
-// grid (rows, n_heads); dynamic shared memory: max_keys floats.
+// grid (rows, n_heads / G): one block per row and group of G heads (K = V is shared by all
+// heads, so each key is read once per group). Dynamic shared memory:
+// G * hd floats (queries) + G * max_keys floats (scores) + max_keys key addresses.
+// hd: a multiple of 32, at most 32 * ATT_MAXQ; G at most ATT_G.
+#define ATT_MAXQ 16
+#define ATT_G 4
 extern "C" __global__ void k_attention(const unsigned char* pages, const unsigned char* states, i64 page_bytes,
                                        i64 state_bytes, const int* seq, const u32* pt, const int* row_seq,
                                        const int* positions, const float* q, const float* kv_new, const float* sinks,
                                        const int* sel, int topk, float* out, int n_heads, int hd, int window,
                                        i64 win_off, int rate, int mode, i64 comp_off, int comp_epp, int page_tokens,
-                                       int dt, float scale) {
-    extern __shared__ float lg[];
+                                       int dt, float scale, int max_keys, int G) {
+    extern __shared__ float smem[];
+    float* qs = smem;                       // [G][hd]
+    float* lg = qs + G * hd;                // [G][max_keys]
+    unsigned long long* kaddr = (unsigned long long*)(lg + G * max_keys + ((G * (hd + max_keys)) & 1));
     __shared__ float red[32];
     __shared__ int nsel;
-    int r = blockIdx.x, h = blockIdx.y;
+    int r = blockIdx.x, h0 = blockIdx.y * G;
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     const int* sq = seq + row_seq[r] * SEQ_INTS;
     int start = sq[SEQ_START], row0 = sq[SEQ_ROW0];
@@ -28,60 +36,76 @@ extern "C" __global__ void k_attention(const unsigned char* pages, const unsigne
             for (int j = 0; j < topk; j++) n += sel[(i64)r * topk + j] >= 0;
         nsel = n;
     }
+    for (int i = threadIdx.x; i < G * hd; i += blockDim.x) qs[i] = q[((i64)r * n_heads + h0) * hd + i];
     __syncthreads();
     int nk = nwin + nsel;
     int eb = dt_bytes(dt);
-    const float* qh = q + ((i64)r * n_heads + h) * hd;
-    // Key j: window position lo+j, then compressed entries.
-#define KEY_FETCH(j, c, outv)                                                                      \
-    {                                                                                              \
-        int j_ = (j);                                                                              \
-        if (j_ < nwin) {                                                                           \
-            int kp = lo + j_;                                                                      \
-            if (kp < start) outv = ld_entry(st + (i64)(kp % window) * hd * eb, (c), dt);           \
-            else outv = round_dt(kv_new[(i64)(row0 + kp - start) * hd + (c)], dt);                 \
-        } else {                                                                                   \
-            int e = mode == 1 ? j_ - nwin : sel[(i64)r * topk + (j_ - nwin)];                      \
-            u32 pg = table[(i64)e * rate / page_tokens];                                           \
-            outv = ld_entry(pages + (i64)pg * page_bytes + comp_off + (i64)(e % comp_epp) * hd * eb, \
-                            (c), dt);                                                              \
-        }                                                                                          \
-    }
-    for (int j = warp; j < nk; j += nw) {
-        float d = 0.f;
-        for (int c = lane; c < hd; c += 32) {
-            float kv;
-            KEY_FETCH(j, c, kv);
-            d += qh[c] * kv;
-        }
-        d = warp_sum(d);
-        if (lane == 0) lg[j] = d * scale;
-    }
-    __syncthreads();
-    float sink = sinks[h];
-    float m = sink;
-    for (int j = threadIdx.x; j < nk; j += blockDim.x) m = fmaxf(m, lg[j]);
-    m = block_max(m, red);
-    float s = 0.f;
+    // Key j: window position lo+j (earlier ones from the ring, this forward's from kv_new,
+    // rounded through the KV dtype), then compressed entries. Address computed once per key;
+    // bit 0 marks this forward's fp32 rows.
     for (int j = threadIdx.x; j < nk; j += blockDim.x) {
-        float e = expf(lg[j] - m);
-        lg[j] = e;
-        s += e;
-    }
-    s = block_sum(s, red) + expf(sink - m);
-    for (int j = threadIdx.x; j < nk; j += blockDim.x) lg[j] = lg[j] / s;
-    __syncthreads();
-    float* o = out + ((i64)r * n_heads + h) * hd;
-    for (int c = threadIdx.x; c < hd; c += blockDim.x) {
-        float acc = 0.f;
-        for (int j = 0; j < nk; j++) {
-            float kv;
-            KEY_FETCH(j, c, kv);
-            acc += lg[j] * kv;
+        unsigned long long a;
+        if (j < nwin) {
+            int kp = lo + j;
+            if (kp < start) a = (unsigned long long)(st + (i64)(kp % window) * hd * eb);
+            else a = (unsigned long long)(kv_new + (i64)(row0 + kp - start) * hd) | 1ull;
+        } else {
+            int e = mode == 1 ? j - nwin : sel[(i64)r * topk + (j - nwin)];
+            u32 pg = table[(e * rate) / page_tokens];
+            a = (unsigned long long)(pages + (i64)pg * page_bytes + comp_off + (i64)(e % comp_epp) * hd * eb);
         }
-        o[c] = acc;
+        kaddr[j] = a;
     }
-#undef KEY_FETCH
+    __syncthreads();
+#define KEY_VAL(a, c)                                                                              \
+    (((a) & 1ull) ? round_dt(((const float*)((a) & ~1ull))[c], dt) : ld_entry((const unsigned char*)(a), (c), dt))
+    // Scores: one warp per key; lane holds channels lane + 32*q of the key.
+    int nq = hd >> 5;
+    for (int j = warp; j < nk; j += nw) {
+        unsigned long long a = kaddr[j];
+        float kv[ATT_MAXQ];
+#pragma unroll
+        for (int qq = 0; qq < ATT_MAXQ; qq++) kv[qq] = qq < nq ? KEY_VAL(a, lane + 32 * qq) : 0.f;
+        for (int g = 0; g < G; g++) {
+            float d = 0.f;
+#pragma unroll
+            for (int qq = 0; qq < ATT_MAXQ; qq++)
+                if (qq < nq) d += qs[g * hd + lane + 32 * qq] * kv[qq];
+            d = warp_sum(d);
+            if (lane == 0) lg[g * max_keys + j] = d * scale;
+        }
+    }
+    __syncthreads();
+    for (int g = 0; g < G; g++) {
+        float* l = lg + g * max_keys;
+        float sink = sinks[h0 + g];
+        float m = sink;
+        for (int j = threadIdx.x; j < nk; j += blockDim.x) m = fmaxf(m, l[j]);
+        m = block_max(m, red);
+        float s = 0.f;
+        for (int j = threadIdx.x; j < nk; j += blockDim.x) {
+            float e = expf(l[j] - m);
+            l[j] = e;
+            s += e;
+        }
+        s = block_sum(s, red) + expf(sink - m);
+        for (int j = threadIdx.x; j < nk; j += blockDim.x) l[j] = l[j] / s;
+    }
+    __syncthreads();
+    // Output: each thread owns channels c, summing keys in order for every head of the group.
+    for (int c = threadIdx.x; c < hd; c += blockDim.x) {
+        float acc[ATT_G];
+#pragma unroll
+        for (int g = 0; g < ATT_G; g++) acc[g] = 0.f;
+        for (int j = 0; j < nk; j++) {
+            float v = KEY_VAL(kaddr[j], c);
+#pragma unroll
+            for (int g = 0; g < ATT_G; g++)
+                if (g < G) acc[g] += lg[g * max_keys + j] * v;
+        }
+        for (int g = 0; g < G; g++) out[((i64)r * n_heads + h0 + g) * hd + c] = acc[g];
+    }
+#undef KEY_VAL
 }
 
 // Store rows into the sliding-window rings: only each sequence's last `window` positions.

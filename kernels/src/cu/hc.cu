@@ -9,7 +9,36 @@ extern "C" __global__ void k_hc_pre(const float* streams, const float* mix, cons
     __shared__ float c[HC_MAX * HC_MAX];
     int r = blockIdx.x;
     const float* m = mix + (i64)r * (2 + hc) * hc;
-    if (threadIdx.x == 0) {
+    if (hc * hc <= 32) {
+        // Warp 0, lane t holds c[t / hc][t % hc]: the same sums in the same order as the
+        // serial path below, through shuffles instead of shared memory.
+        if (threadIdx.x < 32) {
+            int t = threadIdx.x, i = t / hc, j = t % hc;
+            bool on = t < hc * hc;
+            if (t < hc) pre[t] = sigmoidf_(m[t] * scale[0] + base[t]) + eps;
+            if (t < hc) post[(i64)r * hc + t] = 2.f * sigmoidf_(m[hc + t] * scale[1] + base[hc + t]);
+            float v = on ? m[2 * hc + t] * scale[2] + base[2 * hc + t] : 0.f;
+            int row0 = on ? i * hc : 0, col0 = on ? j : 0;
+            float mx = NEG_INF;
+            for (int q = 0; q < hc; q++) mx = fmaxf(mx, __shfl_sync(0xffffffffu, v, row0 + q));
+            v = expf(v - mx);
+            float sum = 0.f;
+            for (int q = 0; q < hc; q++) sum += __shfl_sync(0xffffffffu, v, row0 + q);
+            v = v / sum + eps;
+            int rounds = iters > 1 ? iters : 1;
+            for (int it = 0; it < rounds; it++) {
+                if (it > 0) {
+                    float acc = 0.f;
+                    for (int q = 0; q < hc; q++) acc += __shfl_sync(0xffffffffu, v, row0 + q);
+                    v /= acc + eps;
+                }
+                float acc = 0.f;
+                for (int q = 0; q < hc; q++) acc += __shfl_sync(0xffffffffu, v, col0 + q * hc);
+                v /= acc + eps;
+            }
+            if (on) comb[(i64)r * hc * hc + t] = v;
+        }
+    } else if (threadIdx.x == 0) {
         for (int k = 0; k < hc; k++) pre[k] = sigmoidf_(m[k] * scale[0] + base[k]) + eps;
         for (int k = 0; k < hc; k++) post[(i64)r * hc + k] = 2.f * sigmoidf_(m[hc + k] * scale[1] + base[hc + k]);
         for (int i = 0; i < hc * hc; i++) c[i] = m[2 * hc + i] * scale[2] + base[2 * hc + i];

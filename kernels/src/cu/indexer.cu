@@ -31,9 +31,21 @@ extern "C" __global__ void k_index_scores(const unsigned char* pages, i64 page_b
     if (lane == 0) scores[(i64)r * max_nv + s] = total;
 }
 
-// One block per row. flags: [rows, max_nv] scratch. sel: [rows, topk].
-extern "C" __global__ void k_topk(const float* scores, const int* positions, unsigned char* flags, int* sel,
-                                  int max_nv, int topk, int rate) {
+// Float order as unsigned order (larger float, larger key).
+__device__ __forceinline__ u32 order_key(float v) {
+    u32 u = __float_as_uint(v);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// One block per row: the `topk` highest scores of the row's `nv` entries (ties: lower
+// index), written ascending, -1 padded. Radix select finds the topk-th largest key in four
+// 8-bit passes; then each thread compacts a contiguous chunk. sel: [rows, topk].
+extern "C" __global__ void k_topk(const float* scores, const int* positions, int* sel, int max_nv, int topk,
+                                  int rate) {
+    __shared__ u32 hist[256];
+    __shared__ u32 s_prefix, s_mask;
+    __shared__ int s_remaining;
+    __shared__ int chunk_gt[256], chunk_eq[256];
     int r = blockIdx.x;
     int nv = (positions[r] + 1) / rate;
     int* out = sel + (i64)r * topk;
@@ -42,21 +54,64 @@ extern "C" __global__ void k_topk(const float* scores, const int* positions, uns
         return;
     }
     const float* sc = scores + (i64)r * max_nv;
-    unsigned char* fl = flags + (i64)r * max_nv;
-    for (int s = threadIdx.x; s < nv; s += blockDim.x) {
-        float v = sc[s];
-        int rank = 0;
-        for (int j = 0; j < nv && rank < topk; j++) {
-            float u = sc[j];
-            rank += (u > v) || (u == v && j < s);
-        }
-        fl[s] = rank < topk;
+    if (threadIdx.x == 0) {
+        s_prefix = 0;
+        s_mask = 0;
+        s_remaining = topk;
     }
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        for (int b = threadIdx.x; b < 256; b += blockDim.x) hist[b] = 0;
+        __syncthreads();
+        u32 prefix = s_prefix, mask = s_mask;
+        for (int j = threadIdx.x; j < nv; j += blockDim.x) {
+            u32 key = order_key(sc[j]);
+            if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1u);
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            int want = s_remaining;
+            int above = 0;
+            int b = 255;
+            for (; b > 0; b--) {
+                if (above + (int)hist[b] >= want) break;
+                above += hist[b];
+            }
+            s_remaining = want - above;
+            s_prefix = prefix | ((u32)b << shift);
+            s_mask = mask | (255u << shift);
+        }
+        __syncthreads();
+    }
+    // Keys above the threshold are all taken; of those equal to it, the first `take`.
+    u32 thr = s_prefix;
+    int take = s_remaining;
+    int per = (nv + blockDim.x - 1) / blockDim.x;
+    int lo = threadIdx.x * per, hi = min(nv, lo + per);
+    int gt = 0, eq = 0;
+    for (int j = lo; j < hi; j++) {
+        u32 key = order_key(sc[j]);
+        gt += key > thr;
+        eq += key == thr;
+    }
+    chunk_gt[threadIdx.x] = gt;
+    chunk_eq[threadIdx.x] = eq;
     __syncthreads();
     if (threadIdx.x == 0) {
-        int n = 0;
-        for (int s = 0; s < nv && n < topk; s++)
-            if (fl[s]) out[n++] = s;
-        for (; n < topk; n++) out[n] = -1;
+        // Exclusive scans: chunk_gt becomes the output position, chunk_eq the equal keys before.
+        int pos = 0, eqs = 0;
+        for (int t = 0; t < (int)blockDim.x; t++) {
+            int g = chunk_gt[t], e = chunk_eq[t];
+            int e_taken = max(0, min(e, take - eqs));
+            chunk_gt[t] = pos;
+            chunk_eq[t] = eqs;
+            pos += g + e_taken;
+            eqs += e;
+        }
+    }
+    __syncthreads();
+    int pos = chunk_gt[threadIdx.x], eqs = chunk_eq[threadIdx.x];
+    for (int j = lo; j < hi; j++) {
+        u32 key = order_key(sc[j]);
+        if (key > thr || (key == thr && eqs++ < take)) out[pos++] = j;
     }
 }

@@ -44,70 +44,235 @@ extern "C" __global__ void k_moe_route(float* logits, const float* bias, const u
 __device__ __forceinline__ float ldw(const bf16_t* p, i64 i) { return bf16_to_f(p[i]); }
 __device__ __forceinline__ float ldw(const float* p, i64 i) { return p[i]; }
 
-// grid (rows*k, ceil(I / warps)); one warp per intermediate unit: gate and up dot products,
-// clamped SwiGLU. gu: [E*2I, H].
-template <typename W>
-__device__ void moe_gate_up(const float* x, const W* gu, const int* ids, float* act, int H, int I, int k,
-                            float limit) {
-    int a = blockIdx.x, lane = threadIdx.x & 31;
-    int i = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (i >= I) return;
-    i64 e = ids[a];
-    const float* xr = x + (i64)(a / k) * H;
-    const W* g = gu + (e * 2 * I + i) * H;
-    const W* u = gu + (e * 2 * I + I + i) * H;
-    float dg = 0.f, du = 0.f;
-    for (int c = lane; c < H; c += 32) {
-        dg += xr[c] * ldw(g, c);
-        du += xr[c] * ldw(u, c);
+// Tokens per expert: list[e * rows + j] = the j-th pick (row * k + slot, ascending) that
+// chose expert e; count[e] = how many; active[0..count of used experts) = the used experts in
+// ascending order, active[E] = how many there are. One block.
+extern "C" __global__ void k_moe_lists(const int* ids, int* list, int* count, int* active, int rows, int E,
+                                       int k) {
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        int n = 0;
+        for (int a = 0; a < rows * k; a++)
+            if (ids[a] == e) list[(i64)e * rows + n++] = a;
+        count[e] = n;
     }
-    dg = warp_sum(dg);
-    du = warp_sum(du);
-    if (lane == 0) act[(i64)a * I + i] = swiglu_(dg, du, limit);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int m = 0;
+        for (int e = 0; e < E; e++)
+            if (count[e] > 0) active[m++] = e;
+        active[E] = m;
+    }
 }
 
-extern "C" __global__ void k_moe_gate_up_bf16(const float* x, const bf16_t* gu, const int* ids, float* act, int H,
-                                              int I, int k, float limit) {
-    moe_gate_up(x, gu, ids, act, H, I, k, limit);
+// Whether a weight row can be read 8 values (16 bytes) at a time: bf16 rows whose length
+// is a multiple of 8 and whose start is 16-byte aligned.
+__device__ __forceinline__ bool vec8(const bf16_t* row, int n) {
+    return n % 8 == 0 && ((unsigned long long)row & 15) == 0;
+}
+__device__ __forceinline__ bool vec8(const float*, int) { return false; }
+
+// 8 consecutive bf16 weights as floats (one 16-byte load).
+__device__ __forceinline__ void ld8(const bf16_t* p, float* out) {
+    uint4 v = *reinterpret_cast<const uint4*>(p);
+    u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int q = 0; q < 4; q++) {
+        out[2 * q] = __uint_as_float(w[q] << 16);
+        out[2 * q + 1] = __uint_as_float(w[q] & 0xffff0000u);
+    }
+}
+__device__ __forceinline__ void ld8(const float* p, float* out) {
+#pragma unroll
+    for (int q = 0; q < 8; q++) out[q] = p[q];
 }
 
-extern "C" __global__ void k_moe_gate_up_f32(const float* x, const float* gu, const int* ids, float* act, int H,
-                                             int I, int k, float limit) {
-    moe_gate_up(x, gu, ids, act, H, I, k, limit);
+// 8 consecutive floats (two 16-byte loads; `p` 16-byte aligned).
+__device__ __forceinline__ void ld8f(const float* p, float* out) {
+    float4 a = *reinterpret_cast<const float4*>(p), b = *reinterpret_cast<const float4*>(p + 4);
+    out[0] = a.x; out[1] = a.y; out[2] = a.z; out[3] = a.w;
+    out[4] = b.x; out[5] = b.y; out[6] = b.z; out[7] = b.w;
 }
 
-// grid (rows*k, ceil(H / warps)); down: [E*H, I].
+// Picks handled per pass over an expert's weights (per-lane accumulators in registers).
+#define MOE_TILE 8
+
+// grid (E, ceil(I / warps)): each warp owns one intermediate unit of one expert and runs
+// every pick of that expert against it, reading the weight rows once per MOE_TILE picks.
+// Per pick the sums are formed exactly as in moe_gate_up (lane-strided, then warp_sum).
 template <typename W>
-__device__ void moe_down(const float* act, const W* down, const int* ids, float* y, int H, int I) {
-    int a = blockIdx.x, lane = threadIdx.x & 31;
+__device__ void moe_gate_up_grouped(const float* x, const W* gu, const int* list, const int* count,
+                                    const int* active, float* act, int rows, int E, int H, int I, int k,
+                                    float limit) {
+    if ((int)blockIdx.x >= active[E]) return;
+    int e = active[blockIdx.x], lane = threadIdx.x & 31;
+    int i = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    int n = count[e];
+    if (i >= I) return;
+    const W* g = gu + ((i64)e * 2 * I + i) * H;
+    const W* u = gu + ((i64)e * 2 * I + I + i) * H;
+    const int* picks = list + (i64)e * rows;
+    for (int t0 = 0; t0 < n; t0 += MOE_TILE) {
+        int nt = min(MOE_TILE, n - t0);
+        float dg[MOE_TILE], du[MOE_TILE];
+        const float* xr[MOE_TILE];
+        for (int t = 0; t < MOE_TILE; t++) {
+            dg[t] = 0.f;
+            du[t] = 0.f;
+            xr[t] = x + (i64)(picks[t0 + min(t, nt - 1)] / k) * H;
+        }
+        if (vec8(g, H) && vec8(u, H)) {
+            // 8 weights (16 bytes) per lane per load: 512 contiguous bytes per warp.
+            for (int c = lane * 8; c < H; c += 256) {
+                float wg[8], wu[8];
+                ld8(g + c, wg);
+                ld8(u + c, wu);
+#pragma unroll
+                for (int t = 0; t < MOE_TILE; t++) {
+                    if (t < nt) {
+                        float xc[8];
+                        ld8f(xr[t] + c, xc);
+#pragma unroll
+                        for (int q = 0; q < 8; q++) {
+                            dg[t] += xc[q] * wg[q];
+                            du[t] += xc[q] * wu[q];
+                        }
+                    }
+                }
+            }
+        } else {
+            for (int c = lane; c < H; c += 32) {
+                float wg = ldw(g, c), wu = ldw(u, c);
+#pragma unroll
+                for (int t = 0; t < MOE_TILE; t++) {
+                    float xv = xr[t][c];
+                    dg[t] += xv * wg;
+                    du[t] += xv * wu;
+                }
+            }
+        }
+#pragma unroll
+        for (int t = 0; t < MOE_TILE; t++) {
+            float a = warp_sum(dg[t]), b = warp_sum(du[t]);
+            if (lane == 0 && t < nt) act[(i64)picks[t0 + t] * I + i] = swiglu_(a, b, limit);
+        }
+    }
+}
+
+extern "C" __global__ void k_moe_gate_up_grouped_bf16(const float* x, const bf16_t* gu, const int* list,
+                                                      const int* active,
+                                                      const int* count, float* act, int rows, int E, int H, int I,
+                                                      int k, float limit) {
+    moe_gate_up_grouped(x, gu, list, count, active, act, rows, E, H, I, k, limit);
+}
+
+extern "C" __global__ void k_moe_gate_up_grouped_f32(const float* x, const float* gu, const int* list,
+                                                      const int* active,
+                                                     const int* count, float* act, int rows, int E, int H, int I,
+                                                     int k, float limit) {
+    moe_gate_up_grouped(x, gu, list, count, active, act, rows, E, H, I, k, limit);
+}
+
+// grid (E, ceil(H / warps)); the down projection of every pick of expert e, as moe_down.
+template <typename W>
+__device__ void moe_down_grouped(const float* act, const W* down, const int* list, const int* count,
+                                 const int* active, float* y, int rows, int E, int H, int I) {
+    if ((int)blockIdx.x >= active[E]) return;
+    int e = active[blockIdx.x], lane = threadIdx.x & 31;
     int hh = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    int n = count[e];
     if (hh >= H) return;
-    i64 e = ids[a];
-    const float* ar = act + (i64)a * I;
-    const W* w = down + (e * H + hh) * I;
-    float d = 0.f;
-    for (int c = lane; c < I; c += 32) d += ar[c] * ldw(w, c);
-    d = warp_sum(d);
-    if (lane == 0) y[(i64)a * H + hh] = d;
+    const W* w = down + ((i64)e * H + hh) * I;
+    const int* picks = list + (i64)e * rows;
+    for (int t0 = 0; t0 < n; t0 += MOE_TILE) {
+        int nt = min(MOE_TILE, n - t0);
+        float d[MOE_TILE];
+        const float* ar[MOE_TILE];
+        for (int t = 0; t < MOE_TILE; t++) {
+            d[t] = 0.f;
+            ar[t] = act + (i64)picks[t0 + min(t, nt - 1)] * I;
+        }
+        if (vec8(w, I)) {
+            for (int c = lane * 8; c < I; c += 256) {
+                float wv[8];
+                ld8(w + c, wv);
+#pragma unroll
+                for (int t = 0; t < MOE_TILE; t++) {
+                    if (t < nt) {
+                        float ac[8];
+                        ld8f(ar[t] + c, ac);
+#pragma unroll
+                        for (int q = 0; q < 8; q++) d[t] += ac[q] * wv[q];
+                    }
+                }
+            }
+        } else {
+            for (int c = lane; c < I; c += 32) {
+                float wv = ldw(w, c);
+#pragma unroll
+                for (int t = 0; t < MOE_TILE; t++) d[t] += ar[t][c] * wv;
+            }
+        }
+#pragma unroll
+        for (int t = 0; t < MOE_TILE; t++) {
+            float v = warp_sum(d[t]);
+            if (lane == 0 && t < nt) y[(i64)picks[t0 + t] * H + hh] = v;
+        }
+    }
 }
 
-extern "C" __global__ void k_moe_down_bf16(const float* act, const bf16_t* down, const int* ids, float* y, int H,
-                                           int I) {
-    moe_down(act, down, ids, y, H, I);
+extern "C" __global__ void k_moe_down_grouped_bf16(const float* act, const bf16_t* down, const int* list,
+                                                   const int* active,
+                                                   const int* count, float* y, int rows, int E, int H, int I) {
+    moe_down_grouped(act, down, list, count, active, y, rows, E, H, I);
 }
 
-extern "C" __global__ void k_moe_down_f32(const float* act, const float* down, const int* ids, float* y, int H,
-                                          int I) {
-    moe_down(act, down, ids, y, H, I);
+extern "C" __global__ void k_moe_down_grouped_f32(const float* act, const float* down, const int* list,
+                                                   const int* active,
+                                                  const int* count, float* y, int rows, int E, int H, int I) {
+    moe_down_grouped(act, down, list, count, active, y, rows, E, H, I);
+}
+
+// Padded per-expert batches for one strided-batched GEMM: xp[e, t] = bf16(x[row of the
+// t-th pick of e]) for t < count[e], zeros after. grid (E, rows).
+extern "C" __global__ void k_moe_gather_padded(const float* x, const int* list, const int* count, bf16_t* xp,
+                                               int rows, int H, int k) {
+    int e = blockIdx.x, t = blockIdx.y;
+    bf16_t* dst = xp + ((i64)e * rows + t) * H;
+    if (t >= count[e]) {
+        for (int c = threadIdx.x; c < H; c += blockDim.x) dst[c] = 0;
+        return;
+    }
+    const float* src = x + (i64)(list[(i64)e * rows + t] / k) * H;
+    for (int c = threadIdx.x; c < H; c += blockDim.x) dst[c] = f_to_bf16(src[c]);
+}
+
+// gu: [n, 2*inter] (gate columns, then up columns) -> act: bf16 [n, inter].
+extern "C" __global__ void k_swiglu_halves_bf16(const float* gu, bf16_t* act, i64 n, int inter, float limit) {
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        i64 r = i / inter, c = i % inter;
+        act[i] = f_to_bf16(swiglu_(gu[r * 2 * inter + c], gu[r * 2 * inter + inter + c], limit));
+    }
+}
+
+// y[pick] = yp[e, t] for the t-th pick of expert e. grid (E, rows).
+extern "C" __global__ void k_moe_scatter_padded(const float* yp, const int* list, const int* count, float* y,
+                                                int rows, int H) {
+    int e = blockIdx.x, t = blockIdx.y;
+    if (t >= count[e]) return;
+    const float* src = yp + ((i64)e * rows + t) * H;
+    float* dst = y + (i64)list[(i64)e * rows + t] * H;
+    for (int c = threadIdx.x; c < H; c += blockDim.x) dst[c] = src[c];
 }
 
 // One block per row: out = sum over picks in ascending expert id of w * y, plus shared.
 extern "C" __global__ void k_moe_combine(const float* y, const int* ids, const float* wts, const float* shared,
                                          float* out, int H, int k) {
+    // Picks in ascending (expert id, pick) order, like the CPU's per-expert loop: ordered
+    // once per row by thread 0, then used by every channel.
+    __shared__ int order[64];
+    __shared__ float weight[64];
     int r = blockIdx.x;
-    for (int c = threadIdx.x; c < H; c += blockDim.x) {
-        float acc = 0.f;
-        // picks in ascending (expert id, pick) order, like the CPU's per-expert loop
+    if (threadIdx.x == 0) {
         i64 last = -1;
         for (int n = 0; n < k; n++) {
             int bj = -1;
@@ -117,8 +282,14 @@ extern "C" __global__ void k_moe_combine(const float* y, const int* ids, const f
                 if (key > last && (bj < 0 || key < bkey)) { bj = j; bkey = key; }
             }
             last = bkey;
-            acc += y[((i64)r * k + bj) * H + c] * wts[(i64)r * k + bj];
+            order[n] = bj;
+            weight[n] = wts[(i64)r * k + bj];
         }
+    }
+    __syncthreads();
+    for (int c = threadIdx.x; c < H; c += blockDim.x) {
+        float acc = 0.f;
+        for (int n = 0; n < k; n++) acc += y[((i64)r * k + order[n]) * H + c] * weight[n];
         out[(i64)r * H + c] = acc + shared[(i64)r * H + c];
     }
 }

@@ -1,0 +1,278 @@
+//! Graph checks of `pdserve gpu-check`: decode steps replayed from captured graphs against
+//! the same steps run eagerly (bitwise), over random batches of sequences at different
+//! positions, and the graph speed-up at batch 1 on the embedded model.
+
+use crate::check::CheckRow;
+use crate::{CudaBackend, GraphMode};
+use pdserve_engine::generate::prefill;
+use pdserve_engine::tokenizer::Tokenizer;
+use pdserve_engine::{Engine, ForwardItem, Logits, PoolSize, Sequence};
+use std::time::Instant;
+
+type AnyResult<T> = Result<T, Box<dyn std::error::Error>>;
+
+const POOL: PoolSize = PoolSize {
+    pages: 256,
+    states: 32,
+};
+
+const PROMPTS: &[&str] = &[
+    "The quick brown fox",
+    "Once upon a time, in a small village by the sea, there lived",
+    "fn main() { println!(",
+    "Hello",
+    "In the beginning the universe was created. This has made a lot of people very angry",
+    "a",
+];
+
+fn argmax(v: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &x) in v.iter().enumerate() {
+        if x > v[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// A small deterministic generator for batch choices (xorshift64*).
+struct Rng(u64);
+
+impl Rng {
+    fn below(&mut self, n: usize) -> usize {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        (self.0.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 33) as usize % n.max(1)
+    }
+}
+
+fn engine(ordinal: usize, mode: GraphMode, verify: bool) -> AnyResult<Engine<CudaBackend>> {
+    let dir = pdserve_engine::embedded::model_dir()?;
+    let mut b = CudaBackend::new(ordinal, None)?;
+    b.set_graph_mode(mode);
+    b.set_verify_graphs(verify);
+    Ok(Engine::load(&dir, b, None, POOL)?)
+}
+
+/// Prefill every prompt (one sequence each, `copies` times over); returns the sequences
+/// and each one's next greedy token.
+fn start(
+    e: &mut Engine<CudaBackend>,
+    tok: &Tokenizer,
+    copies: usize,
+) -> AnyResult<(Vec<Sequence>, Vec<u32>)> {
+    let (mut seqs, mut next) = (Vec::new(), Vec::new());
+    for p in PROMPTS.iter().cycle().take(PROMPTS.len() * copies) {
+        let ids = tok.encode(p)?;
+        let mut seq = e.new_sequence()?;
+        let rows = prefill(e, &mut seq, &ids, 0, Logits::Last)?;
+        next.push(rows.last().map_or(0, |r| argmax(r)));
+        seqs.push(seq);
+    }
+    Ok((seqs, next))
+}
+
+/// One greedy decode step of the sequences `pick` (indices into `seqs`).
+fn step(
+    e: &mut Engine<CudaBackend>,
+    seqs: &mut [Sequence],
+    next: &mut [u32],
+    pick: &[usize],
+) -> AnyResult<()> {
+    let toks: Vec<u32> = pick.iter().map(|&i| next[i]).collect();
+    let mut chosen: Vec<(usize, &mut Sequence)> = seqs
+        .iter_mut()
+        .enumerate()
+        .filter(|(i, _)| pick.contains(i))
+        .collect();
+    chosen.sort_by_key(|(i, _)| pick.iter().position(|p| p == i));
+    let mut items: Vec<ForwardItem<'_>> = chosen
+        .into_iter()
+        .zip(&toks)
+        .map(|((_, seq), t)| ForwardItem {
+            seq,
+            tokens: std::slice::from_ref(t),
+            logits: Logits::Last,
+        })
+        .collect();
+    let outs = e.forward(&mut items)?;
+    for (&i, o) in pick.iter().zip(outs) {
+        next[i] = argmax(&o.data);
+    }
+    Ok(())
+}
+
+/// `--verify-graphs` over `steps` random batches: every step runs eagerly and from its
+/// graph, and logits, pages and states must be bitwise equal.
+fn verify_random(ordinal: usize, tok: &Tokenizer, steps: usize) -> AnyResult<CheckRow> {
+    let mut e = engine(ordinal, GraphMode::Capture, true)?;
+    let (mut seqs, mut next) = start(&mut e, tok, 2)?;
+    let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
+    let mut result = Ok(());
+    let mut sizes = std::collections::BTreeSet::new();
+    for _ in 0..steps {
+        let want = 1 + rng.below(seqs.len());
+        let mut pick: Vec<usize> = (0..seqs.len()).collect();
+        for i in (1..pick.len()).rev() {
+            pick.swap(i, rng.below(i + 1));
+        }
+        pick.truncate(want);
+        sizes.insert(want);
+        if let Err(err) = step(&mut e, &mut seqs, &mut next, &pick) {
+            result = Err(err);
+            break;
+        }
+    }
+    let stats = e.backend().graph_stats();
+    for s in seqs {
+        e.release(s)?;
+    }
+    if let Err(err) = &result {
+        eprintln!("verify-graphs: {err}");
+    }
+    Ok(CheckRow {
+        name: format!(
+            "graph == eager bitwise, {steps} random batches ({}-{} seqs, {} graphs)",
+            sizes.first().copied().unwrap_or(0),
+            sizes.last().copied().unwrap_or(0),
+            stats.captures
+        ),
+        rows: steps,
+        max_rel_err: 0.0,
+        worst_row: 0,
+        greedy_same: 0,
+        near_ties: 0,
+        pass: result.is_ok() && stats.replays >= steps as u64,
+        gate: true,
+    })
+}
+
+/// One decode step of every sequence in `seqs`, feeding `toks`; each row's logits.
+fn decode_logits<B: pdserve_engine::backend::Backend>(
+    e: &mut Engine<B>,
+    seqs: &mut [Sequence],
+    toks: &[u32],
+) -> AnyResult<Vec<Vec<f32>>> {
+    let mut items: Vec<ForwardItem<'_>> = seqs
+        .iter_mut()
+        .zip(toks)
+        .map(|(seq, t)| ForwardItem {
+            seq,
+            tokens: std::slice::from_ref(t),
+            logits: Logits::Last,
+        })
+        .collect();
+    Ok(e.forward(&mut items)?.into_iter().map(|t| t.data).collect())
+}
+
+/// Batched decode steps (every prompt twice: 12 sequences, so the MoE runs its
+/// padded-batch GEMM path) on the GPU against the fp32 CPU engine, teacher-forced with
+/// the CPU's greedy tokens.
+fn batched_vs_cpu(ordinal: usize, tok: &Tokenizer, steps: usize) -> AnyResult<CheckRow> {
+    let dir = pdserve_engine::embedded::model_dir()?;
+    let mut gpu = engine(ordinal, GraphMode::Capture, false)?;
+    let mut cpu = Engine::load(&dir, pdserve_engine::CpuBackend, None, POOL)?;
+    let (mut gseqs, _) = start(&mut gpu, tok, 2)?;
+    let mut cseqs = Vec::new();
+    let mut next = Vec::new();
+    for p in PROMPTS.iter().cycle().take(PROMPTS.len() * 2) {
+        let ids = tok.encode(p)?;
+        let mut seq = cpu.new_sequence()?;
+        let rows = prefill(&mut cpu, &mut seq, &ids, 0, Logits::Last)?;
+        next.push(rows.last().map_or(0, |r| argmax(r)));
+        cseqs.push(seq);
+    }
+    let (mut got, mut want) = (Vec::new(), Vec::new());
+    for _ in 0..steps {
+        let toks = next.clone();
+        let g = decode_logits(&mut gpu, &mut gseqs, &toks)?;
+        let c = decode_logits(&mut cpu, &mut cseqs, &toks)?;
+        for (n, row) in next.iter_mut().zip(&c) {
+            *n = argmax(row);
+        }
+        got.extend(g);
+        want.extend(c);
+    }
+    for s in gseqs {
+        gpu.release(s)?;
+    }
+    Ok(crate::check::compare(
+        format!("embedded w=bf16 12 seqs x {steps} batched decode steps"),
+        &got,
+        &want,
+        crate::check::REL_TOL,
+    ))
+}
+
+/// Greedy tokens/s of one sequence decoding `steps` tokens.
+fn batch1_rate(
+    ordinal: usize,
+    tok: &Tokenizer,
+    mode: GraphMode,
+    steps: usize,
+) -> AnyResult<(f64, Vec<u32>, String)> {
+    let mut e = engine(ordinal, mode, false)?;
+    let (mut seqs, mut next) = start(&mut e, tok, 1)?;
+    let mut tokens = Vec::new();
+    // Warm-up: kernel loading, the first capture.
+    for _ in 0..3 {
+        step(&mut e, &mut seqs, &mut next, &[0])?;
+    }
+    let before = e.backend().graph_stats().phases;
+    let t0 = Instant::now();
+    for _ in 0..steps {
+        step(&mut e, &mut seqs, &mut next, &[0])?;
+        tokens.push(next[0]);
+    }
+    let rate = steps as f64 / t0.elapsed().as_secs_f64();
+    let after = e.backend().graph_stats().phases;
+    let per = |a: f64, b: f64| (a - b) * 1e6 / steps as f64;
+    let phases = format!(
+        "{mode}: dry pass {:.0} us, submit {:.0} us, wait {:.0} us per step",
+        per(after.dry, before.dry),
+        per(after.submit, before.submit),
+        per(after.wait, before.wait)
+    );
+    for s in seqs {
+        e.release(s)?;
+    }
+    Ok((rate, tokens, phases))
+}
+
+/// The graph rows of the table, plus lines of figures to print under it.
+pub fn check_graphs(ordinal: usize) -> AnyResult<(Vec<CheckRow>, Vec<String>)> {
+    let dir = pdserve_engine::embedded::model_dir()?;
+    let tok = Tokenizer::from_model_dir(&dir)?.ok_or("the embedded model has no tokenizer")?;
+    let mut rows = vec![
+        verify_random(ordinal, &tok, 200)?,
+        batched_vs_cpu(ordinal, &tok, 30)?,
+    ];
+    let steps = 200;
+    let (eager, eager_toks, eager_phases) = batch1_rate(ordinal, &tok, GraphMode::Eager, steps)?;
+    let (graph, graph_toks, graph_phases) = batch1_rate(ordinal, &tok, GraphMode::Capture, steps)?;
+    let same = graph_toks
+        .iter()
+        .zip(&eager_toks)
+        .take_while(|(a, b)| a == b)
+        .count();
+    rows.push(CheckRow {
+        name: format!("graph vs eager greedy, batch 1 x {steps} steps"),
+        rows: steps,
+        max_rel_err: 0.0,
+        worst_row: 0,
+        greedy_same: same,
+        near_ties: 0,
+        pass: graph_toks == eager_toks,
+        gate: true,
+    });
+    let info = vec![
+        format!(
+            "decode batch 1, embedded model: eager {eager:.0} tok/s, graph {graph:.0} tok/s ({:.2}x)",
+            graph / eager.max(1e-9)
+        ),
+        eager_phases,
+        graph_phases,
+    ];
+    Ok((rows, info))
+}

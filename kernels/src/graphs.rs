@@ -1,0 +1,506 @@
+//! Decode steps of [`CudaBackend`]: the batch is padded to a bucket size (padded rows use
+//! the pool's dummy page and state slot), a dry pass records the step's signature and
+//! staged inputs, then the step either runs eagerly or replays the graph captured for
+//! that signature. `--verify-graphs` runs every step both ways and requires bitwise-equal
+//! logits, pages and states.
+
+use crate::backend::{f32_buf, CudaBackend};
+use crate::device::dev_err;
+use crate::devmem::DevMem;
+use crate::kv_store::{DevPlan, GpuKv};
+use crate::step::{StepMode, StepRecord};
+use crate::tensor::GpuTensor;
+use crate::GraphMode;
+use cudarc::driver::{sys, CudaGraph};
+use pdserve_engine::backend::{BResult, BackendError, BatchPlan, HostTensor, SeqPlan, StepForward};
+use pdserve_engine::kv::{PageId, StateSlot};
+use std::collections::HashMap;
+use std::time::Instant;
+
+/// Graphs kept at most (least recently used dropped first).
+const MAX_GRAPHS: usize = 64;
+
+/// Batch sizes a decode step is padded to.
+pub fn bucket(n: usize) -> usize {
+    const BUCKETS: [usize; 14] = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256];
+    BUCKETS
+        .iter()
+        .copied()
+        .find(|&b| b >= n)
+        .unwrap_or_else(|| n.next_multiple_of(64))
+}
+
+/// Page-table length every sequence of a padded step gets.
+fn table_len(plan: &BatchPlan) -> usize {
+    let most = plan.seqs.iter().map(|s| s.pages.len()).max().unwrap_or(0);
+    most.next_power_of_two().max(4)
+}
+
+/// `plan` padded to `rows` one-token sequences with page tables of one length: the
+/// kernels' launches then depend only on the bucket, not on the batch's exact contents.
+pub(crate) fn pad_plan(plan: &BatchPlan, rows: usize, page: PageId, state: StateSlot) -> BatchPlan {
+    let cap = table_len(plan);
+    let mut out = plan.clone();
+    for s in &mut out.seqs {
+        s.pages.resize(cap, page);
+    }
+    for r in plan.rows()..rows {
+        out.seqs.push(SeqPlan {
+            start: 0,
+            len: 1,
+            row0: r,
+            pages: vec![page; cap],
+            state,
+        });
+        out.tokens.push(0);
+        out.positions.push(0);
+        out.row_seq.push(r);
+    }
+    out
+}
+
+/// A step signature with its hash computed once (signatures run to tens of KB).
+#[derive(Clone, PartialEq, Eq)]
+struct Signature {
+    hash: u64,
+    bytes: Vec<u8>,
+}
+
+impl Signature {
+    fn new(bytes: &[u8]) -> Self {
+        // FNV-1a over 8-byte words: fast, and equality still compares every byte.
+        let mut hash = 0xcbf2_9ce4_8422_2325u64;
+        for chunk in bytes.chunks(8) {
+            let mut w = [0u8; 8];
+            w[..chunk.len()].copy_from_slice(chunk);
+            hash = (hash ^ u64::from_le_bytes(w)).wrapping_mul(0x0100_0000_01b3);
+        }
+        Signature {
+            hash,
+            bytes: bytes.to_vec(),
+        }
+    }
+}
+
+impl std::hash::Hash for Signature {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        state.write_u64(self.hash);
+    }
+}
+
+/// A captured graph. `CudaGraph` holds raw driver handles and is not `Send`.
+struct Captured {
+    graph: CudaGraph,
+    last_used: u64,
+}
+
+// SAFETY: a graph is only touched with the `GraphCache` mutex held, so calls on it are
+// serialised as the driver requires; the handles stay valid on any thread of the process.
+#[allow(unsafe_code)]
+unsafe impl Send for Captured {}
+
+/// Captured graphs by signature.
+#[derive(Default)]
+pub(crate) struct GraphCache {
+    graphs: HashMap<Signature, Captured>,
+    tick: u64,
+    pub captures: u64,
+    pub replays: u64,
+    pub phases: StepPhases,
+}
+
+/// Host time of decode steps by phase, summed over steps (seconds).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct StepPhases {
+    pub steps: u64,
+    /// The dry pass: the forward's host code, recording launches and staging inputs.
+    pub dry: f64,
+    /// Eager launches, or the staged-input copy and graph launch.
+    pub submit: f64,
+    /// Waiting for the device and copying the logits back.
+    pub wait: f64,
+}
+
+impl GraphCache {
+    pub fn held(&self) -> usize {
+        self.graphs.len()
+    }
+}
+
+impl std::fmt::Debug for GraphCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "GraphCache({} graphs)", self.graphs.len())
+    }
+}
+
+/// Graph statistics of a backend.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct GraphStats {
+    /// Graphs captured so far.
+    pub captures: u64,
+    /// Steps replayed from a graph.
+    pub replays: u64,
+    /// Graphs held now.
+    pub held: usize,
+    pub phases: StepPhases,
+}
+
+/// Leaves step mode on every exit path (errors included).
+struct StepGuard<'a>(&'a CudaBackend);
+
+impl Drop for StepGuard<'_> {
+    fn drop(&mut self) {
+        let _ = self.0.gpu.end_step();
+    }
+}
+
+fn device_logits(t: &GpuTensor) -> BResult<(u64, usize, usize)> {
+    Ok((f32_buf(t, "decode_step")?.ptr(), t.rows, t.cols))
+}
+
+/// One recorded pass of `forward` over `plan` in `mode`.
+fn pass(
+    b: &CudaBackend,
+    kv: &mut GpuKv,
+    plan: &BatchPlan,
+    forward: &mut StepForward<'_, CudaBackend>,
+    mode: StepMode,
+) -> BResult<(StepRecord, (u64, usize, usize))> {
+    b.gpu.begin_step(mode)?;
+    let guard = StepGuard(b);
+    let out = forward(b, kv, plan).and_then(|t| device_logits(&t));
+    let rec = b.gpu.end_step()?;
+    drop(guard);
+    Ok((rec, out?))
+}
+
+/// The dry pass, after sizing the arena and staging buffer for it.
+fn dry_pass(
+    b: &CudaBackend,
+    kv: &mut GpuKv,
+    plan: &BatchPlan,
+    forward: &mut StepForward<'_, CudaBackend>,
+) -> BResult<(StepRecord, (u64, usize, usize))> {
+    let (rec, out) = pass(b, kv, plan, forward, StepMode::Dry)?;
+    if !b.gpu.ensure_step_buffers(&rec)? {
+        return Ok((rec, out));
+    }
+    // The buffers moved: every graph points at the old ones; addresses changed.
+    b.graph_cache()?.graphs.clear();
+    let (rec, out) = pass(b, kv, plan, forward, StepMode::Dry)?;
+    if b.gpu.ensure_step_buffers(&rec)? {
+        return Err(BackendError::Device(
+            "decode step buffers grew twice for one step".into(),
+        ));
+    }
+    Ok((rec, out))
+}
+
+fn same_work(dry: &StepRecord, run: &StepRecord, what: &str) -> BResult<()> {
+    if dry.signature != run.signature || dry.staged != run.staged {
+        return Err(BackendError::Device(format!(
+            "the {what} pass of a decode step launched different work than its dry pass"
+        )));
+    }
+    Ok(())
+}
+
+fn download_rows(b: &CudaBackend, out: (u64, usize, usize), rows: usize) -> BResult<HostTensor> {
+    let (ptr, _, cols) = out;
+    let t0 = Instant::now();
+    let data = b
+        .gpu
+        .download(&DevMem::<f32>::view(ptr, rows * cols), rows * cols)?;
+    b.graph_cache()?.phases.wait += t0.elapsed().as_secs_f64();
+    Ok(HostTensor { rows, cols, data })
+}
+
+fn eager(
+    b: &CudaBackend,
+    kv: &mut GpuKv,
+    plan: &BatchPlan,
+    forward: &mut StepForward<'_, CudaBackend>,
+    dry: &StepRecord,
+    rows: usize,
+) -> BResult<HostTensor> {
+    let t0 = Instant::now();
+    let (rec, out) = pass(b, kv, plan, forward, StepMode::Eager)?;
+    same_work(dry, &rec, "eager")?;
+    b.graph_cache()?.phases.submit += t0.elapsed().as_secs_f64();
+    download_rows(b, out, rows)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn replay(
+    b: &CudaBackend,
+    kv: &mut GpuKv,
+    plan: &BatchPlan,
+    forward: &mut StepForward<'_, CudaBackend>,
+    dry: &StepRecord,
+    out: (u64, usize, usize),
+    rows: usize,
+) -> BResult<HostTensor> {
+    let key = Signature::new(&dry.signature);
+    let mut cache = b.graph_cache()?;
+    cache.tick += 1;
+    let tick = cache.tick;
+    if !cache.graphs.contains_key(&key) {
+        drop(cache);
+        let graph = capture(b, kv, plan, forward, dry)?;
+        cache = b.graph_cache()?;
+        if cache.graphs.len() >= MAX_GRAPHS {
+            let oldest = cache
+                .graphs
+                .iter()
+                .min_by_key(|(_, g)| g.last_used)
+                .map(|(k, _)| k.clone());
+            if let Some(k) = oldest {
+                cache.graphs.remove(&k);
+            }
+        }
+        cache.captures += 1;
+        cache.graphs.insert(
+            key.clone(),
+            Captured {
+                graph,
+                last_used: tick,
+            },
+        );
+    }
+    let t0 = Instant::now();
+    b.gpu.copy_staged(dry)?;
+    let captured = cache
+        .graphs
+        .get_mut(&key)
+        .ok_or_else(|| BackendError::Device("captured graph missing".into()))?;
+    captured.last_used = tick;
+    captured.graph.launch().map_err(dev_err)?;
+    cache.replays += 1;
+    cache.phases.submit += t0.elapsed().as_secs_f64();
+    drop(cache);
+    download_rows(b, out, rows)
+}
+
+fn capture(
+    b: &CudaBackend,
+    kv: &mut GpuKv,
+    plan: &BatchPlan,
+    forward: &mut StepForward<'_, CudaBackend>,
+    dry: &StepRecord,
+) -> BResult<CudaGraph> {
+    let stream = &b.gpu.stream;
+    stream
+        .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .map_err(dev_err)?;
+    let traced = pass(b, kv, plan, forward, StepMode::Capture);
+    // End the capture whatever happened, so the stream is usable again.
+    let ended = stream.end_capture(sys::CUgraphInstantiate_flags(0));
+    let (rec, _) = traced?;
+    same_work(dry, &rec, "captured")?;
+    let graph = ended
+        .map_err(dev_err)?
+        .ok_or_else(|| BackendError::Device("stream capture produced no graph".into()))?;
+    graph.upload().map_err(dev_err)?;
+    Ok(graph)
+}
+
+/// Pages and state slots a plan's sequences own.
+fn touched(plan: &BatchPlan) -> (Vec<PageId>, Vec<StateSlot>) {
+    let mut pages: Vec<PageId> = plan
+        .seqs
+        .iter()
+        .flat_map(|s| s.pages.iter().copied())
+        .collect();
+    pages.sort_unstable();
+    pages.dedup();
+    let mut states: Vec<StateSlot> = plan.seqs.iter().map(|s| s.state).collect();
+    states.sort_unstable();
+    states.dedup();
+    (pages, states)
+}
+
+type KvBytes = (Vec<Vec<u8>>, Vec<Vec<u8>>);
+
+fn read_kv(
+    b: &CudaBackend,
+    kv: &GpuKv,
+    pages: &[PageId],
+    states: &[StateSlot],
+) -> BResult<KvBytes> {
+    let p = pages
+        .iter()
+        .map(|&p| kv.read_page(&b.gpu, p))
+        .collect::<BResult<Vec<_>>>()?;
+    let s = states
+        .iter()
+        .map(|&s| kv.read_state(&b.gpu, s))
+        .collect::<BResult<Vec<_>>>()?;
+    Ok((p, s))
+}
+
+fn write_kv(
+    b: &CudaBackend,
+    kv: &mut GpuKv,
+    pages: &[PageId],
+    states: &[StateSlot],
+    bytes: &KvBytes,
+) -> BResult<()> {
+    for (&p, v) in pages.iter().zip(&bytes.0) {
+        kv.write_page(&b.gpu, p, v)?;
+    }
+    for (&s, v) in states.iter().zip(&bytes.1) {
+        kv.write_state(&b.gpu, s, v)?;
+    }
+    Ok(())
+}
+
+/// Why a graph replay and an eager run of the same step differ, if they do.
+fn first_difference(
+    eager: (&HostTensor, &KvBytes),
+    graph: (&HostTensor, &KvBytes),
+    pages: &[PageId],
+    states: &[StateSlot],
+) -> Option<String> {
+    let bits = |t: &HostTensor| t.data.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    let (le, lg) = (bits(eager.0), bits(graph.0));
+    if let Some(i) = le.iter().zip(&lg).position(|(a, b)| a != b) {
+        let cols = eager.0.cols.max(1);
+        return Some(format!("logits row {} column {}", i / cols, i % cols));
+    }
+    if let Some(i) = (0..pages.len()).find(|&i| eager.1 .0[i] != graph.1 .0[i]) {
+        return Some(format!("Page({})", pages[i]));
+    }
+    if let Some(i) = (0..states.len()).find(|&i| eager.1 .1[i] != graph.1 .1[i]) {
+        return Some(format!("State({})", states[i]));
+    }
+    None
+}
+
+/// [`pdserve_engine::backend::Backend::decode_step`] of the CUDA backend.
+pub(crate) fn decode_step(
+    b: &CudaBackend,
+    kv: &mut GpuKv,
+    plan: &BatchPlan,
+    forward: &mut StepForward<'_, CudaBackend>,
+) -> BResult<HostTensor> {
+    DevPlan::validate(kv, plan)?;
+    let n = plan.seqs.len();
+    for (i, s) in plan.seqs.iter().enumerate() {
+        if s.len != 1 || s.row0 != i || plan.rows() != n {
+            return Err(crate::backend::shape_err(
+                "decode_step",
+                format!(
+                    "sequence {i} has {} rows at row {}; a decode step has one row per sequence",
+                    s.len, s.row0
+                ),
+            ));
+        }
+        let needed = s.start / kv.page_tokens.max(1);
+        if needed >= s.pages.len() {
+            return Err(BackendError::Kv(format!(
+                "position {} needs page {needed}, sequence holds {}",
+                s.start,
+                s.pages.len()
+            )));
+        }
+    }
+    let t0 = Instant::now();
+    let padded = pad_plan(plan, bucket(n), kv.dummy_page(), kv.dummy_state());
+    let (dry, out) = dry_pass(b, kv, &padded, forward)?;
+    {
+        let mut c = b.graph_cache()?;
+        c.phases.steps += 1;
+        c.phases.dry += t0.elapsed().as_secs_f64();
+    }
+    match (b.graph_mode(), b.verify_graphs()) {
+        (GraphMode::Eager, _) => eager(b, kv, &padded, forward, &dry, n),
+        (GraphMode::Capture, false) => replay(b, kv, &padded, forward, &dry, out, n),
+        (GraphMode::Capture, true) => {
+            let (pages, states) = touched(plan);
+            let before = read_kv(b, kv, &pages, &states)?;
+            let le = eager(b, kv, &padded, forward, &dry, n)?;
+            let ke = read_kv(b, kv, &pages, &states)?;
+            write_kv(b, kv, &pages, &states, &before)?;
+            let lg = replay(b, kv, &padded, forward, &dry, out, n)?;
+            let kg = read_kv(b, kv, &pages, &states)?;
+            match first_difference((&le, &ke), (&lg, &kg), &pages, &states) {
+                None => Ok(lg),
+                Some(what) => Err(BackendError::Device(format!(
+                    "--verify-graphs: graph replay and eager run of a {n}-sequence decode step differ at {what}"
+                ))),
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::*;
+
+    fn plan(starts: &[usize], pages: &[usize]) -> BatchPlan {
+        let mut p = BatchPlan::default();
+        for (i, (&s, &n)) in starts.iter().zip(pages).enumerate() {
+            p.seqs.push(SeqPlan {
+                start: s,
+                len: 1,
+                row0: i,
+                pages: (0..n as PageId).map(|x| x + 10 * i as PageId).collect(),
+                state: i as StateSlot,
+            });
+            p.tokens.push(5 + i as u32);
+            p.positions.push(s);
+            p.row_seq.push(i);
+        }
+        p
+    }
+
+    #[test]
+    fn buckets_cover_every_batch_size_with_few_shapes() {
+        for n in 1..=600 {
+            let b = bucket(n);
+            assert!(b >= n, "bucket({n}) = {b}");
+            assert!(b <= n * 2 || n <= 2, "bucket({n}) = {b} wastes too much");
+        }
+        assert_eq!(bucket(1), 1);
+        assert_eq!(bucket(3), 4);
+        assert_eq!(bucket(64), 64);
+        assert_eq!(bucket(65), 96);
+        assert_eq!(bucket(300), 320);
+        let distinct: std::collections::BTreeSet<usize> = (1..=256).map(bucket).collect();
+        assert_eq!(distinct.len(), 14);
+    }
+
+    #[test]
+    fn padding_adds_dummy_rows_and_equal_page_tables() {
+        let p = plan(&[37, 300, 5], &[1, 2, 1]);
+        let padded = pad_plan(&p, 8, 99, 7);
+        assert_eq!(padded.rows(), 8);
+        assert_eq!(padded.seqs.len(), 8);
+        // Real sequences keep their pages and positions, padded with the dummy page.
+        assert_eq!(padded.seqs[1].pages, vec![10, 11, 99, 99]);
+        assert_eq!(padded.seqs[0].start, 37);
+        assert_eq!(padded.positions[..3], [37, 300, 5]);
+        assert_eq!(padded.tokens[..3], [5, 6, 7]);
+        for (i, s) in padded.seqs.iter().enumerate().skip(3) {
+            assert_eq!((s.start, s.len, s.row0, s.state), (0, 1, i, 7));
+            assert_eq!(s.pages, vec![99; 4]);
+            assert_eq!(padded.row_seq[i], i);
+        }
+        // Every page table has one length, so the staged plan has one size per bucket.
+        assert!(padded.seqs.iter().all(|s| s.pages.len() == 4));
+        let longer = pad_plan(&plan(&[1], &[5]), 1, 99, 7);
+        assert_eq!(longer.seqs[0].pages.len(), 8);
+    }
+
+    #[test]
+    fn signatures_compare_every_byte() {
+        let a = Signature::new(b"kernel-a 1 2 3");
+        assert!(a == Signature::new(b"kernel-a 1 2 3"));
+        assert!(a != Signature::new(b"kernel-a 1 2 4"));
+        // Equal hashes never make different signatures equal.
+        let mut forged = Signature::new(b"other");
+        forged.hash = a.hash;
+        assert!(a != forged);
+    }
+}

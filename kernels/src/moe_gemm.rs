@@ -1,0 +1,285 @@
+//! Routed experts as cuBLAS GEMMs (prefill): the routing is copied to the host, picks are
+//! sorted by expert, their rows gathered, and each used expert runs two tensor-core GEMMs
+//! over all of its picks (gate+up, then down), with SwiGLU between; rows are scattered
+//! back to pick order. Used outside decode steps only (it synchronises on the routing).
+
+use crate::backend::{f32_buf, CudaBackend};
+use crate::device::{grid_1d, Arg, Gpu};
+use crate::devmem::DevMem;
+use crate::moe::weight;
+use crate::tensor::GpuTensor;
+use pdserve_engine::backend::{BResult, MoeParams};
+
+/// Whether the GEMM path pays: outside decode steps, with enough picks per expert on
+/// average for a GEMM to beat re-reading weights on CUDA cores.
+pub(crate) fn worthwhile(g: &Gpu, rows: usize, k: usize, experts: usize) -> bool {
+    !g.in_step() && rows * k >= 4 * experts
+}
+
+/// Picks sorted by expert (ascending pick index within an expert) and each expert's
+/// `(first, count)` in that order.
+pub(crate) fn sort_picks(ids: &[i32], experts: usize) -> (Vec<i32>, Vec<(usize, usize)>) {
+    let mut counts = vec![0usize; experts];
+    for &e in ids {
+        counts[e as usize] += 1;
+    }
+    let mut spans = Vec::with_capacity(experts);
+    let mut first = 0;
+    for &c in &counts {
+        spans.push((first, c));
+        first += c;
+    }
+    let mut next: Vec<usize> = spans.iter().map(|s| s.0).collect();
+    let mut order = vec![0i32; ids.len()];
+    for (a, &e) in ids.iter().enumerate() {
+        order[next[e as usize]] = a as i32;
+        next[e as usize] += 1;
+    }
+    (order, spans)
+}
+
+/// `out` = `src` rounded to bf16 when the weights are bf16 (the GEMM's input type).
+fn gemm_input(b: &CudaBackend, src: &DevMem<f32>, bf16: bool) -> BResult<Option<DevMem<u16>>> {
+    if !bf16 {
+        return Ok(None);
+    }
+    let g = &b.gpu;
+    let out = g.uninit::<u16>(src.len())?;
+    g.launch(
+        "k_f32_to_bf16",
+        grid_1d(src.len()),
+        0,
+        &[
+            Arg::Ptr(g.ptr(src)),
+            Arg::Ptr(g.ptr(&out)),
+            Arg::I64(src.len() as i64),
+        ],
+    )?;
+    Ok(Some(out))
+}
+
+/// `c[rows, m] = a[rows, kd] @ w[m, kd]^T` for one expert's span; element offsets given.
+#[allow(clippy::too_many_arguments)]
+fn span_gemm(
+    g: &Gpu,
+    a: (u64, usize),
+    w: u64,
+    c: u64,
+    rows: usize,
+    m: usize,
+    kd: usize,
+    bf16: bool,
+) -> BResult<()> {
+    let esz = if bf16 { 2 } else { 4 } as u64;
+    let (a_ptr, a_off) = a;
+    g.gemm_nt(
+        a_ptr + a_off as u64 * esz,
+        w,
+        c,
+        (rows, m, kd),
+        (kd, kd, m),
+        (0, 0, 0),
+        1,
+        bf16,
+    )
+}
+
+pub(crate) fn routed(
+    b: &CudaBackend,
+    x: &GpuTensor,
+    p: &MoeParams<'_, GpuTensor>,
+    ids: &DevMem<i32>,
+) -> BResult<DevMem<f32>> {
+    let (n, h) = (x.rows, x.cols);
+    let (e, k, inter) = (p.n_experts, p.top_k, p.intermediate);
+    let g = &b.gpu;
+    let host_ids = g.download(ids, n * k)?;
+    let (order, spans) = sort_picks(&host_ids, e);
+    let rows_of: Vec<i32> = order.iter().map(|&a| a / k as i32).collect();
+    let picks = n * k;
+    let gather = g.upload(&rows_of)?;
+    let xs = g.uninit::<f32>(picks * h)?;
+    g.launch(
+        "k_gather_rows",
+        (picks as u32, 1, 1),
+        0,
+        &[
+            Arg::Ptr(g.ptr(f32_buf(x, "moe")?)),
+            Arg::Ptr(g.ptr(&gather)),
+            Arg::Ptr(g.ptr(&xs)),
+            Arg::I32(h as i32),
+        ],
+    )?;
+    let (gu_kind, gu_ptr) = weight(b, p.gate_up);
+    let (down_kind, down_ptr) = weight(b, p.down);
+    let (gu_bf16, down_bf16) = (gu_kind == "_bf16", down_kind == "_bf16");
+    let wsz = |bf16: bool| if bf16 { 2u64 } else { 4 };
+    // Gate and up rows of every pick: [picks, 2I].
+    let xin = gemm_input(b, &xs, gu_bf16)?;
+    let a = xin.as_ref().map_or(g.ptr(&xs), |t| g.ptr(t));
+    let gu = g.uninit::<f32>(picks * 2 * inter)?;
+    for (ex, &(first, count)) in spans.iter().enumerate() {
+        if count == 0 {
+            continue;
+        }
+        let w = gu_ptr + (ex * 2 * inter * h) as u64 * wsz(gu_bf16);
+        let c = g.ptr(&gu) + (first * 2 * inter * 4) as u64;
+        span_gemm(g, (a, first * h), w, c, count, 2 * inter, h, gu_bf16)?;
+    }
+    let act = g.uninit::<f32>(picks * inter)?;
+    g.launch(
+        "k_swiglu_halves",
+        grid_1d(picks * inter),
+        0,
+        &[
+            Arg::Ptr(g.ptr(&gu)),
+            Arg::Ptr(g.ptr(&act)),
+            Arg::I64((picks * inter) as i64),
+            Arg::I32(inter as i32),
+            Arg::F32(p.swiglu_limit),
+        ],
+    )?;
+    let ain = gemm_input(b, &act, down_bf16)?;
+    let a = ain.as_ref().map_or(g.ptr(&act), |t| g.ptr(t));
+    let ys = g.uninit::<f32>(picks * h)?;
+    for (ex, &(first, count)) in spans.iter().enumerate() {
+        if count == 0 {
+            continue;
+        }
+        let w = down_ptr + (ex * h * inter) as u64 * wsz(down_bf16);
+        let c = g.ptr(&ys) + (first * h * 4) as u64;
+        span_gemm(g, (a, first * inter), w, c, count, h, inter, down_bf16)?;
+    }
+    // Back to pick order: y[order[j]] = ys[j].
+    let scatter = g.upload(&order)?;
+    let y = g.uninit::<f32>(picks * h)?;
+    g.launch(
+        "k_scatter_rows",
+        (picks as u32, 1, 1),
+        0,
+        &[
+            Arg::Ptr(g.ptr(&ys)),
+            Arg::Ptr(g.ptr(&scatter)),
+            Arg::Ptr(g.ptr(&y)),
+            Arg::I32(h as i32),
+        ],
+    )?;
+    Ok(y)
+}
+
+/// Whether the padded-batch GEMM path pays inside a decode step: bf16 experts and at least
+/// one pick per expert on average (so most experts' weights are read anyway).
+pub(crate) fn padded_worthwhile(
+    p: &MoeParams<'_, GpuTensor>,
+    rows: usize,
+    k: usize,
+    experts: usize,
+) -> bool {
+    p.gate_up.is_bf16() && p.down.is_bf16() && rows * k >= experts
+}
+
+/// Routed experts as two strided-batched GEMMs over every expert, each with `rows` padded
+/// pick slots (an expert gets at most one pick per row): no host synchronisation, so it
+/// runs inside captured decode steps. Reads every expert's weights once; the padding costs
+/// tensor-core time only. Returns `y`: `[rows * k, H]`, one row per pick.
+pub(crate) fn routed_padded(
+    b: &CudaBackend,
+    x: &GpuTensor,
+    p: &MoeParams<'_, GpuTensor>,
+    list: &DevMem<i32>,
+    count: &DevMem<i32>,
+) -> BResult<DevMem<f32>> {
+    let (n, h) = (x.rows, x.cols);
+    let (e, k, inter) = (p.n_experts, p.top_k, p.intermediate);
+    let g = &b.gpu;
+    let (_, gu_ptr) = weight(b, p.gate_up);
+    let (_, down_ptr) = weight(b, p.down);
+    let xp = g.uninit::<u16>(e * n * h)?;
+    let grid = (e as u32, n as u32, 1);
+    g.launch(
+        "k_moe_gather_padded",
+        grid,
+        0,
+        &[
+            Arg::Ptr(g.ptr(f32_buf(x, "moe")?)),
+            Arg::Ptr(g.ptr(list)),
+            Arg::Ptr(g.ptr(count)),
+            Arg::Ptr(g.ptr(&xp)),
+            Arg::I32(n as i32),
+            Arg::I32(h as i32),
+            Arg::I32(k as i32),
+        ],
+    )?;
+    let gu = g.uninit::<f32>(e * n * 2 * inter)?;
+    g.gemm_nt(
+        g.ptr(&xp),
+        gu_ptr,
+        g.ptr(&gu),
+        (n, 2 * inter, h),
+        (h, h, 2 * inter),
+        (
+            (n * h) as i64,
+            (2 * inter * h) as i64,
+            (n * 2 * inter) as i64,
+        ),
+        e,
+        true,
+    )?;
+    let act = g.uninit::<u16>(e * n * inter)?;
+    g.launch(
+        "k_swiglu_halves_bf16",
+        grid_1d(e * n * inter),
+        0,
+        &[
+            Arg::Ptr(g.ptr(&gu)),
+            Arg::Ptr(g.ptr(&act)),
+            Arg::I64((e * n * inter) as i64),
+            Arg::I32(inter as i32),
+            Arg::F32(p.swiglu_limit),
+        ],
+    )?;
+    let yp = g.uninit::<f32>(e * n * h)?;
+    g.gemm_nt(
+        g.ptr(&act),
+        down_ptr,
+        g.ptr(&yp),
+        (n, h, inter),
+        (inter, inter, h),
+        ((n * inter) as i64, (h * inter) as i64, (n * h) as i64),
+        e,
+        true,
+    )?;
+    let y = g.uninit::<f32>(n * k * h)?;
+    g.launch(
+        "k_moe_scatter_padded",
+        grid,
+        0,
+        &[
+            Arg::Ptr(g.ptr(&yp)),
+            Arg::Ptr(g.ptr(list)),
+            Arg::Ptr(g.ptr(count)),
+            Arg::Ptr(g.ptr(&y)),
+            Arg::I32(n as i32),
+            Arg::I32(h as i32),
+        ],
+    )?;
+    Ok(y)
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn picks_sort_by_expert_keeping_pick_order() {
+        // 3 rows x k=2 over 4 experts.
+        let ids = [2, 0, 0, 3, 2, 1];
+        let (order, spans) = sort_picks(&ids, 4);
+        assert_eq!(order, vec![1, 2, 5, 0, 4, 3]);
+        assert_eq!(spans, vec![(0, 2), (2, 1), (3, 2), (5, 1)]);
+        let (order, spans) = sort_picks(&[1, 1], 3);
+        assert_eq!(order, vec![0, 1]);
+        assert_eq!(spans, vec![(0, 0), (0, 2), (2, 0)]);
+    }
+}
