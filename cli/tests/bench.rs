@@ -81,8 +81,16 @@ fn bench_decode_table_on_cpu() {
         "--graph",
         "capture,eager",
     ]);
-    args.extend(["--steps", "2", "--warmup", "1"]);
+    args.extend(["--steps", "2", "--warmup", "1", "--json"]);
+    let json_path = Path::new(env!("CARGO_TARGET_TMPDIR")).join("bench-decode.json");
+    args.push(json_path.to_str().unwrap());
     let out = run(&args);
+    let j: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json_path).unwrap()).unwrap();
+    assert_eq!(j["rows"].as_array().unwrap().len(), 8);
+    assert!(j["memory_bandwidth_bytes_per_s"].as_f64().unwrap() > 0.0);
+    // No graph comparison on the CPU (graphs are not applied there).
+    assert!(!out.contains("CUDA graphs against eager"), "{out}");
     assert!(out.contains("memory bandwidth:"), "{out}");
     assert!(out.contains("weights:"), "{out}");
     let (head, rows) = table(&out, "batch");

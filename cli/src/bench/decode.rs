@@ -38,6 +38,9 @@ pub struct DecodeArgs {
     /// JSON written by scripts/peer_bench.py: adds the peer's ms/step and our speed-up.
     #[arg(long)]
     pub peer: Option<PathBuf>,
+    /// Also write the rows (and the measured bandwidth) as JSON to this file.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
 }
 
 /// One row of the decode table.
@@ -201,7 +204,50 @@ pub fn run<B: BenchBackend>(a: &DecodeArgs, mut backend: B) -> Result<Vec<Decode
     }
     bar.finish_and_clear();
     println!("{}", table(&rows, peer.as_ref()));
+    if let Some(t) = graph_speedups(&rows) {
+        println!("CUDA graphs against eager launches:\n{t}");
+    }
+    if let Some(path) = &a.json {
+        let v = serde_json::json!({
+            "device": backend.name(),
+            "memory_bandwidth_bytes_per_s": bw.rate,
+            "memory_bandwidth_how": bw.how,
+            "rows": rows,
+        });
+        super::write_json(path, &v)?;
+    }
     Ok(rows)
+}
+
+/// Eager step time over graph step time for every (batch, context) run both ways with
+/// graphs really applied (`None` when there is no such pair, e.g. on the CPU).
+pub fn graph_speedups(rows: &[DecodeRow]) -> Option<Table> {
+    let out: Vec<Vec<String>> = rows
+        .iter()
+        .filter(|r| r.mode == "capture")
+        .filter_map(|g| {
+            let e = rows
+                .iter()
+                .find(|e| e.mode == "eager" && (e.batch, e.context) == (g.batch, g.context))?;
+            Some(vec![
+                g.batch.to_string(),
+                g.context.to_string(),
+                num(e.ms_per_step),
+                num(g.ms_per_step),
+                num(e.ms_per_step / g.ms_per_step),
+            ])
+        })
+        .collect();
+    (!out.is_empty()).then(|| Table {
+        headers: vec![
+            "batch",
+            "context",
+            "eager ms",
+            "capture ms",
+            "eager / capture",
+        ],
+        rows: out,
+    })
 }
 
 pub fn table(rows: &[DecodeRow], peer: Option<&Peer>) -> Table {
@@ -247,4 +293,72 @@ pub fn table(rows: &[DecodeRow], peer: Option<&Peer>) -> Table {
         })
         .collect();
     Table { headers, rows }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    fn row(batch: usize, mode: &str, ms: f64) -> DecodeRow {
+        DecodeRow {
+            batch,
+            context: 4096,
+            mode: mode.into(),
+            ms_per_step: ms,
+            tokens_per_s: batch as f64 / ms * 1e3,
+            experts_per_layer: 6.0,
+            weight_bytes: 1e9,
+            kv_bytes: 1e6,
+            floor_ms: 0.25,
+            logits_finite: true,
+        }
+    }
+
+    #[test]
+    fn graph_speedup_pairs_capture_with_eager_rows() {
+        let rows = vec![
+            row(1, "capture", 1.0),
+            row(1, "eager", 2.5),
+            row(8, "capture", 2.0),
+            row(64, "eager", 9.0),
+        ];
+        let t = graph_speedups(&rows).unwrap();
+        assert_eq!(t.rows.len(), 1, "batch 8 and 64 have no pair");
+        assert_eq!(t.rows[0], vec!["1", "4096", "2.50", "1.00", "2.50"]);
+        // CPU rows: graphs not applied, nothing to compare.
+        let cpu = vec![
+            row(1, "eager (cpu has no graphs)", 1.0),
+            row(1, "eager", 1.0),
+        ];
+        assert!(graph_speedups(&cpu).is_none());
+    }
+
+    #[test]
+    fn plan_holds_the_pages_up_to_the_position() {
+        let f = crate::bench::config::ModelFlags {
+            device: "cpu".into(),
+            layers: 4,
+            experts: 4,
+            tiny: true,
+            seed: 0,
+            kv_dtype: "bf16".into(),
+            index_k_dtype: "bf16".into(),
+            cuda_weights: "bf16".into(),
+        };
+        let cfg = f.config().unwrap();
+        let layout = f.layout(&cfg).unwrap();
+        let pt = layout.page_tokens;
+        let p = step_plan(&layout, 10, pt, &[3, 4]);
+        assert_eq!(p.rows(), 2);
+        // Position page_tokens is the first of the second page.
+        assert_eq!(p.seqs[0].pages, vec![0, 1]);
+        assert_eq!(p.seqs[1].pages, vec![10, 11]);
+        assert_eq!(
+            (p.seqs[1].state, p.seqs[1].row0, p.seqs[1].start),
+            (1, 1, pt)
+        );
+        assert_eq!(p.positions, vec![pt, pt]);
+        assert_eq!(p.row_seq, vec![0, 1]);
+    }
 }

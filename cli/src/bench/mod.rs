@@ -139,3 +139,9 @@ pub(crate) fn progress(len: u64, what: &str) -> ProgressBar {
     }
     bar
 }
+
+/// Write `v` as pretty JSON to `path`.
+pub(crate) fn write_json(path: &std::path::Path, v: &serde_json::Value) -> Result<()> {
+    let text = serde_json::to_string_pretty(v)?;
+    std::fs::write(path, text + "\n").with_context(|| format!("writing {}", path.display()))
+}

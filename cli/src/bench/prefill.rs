@@ -29,6 +29,9 @@ pub struct PrefillArgs {
     /// JSON written by scripts/peer_bench.py: adds the peer's seconds and our speed-up.
     #[arg(long)]
     pub peer: Option<PathBuf>,
+    /// Also write the rows (and the measured GEMM rate) as JSON to this file.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
 }
 
 #[derive(Debug, Clone, serde::Serialize)]
@@ -113,6 +116,15 @@ pub fn run<B: BenchBackend>(a: &PrefillArgs, backend: B) -> Result<Vec<PrefillRo
     }
     bar.finish_and_clear();
     println!("{}", table(&rows, peer.as_ref()));
+    if let Some(path) = &a.json {
+        let v = serde_json::json!({
+            "device": backend.name(),
+            "gemm_flops_per_s": gemm.rate,
+            "gemm_how": gemm.how,
+            "rows": rows,
+        });
+        super::write_json(path, &v)?;
+    }
     Ok(rows)
 }
 
