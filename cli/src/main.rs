@@ -1,5 +1,6 @@
 //! `pdserve`: the user-facing command line.
 
+mod bench;
 mod commands;
 mod gpu_check;
 mod layered;
@@ -49,6 +50,8 @@ enum Command {
     Up(up::UpArgs),
     /// Compare the CUDA backend with the CPU engine on reference fixtures (pass/fail table).
     GpuCheck(gpu_check::GpuCheckArgs),
+    /// Benchmarks on a synthetic V4-Flash-shaped model with random weights (decode, prefill).
+    Bench(bench::BenchArgs),
 }
 
 fn init_logging(format: LogFormat) {
@@ -75,6 +78,7 @@ fn main() -> ExitCode {
         Command::Router(f) => serve::router(f),
         Command::Up(a) => up::up(a, matches!(cli.log_format, LogFormat::Json)),
         Command::GpuCheck(a) => gpu_check::gpu_check(a),
+        Command::Bench(a) => bench::bench(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

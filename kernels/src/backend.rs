@@ -10,7 +10,7 @@ use crate::GraphMode;
 use pdserve_engine::backend::StepForward;
 use pdserve_engine::backend::{
     BResult, Backend, BatchPlan, CompressedKeys, CompressorParams, HcParams, HcPre, HostTensor,
-    MoeParams,
+    MoeParams, WeightInit,
 };
 use pdserve_engine::kv::{KvLayout, PageId, StateSlot};
 use pdserve_engine::rope::Rope;
@@ -102,6 +102,12 @@ impl CudaBackend {
 
     pub fn weight_dtype(&self) -> WeightDtype {
         self.weights
+    }
+
+    /// Whether weight `name` (`rows x cols`) is stored in bf16 (else fp32): the one rule
+    /// for uploaded, generated and counted weights.
+    pub fn weight_is_bf16(&self, name: &str, rows: usize, cols: usize) -> bool {
+        self.weights == WeightDtype::Bf16 && stores_bf16(rows, cols) && !keeps_f32(name)
     }
 
     fn upload_as(&self, t: HostTensor, bf16: bool) -> BResult<GpuTensor> {
@@ -246,9 +252,26 @@ impl Backend for CudaBackend {
     }
 
     fn upload_weight(&self, name: &str, t: HostTensor) -> BResult<GpuTensor> {
-        let bf16 =
-            self.weights == WeightDtype::Bf16 && stores_bf16(t.rows, t.cols) && !keeps_f32(name);
+        let bf16 = self.weight_is_bf16(name, t.rows, t.cols);
         self.upload_as(t, bf16)
+    }
+
+    fn random_weight(
+        &self,
+        name: &str,
+        rows: usize,
+        cols: usize,
+        init: WeightInit,
+        seed: u64,
+    ) -> BResult<GpuTensor> {
+        crate::random::random_tensor(
+            self,
+            rows,
+            cols,
+            self.weight_is_bf16(name, rows, cols),
+            init,
+            seed,
+        )
     }
 
     fn to_host(&self, t: &GpuTensor) -> BResult<HostTensor> {

@@ -4,6 +4,7 @@
 //! run time, and [`CudaBackend::new`] says clearly why a device cannot be used.
 
 pub mod backend;
+pub mod bench;
 pub mod check;
 pub mod check_graphs;
 pub mod compile;
@@ -16,6 +17,7 @@ pub mod kv_ops;
 mod kv_store;
 mod moe;
 mod moe_gemm;
+mod random;
 mod step;
 pub mod tensor;
 

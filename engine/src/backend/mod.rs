@@ -6,10 +6,12 @@ pub mod cpu;
 mod cpu_attention;
 mod cpu_kv;
 mod gemm;
+pub mod random;
 pub mod shapes;
 
 use crate::kv::{KvLayout, PageId, StateSlot};
 use crate::rope::Rope;
+pub use random::WeightInit;
 
 /// A 2-D tensor on the host, row-major.
 #[derive(Debug, Clone, PartialEq)]
@@ -154,6 +156,21 @@ pub trait Backend: Send + Sync {
     fn upload_weight(&self, name: &str, t: HostTensor) -> BResult<Self::Tensor> {
         let _ = name;
         self.upload(t)
+    }
+    /// A synthetic weight named `name` (stored as [`Backend::upload_weight`] would store
+    /// it), `rows x cols` values drawn by `init` from the counter-based generator of
+    /// [`random`] keyed by `seed`: deterministic, the same values on every backend (up to
+    /// storage rounding). Default: generated on the host, then uploaded; the CUDA backend
+    /// generates on the device.
+    fn random_weight(
+        &self,
+        name: &str,
+        rows: usize,
+        cols: usize,
+        init: WeightInit,
+        seed: u64,
+    ) -> BResult<Self::Tensor> {
+        self.upload_weight(name, random::host_tensor(rows, cols, init, seed))
     }
     fn to_host(&self, t: &Self::Tensor) -> BResult<HostTensor>;
     /// Rows `rows` of `t`, in that order.

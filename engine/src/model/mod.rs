@@ -1,5 +1,6 @@
 //! The DeepSeek-V4 forward pass, written once against [`Backend`].
 
+pub mod random;
 pub mod weights;
 
 use crate::backend::{
@@ -10,7 +11,7 @@ use crate::config::{LayerKind, MlpKind, ModelConfig};
 use crate::kv::KvLayout;
 use crate::rope::Rope;
 use weights::{CompressorWeights, HcWeights, LayerWeights};
-pub use weights::{LoadError, ModelWeights};
+pub use weights::{LoadError, ModelWeights, TensorSource};
 
 pub struct Model<B: Backend> {
     pub cfg: ModelConfig,

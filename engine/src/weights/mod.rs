@@ -351,12 +351,18 @@ impl LoadProgress {
     pub const MIN_BYTES: u64 = 256 << 20;
 
     pub fn new(total_bytes: u64) -> Self {
+        Self::with_label(total_bytes, "loading weights")
+    }
+
+    /// A bar that starts with `label` instead of "loading weights".
+    pub fn with_label(total_bytes: u64, label: &str) -> Self {
         let visible = total_bytes >= Self::MIN_BYTES && std::io::stderr().is_terminal();
         let bar = visible.then(|| {
             let bar = ProgressBar::with_draw_target(Some(total_bytes), ProgressDrawTarget::stderr());
-            if let Ok(style) = ProgressStyle::with_template(
-                "loading weights {wide_bar} {bytes}/{total_bytes} ({binary_bytes_per_sec}, eta {eta})",
-            ) {
+            let template = format!(
+                "{label} {{wide_bar}} {{bytes}}/{{total_bytes}} ({{binary_bytes_per_sec}}, eta {{eta}})"
+            );
+            if let Ok(style) = ProgressStyle::with_template(&template) {
                 bar.set_style(style);
             }
             bar

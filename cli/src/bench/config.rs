@@ -1,0 +1,229 @@
+//! The synthetic benchmark model: DeepSeek-V4-Flash's per-layer dimensions with a chosen
+//! number of layers and experts, as a transformers `config.json` (parsed by the engine's
+//! own [`ModelConfig`] parser, and given as-is to `scripts/peer_bench.py`).
+
+use anyhow::{bail, Context, Result};
+use pdserve_engine::config::ModelConfig;
+use pdserve_engine::kv::{EntryDtype, KvLayout, KvLayoutSpec};
+use serde_json::{json, Value};
+
+/// Flags that describe the synthetic model and where it runs.
+#[derive(clap::Args, Debug, Clone)]
+pub struct ModelFlags {
+    /// Compute device: `cpu` or `cuda:N`.
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// Decoder layers, in V4-Flash's order: 2 sliding-window layers, then CSA and HCA
+    /// alternating; the first 3 use hash routing, the rest top-k routing. 4 covers every
+    /// kind (sliding, sliding, CSA, HCA; hash x3, top-k).
+    #[arg(long, default_value_t = 4)]
+    pub layers: usize,
+    /// Routed experts per layer (V4-Flash has 256; top-k stays 6). Each expert is 48 MiB
+    /// of bf16 weights, so 64 experts x 4 layers is 12.9 GB.
+    #[arg(long, default_value_t = 64)]
+    pub experts: usize,
+    /// A tiny model with the same structure (hidden 64, 4 heads of 32, vocab 97,
+    /// window 8, compress rates 4/16) for CPU runs and tests, instead of V4-Flash's widths.
+    #[arg(long)]
+    pub tiny: bool,
+    /// Seed of the random weights, KV contents and tokens.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Storage dtype of compressed-KV and sliding-window entries: f32 or bf16.
+    #[arg(long, default_value = "bf16")]
+    pub kv_dtype: String,
+    /// Storage dtype of the indexer's index-K entries: f32, bf16 (or fp8 on the CPU).
+    #[arg(long, default_value = "bf16")]
+    pub index_k_dtype: String,
+    /// Weight storage on a CUDA device: bf16 (router and hyper-connection maps stay fp32)
+    /// or f32.
+    #[arg(long, default_value = "bf16")]
+    pub cuda_weights: String,
+}
+
+/// Attention kind of layer `i` in V4-Flash (`compress_ratios` 0, 0, 4, 128, 4, 128, ...).
+pub fn flash_layer_type(i: usize) -> &'static str {
+    match i {
+        0 | 1 => "sliding_attention",
+        _ if i.is_multiple_of(2) => "compressed_sparse_attention",
+        _ => "heavily_compressed_attention",
+    }
+}
+
+/// MoE routing of layer `i` in V4-Flash (`num_hash_layers` 3).
+pub fn flash_mlp_type(i: usize) -> &'static str {
+    if i < 3 {
+        "hash_moe"
+    } else {
+        "moe"
+    }
+}
+
+impl ModelFlags {
+    /// The config as transformers' `DeepseekV4Config` keys.
+    pub fn config_json(&self) -> Result<Value> {
+        if self.layers == 0 {
+            bail!("--layers must be at least 1");
+        }
+        let layer_types: Vec<&str> = (0..self.layers).map(flash_layer_type).collect();
+        let mlp_types: Vec<&str> = (0..self.layers).map(flash_mlp_type).collect();
+        let mut v = if self.tiny {
+            json!({
+                "vocab_size": 97, "hidden_size": 64, "moe_intermediate_size": 16,
+                "num_attention_heads": 4, "head_dim": 32, "partial_rotary_factor": 0.25,
+                "q_lora_rank": 32, "o_groups": 2, "o_lora_rank": 16,
+                "index_n_heads": 16, "index_head_dim": 16, "index_topk": 4,
+                "num_experts_per_tok": 2, "sliding_window": 8,
+                "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
+                "max_position_embeddings": 4096,
+            })
+        } else {
+            json!({
+                "vocab_size": 129280, "hidden_size": 4096, "moe_intermediate_size": 2048,
+                "num_attention_heads": 64, "head_dim": 512, "partial_rotary_factor": 0.125,
+                "q_lora_rank": 1024, "o_groups": 8, "o_lora_rank": 1024,
+                "index_n_heads": 64, "index_head_dim": 128, "index_topk": 512,
+                "num_experts_per_tok": 6, "sliding_window": 128,
+                "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
+                "max_position_embeddings": 1048576,
+                "rope_parameters": {"rope_type": "yarn", "factor": 16.0,
+                    "original_max_position_embeddings": 65536, "beta_fast": 32.0, "beta_slow": 1.0},
+            })
+        };
+        let top_k = v["num_experts_per_tok"].as_u64().unwrap_or(0) as usize;
+        if self.experts < top_k {
+            bail!(
+                "--experts {} is fewer than the {top_k} experts each token is routed to",
+                self.experts
+            );
+        }
+        let common = json!({
+            "model_type": "deepseek_v4",
+            "num_hidden_layers": self.layers,
+            "layer_types": layer_types,
+            "mlp_layer_types": mlp_types,
+            "n_routed_experts": self.experts,
+            "n_shared_experts": 1,
+            "num_key_value_heads": 1,
+            "scoring_func": "sqrtsoftplus",
+            "routed_scaling_factor": 1.5,
+            "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6,
+            "swiglu_limit": 10.0,
+            "rope_theta": 10000.0, "compress_rope_theta": 160000.0,
+            "rms_norm_eps": 1e-6,
+            "bos_token_id": 0, "eos_token_id": 1,
+            "tie_word_embeddings": false,
+        });
+        if let (Some(dst), Some(src)) = (v.as_object_mut(), common.as_object()) {
+            for (k, val) in src {
+                dst.insert(k.clone(), val.clone());
+            }
+        }
+        Ok(v)
+    }
+
+    pub fn config(&self) -> Result<ModelConfig> {
+        let text = self.config_json()?.to_string();
+        ModelConfig::from_json_str(&text).context("synthetic bench config")
+    }
+
+    pub fn layout(&self, cfg: &ModelConfig) -> Result<KvLayout> {
+        let mut spec = KvLayoutSpec::default_for(cfg);
+        spec.kv_dtype = EntryDtype::parse(&self.kv_dtype).context("--kv-dtype")?;
+        spec.index_k_dtype = EntryDtype::parse(&self.index_k_dtype).context("--index-k-dtype")?;
+        KvLayout::new(cfg, spec).context("KV layout")
+    }
+}
+
+/// `--config` subcommand flags.
+#[derive(clap::Args, Debug)]
+pub struct ConfigArgs {
+    #[command(flatten)]
+    pub model: ModelFlags,
+    /// Write the config.json here instead of stdout.
+    #[arg(long)]
+    pub out: Option<std::path::PathBuf>,
+}
+
+pub fn print_config(a: ConfigArgs) -> Result<()> {
+    let text = serde_json::to_string_pretty(&a.model.config_json()?)?;
+    a.model.config()?;
+    match a.out {
+        Some(p) => {
+            std::fs::write(&p, text + "\n").with_context(|| format!("writing {}", p.display()))
+        }
+        None => {
+            println!("{text}");
+            Ok(())
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use pdserve_engine::config::{LayerKind, MlpKind};
+
+    fn flags(layers: usize, experts: usize, tiny: bool) -> ModelFlags {
+        ModelFlags {
+            device: "cpu".into(),
+            layers,
+            experts,
+            tiny,
+            seed: 0,
+            kv_dtype: "bf16".into(),
+            index_k_dtype: "bf16".into(),
+            cuda_weights: "bf16".into(),
+        }
+    }
+
+    #[test]
+    fn flash_dims_and_layer_order() {
+        let cfg = flags(6, 64, false).config().unwrap();
+        assert_eq!(
+            (
+                cfg.hidden_size,
+                cfg.num_attention_heads,
+                cfg.head_dim,
+                cfg.qk_rope_head_dim
+            ),
+            (4096, 64, 512, 64)
+        );
+        assert_eq!(
+            (cfg.q_lora_rank, cfg.o_groups, cfg.o_lora_rank),
+            (1024, 8, 1024)
+        );
+        assert_eq!(
+            (cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk),
+            (64, 128, 512)
+        );
+        assert_eq!((cfg.n_routed_experts, cfg.num_experts_per_tok), (64, 6));
+        assert_eq!((cfg.moe_intermediate_size, cfg.vocab_size), (2048, 129_280));
+        assert_eq!(
+            (
+                cfg.sliding_window,
+                cfg.compress_rate_csa,
+                cfg.compress_rate_hca
+            ),
+            (128, 4, 128)
+        );
+        use LayerKind::*;
+        assert_eq!(cfg.layer_types, vec![Sliding, Sliding, Csa, Hca, Csa, Hca]);
+        use MlpKind::*;
+        assert_eq!(
+            cfg.mlp_layer_types,
+            vec![HashMoe, HashMoe, HashMoe, TopK, TopK, TopK]
+        );
+        // Last layer of the real 43 is CSA (compress_ratios[42] = 4).
+        assert_eq!(flash_layer_type(42), "compressed_sparse_attention");
+    }
+
+    #[test]
+    fn bad_sizes_are_refused() {
+        assert!(flags(0, 64, false).config().is_err());
+        let e = flags(4, 5, false).config().unwrap_err().to_string();
+        assert!(e.contains("--experts 5"), "{e}");
+        assert!(flags(4, 2, true).config().is_ok());
+    }
+}

@@ -1,0 +1,364 @@
+//! `pdserve bench decode`: decode step time over batch sizes, contexts and graph modes,
+//! against the floor `bytes the step must read / measured memory bandwidth`.
+
+use super::config::ModelFlags;
+use super::device::BenchBackend;
+use super::peer::{self, Peer};
+use super::table::{mb, num, Table};
+use super::traffic::{step_bytes, weight_bytes, StepBytes};
+use super::{kvfill, progress, Prepared};
+use anyhow::{bail, Result};
+use pdserve_engine::backend::{BatchPlan, SeqPlan};
+use pdserve_engine::kv::KvLayout;
+use pdserve_kernels::GraphMode;
+use rand::{Rng, SeedableRng};
+use std::path::PathBuf;
+use std::time::Instant;
+
+#[derive(clap::Args, Debug)]
+pub struct DecodeArgs {
+    #[command(flatten)]
+    pub model: ModelFlags,
+    /// Batch sizes (sequences decoding one token each per step), comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,8,32,64,128")]
+    pub batch: Vec<usize>,
+    /// Contexts: every sequence decodes starting at this position, its KV pages and state
+    /// filled with random values (no prefill), comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "4096,32768")]
+    pub context: Vec<usize>,
+    /// Decode step modes: capture (replayed CUDA graphs) and/or eager, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "capture,eager")]
+    pub graph: Vec<GraphMode>,
+    /// Timed decode steps per row (the median is reported).
+    #[arg(long, default_value_t = 20)]
+    pub steps: usize,
+    /// Untimed decode steps before each row's timed ones.
+    #[arg(long, default_value_t = 3)]
+    pub warmup: usize,
+    /// JSON written by scripts/peer_bench.py: adds the peer's ms/step and our speed-up.
+    #[arg(long)]
+    pub peer: Option<PathBuf>,
+    /// Also write the rows (and the measured bandwidth) as JSON to this file.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+/// One row of the decode table.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct DecodeRow {
+    pub batch: usize,
+    pub context: usize,
+    pub mode: String,
+    pub ms_per_step: f64,
+    pub tokens_per_s: f64,
+    pub experts_per_layer: f64,
+    pub weight_bytes: f64,
+    pub kv_bytes: f64,
+    pub floor_ms: f64,
+    pub logits_finite: bool,
+}
+
+/// The batch plan of one decode step: sequence `i` holds pages
+/// `i * pages_per_seq ..` and state slot `i`, and decodes `tokens[i]` at `pos`.
+pub fn step_plan(layout: &KvLayout, pages_per_seq: usize, pos: usize, tokens: &[u32]) -> BatchPlan {
+    let n = tokens.len();
+    let held = layout.pages_for(pos + 1);
+    BatchPlan {
+        seqs: (0..n)
+            .map(|i| SeqPlan {
+                start: pos,
+                len: 1,
+                row0: i,
+                pages: (0..held).map(|p| (i * pages_per_seq + p) as u32).collect(),
+                state: i as u32,
+            })
+            .collect(),
+        tokens: tokens.to_vec(),
+        positions: vec![pos; n],
+        row_seq: (0..n).collect(),
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+pub fn run<B: BenchBackend>(a: &DecodeArgs, mut backend: B) -> Result<Vec<DecodeRow>> {
+    if a.batch.is_empty() || a.context.is_empty() || a.graph.is_empty() {
+        bail!("--batch, --context and --graph each need at least one value");
+    }
+    if a.batch.contains(&0) || a.steps == 0 {
+        bail!("--batch values and --steps must be at least 1");
+    }
+    let p = Prepared::new(&a.model, &backend)?;
+    let (cfg, layout) = (&p.model.cfg, &p.layout);
+    let span = a.warmup + a.steps;
+    let max_c = a.context.iter().copied().max().unwrap_or(0);
+    if max_c + span >= cfg.max_position_embeddings {
+        bail!(
+            "--context {max_c} + {span} steps reaches the model's {} positions",
+            cfg.max_position_embeddings
+        );
+    }
+    let peer: Option<Peer> = a.peer.as_deref().map(|p| peer::load(p, cfg)).transpose()?;
+    if let Some(p) = &peer {
+        println!("peer: {}", p.label);
+    }
+    let bw = backend.memory_bandwidth()?;
+    println!("memory bandwidth: {:.1} GB/s ({})", bw.rate / 1e9, bw.how);
+    let wb = weight_bytes(cfg, |n, r, c| backend.weight_elem_bytes(n, r, c));
+    let tid2eid: Vec<Option<&[u32]>> = p
+        .model
+        .weights
+        .layers
+        .iter()
+        .map(|l| l.tid2eid.as_deref())
+        .collect();
+
+    let max_b = a.batch.iter().copied().max().unwrap_or(1);
+    let pages_per_seq = layout.pages_for(max_c + span + 1);
+    let pool = max_b * pages_per_seq;
+    println!(
+        "KV pool: {max_b} sequences x {pages_per_seq} pages of {} B + state slots of {} B = {}",
+        layout.page_bytes,
+        layout.state_bytes,
+        super::table::size((pool * layout.page_bytes + max_b * layout.state_bytes) as f64)
+    );
+    let mut kv = backend.alloc_kv(layout, pool, max_b)?;
+    let variants: Vec<(Vec<u8>, Vec<u8>)> = (0..8)
+        .map(|v| {
+            (
+                kvfill::page(layout, a.model.seed ^ v),
+                kvfill::state(layout, a.model.seed ^ v),
+            )
+        })
+        .collect();
+    let total_steps = (a.context.len() * a.batch.len() * a.graph.len() * span) as u64;
+    let bar = progress(total_steps, "decode steps");
+    let mut rows = Vec::new();
+    for &c in &a.context {
+        bar.set_message(format!("filling KV for context {c}"));
+        for s in 0..max_b {
+            for pg in 0..layout.pages_for(c + span + 1) {
+                let (page, _) = &variants[(s + pg) % variants.len()];
+                backend.write_page(&mut kv, layout, (s * pages_per_seq + pg) as u32, page)?;
+            }
+            let (_, state) = &variants[s % variants.len()];
+            backend.write_state(&mut kv, layout, s as u32, state)?;
+        }
+        for &b in &a.batch {
+            for &mode in &a.graph {
+                bar.set_message(format!("batch {b} context {c} {mode}"));
+                let label = backend.apply_graph_mode(mode);
+                let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(
+                    a.model.seed ^ ((c as u64) << 20) ^ b as u64,
+                );
+                let (mut times, mut bytes, mut finite) = (Vec::new(), StepBytes::default(), true);
+                for step in 0..span {
+                    let pos = c + step;
+                    let tokens: Vec<u32> = (0..b)
+                        .map(|_| rng.random_range(0..cfg.vocab_size as u32))
+                        .collect();
+                    let plan = step_plan(layout, pages_per_seq, pos, &tokens);
+                    let model = &p.model;
+                    let t = Instant::now();
+                    let logits = backend.decode_step(
+                        &mut kv,
+                        &plan,
+                        &mut |bk: &B, kv: &mut B::KvStore, plan: &BatchPlan| {
+                            let all: Vec<usize> = (0..plan.rows()).collect();
+                            model.forward_device(bk, kv, layout, plan, &all)
+                        },
+                    )?;
+                    backend.sync()?;
+                    let dt = t.elapsed().as_secs_f64();
+                    bar.inc(1);
+                    if step < a.warmup {
+                        continue;
+                    }
+                    times.push(dt);
+                    finite &= logits.data.iter().all(|v| v.is_finite());
+                    let sb = step_bytes(cfg, layout, &wb, &tid2eid, &tokens, &plan.positions);
+                    bytes.weights += sb.weights;
+                    bytes.kv += sb.kv;
+                    bytes.experts_per_layer += sb.experts_per_layer;
+                }
+                let n = times.len() as f64;
+                let ms = median(times) * 1e3;
+                let (w, k) = (bytes.weights as f64 / n, bytes.kv as f64 / n);
+                rows.push(DecodeRow {
+                    batch: b,
+                    context: c,
+                    mode: label,
+                    ms_per_step: ms,
+                    tokens_per_s: b as f64 / (ms / 1e3),
+                    experts_per_layer: bytes.experts_per_layer / n,
+                    weight_bytes: w,
+                    kv_bytes: k,
+                    floor_ms: (w + k) / bw.rate * 1e3,
+                    logits_finite: finite,
+                });
+            }
+        }
+    }
+    bar.finish_and_clear();
+    println!("{}", table(&rows, peer.as_ref()));
+    if let Some(t) = graph_speedups(&rows) {
+        println!("CUDA graphs against eager launches:\n{t}");
+    }
+    if let Some(path) = &a.json {
+        let v = serde_json::json!({
+            "device": backend.name(),
+            "memory_bandwidth_bytes_per_s": bw.rate,
+            "memory_bandwidth_how": bw.how,
+            "rows": rows,
+        });
+        super::write_json(path, &v)?;
+    }
+    Ok(rows)
+}
+
+/// Eager step time over graph step time for every (batch, context) run both ways with
+/// graphs really applied (`None` when there is no such pair, e.g. on the CPU).
+pub fn graph_speedups(rows: &[DecodeRow]) -> Option<Table> {
+    let out: Vec<Vec<String>> = rows
+        .iter()
+        .filter(|r| r.mode == "capture")
+        .filter_map(|g| {
+            let e = rows
+                .iter()
+                .find(|e| e.mode == "eager" && (e.batch, e.context) == (g.batch, g.context))?;
+            Some(vec![
+                g.batch.to_string(),
+                g.context.to_string(),
+                num(e.ms_per_step),
+                num(g.ms_per_step),
+                num(e.ms_per_step / g.ms_per_step),
+            ])
+        })
+        .collect();
+    (!out.is_empty()).then(|| Table {
+        headers: vec![
+            "batch",
+            "context",
+            "eager ms",
+            "capture ms",
+            "eager / capture",
+        ],
+        rows: out,
+    })
+}
+
+pub fn table(rows: &[DecodeRow], peer: Option<&Peer>) -> Table {
+    let mut headers = vec![
+        "batch",
+        "context",
+        "mode",
+        "ms/step",
+        "tok/s",
+        "experts/layer",
+        "weights MB",
+        "KV MB",
+        "floor ms",
+        "x floor",
+    ];
+    if peer.is_some() {
+        headers.extend(["peer ms", "speed-up vs peer"]);
+    }
+    headers.push("finite");
+    let rows = rows
+        .iter()
+        .map(|r| {
+            let mut v = vec![
+                r.batch.to_string(),
+                r.context.to_string(),
+                r.mode.clone(),
+                num(r.ms_per_step),
+                num(r.tokens_per_s),
+                num(r.experts_per_layer),
+                mb(r.weight_bytes),
+                mb(r.kv_bytes),
+                num(r.floor_ms),
+                num(r.ms_per_step / r.floor_ms),
+            ];
+            if let Some(p) = peer {
+                match p.decode.get(&(r.batch, r.context)) {
+                    Some(&ms) => v.extend([num(ms), num(ms / r.ms_per_step)]),
+                    None => v.extend(["-".into(), "-".into()]),
+                }
+            }
+            v.push(if r.logits_finite { "yes" } else { "NO" }.into());
+            v
+        })
+        .collect();
+    Table { headers, rows }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    fn row(batch: usize, mode: &str, ms: f64) -> DecodeRow {
+        DecodeRow {
+            batch,
+            context: 4096,
+            mode: mode.into(),
+            ms_per_step: ms,
+            tokens_per_s: batch as f64 / ms * 1e3,
+            experts_per_layer: 6.0,
+            weight_bytes: 1e9,
+            kv_bytes: 1e6,
+            floor_ms: 0.25,
+            logits_finite: true,
+        }
+    }
+
+    #[test]
+    fn graph_speedup_pairs_capture_with_eager_rows() {
+        let rows = vec![
+            row(1, "capture", 1.0),
+            row(1, "eager", 2.5),
+            row(8, "capture", 2.0),
+            row(64, "eager", 9.0),
+        ];
+        let t = graph_speedups(&rows).unwrap();
+        assert_eq!(t.rows.len(), 1, "batch 8 and 64 have no pair");
+        assert_eq!(t.rows[0], vec!["1", "4096", "2.50", "1.00", "2.50"]);
+        // CPU rows: graphs not applied, nothing to compare.
+        let cpu = vec![
+            row(1, "eager (cpu has no graphs)", 1.0),
+            row(1, "eager", 1.0),
+        ];
+        assert!(graph_speedups(&cpu).is_none());
+    }
+
+    #[test]
+    fn plan_holds_the_pages_up_to_the_position() {
+        let f = crate::bench::config::ModelFlags {
+            device: "cpu".into(),
+            layers: 4,
+            experts: 4,
+            tiny: true,
+            seed: 0,
+            kv_dtype: "bf16".into(),
+            index_k_dtype: "bf16".into(),
+            cuda_weights: "bf16".into(),
+        };
+        let cfg = f.config().unwrap();
+        let layout = f.layout(&cfg).unwrap();
+        let pt = layout.page_tokens;
+        let p = step_plan(&layout, 10, pt, &[3, 4]);
+        assert_eq!(p.rows(), 2);
+        // Position page_tokens is the first of the second page.
+        assert_eq!(p.seqs[0].pages, vec![0, 1]);
+        assert_eq!(p.seqs[1].pages, vec![10, 11]);
+        assert_eq!(
+            (p.seqs[1].state, p.seqs[1].row0, p.seqs[1].start),
+            (1, 1, pt)
+        );
+        assert_eq!(p.positions, vec![pt, pt]);
+        assert_eq!(p.row_seq, vec![0, 1]);
+    }
+}

@@ -1,0 +1,228 @@
+//! `pdserve bench` on the CPU with the tiny synthetic model: the tables have every row
+//! asked for, with finite positive figures; the peer column appears with a peer file.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::Path;
+use std::process::Command;
+
+fn bin() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_pdserve"));
+    c.env("RUST_LOG", "warn");
+    c
+}
+
+fn run(args: &[&str]) -> String {
+    let out = bin().args(args).output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "pdserve {args:?} failed\nstdout:\n{stdout}\nstderr:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}
+
+/// Table rows (after the header and rule) as cells, with the header.
+fn table(out: &str, first_header: &str) -> (Vec<String>, Vec<Vec<String>>) {
+    let lines: Vec<&str> = out
+        .lines()
+        .skip_while(|l| {
+            !l.starts_with(&format!("| {first_header}"))
+                && !l
+                    .trim_start_matches('|')
+                    .trim_start()
+                    .starts_with(first_header)
+        })
+        .take_while(|l| l.starts_with('|'))
+        .collect();
+    assert!(
+        lines.len() >= 2,
+        "no table starting with {first_header}:\n{out}"
+    );
+    let cells = |l: &str| -> Vec<String> {
+        l.trim_matches('|')
+            .split('|')
+            .map(|c| c.trim().to_string())
+            .collect()
+    };
+    (
+        cells(lines[0]),
+        lines[2..].iter().map(|l| cells(l)).collect(),
+    )
+}
+
+fn positive(cell: &str) -> f64 {
+    let v: f64 = cell
+        .parse()
+        .unwrap_or_else(|_| panic!("not a number: {cell}"));
+    assert!(v.is_finite() && v > 0.0, "{cell}");
+    v
+}
+
+const TINY: &[&str] = &[
+    "--device",
+    "cpu",
+    "--tiny",
+    "--layers",
+    "4",
+    "--experts",
+    "4",
+];
+
+#[test]
+fn bench_decode_table_on_cpu() {
+    let mut args = vec!["bench", "decode"];
+    args.extend(TINY);
+    args.extend([
+        "--batch",
+        "1,3",
+        "--context",
+        "20,70",
+        "--graph",
+        "capture,eager",
+    ]);
+    args.extend(["--steps", "2", "--warmup", "1", "--json"]);
+    let json_path = Path::new(env!("CARGO_TARGET_TMPDIR")).join("bench-decode.json");
+    args.push(json_path.to_str().unwrap());
+    let out = run(&args);
+    let j: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json_path).unwrap()).unwrap();
+    assert_eq!(j["rows"].as_array().unwrap().len(), 8);
+    assert!(j["memory_bandwidth_bytes_per_s"].as_f64().unwrap() > 0.0);
+    // No graph comparison on the CPU (graphs are not applied there).
+    assert!(!out.contains("CUDA graphs against eager"), "{out}");
+    assert!(out.contains("memory bandwidth:"), "{out}");
+    assert!(out.contains("weights:"), "{out}");
+    let (head, rows) = table(&out, "batch");
+    assert_eq!(rows.len(), 2 * 2 * 2, "{out}");
+    let col = |name: &str| head.iter().position(|h| h == name).unwrap();
+    let mut seen = Vec::new();
+    for r in &rows {
+        seen.push((r[col("batch")].clone(), r[col("context")].clone()));
+        for c in [
+            "ms/step",
+            "tok/s",
+            "experts/layer",
+            "weights MB",
+            "KV MB",
+            "floor ms",
+            "x floor",
+        ] {
+            positive(&r[col(c)]);
+        }
+        assert_eq!(r[col("finite")], "yes");
+        let mode = &r[col("mode")];
+        assert!(
+            mode == "eager" || mode == "eager (cpu has no graphs)",
+            "{mode}"
+        );
+        // tok/s = batch / (ms/step).
+        let b: f64 = r[col("batch")].parse().unwrap();
+        let ms = positive(&r[col("ms/step")]);
+        let tps = positive(&r[col("tok/s")]);
+        assert!((tps * ms / 1e3 / b - 1.0).abs() < 0.02, "{r:?}");
+        // Experts per layer never exceed E = 4 nor batch * top_k.
+        let e: f64 = r[col("experts/layer")].parse().unwrap();
+        assert!(e <= 4.0 && e <= b * 2.0, "{r:?}");
+    }
+    for want in [("1", "20"), ("3", "20"), ("1", "70"), ("3", "70")] {
+        assert!(
+            seen.contains(&(want.0.into(), want.1.into())),
+            "{want:?} missing:\n{out}"
+        );
+    }
+    // More context reads more KV at the same batch.
+    let kv = |b: &str, c: &str| -> f64 {
+        let r = rows
+            .iter()
+            .find(|r| r[col("batch")] == b && r[col("context")] == c)
+            .unwrap();
+        positive(&r[col("KV MB")])
+    };
+    assert!(kv("1", "70") > kv("1", "20"));
+    assert!(kv("3", "20") > kv("1", "20"));
+}
+
+#[test]
+fn bench_prefill_table_on_cpu_with_peer() {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("bench-peer");
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut args = vec!["bench", "config"];
+    args.extend(TINY);
+    let config: serde_json::Value = serde_json::from_str(&run(&args)).unwrap();
+    assert_eq!(config["num_hidden_layers"], 4);
+    assert_eq!(config["n_routed_experts"], 4);
+    let peer = serde_json::json!({
+        "label": "test peer",
+        "config": config,
+        "prefill": [{"tokens": 16, "seconds": 100.0}],
+        "decode": [],
+    });
+    let peer_path = dir.join("peer.json");
+    std::fs::write(&peer_path, peer.to_string()).unwrap();
+
+    let mut args = vec!["bench", "prefill"];
+    args.extend(TINY);
+    args.extend([
+        "--tokens",
+        "16,40",
+        "--repeats",
+        "1",
+        "--warmup",
+        "0",
+        "--peer",
+    ]);
+    args.push(peer_path.to_str().unwrap());
+    let out = run(&args);
+    assert!(out.contains("GEMM rate:"), "{out}");
+    assert!(out.contains("peer: test peer"), "{out}");
+    let (head, rows) = table(&out, "tokens");
+    let col = |name: &str| head.iter().position(|h| h == name).unwrap();
+    assert_eq!(rows.len(), 2, "{out}");
+    assert_eq!(rows[0][col("tokens")], "16");
+    assert_eq!(rows[1][col("tokens")], "40");
+    for r in &rows {
+        for c in ["seconds", "tok/s", "GFLOP/token", "TFLOP/s", "x GEMM rate"] {
+            positive(&r[col(c)]);
+        }
+        assert_eq!(r[col("finite")], "yes");
+    }
+    // Peer row for 16 tokens only: 100 s against ours.
+    assert_eq!(positive(&rows[0][col("peer s")]), 100.0);
+    assert!(positive(&rows[0][col("speed-up vs peer")]) > 1.0);
+    assert_eq!(rows[1][col("peer s")], "-");
+
+    // A peer file for another model is refused, naming the field.
+    let mut other = peer.clone();
+    other["config"]["n_routed_experts"] = 8.into();
+    std::fs::write(&peer_path, other.to_string()).unwrap();
+    let mut args = vec!["bench", "prefill"];
+    args.extend(TINY);
+    args.extend(["--tokens", "16", "--repeats", "1", "--peer"]);
+    args.push(peer_path.to_str().unwrap());
+    let o = bin().args(&args).output().unwrap();
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("n_routed_experts"), "{err}");
+}
+
+#[test]
+fn bench_without_cuda_fails_clearly() {
+    if pdserve_kernels::device::driver_present() {
+        eprintln!("SKIPPED: CUDA driver present");
+        return;
+    }
+    let o = bin()
+        .args([
+            "bench", "prefill", "--device", "cuda:0", "--tiny", "--tokens", "8",
+        ])
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("--device cuda:0") && err.contains("libcuda"),
+        "{err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
+}

@@ -1,0 +1,124 @@
+//! The two device ceilings a benchmark compares against, measured on this device in the
+//! same run: memory bandwidth (a large device-to-device copy, and a read-only kernel) and
+//! the bf16 GEMM rate (cuBLAS, as the backend's matmul calls it). Inputs are random,
+//! never zeros; every figure is the median of several runs timed with CUDA events after
+//! a warm-up run.
+
+use crate::backend::CudaBackend;
+use crate::device::{dev_err, Arg, BLOCK};
+use crate::random::random_tensor;
+use crate::tensor::Buf;
+use cudarc::driver::sys::CUevent_flags;
+use cudarc::driver::CudaEvent;
+use pdserve_engine::backend::{BResult, BackendError, WeightInit};
+
+/// Measured memory bandwidth, bytes per second.
+#[derive(Debug, Clone, Copy)]
+pub struct Bandwidth {
+    /// Device-to-device copy: bytes read plus bytes written over the time.
+    pub copy: f64,
+    /// Read-only probe kernel: bytes read over the time.
+    pub read: f64,
+    /// Bytes of the buffer measured.
+    pub bytes: usize,
+}
+
+fn median(mut v: Vec<f64>) -> BResult<f64> {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2)
+        .copied()
+        .ok_or_else(|| BackendError::Device("no timed runs".into()))
+}
+
+const INIT: WeightInit = WeightInit::Uniform { lo: -1.0, hi: 1.0 };
+
+impl CudaBackend {
+    fn event(&self) -> BResult<CudaEvent> {
+        self.gpu
+            .ctx
+            .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(dev_err)
+    }
+
+    /// Seconds of each of `iters` runs of `f` (after one warm-up run), timed with events.
+    fn time_runs(&self, iters: usize, mut f: impl FnMut() -> BResult<()>) -> BResult<Vec<f64>> {
+        f()?;
+        let mut out = Vec::with_capacity(iters);
+        for _ in 0..iters.max(1) {
+            let (a, b) = (self.event()?, self.event()?);
+            a.record(&self.gpu.stream).map_err(dev_err)?;
+            f()?;
+            b.record(&self.gpu.stream).map_err(dev_err)?;
+            out.push(f64::from(a.elapsed_ms(&b).map_err(dev_err)?) / 1e3);
+        }
+        Ok(out)
+    }
+
+    /// `bytes` bytes from device address `src` to `dst` on the stream.
+    #[allow(unsafe_code)]
+    fn copy_dtod(&self, dst: u64, src: u64, bytes: usize) -> BResult<()> {
+        if self.gpu.in_step() {
+            return Err(BackendError::Device(
+                "bandwidth probe inside a decode step".into(),
+            ));
+        }
+        // SAFETY: both ranges are `bytes` long inside live allocations made by the caller.
+        unsafe {
+            cudarc::driver::result::memcpy_dtod_async(dst, src, bytes, self.gpu.stream.cu_stream())
+        }
+        .map_err(dev_err)
+    }
+
+    /// Memory bandwidth over a `bytes`-byte buffer (use one far larger than the L2 cache).
+    pub fn measure_bandwidth(&self, bytes: usize, iters: usize) -> BResult<Bandwidth> {
+        let n = (bytes / 16).max(1) * 4;
+        let src = random_tensor(self, 1, n, false, INIT, 1)?;
+        let Buf::F32(src) = &src.buf else {
+            return Err(dev_err("random f32 buffer"));
+        };
+        let dst = self.gpu.zeros_owned::<f32>(n)?;
+        let (sp, dp) = (self.gpu.ptr(src), self.gpu.ptr(&dst));
+        let copy = self.time_runs(iters, || self.copy_dtod(dp, sp, n * 4))?;
+        let blocks = (n / 4).div_ceil(BLOCK as usize).clamp(1, 16 * 1024);
+        let sums = self.gpu.zeros_owned::<f32>(blocks)?;
+        let read = self.time_runs(iters, || {
+            self.gpu.launch(
+                "k_read_probe",
+                (blocks as u32, 1, 1),
+                0,
+                &[
+                    Arg::Ptr(self.gpu.ptr(src)),
+                    Arg::I64((n / 4) as i64),
+                    Arg::Ptr(self.gpu.ptr(&sums)),
+                ],
+            )
+        })?;
+        let b = (n * 4) as f64;
+        Ok(Bandwidth {
+            copy: 2.0 * b / median(copy)?,
+            read: b / median(read)?,
+            bytes: n * 4,
+        })
+    }
+
+    /// FLOP/s of an `n x n x n` bf16 x bf16 -> fp32 cuBLAS GEMM (fp32 accumulation).
+    pub fn measure_gemm_bf16(&self, n: usize, iters: usize) -> BResult<f64> {
+        let a = random_tensor(self, n, n, true, INIT, 2)?;
+        let w = random_tensor(self, n, n, true, INIT, 3)?;
+        let (Buf::Bf16(a), Buf::Bf16(w)) = (&a.buf, &w.buf) else {
+            return Err(dev_err("random bf16 buffers"));
+        };
+        let c = self.gpu.zeros_owned::<f32>(n * n)?;
+        let (ap, wp, cp) = (self.gpu.ptr(a), self.gpu.ptr(w), self.gpu.ptr(&c));
+        let runs = self.time_runs(iters, || {
+            self.gpu
+                .gemm_nt(ap, wp, cp, (n, n, n), (n, n, n), (0, 0, 0), 1, true)
+        })?;
+        Ok(2.0 * (n as f64).powi(3) / median(runs)?)
+    }
+
+    /// Wait for all queued work on the backend's stream.
+    pub fn synchronize(&self) -> BResult<()> {
+        self.gpu.synchronize()
+    }
+}
