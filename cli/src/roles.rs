@@ -79,6 +79,14 @@ impl WorkerConfig {
         }
     }
 
+    /// The CUDA device ordinal of `--device cuda:N` (`cuda` is device 0); `None` for cpu.
+    pub fn cuda_ordinal(&self) -> Option<usize> {
+        match self.device.as_str() {
+            "cuda" => Some(0),
+            d => d.strip_prefix("cuda:").and_then(|n| n.parse().ok()),
+        }
+    }
+
     /// Refuse invalid values and values that need machinery this build lacks.
     pub fn validate(&self, role: WorkerRole) -> Result<()> {
         let cuda = match self.device.as_str() {
@@ -126,12 +134,6 @@ impl WorkerConfig {
             }
             "capture" => {}
             g => bail!("--cuda-graph `{g}`: expected auto, capture or eager"),
-        }
-        if cuda {
-            bail!(
-                "--device {}: the CUDA backend is not in this build yet; use --device cpu",
-                self.device
-            );
         }
         if self.max_batch == 0 || self.kv_pages == 0 {
             bail!("--max-batch and --kv-pages must be at least 1");

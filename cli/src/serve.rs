@@ -3,9 +3,11 @@
 use crate::layered::{render, Entry};
 use crate::roles::{RouterFlags, WorkerConfig, WorkerFlags, WorkerRole};
 use anyhow::{Context, Result};
+use pdserve_engine::backend::{Backend, BackendError};
 use pdserve_engine::config::ModelConfig;
 use pdserve_engine::kv::{EntryDtype, KvLayoutSpec};
 use pdserve_engine::{CpuBackend, Engine, PoolSize};
+use pdserve_kernels::{CudaBackend, GraphMode};
 use pdserve_proto::pb;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -73,12 +75,16 @@ async fn bind(listen: &str, role: &str) -> Result<tokio::net::TcpListener> {
     Ok(l)
 }
 
-type EngineFactory =
-    Box<dyn FnOnce() -> Result<Engine<CpuBackend>, pdserve_engine::EngineError> + Send>;
+type EngineFactory<B> = Box<dyn FnOnce() -> Result<Engine<B>, pdserve_engine::EngineError> + Send>;
 
-/// The engine loader for a validated worker config (runs on the engine thread).
+/// The engine loader for a validated worker config (runs on the engine thread, which
+/// also opens the backend there with `open`).
 #[allow(clippy::result_large_err)]
-fn engine_factory(cfg: &WorkerConfig, dir: PathBuf) -> Result<EngineFactory> {
+fn engine_factory<B: Backend + 'static>(
+    cfg: &WorkerConfig,
+    dir: PathBuf,
+    open: impl FnOnce() -> Result<B, BackendError> + Send + 'static,
+) -> Result<EngineFactory<B>> {
     let mcfg =
         ModelConfig::from_model_dir(&dir).with_context(|| format!("reading {}", dir.display()))?;
     let mut spec = KvLayoutSpec::default_for(&mcfg);
@@ -93,10 +99,32 @@ fn engine_factory(cfg: &WorkerConfig, dir: PathBuf) -> Result<EngineFactory> {
     };
     Ok(Box::new(move || {
         let t0 = std::time::Instant::now();
-        let e = Engine::load(&dir, CpuBackend, Some(spec), size)?;
-        tracing::info!(model = %dir.display(), layout = %e.layout().fingerprint(), secs = t0.elapsed().as_secs_f32(), "model loaded");
+        let backend = open()?;
+        let name = backend.name();
+        let e = Engine::load(&dir, backend, Some(spec), size)?;
+        tracing::info!(model = %dir.display(), backend = %name, layout = %e.layout().fingerprint(), secs = t0.elapsed().as_secs_f32(), "model loaded");
         Ok(e)
     }))
+}
+
+/// The CUDA backend a worker config asks for, opened on the engine thread.
+fn cuda_opener(
+    cfg: &WorkerConfig,
+    role: WorkerRole,
+    ordinal: usize,
+) -> impl FnOnce() -> Result<CudaBackend, BackendError> + Send + 'static {
+    // Prefill forwards are multi-token and run eagerly; decode steps are captured unless
+    // `--cuda-graph eager`.
+    let graphs = match (role, cfg.cuda_graph.as_str()) {
+        (WorkerRole::Decode, "auto" | "capture") => GraphMode::Capture,
+        _ => GraphMode::Eager,
+    };
+    move || {
+        let mut b = CudaBackend::new(ordinal, None)
+            .map_err(|e| BackendError::Device(format!("--device cuda:{ordinal}: {e}")))?;
+        b.set_graph_mode(graphs);
+        Ok(b)
+    }
 }
 
 pub fn worker(role: WorkerRole, flags: WorkerFlags) -> Result<()> {
@@ -107,7 +135,25 @@ pub fn worker(role: WorkerRole, flags: WorkerFlags) -> Result<()> {
     }
     cfg.validate(role)?;
     let (dir, model_name) = model_dir(&cfg.model)?;
-    let make_engine = engine_factory(&cfg, dir)?;
+    match cfg.cuda_ordinal() {
+        None => {
+            let make_engine = engine_factory(&cfg, dir, || Ok(CpuBackend))?;
+            serve_worker(role, cfg, entries, model_name, make_engine)
+        }
+        Some(n) => {
+            let make_engine = engine_factory(&cfg, dir, cuda_opener(&cfg, role, n))?;
+            serve_worker(role, cfg, entries, model_name, make_engine)
+        }
+    }
+}
+
+fn serve_worker<B: Backend + 'static>(
+    role: WorkerRole,
+    cfg: WorkerConfig,
+    entries: Vec<Entry>,
+    model_name: String,
+    make_engine: EngineFactory<B>,
+) -> Result<()> {
     let timeout = Duration::from_secs_f64(cfg.request_timeout_s);
     runtime()?.block_on(async move {
         let listener = bind(&cfg.listen, role.name()).await?;

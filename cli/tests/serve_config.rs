@@ -61,7 +61,8 @@ fn missing_machinery_is_refused_not_ignored() {
         (vec!["--transfer", "nccl"], "--transfer nccl"),
         (vec!["--hicache-ratio", "0.5"], "--hicache-ratio"),
         (vec!["--cuda-graph", "capture"], "--cuda-graph capture"),
-        (vec!["--device", "cuda:0"], "CUDA backend"),
+        (vec!["--device", "cuda:x"], "--device `cuda:x`"),
+        (vec!["--device", "cuda:0", "--cuda-graph", "sometimes"], "--cuda-graph `sometimes`"),
         (vec!["--index-k-dtype", "int3"], "--index-k-dtype"),
     ] {
         // --print-config prints, then validates: nothing starts even if a check were missing.
@@ -84,4 +85,33 @@ fn missing_machinery_is_refused_not_ignored() {
         .unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("unknown key `max_bacth`"));
+}
+
+#[test]
+fn a_cuda_worker_without_a_driver_fails_clearly() {
+    if pdserve_kernels::device::driver_present() {
+        eprintln!("skipped: this machine has a CUDA driver (scripts/gpu-check.sh covers GPU workers)");
+        return;
+    }
+    let mut child = bin()
+        .args(["decode", "--device", "cuda:0", "--listen", "127.0.0.1:0"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let status = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break st;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "decode --device cuda:0 kept running without a driver"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    };
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+    assert!(!status.success());
+    assert!(err.contains("cuda:0") && err.contains("libcuda"), "{err}");
 }
