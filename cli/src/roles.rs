@@ -37,6 +37,7 @@ pub struct WorkerConfig {
     pub listen: String,
     pub transfer: String,
     pub hicache_ratio: f64,
+    pub hicache_size: Option<f64>,
     pub cuda_graph: String,
     pub request_timeout_s: f64,
 }
@@ -53,6 +54,7 @@ pub const WORKER_KEYS: &[&str] = &[
     "listen",
     "transfer",
     "hicache_ratio",
+    "hicache_size",
     "cuda_graph",
     "request_timeout_s",
 ];
@@ -74,6 +76,7 @@ impl WorkerConfig {
             },
             transfer: "grpc".into(),
             hicache_ratio: 0.0,
+            hicache_size: None,
             cuda_graph: "auto".into(),
             request_timeout_s: 120.0,
         }
@@ -109,10 +112,18 @@ impl WorkerConfig {
                 self.hicache_ratio
             );
         }
-        if self.hicache_ratio > 0.0 {
+        if let Some(gb) = self.hicache_size {
+            if !(gb.is_finite() && gb > 0.0) {
+                bail!("--hicache-size must be a positive number of GB, got {gb}");
+            }
+            if self.hicache_ratio > 0.0 {
+                bail!("--hicache-ratio and --hicache-size both size the host KV pool; give one");
+            }
+        }
+        let host_tier = self.hicache_ratio > 0.0 || self.hicache_size.is_some();
+        if host_tier && role == WorkerRole::Decode {
             bail!(
-                "--hicache-ratio {}: the hierarchical (host) KV cache is not in this build yet; use 0",
-                self.hicache_ratio
+                "--hicache-ratio / --hicache-size: the host (hierarchical) KV cache backs the prefix cache of prefill servers; decode servers keep none, so leave them unset on decode"
             );
         }
         match self.cuda_graph.as_str() {
@@ -182,9 +193,13 @@ pub struct WorkerFlags {
     /// KV transfer: grpc or nccl.
     #[arg(long)]
     pub transfer: Option<String>,
-    /// Host KV cache size relative to the device pool (0: off).
+    /// Prefill only: host (hierarchical) KV cache behind the prefix cache, as this many
+    /// times the device pool's pages (>= 1; 0: off, evicted prefixes are dropped).
     #[arg(long)]
     pub hicache_ratio: Option<f64>,
+    /// Prefill only: host KV cache size in GB instead of --hicache-ratio.
+    #[arg(long)]
+    pub hicache_size: Option<f64>,
     /// Decode CUDA graphs: auto, capture or eager.
     #[arg(long)]
     pub cuda_graph: Option<String>,
@@ -207,6 +222,7 @@ impl WorkerFlags {
         flag(&mut f, "listen", &self.listen);
         flag(&mut f, "transfer", &self.transfer);
         flag(&mut f, "hicache_ratio", &self.hicache_ratio);
+        flag(&mut f, "hicache_size", &self.hicache_size);
         flag(&mut f, "cuda_graph", &self.cuda_graph);
         flag(&mut f, "request_timeout_s", &self.request_timeout_s);
         let (cfg, entries) = layered::extract(

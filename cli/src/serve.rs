@@ -4,7 +4,8 @@ use crate::layered::{render, Entry};
 use crate::roles::{RouterFlags, WorkerConfig, WorkerFlags, WorkerRole};
 use anyhow::{Context, Result};
 use pdserve_engine::config::ModelConfig;
-use pdserve_engine::kv::{EntryDtype, KvLayoutSpec};
+use pdserve_engine::kv::sizing::{self, HostSize};
+use pdserve_engine::kv::{EntryDtype, KvLayout, KvLayoutSpec};
 use pdserve_engine::{CpuBackend, Engine, PoolSize};
 use pdserve_proto::pb;
 use std::path::PathBuf;
@@ -76,9 +77,10 @@ async fn bind(listen: &str, role: &str) -> Result<tokio::net::TcpListener> {
 type EngineFactory =
     Box<dyn FnOnce() -> Result<Engine<CpuBackend>, pdserve_engine::EngineError> + Send>;
 
-/// The engine loader for a validated worker config (runs on the engine thread).
+/// The engine loader for a validated worker config (runs on the engine thread), and the
+/// host pool's pages (0: no host tier), sized from the same layout at startup.
 #[allow(clippy::result_large_err)]
-fn engine_factory(cfg: &WorkerConfig, dir: PathBuf) -> Result<EngineFactory> {
+fn engine_factory(cfg: &WorkerConfig, dir: PathBuf) -> Result<(EngineFactory, usize)> {
     let mcfg =
         ModelConfig::from_model_dir(&dir).with_context(|| format!("reading {}", dir.display()))?;
     let mut spec = KvLayoutSpec::default_for(&mcfg);
@@ -91,12 +93,27 @@ fn engine_factory(cfg: &WorkerConfig, dir: PathBuf) -> Result<EngineFactory> {
         pages: cfg.kv_pages,
         states: cfg.max_batch,
     };
-    Ok(Box::new(move || {
+    let host = match (cfg.hicache_size, cfg.hicache_ratio) {
+        (Some(gb), _) => Some(HostSize::Gb(gb)),
+        (None, r) if r > 0.0 => Some(HostSize::Ratio(r)),
+        _ => None,
+    };
+    let host_pages = match host {
+        None => 0,
+        Some(h) => {
+            let layout = KvLayout::new(&mcfg, spec).context("KV layout")?;
+            let used = cfg.kv_pages * layout.page_bytes + cfg.max_batch * layout.state_bytes;
+            let left = sizing::host_memory_available().map(|a| a.saturating_sub(used as u64));
+            sizing::host_pages(&layout, cfg.kv_pages, h, left)?
+        }
+    };
+    let factory: EngineFactory = Box::new(move || {
         let t0 = std::time::Instant::now();
         let e = Engine::load(&dir, CpuBackend, Some(spec), size)?;
         tracing::info!(model = %dir.display(), layout = %e.layout().fingerprint(), secs = t0.elapsed().as_secs_f32(), "model loaded");
         Ok(e)
-    }))
+    });
+    Ok((factory, host_pages))
 }
 
 pub fn worker(role: WorkerRole, flags: WorkerFlags) -> Result<()> {
@@ -107,7 +124,7 @@ pub fn worker(role: WorkerRole, flags: WorkerFlags) -> Result<()> {
     }
     cfg.validate(role)?;
     let (dir, model_name) = model_dir(&cfg.model)?;
-    let make_engine = engine_factory(&cfg, dir)?;
+    let (make_engine, host_pages) = engine_factory(&cfg, dir)?;
     let timeout = Duration::from_secs_f64(cfg.request_timeout_s);
     runtime()?.block_on(async move {
         let listener = bind(&cfg.listen, role.name()).await?;
@@ -116,6 +133,7 @@ pub fn worker(role: WorkerRole, flags: WorkerFlags) -> Result<()> {
                 let settings = pdserve_prefill_server::PrefillSettings {
                     model_name,
                     chunked_prefill_size: cfg.chunked_prefill_size,
+                    host_pages,
                     transfer_chunk_bytes: 1 << 20,
                     request_timeout: timeout,
                     load_timeout: Duration::from_secs(600),
