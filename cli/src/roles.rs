@@ -245,6 +245,9 @@ pub struct RouterConfig {
     pub first_token_timeout_s: f64,
     pub token_timeout_s: f64,
     pub max_attempts: usize,
+    pub prefill_policy: String,
+    pub decode_policy: String,
+    pub health_interval_s: f64,
 }
 
 pub const ROUTER_KEYS: &[&str] = &[
@@ -255,6 +258,9 @@ pub const ROUTER_KEYS: &[&str] = &[
     "first_token_timeout_s",
     "token_timeout_s",
     "max_attempts",
+    "prefill_policy",
+    "decode_policy",
+    "health_interval_s",
 ];
 
 #[derive(clap::Args, Debug, Clone, Default)]
@@ -286,6 +292,16 @@ pub struct RouterFlags {
     /// Worker pairs tried before the first token.
     #[arg(long)]
     pub max_attempts: Option<usize>,
+    /// How prefill workers are chosen: prefix_affinity (requests sharing a prompt prefix
+    /// go to the worker whose prefix cache holds it), least_load or round_robin.
+    #[arg(long)]
+    pub prefill_policy: Option<String>,
+    /// How decode workers are chosen: least_load, round_robin or prefix_affinity.
+    #[arg(long)]
+    pub decode_policy: Option<String>,
+    /// Seconds between two health/load polls of every worker.
+    #[arg(long)]
+    pub health_interval_s: Option<f64>,
 }
 
 impl RouterFlags {
@@ -298,6 +314,9 @@ impl RouterFlags {
         flag(&mut f, "first_token_timeout_s", &self.first_token_timeout_s);
         flag(&mut f, "token_timeout_s", &self.token_timeout_s);
         flag(&mut f, "max_attempts", &self.max_attempts);
+        flag(&mut f, "prefill_policy", &self.prefill_policy);
+        flag(&mut f, "decode_policy", &self.decode_policy);
+        flag(&mut f, "health_interval_s", &self.health_interval_s);
         let defaults = RouterConfig {
             model: None,
             listen: "127.0.0.1:8000".into(),
@@ -306,6 +325,9 @@ impl RouterFlags {
             first_token_timeout_s: 120.0,
             token_timeout_s: 30.0,
             max_attempts: 3,
+            prefill_policy: "prefix_affinity".into(),
+            decode_policy: "least_load".into(),
+            health_interval_s: 0.5,
         };
         layered::extract(&defaults, self.config.as_deref(), ROUTER_KEYS, f)
     }

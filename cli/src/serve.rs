@@ -166,12 +166,19 @@ pub fn router(flags: RouterFlags) -> Result<()> {
         print!("{}", render(&entries));
         return Ok(());
     }
-    if cfg.prefill.is_empty() || cfg.decode.is_empty() {
-        anyhow::bail!("the router needs at least one --prefill and one --decode worker address");
+    for (flag, name) in [
+        ("--prefill-policy", &cfg.prefill_policy),
+        ("--decode-policy", &cfg.decode_policy),
+    ] {
+        pdserve_router::policy::by_name(name).with_context(|| flag.to_string())?;
     }
-    for t in [cfg.first_token_timeout_s, cfg.token_timeout_s] {
+    for t in [
+        cfg.first_token_timeout_s,
+        cfg.token_timeout_s,
+        cfg.health_interval_s,
+    ] {
         if !(t.is_finite() && t > 0.0) {
-            anyhow::bail!("timeouts must be positive numbers of seconds");
+            anyhow::bail!("timeouts and intervals must be positive numbers of seconds");
         }
     }
     let (dir, model_name) = model_dir(&cfg.model)?;
@@ -192,8 +199,10 @@ pub fn router(flags: RouterFlags) -> Result<()> {
         first_token_timeout: Duration::from_secs_f64(cfg.first_token_timeout_s),
         token_timeout: Duration::from_secs_f64(cfg.token_timeout_s),
         connect_timeout: Duration::from_secs(2),
-        health_interval: Duration::from_millis(500),
+        health_interval: Duration::from_secs_f64(cfg.health_interval_s),
         max_attempts: cfg.max_attempts,
+        prefill_policy: cfg.prefill_policy.clone(),
+        decode_policy: cfg.decode_policy.clone(),
         config,
     };
     runtime()?.block_on(async move {

@@ -1,0 +1,59 @@
+//! The health loop: every interval, ask each worker for `Worker.Info` (with a deadline),
+//! feed the answer to its circuit breaker, keep its load, and record per-worker gauges
+//! (labels `worker`, `role`) in the global `metrics` recorder.
+
+use crate::workers::{fetch_info, Worker, Workers};
+use pdserve_proto::pb;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Check every worker once; each check has a deadline of `deadline`.
+pub async fn check_all(workers: &Workers, deadline: Duration) {
+    let checks = workers.all().into_iter().map(|w| async move {
+        match fetch_info(&w, deadline).await {
+            Ok(info) => {
+                record(&w, &info);
+                w.health_ok(info);
+            }
+            Err(why) => w.fail_hard(&format!("health check: {why}")),
+        }
+        metrics::gauge!("pdserve_worker_circuit_state", "worker" => w.addr.clone(), "role" => w.role.name())
+            .set(w.circuit().gauge());
+    });
+    futures::future::join_all(checks).await;
+}
+
+/// Check every worker's health, forever.
+pub async fn health_loop(workers: Arc<Workers>, interval: Duration) {
+    loop {
+        check_all(&workers, interval.max(Duration::from_millis(500))).await;
+        tokio::time::sleep(interval).await;
+    }
+}
+
+fn record(w: &Worker, i: &pb::WorkerInfo) {
+    let (addr, role) = (w.addr.clone(), w.role.name());
+    let g = |name: &'static str, v: f64| {
+        metrics::gauge!(name, "worker" => addr.clone(), "role" => role).set(v);
+    };
+    g("pdserve_worker_running", f64::from(i.running));
+    g("pdserve_worker_queued", f64::from(i.waiting));
+    g(
+        "pdserve_worker_kv_pages_used",
+        i.total_pages.saturating_sub(i.free_pages) as f64,
+    );
+    g("pdserve_worker_kv_pages_total", i.total_pages as f64);
+    g("pdserve_worker_kv_pages_cached", i.cached_pages as f64);
+    g("pdserve_worker_host_pages_used", i.host_used_pages as f64);
+    g("pdserve_worker_transfers", i.transfers as f64);
+    g("pdserve_worker_transfer_bytes", i.transfer_bytes as f64);
+    g("pdserve_worker_transfer_seconds", i.transfer_seconds);
+    for (tier, v) in [
+        ("device", i.prefix_hit_device_tokens),
+        ("host", i.prefix_hit_host_tokens),
+        ("miss", i.prefix_miss_tokens),
+    ] {
+        metrics::gauge!("pdserve_worker_prefix_tokens", "worker" => addr.clone(), "role" => role, "tier" => tier)
+            .set(v as f64);
+    }
+}
