@@ -57,3 +57,32 @@ fn record(w: &Worker, i: &pb::WorkerInfo) {
             .set(v as f64);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use crate::circuit::Circuit;
+    use crate::workers::Role;
+
+    #[tokio::test]
+    async fn a_worker_that_never_answers_is_opened_within_the_deadline() {
+        // Accepts TCP connections (the kernel's backlog) but never speaks HTTP/2.
+        let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = silent.local_addr().unwrap().to_string();
+        let ws = Workers::new(&[addr.clone()], &[], Duration::from_secs(1)).unwrap();
+        assert_eq!(ws.prefill()[0].circuit(), Circuit::Unknown);
+        let t0 = std::time::Instant::now();
+        check_all(&ws, Duration::from_millis(300)).await;
+        assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
+        let w = ws.find(&addr).unwrap();
+        assert_eq!((w.role, w.circuit()), (Role::Prefill, Circuit::Open));
+        assert!(
+            w.last_error().contains("no answer within"),
+            "{}",
+            w.last_error()
+        );
+        assert!(!w.is_healthy());
+        drop(silent);
+    }
+}

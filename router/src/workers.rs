@@ -380,3 +380,64 @@ pub async fn fetch_info(w: &Worker, deadline: Duration) -> Result<pb::WorkerInfo
         Err(_) => Err(format!("no answer within {deadline:?}")),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    fn info(model: &str, index_k: &str) -> pb::WorkerInfo {
+        let field = |n: &str, v: &str| pb::LayoutField {
+            name: n.into(),
+            value: v.into(),
+        };
+        pb::WorkerInfo {
+            model: model.into(),
+            layout: Some(pb::KvLayoutInfo {
+                fingerprint: format!("fp-{index_k}"),
+                fields: vec![field("page_tokens", "256"), field("index_k_dtype", index_k)],
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    #[tokio::test]
+    async fn comparisons_name_the_differing_field() {
+        let a = Worker::new("a:1", Role::Prefill, Duration::from_secs(1)).unwrap();
+        let b = Worker::new("b:1", Role::Decode, Duration::from_secs(1)).unwrap();
+        assert_eq!(compare(&a, &info("m", "f32"), &b, &info("m", "f32")), None);
+        let m = compare(&a, &info("m", "f32"), &b, &info("m", "bf16")).unwrap();
+        assert_eq!(m.field, "index_k_dtype");
+        assert_eq!(
+            m.to_string(),
+            "index_k_dtype differs: a:1 has `f32`, b:1 has `bf16`"
+        );
+        let m = compare(&a, &info("m", "f32"), &b, &info("other", "bf16")).unwrap();
+        assert_eq!(m.field, "model");
+        let mut extra = info("m", "f32");
+        if let Some(l) = extra.layout.as_mut() {
+            l.fields.push(pb::LayoutField {
+                name: "kv_dtype".into(),
+                value: "bf16".into(),
+            });
+        }
+        let m = compare(&a, &info("m", "f32"), &b, &extra).unwrap();
+        assert_eq!((m.field.as_str(), m.a.as_str()), ("kv_dtype", "(absent)"));
+    }
+
+    #[tokio::test]
+    async fn workers_are_removed_by_address() {
+        let ws = Workers::new(
+            &["p:1".into()],
+            &["d:1".into(), "d:2".into()],
+            Duration::from_secs(1),
+        )
+        .unwrap();
+        assert_eq!(ws.all().len(), 3);
+        assert_eq!(ws.remove("d:1").unwrap().role, Role::Decode);
+        assert!(ws.remove("d:1").is_none());
+        let left: Vec<String> = ws.all().iter().map(|w| w.addr.clone()).collect();
+        assert_eq!(left, ["p:1", "d:2"]);
+    }
+}
