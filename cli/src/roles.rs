@@ -120,6 +120,12 @@ impl WorkerConfig {
                 bail!("--hicache-ratio and --hicache-size both size the host KV pool; give one");
             }
         }
+        if self.hicache_ratio > 0.0 && self.hicache_ratio < 1.0 {
+            bail!(
+                "--hicache-ratio {} is below 1: the host pool must hold at least as many pages as the device pool (0 turns the host tier off)",
+                self.hicache_ratio
+            );
+        }
         let host_tier = self.hicache_ratio > 0.0 || self.hicache_size.is_some();
         if host_tier && role == WorkerRole::Decode {
             bail!(
@@ -302,6 +308,28 @@ pub struct RouterFlags {
     /// Seconds between two health/load polls of every worker.
     #[arg(long)]
     pub health_interval_s: Option<f64>,
+}
+
+impl RouterConfig {
+    /// Refuse unknown policies and non-positive durations.
+    pub fn validate(&self) -> Result<()> {
+        for (flag, name) in [
+            ("--prefill-policy", &self.prefill_policy),
+            ("--decode-policy", &self.decode_policy),
+        ] {
+            pdserve_router::policy::by_name(name).map_err(|e| anyhow::anyhow!("{flag}: {e}"))?;
+        }
+        for (flag, t) in [
+            ("--first-token-timeout-s", self.first_token_timeout_s),
+            ("--token-timeout-s", self.token_timeout_s),
+            ("--health-interval-s", self.health_interval_s),
+        ] {
+            if !(t.is_finite() && t > 0.0) {
+                bail!("{flag} must be a positive number of seconds, got {t}");
+            }
+        }
+        Ok(())
+    }
 }
 
 impl RouterFlags {

@@ -164,23 +164,9 @@ pub fn router(flags: RouterFlags) -> Result<()> {
     let (cfg, entries) = flags.resolve()?;
     if flags.print_config {
         print!("{}", render(&entries));
-        return Ok(());
+        return cfg.validate();
     }
-    for (flag, name) in [
-        ("--prefill-policy", &cfg.prefill_policy),
-        ("--decode-policy", &cfg.decode_policy),
-    ] {
-        pdserve_router::policy::by_name(name).with_context(|| flag.to_string())?;
-    }
-    for t in [
-        cfg.first_token_timeout_s,
-        cfg.token_timeout_s,
-        cfg.health_interval_s,
-    ] {
-        if !(t.is_finite() && t > 0.0) {
-            anyhow::bail!("timeouts and intervals must be positive numbers of seconds");
-        }
-    }
+    cfg.validate()?;
     let (dir, model_name) = model_dir(&cfg.model)?;
     let mcfg =
         ModelConfig::from_model_dir(&dir).with_context(|| format!("reading {}", dir.display()))?;

@@ -408,3 +408,90 @@ fn a_dead_worker_leaves_rotation_and_returns_when_healthy() {
     wait_worker(&ar, &ad1, "closed again", |w| w["circuit"] == "closed");
     wait_healthy(&ar, 10);
 }
+
+#[test]
+fn cache_and_policy_flags_are_checked_and_shown() {
+    let run = |args: &[&str]| {
+        let out = bin().args(args).output().unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (ok, out, err) = run(&["prefill", "--print-config", "--hicache-ratio", "2"]);
+    assert!(ok, "{err}");
+    let line = |out: &str, key: &str| {
+        out.lines()
+            .find(|l| l.starts_with(&format!("{key} ")))
+            .unwrap_or_else(|| panic!("no {key} in {out}"))
+            .split_whitespace()
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    assert_eq!(
+        line(&out, "hicache_ratio"),
+        "hicache_ratio = 2.0 # flag --hicache-ratio"
+    );
+    for (args, want) in [
+        (
+            vec!["prefill", "--print-config", "--hicache-ratio", "0.5"],
+            "--hicache-ratio 0.5 is below 1",
+        ),
+        (
+            vec!["decode", "--print-config", "--hicache-ratio", "2"],
+            "decode servers keep none",
+        ),
+        (
+            vec![
+                "prefill",
+                "--print-config",
+                "--hicache-size",
+                "1",
+                "--hicache-ratio",
+                "2",
+            ],
+            "give one",
+        ),
+        (
+            vec!["router", "--print-config", "--prefill-policy", "random"],
+            "--prefill-policy: unknown routing policy `random`",
+        ),
+        (
+            vec!["router", "--print-config", "--health-interval-s", "0"],
+            "--health-interval-s must be a positive",
+        ),
+    ] {
+        let (ok, _, err) = run(&args);
+        assert!(!ok, "{args:?} accepted");
+        assert!(err.contains(want), "{args:?}: {err}");
+    }
+    let (ok, out, err) = run(&["router", "--print-config"]);
+    assert!(ok, "{err}");
+    assert_eq!(
+        line(&out, "prefill_policy"),
+        "prefill_policy = prefix_affinity # default"
+    );
+    assert_eq!(
+        line(&out, "decode_policy"),
+        "decode_policy = least_load # default"
+    );
+    let (ok, out, _) = run(&["router", "--print-config", "--decode-policy", "round_robin"]);
+    assert!(ok);
+    assert_eq!(
+        line(&out, "decode_policy"),
+        "decode_policy = round_robin # flag --decode-policy"
+    );
+    // The host pool is sized at startup: a size that cannot hold the device pool fails fast.
+    let (ok, _, err) = run(&[
+        "prefill",
+        "--kv-pages",
+        "100",
+        "--hicache-size",
+        "0.000001",
+        "--listen",
+        "127.0.0.1:0",
+    ]);
+    assert!(!ok);
+    assert!(err.contains("fewer than the device pool's 100"), "{err}");
+}
