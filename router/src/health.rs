@@ -70,7 +70,7 @@ mod tests {
         // Accepts TCP connections (the kernel's backlog) but never speaks HTTP/2.
         let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = silent.local_addr().unwrap().to_string();
-        let ws = Workers::new(&[addr.clone()], &[], Duration::from_secs(1)).unwrap();
+        let ws = Workers::new(std::slice::from_ref(&addr), &[], Duration::from_secs(1)).unwrap();
         assert_eq!(ws.prefill()[0].circuit(), Circuit::Unknown);
         let t0 = std::time::Instant::now();
         check_all(&ws, Duration::from_millis(300)).await;
