@@ -330,7 +330,8 @@ fn workers_join_leave_and_are_refused_at_run_time() {
             })
         })
         .collect();
-    std::thread::sleep(Duration::from_millis(700));
+    // Remove d1 while it has requests in flight (the router's own count).
+    wait_worker(&ar, &d1, "busy", |w| w["inflight"].as_u64() >= Some(2));
     let (st, body) = http(
         &ar,
         "DELETE",
@@ -339,6 +340,12 @@ fn workers_join_leave_and_are_refused_at_run_time() {
         Duration::from_secs(5),
     );
     assert_eq!(st, 200, "{body}");
+    let removed: Value = serde_json::from_str(&body).unwrap();
+    assert!(removed["inflight"].as_u64() >= Some(1), "{removed}");
+    eprintln!(
+        "removed {d1} with {} requests in flight",
+        removed["inflight"]
+    );
     let (st, body) = http(
         &ar,
         "DELETE",
