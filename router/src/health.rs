@@ -66,6 +66,80 @@ mod tests {
     use crate::workers::Role;
 
     #[tokio::test]
+    async fn polls_record_load_gauges_and_close_the_circuit() {
+        use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+        use pdserve_proto::worker::{WorkerService, WorkerStatus};
+        use std::sync::atomic::Ordering;
+
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        metrics::set_global_recorder(recorder).unwrap();
+        // A real Worker service reporting fixed figures.
+        let status = Arc::new(WorkerStatus {
+            role: "prefill".into(),
+            model: "m".into(),
+            ..Default::default()
+        });
+        let l = &status.load;
+        l.running.store(1, Ordering::Relaxed);
+        l.waiting.store(3, Ordering::Relaxed);
+        l.total_pages.store(100, Ordering::Relaxed);
+        l.free_pages.store(60, Ordering::Relaxed);
+        l.prefix_hit_device_tokens.store(512, Ordering::Relaxed);
+        l.prefix_hit_host_tokens.store(256, Ordering::Relaxed);
+        l.add_transfer(4096, Duration::from_millis(250));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(pb::worker_server::WorkerServer::new(WorkerService(status)))
+                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+        );
+        let ws = Workers::new(std::slice::from_ref(&addr), &[], Duration::from_secs(1)).unwrap();
+        check_all(&ws, Duration::from_secs(2)).await;
+        let w = ws.find(&addr).unwrap();
+        assert_eq!(w.circuit(), Circuit::Closed, "{}", w.last_error());
+        assert_eq!(w.queue(), 4);
+        assert!((w.pages_used_fraction() - 0.4).abs() < 1e-9);
+        let got: Vec<(String, Vec<(String, String)>, f64)> = snapshotter
+            .snapshot()
+            .into_vec()
+            .into_iter()
+            .filter_map(|(k, _, _, v)| {
+                let key = k.key();
+                let labels: Vec<(String, String)> = key
+                    .labels()
+                    .map(|l| (l.key().to_string(), l.value().to_string()))
+                    .collect();
+                match v {
+                    DebugValue::Gauge(g) => Some((key.name().to_string(), labels, g.into_inner())),
+                    _ => None,
+                }
+            })
+            .filter(|(_, labels, _)| labels.contains(&("worker".to_string(), addr.clone())))
+            .collect();
+        let gauge = |name: &str, tier: Option<&str>| {
+            got.iter()
+                .find(|(n, labels, _)| {
+                    n == name
+                        && labels.contains(&("role".to_string(), "prefill".to_string()))
+                        && tier
+                            .is_none_or(|t| labels.contains(&("tier".to_string(), t.to_string())))
+                })
+                .map(|g| g.2)
+                .unwrap_or_else(|| panic!("no gauge {name} {tier:?} in {got:?}"))
+        };
+        assert_eq!(gauge("pdserve_worker_running", None), 1.0);
+        assert_eq!(gauge("pdserve_worker_queued", None), 3.0);
+        assert_eq!(gauge("pdserve_worker_kv_pages_used", None), 40.0);
+        assert_eq!(gauge("pdserve_worker_prefix_tokens", Some("device")), 512.0);
+        assert_eq!(gauge("pdserve_worker_prefix_tokens", Some("host")), 256.0);
+        assert_eq!(gauge("pdserve_worker_transfer_bytes", None), 4096.0);
+        assert_eq!(gauge("pdserve_worker_transfer_seconds", None), 0.25);
+        assert_eq!(gauge("pdserve_worker_circuit_state", None), 0.0);
+    }
+
+    #[tokio::test]
     async fn a_worker_that_never_answers_is_opened_within_the_deadline() {
         // Accepts TCP connections (the kernel's backlog) but never speaks HTTP/2.
         let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
