@@ -101,13 +101,14 @@ mod tests {
         assert_eq!(w.circuit(), Circuit::Closed, "{}", w.last_error());
         assert_eq!(w.queue(), 4);
         assert!((w.pages_used_fraction() - 0.4).abs() < 1e-9);
-        let got: Vec<(String, Vec<(String, String)>, f64)> = snapshotter
+        type Labels = Vec<(String, String)>;
+        let got: Vec<(String, Labels, f64)> = snapshotter
             .snapshot()
             .into_vec()
             .into_iter()
             .filter_map(|(k, _, _, v)| {
                 let key = k.key();
-                let labels: Vec<(String, String)> = key
+                let labels: Labels = key
                     .labels()
                     .map(|l| (l.key().to_string(), l.value().to_string()))
                     .collect();
