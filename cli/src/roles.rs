@@ -37,6 +37,7 @@ pub struct WorkerConfig {
     pub listen: String,
     pub transfer: String,
     pub hicache_ratio: f64,
+    pub hicache_size: Option<f64>,
     pub cuda_graph: String,
     pub request_timeout_s: f64,
 }
@@ -53,6 +54,7 @@ pub const WORKER_KEYS: &[&str] = &[
     "listen",
     "transfer",
     "hicache_ratio",
+    "hicache_size",
     "cuda_graph",
     "request_timeout_s",
 ];
@@ -74,6 +76,7 @@ impl WorkerConfig {
             },
             transfer: "grpc".into(),
             hicache_ratio: 0.0,
+            hicache_size: None,
             cuda_graph: "auto".into(),
             request_timeout_s: 120.0,
         }
@@ -117,10 +120,24 @@ impl WorkerConfig {
                 self.hicache_ratio
             );
         }
-        if self.hicache_ratio > 0.0 {
+        if let Some(gb) = self.hicache_size {
+            if !(gb.is_finite() && gb > 0.0) {
+                bail!("--hicache-size must be a positive number of GB, got {gb}");
+            }
+            if self.hicache_ratio > 0.0 {
+                bail!("--hicache-ratio and --hicache-size both size the host KV pool; give one");
+            }
+        }
+        if self.hicache_ratio > 0.0 && self.hicache_ratio < 1.0 {
             bail!(
-                "--hicache-ratio {}: the hierarchical (host) KV cache is not in this build yet; use 0",
+                "--hicache-ratio {} is below 1: the host pool must hold at least as many pages as the device pool (0 turns the host tier off)",
                 self.hicache_ratio
+            );
+        }
+        let host_tier = self.hicache_ratio > 0.0 || self.hicache_size.is_some();
+        if host_tier && role == WorkerRole::Decode {
+            bail!(
+                "--hicache-ratio / --hicache-size: the host (hierarchical) KV cache backs the prefix cache of prefill servers; decode servers keep none, so leave them unset on decode"
             );
         }
         match self.cuda_graph.as_str() {
@@ -184,9 +201,13 @@ pub struct WorkerFlags {
     /// KV transfer: grpc or nccl.
     #[arg(long)]
     pub transfer: Option<String>,
-    /// Host KV cache size relative to the device pool (0: off).
+    /// Prefill only: host (hierarchical) KV cache behind the prefix cache, as this many
+    /// times the device pool's pages (>= 1; 0: off, evicted prefixes are dropped).
     #[arg(long)]
     pub hicache_ratio: Option<f64>,
+    /// Prefill only: host KV cache size in GB instead of --hicache-ratio.
+    #[arg(long)]
+    pub hicache_size: Option<f64>,
     /// Decode CUDA graphs: auto, capture or eager.
     #[arg(long)]
     pub cuda_graph: Option<String>,
@@ -209,6 +230,7 @@ impl WorkerFlags {
         flag(&mut f, "listen", &self.listen);
         flag(&mut f, "transfer", &self.transfer);
         flag(&mut f, "hicache_ratio", &self.hicache_ratio);
+        flag(&mut f, "hicache_size", &self.hicache_size);
         flag(&mut f, "cuda_graph", &self.cuda_graph);
         flag(&mut f, "request_timeout_s", &self.request_timeout_s);
         let (cfg, entries) = layered::extract(
@@ -231,6 +253,9 @@ pub struct RouterConfig {
     pub first_token_timeout_s: f64,
     pub token_timeout_s: f64,
     pub max_attempts: usize,
+    pub prefill_policy: String,
+    pub decode_policy: String,
+    pub health_interval_s: f64,
 }
 
 pub const ROUTER_KEYS: &[&str] = &[
@@ -241,6 +266,9 @@ pub const ROUTER_KEYS: &[&str] = &[
     "first_token_timeout_s",
     "token_timeout_s",
     "max_attempts",
+    "prefill_policy",
+    "decode_policy",
+    "health_interval_s",
 ];
 
 #[derive(clap::Args, Debug, Clone, Default)]
@@ -272,6 +300,38 @@ pub struct RouterFlags {
     /// Worker pairs tried before the first token.
     #[arg(long)]
     pub max_attempts: Option<usize>,
+    /// How prefill workers are chosen: prefix_affinity (requests sharing a prompt prefix
+    /// go to the worker whose prefix cache holds it), least_load or round_robin.
+    #[arg(long)]
+    pub prefill_policy: Option<String>,
+    /// How decode workers are chosen: least_load, round_robin or prefix_affinity.
+    #[arg(long)]
+    pub decode_policy: Option<String>,
+    /// Seconds between two health/load polls of every worker.
+    #[arg(long)]
+    pub health_interval_s: Option<f64>,
+}
+
+impl RouterConfig {
+    /// Refuse unknown policies and non-positive durations.
+    pub fn validate(&self) -> Result<()> {
+        for (flag, name) in [
+            ("--prefill-policy", &self.prefill_policy),
+            ("--decode-policy", &self.decode_policy),
+        ] {
+            pdserve_router::policy::by_name(name).map_err(|e| anyhow::anyhow!("{flag}: {e}"))?;
+        }
+        for (flag, t) in [
+            ("--first-token-timeout-s", self.first_token_timeout_s),
+            ("--token-timeout-s", self.token_timeout_s),
+            ("--health-interval-s", self.health_interval_s),
+        ] {
+            if !(t.is_finite() && t > 0.0) {
+                bail!("{flag} must be a positive number of seconds, got {t}");
+            }
+        }
+        Ok(())
+    }
 }
 
 impl RouterFlags {
@@ -284,6 +344,9 @@ impl RouterFlags {
         flag(&mut f, "first_token_timeout_s", &self.first_token_timeout_s);
         flag(&mut f, "token_timeout_s", &self.token_timeout_s);
         flag(&mut f, "max_attempts", &self.max_attempts);
+        flag(&mut f, "prefill_policy", &self.prefill_policy);
+        flag(&mut f, "decode_policy", &self.decode_policy);
+        flag(&mut f, "health_interval_s", &self.health_interval_s);
         let defaults = RouterConfig {
             model: None,
             listen: "127.0.0.1:8000".into(),
@@ -292,6 +355,9 @@ impl RouterFlags {
             first_token_timeout_s: 120.0,
             token_timeout_s: 30.0,
             max_attempts: 3,
+            prefill_policy: "prefix_affinity".into(),
+            decode_policy: "least_load".into(),
+            health_interval_s: 0.5,
         };
         layered::extract(&defaults, self.config.as_deref(), ROUTER_KEYS, f)
     }

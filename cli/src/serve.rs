@@ -5,7 +5,8 @@ use crate::roles::{RouterFlags, WorkerConfig, WorkerFlags, WorkerRole};
 use anyhow::{Context, Result};
 use pdserve_engine::backend::{Backend, BackendError};
 use pdserve_engine::config::ModelConfig;
-use pdserve_engine::kv::{EntryDtype, KvLayoutSpec};
+use pdserve_engine::kv::sizing::{self, HostSize};
+use pdserve_engine::kv::{EntryDtype, KvLayout, KvLayoutSpec};
 use pdserve_engine::{CpuBackend, Engine, PoolSize};
 use pdserve_kernels::{CudaBackend, GraphMode};
 use pdserve_proto::pb;
@@ -78,13 +79,14 @@ async fn bind(listen: &str, role: &str) -> Result<tokio::net::TcpListener> {
 type EngineFactory<B> = Box<dyn FnOnce() -> Result<Engine<B>, pdserve_engine::EngineError> + Send>;
 
 /// The engine loader for a validated worker config (runs on the engine thread, which
-/// also opens the backend there with `open`).
+/// also opens the backend there with `open`), and the host pool's pages (0: no host
+/// tier), sized from the same layout at startup.
 #[allow(clippy::result_large_err)]
 fn engine_factory<B: Backend + 'static>(
     cfg: &WorkerConfig,
     dir: PathBuf,
     open: impl FnOnce() -> Result<B, BackendError> + Send + 'static,
-) -> Result<EngineFactory<B>> {
+) -> Result<(EngineFactory<B>, usize)> {
     let mcfg =
         ModelConfig::from_model_dir(&dir).with_context(|| format!("reading {}", dir.display()))?;
     let mut spec = KvLayoutSpec::default_for(&mcfg);
@@ -97,14 +99,29 @@ fn engine_factory<B: Backend + 'static>(
         pages: cfg.kv_pages,
         states: cfg.max_batch,
     };
-    Ok(Box::new(move || {
+    let host = match (cfg.hicache_size, cfg.hicache_ratio) {
+        (Some(gb), _) => Some(HostSize::Gb(gb)),
+        (None, r) if r > 0.0 => Some(HostSize::Ratio(r)),
+        _ => None,
+    };
+    let host_pages = match host {
+        None => 0,
+        Some(h) => {
+            let layout = KvLayout::new(&mcfg, spec).context("KV layout")?;
+            let used = cfg.kv_pages * layout.page_bytes + cfg.max_batch * layout.state_bytes;
+            let left = sizing::host_memory_available().map(|a| a.saturating_sub(used as u64));
+            sizing::host_pages(&layout, cfg.kv_pages, h, left)?
+        }
+    };
+    let factory: EngineFactory<B> = Box::new(move || {
         let t0 = std::time::Instant::now();
         let backend = open()?;
         let name = backend.name();
         let e = Engine::load(&dir, backend, Some(spec), size)?;
         tracing::info!(model = %dir.display(), backend = %name, layout = %e.layout().fingerprint(), secs = t0.elapsed().as_secs_f32(), "model loaded");
         Ok(e)
-    }))
+    });
+    Ok((factory, host_pages))
 }
 
 /// The CUDA backend a worker config asks for, opened on the engine thread.
@@ -137,12 +154,12 @@ pub fn worker(role: WorkerRole, flags: WorkerFlags) -> Result<()> {
     let (dir, model_name) = model_dir(&cfg.model)?;
     match cfg.cuda_ordinal() {
         None => {
-            let make_engine = engine_factory(&cfg, dir, || Ok(CpuBackend))?;
-            serve_worker(role, cfg, entries, model_name, make_engine)
+            let factory = engine_factory(&cfg, dir, || Ok(CpuBackend))?;
+            serve_worker(role, cfg, entries, model_name, factory)
         }
         Some(n) => {
-            let make_engine = engine_factory(&cfg, dir, cuda_opener(&cfg, role, n))?;
-            serve_worker(role, cfg, entries, model_name, make_engine)
+            let factory = engine_factory(&cfg, dir, cuda_opener(&cfg, role, n))?;
+            serve_worker(role, cfg, entries, model_name, factory)
         }
     }
 }
@@ -152,7 +169,7 @@ fn serve_worker<B: Backend + 'static>(
     cfg: WorkerConfig,
     entries: Vec<Entry>,
     model_name: String,
-    make_engine: EngineFactory<B>,
+    (make_engine, host_pages): (EngineFactory<B>, usize),
 ) -> Result<()> {
     let timeout = Duration::from_secs_f64(cfg.request_timeout_s);
     runtime()?.block_on(async move {
@@ -162,6 +179,7 @@ fn serve_worker<B: Backend + 'static>(
                 let settings = pdserve_prefill_server::PrefillSettings {
                     model_name,
                     chunked_prefill_size: cfg.chunked_prefill_size,
+                    host_pages,
                     transfer_chunk_bytes: 1 << 20,
                     request_timeout: timeout,
                     load_timeout: Duration::from_secs(600),
@@ -192,16 +210,9 @@ pub fn router(flags: RouterFlags) -> Result<()> {
     let (cfg, entries) = flags.resolve()?;
     if flags.print_config {
         print!("{}", render(&entries));
-        return Ok(());
+        return cfg.validate();
     }
-    if cfg.prefill.is_empty() || cfg.decode.is_empty() {
-        anyhow::bail!("the router needs at least one --prefill and one --decode worker address");
-    }
-    for t in [cfg.first_token_timeout_s, cfg.token_timeout_s] {
-        if !(t.is_finite() && t > 0.0) {
-            anyhow::bail!("timeouts must be positive numbers of seconds");
-        }
-    }
+    cfg.validate()?;
     let (dir, model_name) = model_dir(&cfg.model)?;
     let mcfg =
         ModelConfig::from_model_dir(&dir).with_context(|| format!("reading {}", dir.display()))?;
@@ -220,8 +231,10 @@ pub fn router(flags: RouterFlags) -> Result<()> {
         first_token_timeout: Duration::from_secs_f64(cfg.first_token_timeout_s),
         token_timeout: Duration::from_secs_f64(cfg.token_timeout_s),
         connect_timeout: Duration::from_secs(2),
-        health_interval: Duration::from_millis(500),
+        health_interval: Duration::from_secs_f64(cfg.health_interval_s),
         max_attempts: cfg.max_attempts,
+        prefill_policy: cfg.prefill_policy.clone(),
+        decode_policy: cfg.decode_policy.clone(),
         config,
     };
     runtime()?.block_on(async move {

@@ -32,6 +32,9 @@ pub struct UpArgs {
     /// Extra flags for every decode server (one string, split on spaces).
     #[arg(long, allow_hyphen_values = true)]
     decode_args: Option<String>,
+    /// Extra flags for the router (one string, split on spaces).
+    #[arg(long, allow_hyphen_values = true)]
+    router_args: Option<String>,
     /// Deadline for every process to come up and report healthy, in seconds.
     #[arg(long, default_value_t = 120.0)]
     ready_timeout_s: f64,
@@ -228,6 +231,9 @@ async fn run(a: UpArgs, log_json: bool) -> Result<()> {
         let mut c = base("router");
         c.args(["--listen", &format!("127.0.0.1:{}", a.port)])
             .args(["--prefill", &addrs("prefill"), "--decode", &addrs("decode")]);
+        if let Some(x) = &a.router_args {
+            c.args(x.split_whitespace());
+        }
         let router = spawn("router".into(), c, deadline).await?;
         let url = format!("http://{}", router.addr);
         let raddr = router.addr.clone();

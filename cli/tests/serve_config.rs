@@ -62,7 +62,10 @@ fn missing_machinery_is_refused_not_ignored() {
         (vec!["--hicache-ratio", "0.5"], "--hicache-ratio"),
         (vec!["--cuda-graph", "capture"], "--cuda-graph capture"),
         (vec!["--device", "cuda:x"], "--device `cuda:x`"),
-        (vec!["--device", "cuda:0", "--cuda-graph", "sometimes"], "--cuda-graph `sometimes`"),
+        (
+            vec!["--device", "cuda:0", "--cuda-graph", "sometimes"],
+            "--cuda-graph `sometimes`",
+        ),
         (vec!["--index-k-dtype", "int3"], "--index-k-dtype"),
     ] {
         // --print-config prints, then validates: nothing starts even if a check were missing.
@@ -90,7 +93,9 @@ fn missing_machinery_is_refused_not_ignored() {
 #[test]
 fn a_cuda_worker_without_a_driver_fails_clearly() {
     if pdserve_kernels::device::driver_present() {
-        eprintln!("skipped: this machine has a CUDA driver (scripts/gpu-check.sh covers GPU workers)");
+        eprintln!(
+            "skipped: this machine has a CUDA driver (scripts/gpu-check.sh covers GPU workers)"
+        );
         return;
     }
     let mut child = bin()

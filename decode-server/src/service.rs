@@ -105,6 +105,7 @@ impl pb::decode_server::Decode for DecodeService {
             total_timeout: self.settings.transfer_timeout,
         };
         let prompt_tokens = r.prompt.len() as u32;
+        let status = self.status.clone();
         tokio::spawn(async move {
             let t0 = std::time::Instant::now();
             let pulled = tokio::select! {
@@ -129,6 +130,10 @@ impl pb::decode_server::Decode for DecodeService {
                     return;
                 }
             };
+            let bytes = prefilled.snapshot.pages.iter().map(Vec::len).sum::<usize>()
+                + prefilled.snapshot.state.len()
+                + 4 * prefilled.last_logits.len();
+            status.load.add_transfer(bytes as u64, t0.elapsed());
             tracing::info!(%request_id, prefill = %r.prefill_addr, pages = prefilled.snapshot.pages.len(), ms = t0.elapsed().as_millis() as u64, "KV received");
             let admit = Admit {
                 request_id,

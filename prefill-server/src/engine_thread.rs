@@ -1,11 +1,14 @@
-//! The engine's own thread: one prefill at a time, checked for cancellation between chunks.
+//! The engine's own thread: one prefill at a time through the prefix cache (device pool
+//! plus the host tier), checked for cancellation between chunks.
 
 use pdserve_engine::backend::Backend;
-use pdserve_engine::generate::prefill;
-use pdserve_engine::kv::KvLayout;
+use pdserve_engine::kv::{HostPool, KvLayout, PrefixCache};
 use pdserve_engine::sampling::{Sampler, SamplingParams};
 use pdserve_engine::{Engine, EngineError, Logits};
 use pdserve_kv_transfer::Prefilled;
+use pdserve_proto::worker::Load;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use tokio::sync::{mpsc, oneshot};
 
 pub struct Job {
@@ -22,7 +25,12 @@ pub struct Ready {
 
 type ReadyRx = oneshot::Receiver<Result<Ready, EngineError>>;
 
-pub fn spawn<B, F>(make_engine: F, chunk: usize) -> std::io::Result<(mpsc::Sender<Job>, ReadyRx)>
+pub fn spawn<B, F>(
+    make_engine: F,
+    chunk: usize,
+    host_pages: usize,
+    load: Arc<Load>,
+) -> std::io::Result<(mpsc::Sender<Job>, ReadyRx)>
 where
     B: Backend + 'static,
     F: FnOnce() -> Result<Engine<B>, EngineError> + Send + 'static,
@@ -32,7 +40,12 @@ where
     std::thread::Builder::new()
         .name("prefill-engine".into())
         .spawn(move || {
-            let engine = match make_engine() {
+            let built = make_engine().and_then(|engine| {
+                let host = HostPool::new(engine.layout(), host_pages);
+                let cache = PrefixCache::new(&engine, host)?;
+                Ok((engine, cache))
+            });
+            let (engine, cache) = match built {
                 Ok(e) => e,
                 Err(e) => {
                     let _ = ready_tx.send(Err(e));
@@ -43,35 +56,120 @@ where
                 layout: engine.layout().clone(),
                 total_pages: engine.pool().total_pages(),
             }));
-            run(engine, rx, chunk);
+            let mut w = Worker {
+                engine,
+                cache,
+                load,
+                chunk,
+            };
+            w.publish();
+            w.run(rx);
         })?;
     Ok((tx, ready_rx))
 }
 
-fn run<B: Backend>(mut engine: Engine<B>, mut rx: mpsc::Receiver<Job>, chunk: usize) {
-    while let Some(job) = rx.blocking_recv() {
-        let _span = tracing::info_span!("prefill", request_id = %job.request_id).entered();
-        if job.reply.is_closed() {
-            tracing::info!("cancelled before it started");
-            continue;
-        }
-        let t0 = std::time::Instant::now();
-        match prefill_one(&mut engine, &job, chunk) {
-            Ok(Some(p)) => {
-                tracing::info!(
-                    prompt_tokens = job.prompt.len(),
-                    pages = p.snapshot.pages.len(),
-                    ms = t0.elapsed().as_millis() as u64,
-                    "prefilled"
-                );
-                let _ = job.reply.send(Ok(p));
+struct Worker<B: Backend> {
+    engine: Engine<B>,
+    cache: PrefixCache,
+    load: Arc<Load>,
+    chunk: usize,
+}
+
+impl<B: Backend> Worker<B> {
+    fn run(&mut self, mut rx: mpsc::Receiver<Job>) {
+        while let Some(job) = rx.blocking_recv() {
+            self.load.waiting.fetch_sub(1, Ordering::Relaxed);
+            let _span = tracing::info_span!("prefill", request_id = %job.request_id).entered();
+            if job.reply.is_closed() {
+                tracing::info!("cancelled before it started");
+                continue;
             }
-            Ok(None) => tracing::info!("cancelled by the decode server; pages freed"),
-            Err(e) => {
-                tracing::warn!(error = %e, "prefill failed");
-                let _ = job.reply.send(Err(engine_status(e)));
+            self.load.running.store(1, Ordering::Relaxed);
+            let t0 = std::time::Instant::now();
+            match self.prefill_one(&job) {
+                Ok(Some((p, hit, host_hit))) => {
+                    tracing::info!(
+                        prompt_tokens = job.prompt.len(),
+                        cached_tokens = hit,
+                        host_tokens = host_hit,
+                        pages = p.snapshot.pages.len(),
+                        ms = t0.elapsed().as_millis() as u64,
+                        "prefilled"
+                    );
+                    let _ = job.reply.send(Ok(p));
+                }
+                Ok(None) => tracing::info!("cancelled by the decode server; pages freed"),
+                Err(e) => {
+                    tracing::warn!(error = %e, "prefill failed");
+                    let _ = job.reply.send(Err(engine_status(e)));
+                }
             }
+            self.load.running.store(0, Ordering::Relaxed);
+            self.publish();
         }
+    }
+
+    /// Page and cache figures for the info RPC.
+    fn publish(&self) {
+        let l = &self.load;
+        let stats = self.cache.stats();
+        l.free_pages.store(
+            self.engine.pool().free_page_count() as u64,
+            Ordering::Relaxed,
+        );
+        l.cached_pages
+            .store(stats.device_pages as u64, Ordering::Relaxed);
+        l.host_used_pages
+            .store(self.cache.host().used_pages() as u64, Ordering::Relaxed);
+        l.host_total_pages
+            .store(self.cache.host().total_pages() as u64, Ordering::Relaxed);
+    }
+
+    /// `Ok(None)`: the requester went away; the sequence is released either way.
+    /// Otherwise the prefill and its cached and host-tier token counts.
+    fn prefill_one(&mut self, job: &Job) -> Result<Option<(Prefilled, usize, usize)>, EngineError> {
+        let mut sampler =
+            Sampler::new(job.sampling).map_err(|e| EngineError::Request(e.to_string()))?;
+        if job.prompt.is_empty() {
+            return Err(EngineError::Request("empty prompt".into()));
+        }
+        let cancelled = || job.reply.is_closed();
+        let Some(done) = self.cache.prefill_cancellable(
+            &mut self.engine,
+            &job.prompt,
+            self.chunk,
+            Logits::Last,
+            &cancelled,
+        )?
+        else {
+            return Ok(None);
+        };
+        let (hit, host_hit) = (done.hit_tokens, done.host_hit_tokens);
+        let l = &self.load;
+        l.prefix_hit_device_tokens
+            .fetch_add((hit - host_hit) as u64, Ordering::Relaxed);
+        l.prefix_hit_host_tokens
+            .fetch_add(host_hit as u64, Ordering::Relaxed);
+        l.prefix_miss_tokens
+            .fetch_add((job.prompt.len() - hit) as u64, Ordering::Relaxed);
+        let seq = done.seq;
+        let result = (|| {
+            let last = done.logits.last().cloned().unwrap_or_default();
+            let first_token = sampler
+                .sample(&last)
+                .map_err(|e| EngineError::Request(e.to_string()))?;
+            Ok(Some((
+                Prefilled {
+                    snapshot: self.engine.export_sequence(&seq)?,
+                    last_logits: last,
+                    first_token,
+                },
+                hit,
+                host_hit,
+            )))
+        })();
+        self.engine.release(seq)?;
+        result
     }
 }
 
@@ -81,46 +179,4 @@ pub fn engine_status(e: EngineError) -> tonic::Status {
         EngineError::Pool(p) => tonic::Status::resource_exhausted(p.to_string()),
         other => tonic::Status::internal(other.to_string()),
     }
-}
-
-/// `Ok(None)`: the requester went away; the sequence is released either way.
-fn prefill_one<B: Backend>(
-    engine: &mut Engine<B>,
-    job: &Job,
-    chunk: usize,
-) -> Result<Option<Prefilled>, EngineError> {
-    let mut sampler =
-        Sampler::new(job.sampling).map_err(|e| EngineError::Request(e.to_string()))?;
-    if job.prompt.is_empty() {
-        return Err(EngineError::Request("empty prompt".into()));
-    }
-    let chunk = if chunk == 0 { job.prompt.len() } else { chunk };
-    let mut seq = engine.new_sequence()?;
-    let result = (|| {
-        let n = job.prompt.len().div_ceil(chunk);
-        let mut last = Vec::new();
-        for (i, part) in job.prompt.chunks(chunk).enumerate() {
-            if job.reply.is_closed() {
-                return Ok(None);
-            }
-            let want = if i + 1 == n {
-                Logits::Last
-            } else {
-                Logits::None
-            };
-            last = prefill(engine, &mut seq, part, 0, want)?
-                .pop()
-                .unwrap_or_default();
-        }
-        let first_token = sampler
-            .sample(&last)
-            .map_err(|e| EngineError::Request(e.to_string()))?;
-        Ok(Some(Prefilled {
-            snapshot: engine.export_sequence(&seq)?,
-            last_logits: last,
-            first_token,
-        }))
-    })();
-    engine.release(seq)?;
-    result
 }

@@ -11,7 +11,7 @@ mod service;
 use pdserve_engine::backend::Backend;
 use pdserve_engine::{Engine, EngineError};
 use pdserve_proto::pb;
-use pdserve_proto::worker::{WorkerService, WorkerStatus};
+use pdserve_proto::worker::{Load, WorkerService, WorkerStatus};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
@@ -22,6 +22,9 @@ pub struct PrefillSettings {
     pub model_name: String,
     /// Prefill chunk size in tokens (0: whole prompt in one forward).
     pub chunked_prefill_size: usize,
+    /// Pages of the host (hierarchical cache) pool behind the prefix cache; 0: no host
+    /// tier (evicted prefixes are dropped).
+    pub host_pages: usize,
     /// Largest page chunk on the wire.
     pub transfer_chunk_bytes: usize,
     /// Deadline for one prefill, queueing included.
@@ -58,30 +61,31 @@ where
     B: Backend + 'static,
     F: FnOnce() -> Result<Engine<B>, EngineError> + Send + 'static,
 {
-    let (jobs, ready) = engine_thread::spawn(make_engine, settings.chunked_prefill_size)?;
+    let load = Arc::new(Load::default());
+    let (jobs, ready) = engine_thread::spawn(
+        make_engine,
+        settings.chunked_prefill_size,
+        settings.host_pages,
+        load.clone(),
+    )?;
     let ready = tokio::time::timeout(settings.load_timeout, ready)
         .await
         .map_err(|_| ServeError::LoadTimeout(settings.load_timeout))?
         .map_err(|_| ServeError::EngineGone)??;
+    load.total_pages
+        .store(ready.total_pages as u64, Ordering::Relaxed);
     let status = Arc::new(WorkerStatus {
         role: "prefill".into(),
         model: settings.model_name.clone(),
         config: settings.config.clone(),
         layout: pdserve_kv_transfer::layout_info(&ready.layout),
-        ..Default::default()
+        load,
     });
-    status
-        .load
-        .total_pages
-        .store(ready.total_pages as u64, Ordering::Relaxed);
-    status
-        .load
-        .free_pages
-        .store(ready.total_pages as u64, Ordering::Relaxed);
     let svc = service::PrefillService {
         jobs,
         layout: Arc::new(ready.layout),
         settings: settings.clone(),
+        status: status.clone(),
     };
     tracing::info!(addr = ?listener.local_addr().ok(), layout = %status.layout.fingerprint, "prefill server ready");
     tonic::transport::Server::builder()

@@ -6,6 +6,8 @@ use pdserve_engine::kv::KvLayout;
 use pdserve_engine::sampling::SamplingParams;
 use pdserve_kv_transfer::{check_peer, encode_prefill};
 use pdserve_proto::pb;
+use pdserve_proto::worker::WorkerStatus;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use tokio::sync::{mpsc, oneshot};
 use tokio_stream::wrappers::ReceiverStream;
@@ -15,6 +17,7 @@ pub struct PrefillService {
     pub jobs: mpsc::Sender<Job>,
     pub layout: Arc<KvLayout>,
     pub settings: PrefillSettings,
+    pub status: Arc<WorkerStatus>,
 }
 
 pub fn sampling_from_pb(s: Option<pb::SamplingParams>) -> SamplingParams {
@@ -57,9 +60,13 @@ impl pb::prefill_server::Prefill for PrefillService {
             reply,
         };
         let timeout = self.settings.request_timeout;
-        tokio::time::timeout(timeout, self.jobs.send(job))
-            .await
-            .map_err(|_| Status::resource_exhausted("prefill queue full"))?
+        let load = self.status.load.clone();
+        load.waiting.fetch_add(1, Ordering::Relaxed);
+        let sent = tokio::time::timeout(timeout, self.jobs.send(job)).await;
+        if !matches!(sent, Ok(Ok(()))) {
+            load.waiting.fetch_sub(1, Ordering::Relaxed);
+        }
+        sent.map_err(|_| Status::resource_exhausted("prefill queue full"))?
             .map_err(|_| Status::unavailable("prefill engine stopped"))?;
         let (tx, rx) = mpsc::channel(8);
         let layout = self.layout.clone();
@@ -93,12 +100,17 @@ impl pb::prefill_server::Prefill for PrefillService {
                     return;
                 }
             };
+            let t0 = std::time::Instant::now();
+            let bytes = prefilled.snapshot.pages.iter().map(Vec::len).sum::<usize>()
+                + prefilled.snapshot.state.len()
+                + 4 * prefilled.last_logits.len();
             for m in encode_prefill(&layout, &prefilled, chunk_bytes) {
                 if tx.send(Ok(m)).await.is_err() {
                     tracing::info!(%request_id, "decode server went away during the transfer");
                     return;
                 }
             }
+            load.add_transfer(bytes as u64, t0.elapsed());
         });
         Ok(Response::new(ReceiverStream::new(rx)))
     }

@@ -22,6 +22,25 @@ pub struct Load {
     pub waiting: AtomicU32,
     pub free_pages: AtomicU64,
     pub total_pages: AtomicU64,
+    pub cached_pages: AtomicU64,
+    pub host_used_pages: AtomicU64,
+    pub host_total_pages: AtomicU64,
+    pub prefix_hit_device_tokens: AtomicU64,
+    pub prefix_hit_host_tokens: AtomicU64,
+    pub prefix_miss_tokens: AtomicU64,
+    pub transfers: AtomicU64,
+    pub transfer_bytes: AtomicU64,
+    pub transfer_micros: AtomicU64,
+}
+
+impl Load {
+    /// Count one finished KV transfer.
+    pub fn add_transfer(&self, bytes: u64, took: std::time::Duration) {
+        self.transfers.fetch_add(1, Ordering::Relaxed);
+        self.transfer_bytes.fetch_add(bytes, Ordering::Relaxed);
+        self.transfer_micros
+            .fetch_add(took.as_micros() as u64, Ordering::Relaxed);
+    }
 }
 
 impl WorkerStatus {
@@ -35,6 +54,15 @@ impl WorkerStatus {
             waiting: self.load.waiting.load(Ordering::Relaxed),
             free_pages: self.load.free_pages.load(Ordering::Relaxed),
             total_pages: self.load.total_pages.load(Ordering::Relaxed),
+            cached_pages: self.load.cached_pages.load(Ordering::Relaxed),
+            host_used_pages: self.load.host_used_pages.load(Ordering::Relaxed),
+            host_total_pages: self.load.host_total_pages.load(Ordering::Relaxed),
+            prefix_hit_device_tokens: self.load.prefix_hit_device_tokens.load(Ordering::Relaxed),
+            prefix_hit_host_tokens: self.load.prefix_hit_host_tokens.load(Ordering::Relaxed),
+            prefix_miss_tokens: self.load.prefix_miss_tokens.load(Ordering::Relaxed),
+            transfers: self.load.transfers.load(Ordering::Relaxed),
+            transfer_bytes: self.load.transfer_bytes.load(Ordering::Relaxed),
+            transfer_seconds: self.load.transfer_micros.load(Ordering::Relaxed) as f64 / 1e6,
         }
     }
 }

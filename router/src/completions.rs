@@ -324,9 +324,9 @@ pub async fn health(State(state): State<Arc<AppState>>) -> Response {
             .map(|w| json!({ "addr": w.addr, "healthy": w.is_healthy() }))
             .collect::<Vec<_>>()
     };
-    let w = &state.workers;
-    let ok = w.prefill.iter().any(|x| x.is_healthy()) && w.decode.iter().any(|x| x.is_healthy());
-    let all = w.all().all(|x| x.is_healthy());
+    let (prefill, decode) = (state.workers.prefill(), state.workers.decode());
+    let ok = prefill.iter().any(|x| x.is_healthy()) && decode.iter().any(|x| x.is_healthy());
+    let all = prefill.iter().chain(&decode).all(|x| x.is_healthy());
     let code = if ok {
         StatusCode::OK
     } else {
@@ -336,8 +336,8 @@ pub async fn health(State(state): State<Arc<AppState>>) -> Response {
         code,
         Json(json!({
             "status": if all { "ok" } else if ok { "degraded" } else { "unavailable" },
-            "prefill": list(&w.prefill),
-            "decode": list(&w.decode),
+            "prefill": list(&prefill),
+            "decode": list(&decode),
         })),
     )
         .into_response()

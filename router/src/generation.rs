@@ -2,7 +2,8 @@
 //! (retrying on another pair when a worker is down), then read tokens with deadlines.
 
 use crate::error::ApiError;
-use crate::workers::{Role, Worker};
+use crate::policy::RouteRequest;
+use crate::workers::{compare, InFlight, Worker};
 use crate::AppState;
 use pdserve_proto::pb;
 use pdserve_proto::pb::token_event::Kind;
@@ -30,6 +31,8 @@ pub struct Started {
     pub first: Next,
     stream: Streaming<pb::TokenEvent>,
     state: Arc<AppState>,
+    /// The decode worker counts this request in flight until the stream is dropped.
+    _decode: InFlight,
 }
 
 fn event(e: pb::TokenEvent) -> Result<Next, tonic::Status> {
@@ -40,11 +43,45 @@ fn event(e: pb::TokenEvent) -> Result<Next, tonic::Status> {
     }
 }
 
-fn candidates(ws: &[Arc<Worker>], tried: &[String]) -> Vec<Arc<Worker>> {
-    ws.iter()
+fn candidates(ws: Vec<Arc<Worker>>, tried: &[String]) -> Vec<Arc<Worker>> {
+    ws.into_iter()
         .filter(|w| w.is_healthy() && !tried.contains(&w.addr))
-        .cloned()
         .collect()
+}
+
+/// Decode candidates whose model and KV layout match prefill worker `p` (workers not yet
+/// reported are kept: the transfer itself compares layouts). When none matches, the
+/// mismatch naming the differing field.
+fn compatible(p: &Worker, ds: Vec<Arc<Worker>>) -> Result<Vec<Arc<Worker>>, ApiError> {
+    let Some(pi) = p.info() else { return Ok(ds) };
+    let mut first_mismatch = None;
+    let ok: Vec<_> = ds
+        .into_iter()
+        .filter(|d| match d.info() {
+            None => true,
+            Some(di) => match compare(p, &pi, d, &di) {
+                None => true,
+                Some(m) => {
+                    first_mismatch.get_or_insert(m);
+                    false
+                }
+            },
+        })
+        .collect();
+    match (ok.is_empty(), first_mismatch) {
+        (true, Some(m)) => Err(ApiError {
+            status: axum::http::StatusCode::BAD_GATEWAY,
+            kind: "worker_mismatch",
+            message: format!("refusing to pair prefill and decode workers: {m}"),
+        }),
+        _ => Ok(ok),
+    }
+}
+
+/// Whether a failed attempt's status says the worker itself is at fault.
+fn worker_fault(code: tonic::Code) -> bool {
+    use tonic::Code::*;
+    matches!(code, Internal | DataLoss | Unknown | DeadlineExceeded)
 }
 
 /// Start `job` and wait for its first event.
@@ -53,22 +90,26 @@ pub async fn start(state: Arc<AppState>, job: &Job) -> Result<Started, ApiError>
     let budget = state.settings.first_token_timeout;
     let mut tried: Vec<String> = Vec::new();
     let mut last_err: Option<ApiError> = None;
+    let route = RouteRequest {
+        prompt: &job.prompt,
+    };
     for attempt in 0..state.settings.max_attempts.max(1) {
         let p = state
-            .policy
-            .pick(Role::Prefill, &candidates(&state.workers.prefill, &tried));
-        let d = state
-            .policy
-            .pick(Role::Decode, &candidates(&state.workers.decode, &tried));
-        let (p, d) = match (p, d) {
-            (Some(p), Some(d)) => (p, d),
-            (p, _) => {
-                let role = if p.is_none() { "prefill" } else { "decode" };
-                return Err(last_err.unwrap_or_else(|| {
-                    ApiError::unavailable(format!("no healthy {role} worker available"))
-                }));
-            }
+            .prefill_policy
+            .pick(&route, &candidates(state.workers.prefill(), &tried));
+        let Some(p) = p else {
+            return Err(last_err
+                .unwrap_or_else(|| ApiError::unavailable("no healthy prefill worker available")));
         };
+        let ds = compatible(&p, candidates(state.workers.decode(), &tried))?;
+        let Some(d) = state.decode_policy.pick(&route, &ds) else {
+            return Err(last_err
+                .unwrap_or_else(|| ApiError::unavailable("no healthy decode worker available")));
+        };
+        state.prefill_policy.routed(&route, &p);
+        state.decode_policy.routed(&route, &d);
+        let p_flight = p.start_request();
+        let d_flight = d.start_request();
         let remaining = budget.saturating_sub(t0.elapsed());
         tracing::info!(request_id = %job.request_id, attempt, prefill = %p.addr, decode = %d.addr, "routing");
         let req = pb::GenerateRequest {
@@ -88,6 +129,7 @@ pub async fn start(state: Arc<AppState>, job: &Job) -> Result<Started, ApiError>
             Ok::<_, tonic::Status>((stream, first))
         })
         .await;
+        drop(p_flight);
         let status = match first {
             Err(_) => {
                 return Err(ApiError::timeout(format!(
@@ -96,12 +138,15 @@ pub async fn start(state: Arc<AppState>, job: &Job) -> Result<Started, ApiError>
                 )))
             }
             Ok(Ok((stream, Some(ev)))) => {
+                p.request_ok();
+                d.request_ok();
                 return Ok(Started {
                     decode_addr: d.addr.clone(),
                     first: event(ev).map_err(|s| ApiError::from_status(&s, &d.addr))?,
                     stream,
                     state,
-                })
+                    _decode: d_flight,
+                });
             }
             Ok(Ok((_, None))) => tonic::Status::unavailable("decode stream ended before any token"),
             Ok(Err(s)) => s,
@@ -116,10 +161,13 @@ pub async fn start(state: Arc<AppState>, job: &Job) -> Result<Started, ApiError>
             &format!("{:?} worker {}", culprit.role, culprit.addr).to_lowercase(),
         );
         if status.code() != tonic::Code::Unavailable {
+            if worker_fault(status.code()) {
+                culprit.request_failed(status.message());
+            }
             return Err(err);
         }
         tracing::warn!(request_id = %job.request_id, worker = %culprit.addr, error = %status.message(), "worker unavailable; trying another pair");
-        culprit.set_healthy(false, status.message());
+        culprit.fail_hard(status.message());
         tried.push(culprit.addr.clone());
         last_err = Some(err);
     }

@@ -3,11 +3,18 @@
 //! through a [`policy::RoutingPolicy`], asks D to generate with P as its prefill source,
 //! and streams D's tokens to the client. A failure before the first token is retried on
 //! another pair; after it, the client's stream ends with an error event.
+//!
+//! Workers come from flags/config and from `POST /workers` / `DELETE /workers/{address}`
+//! (`GET /workers` lists them with circuit state and load); a health loop polls each
+//! worker's `Worker.Info` and drives its circuit breaker.
 
+mod admin;
+pub mod circuit;
 mod completions;
 mod detok;
 mod error;
 mod generation;
+pub mod health;
 pub mod policy;
 mod workers;
 
@@ -38,6 +45,10 @@ pub struct RouterSettings {
     pub health_interval: Duration,
     /// Pairs tried for one request before its first token.
     pub max_attempts: usize,
+    /// Routing policy for prefill workers (see [`policy::NAMES`]).
+    pub prefill_policy: String,
+    /// Routing policy for decode workers.
+    pub decode_policy: String,
     /// Effective configuration with sources, served at `GET /config`.
     pub config: serde_json::Value,
 }
@@ -46,7 +57,8 @@ pub struct AppState {
     pub settings: RouterSettings,
     pub tokenizer: Option<Arc<Tokenizer>>,
     pub workers: Arc<Workers>,
-    pub policy: Box<dyn policy::RoutingPolicy>,
+    pub prefill_policy: Box<dyn policy::RoutingPolicy>,
+    pub decode_policy: Box<dyn policy::RoutingPolicy>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -55,16 +67,20 @@ pub enum ServeError {
     Address { addr: String, reason: String },
     #[error("HTTP server: {0}")]
     Io(#[from] std::io::Error),
+    #[error(transparent)]
+    Policy(#[from] policy::UnknownPolicy),
 }
 
 /// The axum application (routes and state), for embedding and tests.
 pub fn app(state: Arc<AppState>) -> axum::Router {
-    use axum::routing::{get, post};
+    use axum::routing::{delete, get, post};
     axum::Router::new()
         .route("/v1/completions", post(completions::completions))
         .route("/v1/models", get(completions::models))
         .route("/health", get(completions::health))
         .route("/config", get(completions::config))
+        .route("/workers", get(admin::list).post(admin::add))
+        .route("/workers/{address}", delete(admin::remove))
         .with_state(state)
 }
 
@@ -80,14 +96,20 @@ pub async fn serve(
         &settings.decode,
         settings.connect_timeout,
     )?);
-    let health = tokio::spawn(workers.clone().health_loop(settings.health_interval));
+    let prefill_policy = policy::by_name(&settings.prefill_policy)?;
+    let decode_policy = policy::by_name(&settings.decode_policy)?;
+    let health = tokio::spawn(health::health_loop(
+        workers.clone(),
+        settings.health_interval,
+    ));
     let state = Arc::new(AppState {
         tokenizer: tokenizer.map(Arc::new),
         workers,
-        policy: Box::new(policy::RoundRobin::default()),
+        prefill_policy,
+        decode_policy,
         settings,
     });
-    tracing::info!(addr = ?listener.local_addr().ok(), prefill = ?state.settings.prefill, decode = ?state.settings.decode, "router ready");
+    tracing::info!(addr = ?listener.local_addr().ok(), prefill = ?state.settings.prefill, decode = ?state.settings.decode, prefill_policy = state.prefill_policy.name(), decode_policy = state.decode_policy.name(), "router ready");
     let res = axum::serve(listener, app(state))
         .with_graceful_shutdown(shutdown)
         .await;

@@ -1,18 +1,33 @@
-//! The worker set: one lazily connected gRPC channel per worker and a health flag kept
-//! fresh by a background loop (and cleared at once when a request finds a worker down).
+//! The worker set: one lazily connected gRPC channel per worker, its circuit breaker and
+//! the load it last reported. Workers come from flags/config and from `POST /workers`;
+//! the set changes at run time (requests hold their own `Arc<Worker>`).
 
+use crate::circuit::{Breaker, Circuit};
 use crate::ServeError;
 use pdserve_proto::pb;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::Duration;
 use tonic::transport::{Channel, Endpoint};
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Role {
     Prefill,
     Decode,
+}
+
+impl Role {
+    pub fn name(self) -> &'static str {
+        match self {
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+        }
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 #[derive(Debug)]
@@ -20,50 +35,231 @@ pub struct Worker {
     pub addr: String,
     pub role: Role,
     pub channel: Channel,
-    healthy: AtomicBool,
+    breaker: Mutex<Breaker>,
+    /// The last `Worker.Info` answer (model, layout, load).
+    info: Mutex<Option<pb::WorkerInfo>>,
+    /// Requests this router has in flight on the worker (prefill: until the first token).
+    inflight: AtomicU32,
+}
+
+/// Counts a request in flight on a worker until dropped.
+#[derive(Debug)]
+pub struct InFlight(Arc<Worker>);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.inflight.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 impl Worker {
-    pub fn is_healthy(&self) -> bool {
-        self.healthy.load(Ordering::Relaxed)
+    pub fn new(addr: &str, role: Role, connect_timeout: Duration) -> Result<Arc<Self>, ServeError> {
+        let channel = Endpoint::from_shared(format!("http://{addr}"))
+            .map_err(|e| ServeError::Address {
+                addr: addr.to_string(),
+                reason: e.to_string(),
+            })?
+            .connect_timeout(connect_timeout)
+            .http2_keep_alive_interval(Duration::from_secs(1))
+            .keep_alive_timeout(Duration::from_secs(2))
+            .keep_alive_while_idle(true)
+            .connect_lazy();
+        Ok(Arc::new(Worker {
+            addr: addr.to_string(),
+            role,
+            channel,
+            breaker: Mutex::new(Breaker::default()),
+            info: Mutex::new(None),
+            inflight: AtomicU32::new(0),
+        }))
     }
 
-    /// Record a health observation; logs transitions.
-    pub fn set_healthy(&self, ok: bool, why: &str) {
-        let was = self.healthy.swap(ok, Ordering::Relaxed);
-        if was != ok {
-            if ok {
-                tracing::info!(addr = %self.addr, role = ?self.role, "worker is up");
+    /// In rotation: circuit closed or half open.
+    pub fn is_healthy(&self) -> bool {
+        self.circuit().in_rotation()
+    }
+
+    pub fn circuit(&self) -> Circuit {
+        lock(&self.breaker).circuit
+    }
+
+    pub fn last_error(&self) -> String {
+        lock(&self.breaker).last_error.clone()
+    }
+
+    fn log(&self, t: Option<(Circuit, Circuit)>, why: &str) {
+        if let Some((from, to)) = t {
+            if to.in_rotation() {
+                tracing::info!(addr = %self.addr, role = self.role.name(), ?from, ?to, "worker back in rotation");
             } else {
-                tracing::warn!(addr = %self.addr, role = ?self.role, reason = why, "worker is down");
+                tracing::warn!(addr = %self.addr, role = self.role.name(), ?from, ?to, reason = why, "worker taken out of rotation");
             }
+            metrics::gauge!("pdserve_worker_circuit_state", "worker" => self.addr.clone(), "role" => self.role.name())
+                .set(to.gauge());
         }
     }
+
+    /// A passing health check with the worker's info.
+    pub fn health_ok(&self, info: pb::WorkerInfo) {
+        *lock(&self.info) = Some(info);
+        let t = lock(&self.breaker).health_ok();
+        self.log(t, "");
+    }
+
+    /// A failed health check or connect failure: out of rotation at once.
+    pub fn fail_hard(&self, why: &str) {
+        let t = lock(&self.breaker).fail_hard(why);
+        self.log(t, why);
+    }
+
+    /// A request failure this worker caused.
+    pub fn request_failed(&self, why: &str) {
+        let t = lock(&self.breaker).request_failed(why);
+        self.log(t, why);
+    }
+
+    pub fn request_ok(&self) {
+        let t = lock(&self.breaker).request_ok();
+        self.log(t, "");
+    }
+
+    pub fn info(&self) -> Option<pb::WorkerInfo> {
+        lock(&self.info).clone()
+    }
+
+    /// Set the reported info without a health transition (policy tests).
+    pub fn set_info(&self, info: pb::WorkerInfo) {
+        *lock(&self.info) = Some(info);
+    }
+
+    pub fn inflight(&self) -> u32 {
+        self.inflight.load(Ordering::Relaxed)
+    }
+
+    /// Count one more request in flight until the guard drops.
+    pub fn start_request(self: &Arc<Self>) -> InFlight {
+        self.inflight.fetch_add(1, Ordering::Relaxed);
+        InFlight(self.clone())
+    }
+
+    /// Requests queued or running: the larger of the worker's last report and this
+    /// router's own in-flight count (fresher between health checks).
+    pub fn queue(&self) -> u32 {
+        let reported = lock(&self.info)
+            .as_ref()
+            .map_or(0, |i| i.running + i.waiting);
+        reported.max(self.inflight())
+    }
+
+    /// Fraction of the device KV pool in use, prefix-cache pages excluded (0 when unknown).
+    pub fn pages_used_fraction(&self) -> f64 {
+        lock(&self.info).as_ref().map_or(0.0, |i| {
+            let used = i
+                .total_pages
+                .saturating_sub(i.free_pages)
+                .saturating_sub(i.cached_pages);
+            used as f64 / i.total_pages.max(1) as f64
+        })
+    }
+
+    /// The worker's KV page size in tokens, from its reported layout.
+    pub fn page_tokens(&self) -> Option<usize> {
+        let info = lock(&self.info);
+        let layout = info.as_ref()?.layout.as_ref()?;
+        layout
+            .fields
+            .iter()
+            .find(|f| f.name == "page_tokens")?
+            .value
+            .parse()
+            .ok()
+    }
+}
+
+/// Why two workers cannot serve one request together.
+#[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
+#[error("{field} differs: {a_addr} has `{a}`, {b_addr} has `{b}`")]
+pub struct Mismatch {
+    pub field: String,
+    pub a_addr: String,
+    pub a: String,
+    pub b_addr: String,
+    pub b: String,
+}
+
+/// Compare two workers' model and KV layout; the first differing field, if any.
+pub fn compare(
+    a: &Worker,
+    ai: &pb::WorkerInfo,
+    b: &Worker,
+    bi: &pb::WorkerInfo,
+) -> Option<Mismatch> {
+    let mm = |field: &str, x: &str, y: &str| Mismatch {
+        field: field.to_string(),
+        a_addr: a.addr.clone(),
+        a: x.to_string(),
+        b_addr: b.addr.clone(),
+        b: y.to_string(),
+    };
+    if ai.model != bi.model {
+        return Some(mm("model", &ai.model, &bi.model));
+    }
+    let empty = pb::KvLayoutInfo::default();
+    let (la, lb) = (
+        ai.layout.as_ref().unwrap_or(&empty),
+        bi.layout.as_ref().unwrap_or(&empty),
+    );
+    for f in &la.fields {
+        let theirs = lb.fields.iter().find(|g| g.name == f.name);
+        let v = theirs.map_or("(absent)", |g| g.value.as_str());
+        if v != f.value {
+            return Some(mm(&f.name, &f.value, v));
+        }
+    }
+    if let Some(g) = lb
+        .fields
+        .iter()
+        .find(|g| !la.fields.iter().any(|f| f.name == g.name))
+    {
+        return Some(mm(&g.name, "(absent)", &g.value));
+    }
+    if la.fingerprint != lb.fingerprint {
+        return Some(mm("layout fingerprint", &la.fingerprint, &lb.fingerprint));
+    }
+    None
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum AddError {
+    #[error(transparent)]
+    Address(#[from] ServeError),
+    #[error("worker {0} is already in the set")]
+    Duplicate(String),
+    #[error("worker {addr} did not answer Worker.Info within {secs:.1} s: {reason}")]
+    Unreachable {
+        addr: String,
+        secs: f64,
+        reason: String,
+    },
+    #[error("worker {addr} says it is a {actual} server, not {wanted}")]
+    WrongRole {
+        addr: String,
+        actual: String,
+        wanted: &'static str,
+    },
+    #[error("refusing worker {addr}: {mismatch}")]
+    Mismatch { addr: String, mismatch: Mismatch },
 }
 
 #[derive(Debug)]
 pub struct Workers {
-    pub prefill: Vec<Arc<Worker>>,
-    pub decode: Vec<Arc<Worker>>,
+    prefill: RwLock<Vec<Arc<Worker>>>,
+    decode: RwLock<Vec<Arc<Worker>>>,
+    connect_timeout: Duration,
 }
 
-fn worker(addr: &str, role: Role, connect_timeout: Duration) -> Result<Arc<Worker>, ServeError> {
-    let channel = Endpoint::from_shared(format!("http://{addr}"))
-        .map_err(|e| ServeError::Address {
-            addr: addr.to_string(),
-            reason: e.to_string(),
-        })?
-        .connect_timeout(connect_timeout)
-        .http2_keep_alive_interval(Duration::from_secs(1))
-        .keep_alive_timeout(Duration::from_secs(2))
-        .keep_alive_while_idle(true)
-        .connect_lazy();
-    Ok(Arc::new(Worker {
-        addr: addr.to_string(),
-        role,
-        channel,
-        healthy: AtomicBool::new(false),
-    }))
+fn read(l: &RwLock<Vec<Arc<Worker>>>) -> Vec<Arc<Worker>> {
+    l.read().unwrap_or_else(|e| e.into_inner()).clone()
 }
 
 impl Workers {
@@ -72,44 +268,176 @@ impl Workers {
         decode: &[String],
         connect_timeout: Duration,
     ) -> Result<Self, ServeError> {
+        let make = |addrs: &[String], role| {
+            addrs
+                .iter()
+                .map(|a| Worker::new(a, role, connect_timeout))
+                .collect::<Result<Vec<_>, _>>()
+        };
         Ok(Workers {
-            prefill: prefill
-                .iter()
-                .map(|a| worker(a, Role::Prefill, connect_timeout))
-                .collect::<Result<_, _>>()?,
-            decode: decode
-                .iter()
-                .map(|a| worker(a, Role::Decode, connect_timeout))
-                .collect::<Result<_, _>>()?,
+            prefill: RwLock::new(make(prefill, Role::Prefill)?),
+            decode: RwLock::new(make(decode, Role::Decode)?),
+            connect_timeout,
         })
     }
 
-    pub fn all(&self) -> impl Iterator<Item = &Arc<Worker>> {
-        self.prefill.iter().chain(&self.decode)
+    fn list(&self, role: Role) -> &RwLock<Vec<Arc<Worker>>> {
+        match role {
+            Role::Prefill => &self.prefill,
+            Role::Decode => &self.decode,
+        }
     }
 
-    /// Check every worker's health, each with a deadline of one interval, forever.
-    pub async fn health_loop(self: Arc<Self>, interval: Duration) {
-        loop {
-            let checks = self.all().map(|w| {
-                let w = w.clone();
-                async move {
-                    let mut c = pb::worker_client::WorkerClient::new(w.channel.clone());
-                    let r = tokio::time::timeout(
-                        interval.max(Duration::from_millis(500)),
-                        c.health(pb::Empty {}),
-                    )
-                    .await;
-                    match r {
-                        Ok(Ok(h)) if h.get_ref().ok => w.set_healthy(true, ""),
-                        Ok(Ok(_)) => w.set_healthy(false, "health check says not ok"),
-                        Ok(Err(s)) => w.set_healthy(false, s.message()),
-                        Err(_) => w.set_healthy(false, "health check timed out"),
-                    }
-                }
-            });
-            futures::future::join_all(checks).await;
-            tokio::time::sleep(interval).await;
+    /// The current prefill workers.
+    pub fn prefill(&self) -> Vec<Arc<Worker>> {
+        read(&self.prefill)
+    }
+
+    /// The current decode workers.
+    pub fn decode(&self) -> Vec<Arc<Worker>> {
+        read(&self.decode)
+    }
+
+    pub fn of(&self, role: Role) -> Vec<Arc<Worker>> {
+        read(self.list(role))
+    }
+
+    pub fn all(&self) -> Vec<Arc<Worker>> {
+        let mut v = self.prefill();
+        v.extend(self.decode());
+        v
+    }
+
+    pub fn find(&self, addr: &str) -> Option<Arc<Worker>> {
+        self.all().into_iter().find(|w| w.addr == addr)
+    }
+
+    /// Add a worker at run time: it must answer `Worker.Info` within the connect
+    /// timeout, say it has `role`, and match every current worker's model and KV layout.
+    /// It enters rotation at once (circuit closed).
+    pub async fn add(&self, addr: &str, role: Role) -> Result<Arc<Worker>, AddError> {
+        if self.find(addr).is_some() {
+            return Err(AddError::Duplicate(addr.to_string()));
         }
+        let w = Worker::new(addr, role, self.connect_timeout)?;
+        let info = fetch_info(&w, self.connect_timeout.max(Duration::from_secs(1)))
+            .await
+            .map_err(|reason| AddError::Unreachable {
+                addr: addr.to_string(),
+                secs: self
+                    .connect_timeout
+                    .max(Duration::from_secs(1))
+                    .as_secs_f64(),
+                reason,
+            })?;
+        if info.role != role.name() {
+            return Err(AddError::WrongRole {
+                addr: addr.to_string(),
+                actual: info.role.clone(),
+                wanted: role.name(),
+            });
+        }
+        for other in self.all() {
+            if let Some(oi) = other.info() {
+                if let Some(mismatch) = compare(&w, &info, &other, &oi) {
+                    return Err(AddError::Mismatch {
+                        addr: addr.to_string(),
+                        mismatch,
+                    });
+                }
+            }
+        }
+        w.health_ok(info);
+        let mut list = self.list(role).write().unwrap_or_else(|e| e.into_inner());
+        if list.iter().any(|x| x.addr == addr) {
+            return Err(AddError::Duplicate(addr.to_string()));
+        }
+        list.push(w.clone());
+        tracing::info!(addr, role = role.name(), "worker added");
+        Ok(w)
+    }
+
+    /// Take a worker out of the set; requests already on it finish there.
+    pub fn remove(&self, addr: &str) -> Option<Arc<Worker>> {
+        for role in [Role::Prefill, Role::Decode] {
+            let mut list = self.list(role).write().unwrap_or_else(|e| e.into_inner());
+            if let Some(i) = list.iter().position(|w| w.addr == addr) {
+                let w = list.remove(i);
+                tracing::info!(addr, role = role.name(), "worker removed");
+                return Some(w);
+            }
+        }
+        None
+    }
+}
+
+/// `Worker.Info` with a deadline.
+pub async fn fetch_info(w: &Worker, deadline: Duration) -> Result<pb::WorkerInfo, String> {
+    let mut c = pb::worker_client::WorkerClient::new(w.channel.clone());
+    match tokio::time::timeout(deadline, c.info(pb::Empty {})).await {
+        Ok(Ok(r)) => Ok(r.into_inner()),
+        Ok(Err(s)) => Err(s.message().to_string()),
+        Err(_) => Err(format!("no answer within {deadline:?}")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    fn info(model: &str, index_k: &str) -> pb::WorkerInfo {
+        let field = |n: &str, v: &str| pb::LayoutField {
+            name: n.into(),
+            value: v.into(),
+        };
+        pb::WorkerInfo {
+            model: model.into(),
+            layout: Some(pb::KvLayoutInfo {
+                fingerprint: format!("fp-{index_k}"),
+                fields: vec![field("page_tokens", "256"), field("index_k_dtype", index_k)],
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    #[tokio::test]
+    async fn comparisons_name_the_differing_field() {
+        let a = Worker::new("a:1", Role::Prefill, Duration::from_secs(1)).unwrap();
+        let b = Worker::new("b:1", Role::Decode, Duration::from_secs(1)).unwrap();
+        assert_eq!(compare(&a, &info("m", "f32"), &b, &info("m", "f32")), None);
+        let m = compare(&a, &info("m", "f32"), &b, &info("m", "bf16")).unwrap();
+        assert_eq!(m.field, "index_k_dtype");
+        assert_eq!(
+            m.to_string(),
+            "index_k_dtype differs: a:1 has `f32`, b:1 has `bf16`"
+        );
+        let m = compare(&a, &info("m", "f32"), &b, &info("other", "bf16")).unwrap();
+        assert_eq!(m.field, "model");
+        let mut extra = info("m", "f32");
+        if let Some(l) = extra.layout.as_mut() {
+            l.fields.push(pb::LayoutField {
+                name: "kv_dtype".into(),
+                value: "bf16".into(),
+            });
+        }
+        let m = compare(&a, &info("m", "f32"), &b, &extra).unwrap();
+        assert_eq!((m.field.as_str(), m.a.as_str()), ("kv_dtype", "(absent)"));
+    }
+
+    #[tokio::test]
+    async fn workers_are_removed_by_address() {
+        let ws = Workers::new(
+            &["p:1".into()],
+            &["d:1".into(), "d:2".into()],
+            Duration::from_secs(1),
+        )
+        .unwrap();
+        assert_eq!(ws.all().len(), 3);
+        assert_eq!(ws.remove("d:1").unwrap().role, Role::Decode);
+        assert!(ws.remove("d:1").is_none());
+        let left: Vec<String> = ws.all().iter().map(|w| w.addr.clone()).collect();
+        assert_eq!(left, ["p:1", "d:2"]);
     }
 }

@@ -171,6 +171,20 @@ impl PrefixCache {
         chunk: usize,
         want: Logits,
     ) -> Result<CachedPrefill, EngineError> {
+        self.prefill_cancellable(engine, tokens, chunk, want, &|| false)?
+            .ok_or_else(|| internal("cancelled without a cancel hook".into()))
+    }
+
+    /// [`PrefixCache::prefill`], asking `cancelled` before every forward chunk: `Ok(None)`
+    /// when it said yes (the sequence is released; cut points already cached stay).
+    pub fn prefill_cancellable<B: Backend>(
+        &mut self,
+        engine: &mut Engine<B>,
+        tokens: &[u32],
+        chunk: usize,
+        want: Logits,
+        cancelled: &dyn Fn() -> bool,
+    ) -> Result<Option<CachedPrefill>, EngineError> {
         if tokens.is_empty() {
             return Err(EngineError::Request("empty prompt".into()));
         }
@@ -179,13 +193,17 @@ impl PrefixCache {
         metrics::hit_tokens("device", hit - host_hit);
         metrics::hit_tokens("host", host_hit);
         metrics::miss_tokens(tokens.len() - hit);
-        match self.extend(engine, &mut seq, tokens, chunk, want, last) {
-            Ok(logits) => Ok(CachedPrefill {
+        match self.extend(engine, &mut seq, tokens, chunk, want, last, cancelled) {
+            Ok(Some(logits)) => Ok(Some(CachedPrefill {
                 seq,
                 logits,
                 hit_tokens: hit,
                 host_hit_tokens: host_hit,
-            }),
+            })),
+            Ok(None) => {
+                engine.release(seq)?;
+                Ok(None)
+            }
             Err(e) => {
                 if let Err(r) = engine.release(seq) {
                     tracing::error!(error = %r, "releasing a failed prefill's sequence");
@@ -314,7 +332,9 @@ impl PrefixCache {
         Ok(full)
     }
 
-    /// Run the rest of the prompt, stopping at every cut to cache it.
+    /// Run the rest of the prompt, stopping at every cut to cache it; `None` when
+    /// `cancelled` said so before a chunk.
+    #[allow(clippy::too_many_arguments)]
     fn extend<B: Backend>(
         &mut self,
         engine: &mut Engine<B>,
@@ -323,11 +343,15 @@ impl PrefixCache {
         chunk: usize,
         want: Logits,
         mut node: NodeId,
-    ) -> Result<Vec<Vec<f32>>, EngineError> {
+        cancelled: &dyn Fn() -> bool,
+    ) -> Result<Option<Vec<Vec<f32>>>, EngineError> {
         let p = self.page_tokens;
         let chunk = if chunk == 0 { tokens.len() } else { chunk };
         let mut rows = Vec::new();
         while seq.len() < tokens.len() {
+            if cancelled() {
+                return Ok(None);
+            }
             let at = seq.len();
             let end = (at + chunk).min(tokens.len()).min((at / p + 1) * p);
             let logits = match want {
@@ -352,7 +376,7 @@ impl PrefixCache {
                 node = self.insert(engine, node, seq, &tokens[end - p..end])?;
             }
         }
-        Ok(rows)
+        Ok(Some(rows))
     }
 
     /// Evict until `need` device pages are free (or nothing more can go).

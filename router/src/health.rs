@@ -1,0 +1,163 @@
+//! The health loop: every interval, ask each worker for `Worker.Info` (with a deadline),
+//! feed the answer to its circuit breaker, keep its load, and record per-worker gauges
+//! (labels `worker`, `role`) in the global `metrics` recorder.
+
+use crate::workers::{fetch_info, Worker, Workers};
+use pdserve_proto::pb;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Check every worker once; each check has a deadline of `deadline`.
+pub async fn check_all(workers: &Workers, deadline: Duration) {
+    let checks = workers.all().into_iter().map(|w| async move {
+        match fetch_info(&w, deadline).await {
+            Ok(info) => {
+                record(&w, &info);
+                w.health_ok(info);
+            }
+            Err(why) => w.fail_hard(&format!("health check: {why}")),
+        }
+        metrics::gauge!("pdserve_worker_circuit_state", "worker" => w.addr.clone(), "role" => w.role.name())
+            .set(w.circuit().gauge());
+    });
+    futures::future::join_all(checks).await;
+}
+
+/// Check every worker's health, forever.
+pub async fn health_loop(workers: Arc<Workers>, interval: Duration) {
+    loop {
+        check_all(&workers, interval.max(Duration::from_millis(500))).await;
+        tokio::time::sleep(interval).await;
+    }
+}
+
+fn record(w: &Worker, i: &pb::WorkerInfo) {
+    let (addr, role) = (w.addr.clone(), w.role.name());
+    let g = |name: &'static str, v: f64| {
+        metrics::gauge!(name, "worker" => addr.clone(), "role" => role).set(v);
+    };
+    g("pdserve_worker_running", f64::from(i.running));
+    g("pdserve_worker_queued", f64::from(i.waiting));
+    g(
+        "pdserve_worker_kv_pages_used",
+        i.total_pages.saturating_sub(i.free_pages) as f64,
+    );
+    g("pdserve_worker_kv_pages_total", i.total_pages as f64);
+    g("pdserve_worker_kv_pages_cached", i.cached_pages as f64);
+    g("pdserve_worker_host_pages_used", i.host_used_pages as f64);
+    g("pdserve_worker_transfers", i.transfers as f64);
+    g("pdserve_worker_transfer_bytes", i.transfer_bytes as f64);
+    g("pdserve_worker_transfer_seconds", i.transfer_seconds);
+    for (tier, v) in [
+        ("device", i.prefix_hit_device_tokens),
+        ("host", i.prefix_hit_host_tokens),
+        ("miss", i.prefix_miss_tokens),
+    ] {
+        metrics::gauge!("pdserve_worker_prefix_tokens", "worker" => addr.clone(), "role" => role, "tier" => tier)
+            .set(v as f64);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use crate::circuit::Circuit;
+    use crate::workers::Role;
+
+    #[tokio::test]
+    async fn polls_record_load_gauges_and_close_the_circuit() {
+        use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+        use pdserve_proto::worker::{WorkerService, WorkerStatus};
+        use std::sync::atomic::Ordering;
+
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        metrics::set_global_recorder(recorder).unwrap();
+        // A real Worker service reporting fixed figures.
+        let status = Arc::new(WorkerStatus {
+            role: "prefill".into(),
+            model: "m".into(),
+            ..Default::default()
+        });
+        let l = &status.load;
+        l.running.store(1, Ordering::Relaxed);
+        l.waiting.store(3, Ordering::Relaxed);
+        l.total_pages.store(100, Ordering::Relaxed);
+        l.free_pages.store(60, Ordering::Relaxed);
+        l.prefix_hit_device_tokens.store(512, Ordering::Relaxed);
+        l.prefix_hit_host_tokens.store(256, Ordering::Relaxed);
+        l.add_transfer(4096, Duration::from_millis(250));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(pb::worker_server::WorkerServer::new(WorkerService(status)))
+                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+        );
+        let ws = Workers::new(std::slice::from_ref(&addr), &[], Duration::from_secs(1)).unwrap();
+        check_all(&ws, Duration::from_secs(2)).await;
+        let w = ws.find(&addr).unwrap();
+        assert_eq!(w.circuit(), Circuit::Closed, "{}", w.last_error());
+        assert_eq!(w.queue(), 4);
+        assert!((w.pages_used_fraction() - 0.4).abs() < 1e-9);
+        type Labels = Vec<(String, String)>;
+        let got: Vec<(String, Labels, f64)> = snapshotter
+            .snapshot()
+            .into_vec()
+            .into_iter()
+            .filter_map(|(k, _, _, v)| {
+                let key = k.key();
+                let labels: Labels = key
+                    .labels()
+                    .map(|l| (l.key().to_string(), l.value().to_string()))
+                    .collect();
+                match v {
+                    DebugValue::Gauge(g) => Some((key.name().to_string(), labels, g.into_inner())),
+                    _ => None,
+                }
+            })
+            .filter(|(_, labels, _)| labels.contains(&("worker".to_string(), addr.clone())))
+            .collect();
+        let gauge = |name: &str, tier: Option<&str>| {
+            got.iter()
+                .find(|(n, labels, _)| {
+                    n == name
+                        && labels.contains(&("role".to_string(), "prefill".to_string()))
+                        && tier
+                            .is_none_or(|t| labels.contains(&("tier".to_string(), t.to_string())))
+                })
+                .map(|g| g.2)
+                .unwrap_or_else(|| panic!("no gauge {name} {tier:?} in {got:?}"))
+        };
+        assert_eq!(gauge("pdserve_worker_running", None), 1.0);
+        assert_eq!(gauge("pdserve_worker_queued", None), 3.0);
+        assert_eq!(gauge("pdserve_worker_kv_pages_used", None), 40.0);
+        assert_eq!(gauge("pdserve_worker_prefix_tokens", Some("device")), 512.0);
+        assert_eq!(gauge("pdserve_worker_prefix_tokens", Some("host")), 256.0);
+        assert_eq!(gauge("pdserve_worker_transfer_bytes", None), 4096.0);
+        assert_eq!(gauge("pdserve_worker_transfer_seconds", None), 0.25);
+        assert_eq!(gauge("pdserve_worker_circuit_state", None), 0.0);
+    }
+
+    #[tokio::test]
+    async fn a_worker_that_never_answers_is_opened_within_the_deadline() {
+        // Accepts TCP connections (the kernel's backlog) but never speaks HTTP/2.
+        let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = silent.local_addr().unwrap().to_string();
+        let ws = Workers::new(std::slice::from_ref(&addr), &[], Duration::from_secs(1)).unwrap();
+        assert_eq!(ws.prefill()[0].circuit(), Circuit::Unknown);
+        let t0 = std::time::Instant::now();
+        check_all(&ws, Duration::from_millis(300)).await;
+        assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
+        let w = ws.find(&addr).unwrap();
+        assert_eq!((w.role, w.circuit()), (Role::Prefill, Circuit::Open));
+        assert!(
+            w.last_error().contains("no answer within"),
+            "{}",
+            w.last_error()
+        );
+        assert!(!w.is_healthy());
+        drop(silent);
+    }
+}
