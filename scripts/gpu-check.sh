@@ -45,6 +45,10 @@ echo "   rows whose two candidates' CPU logits differ by less than twice the row
 echo "   'greedy generation' rows (free-running, one flip changes every later token) are info."
 echo "   --kv-audit row: 4 sequences, 300 batched decode steps, no write outside the expected pages."
 "$BIN" gpu-check --fixtures tests/fixtures --device "$DEVICE" "$@"
+if [ $# -eq 0 ]; then
+  echo "== the cluster on the GPU"
+  BIN="$BIN" DEVICE="$DEVICE" bash scripts/gpu-cluster-check.sh
+fi
 echo "== kernel cache: second start loads PTX from $PDSERVE_KERNEL_CACHE"
 ls "$PDSERVE_KERNEL_CACHE" | head -n 20
 "$BIN" --log-format text generate --device "cuda:$DEVICE" --max-new-tokens 16 --prompt "The quick brown fox"
