@@ -229,6 +229,8 @@ pub struct RouterConfig {
     pub first_token_timeout_s: f64,
     pub token_timeout_s: f64,
     pub max_attempts: usize,
+    pub max_body_bytes: usize,
+    pub max_model_len: Option<usize>,
 }
 
 pub const ROUTER_KEYS: &[&str] = &[
@@ -239,6 +241,8 @@ pub const ROUTER_KEYS: &[&str] = &[
     "first_token_timeout_s",
     "token_timeout_s",
     "max_attempts",
+    "max_body_bytes",
+    "max_model_len",
 ];
 
 #[derive(clap::Args, Debug, Clone, Default)]
@@ -270,6 +274,13 @@ pub struct RouterFlags {
     /// Worker pairs tried before the first token.
     #[arg(long)]
     pub max_attempts: Option<usize>,
+    /// Largest request body accepted, in bytes (larger: 413).
+    #[arg(long)]
+    pub max_body_bytes: Option<usize>,
+    /// Context length requests are checked against (prompt + max_tokens); default and
+    /// upper bound: the model's max_position_embeddings.
+    #[arg(long)]
+    pub max_model_len: Option<usize>,
 }
 
 impl RouterFlags {
@@ -282,6 +293,8 @@ impl RouterFlags {
         flag(&mut f, "first_token_timeout_s", &self.first_token_timeout_s);
         flag(&mut f, "token_timeout_s", &self.token_timeout_s);
         flag(&mut f, "max_attempts", &self.max_attempts);
+        flag(&mut f, "max_body_bytes", &self.max_body_bytes);
+        flag(&mut f, "max_model_len", &self.max_model_len);
         let defaults = RouterConfig {
             model: None,
             listen: "127.0.0.1:8000".into(),
@@ -290,6 +303,8 @@ impl RouterFlags {
             first_token_timeout_s: 120.0,
             token_timeout_s: 30.0,
             max_attempts: 3,
+            max_body_bytes: 2 << 20,
+            max_model_len: None,
         };
         layered::extract(&defaults, self.config.as_deref(), ROUTER_KEYS, f)
     }

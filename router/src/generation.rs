@@ -11,6 +11,7 @@ use tonic::Streaming;
 
 use pdserve_proto::FAILED_WORKER;
 
+#[derive(Debug)]
 pub struct Job {
     pub request_id: String,
     pub prompt: Vec<u32>,
@@ -120,6 +121,7 @@ pub async fn start(state: Arc<AppState>, job: &Job) -> Result<Started, ApiError>
         }
         tracing::warn!(request_id = %job.request_id, worker = %culprit.addr, error = %status.message(), "worker unavailable; trying another pair");
         culprit.set_healthy(false, status.message());
+        crate::metrics::retry();
         tried.push(culprit.addr.clone());
         last_err = Some(err);
     }
