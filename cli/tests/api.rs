@@ -72,6 +72,10 @@ struct Cluster {
 
 /// Prefill, decode and router processes; the router with small body and context limits.
 fn cluster() -> Cluster {
+    cluster_with(&[])
+}
+
+fn cluster_with(router_args: &[&str]) -> Cluster {
     let (p, paddr, plog) = start_logged("prefill", &[]);
     let (d, daddr, dlog) = start_logged("decode", &[]);
     let (r, addr, rlog) = start_logged(
@@ -85,7 +89,10 @@ fn cluster() -> Cluster {
             &MAX_BODY.to_string(),
             "--max-model-len",
             &MAX_MODEL_LEN.to_string(),
-        ],
+        ]
+        .into_iter()
+        .chain(router_args.iter().copied())
+        .collect::<Vec<_>>(),
     );
     wait_healthy(&addr, 60);
     Cluster {
@@ -711,4 +718,66 @@ fn stops_chat_usage_metrics_and_request_ids() {
         metric(&m, "pdserve_router_time_to_first_token_seconds_sum", &[]),
         metric(&m, "pdserve_router_e2e_latency_seconds_sum", &[]),
     );
+}
+
+/// A model folder with a Jinja chat template: the router renders messages with it.
+#[test]
+fn chat_uses_the_models_template() {
+    let tok = tokenizer();
+    let src = pdserve_engine::embedded::model_dir().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("templated");
+    std::fs::create_dir(&model).unwrap();
+    for f in ["config.json", "tokenizer.json"] {
+        std::fs::copy(src.join(f), model.join(f)).unwrap();
+    }
+    let template = "{% if messages[0]['role'] == 'assistant' %}{{ raise_exception('start with a user or system message') }}{% endif %}{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'].strip() }}</{{ m['role'] }}>\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}";
+    std::fs::write(
+        model.join("tokenizer_config.json"),
+        json!({"chat_template": template, "bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}).to_string(),
+    )
+    .unwrap();
+    let c = cluster_with(&["--model", model.to_str().unwrap()]);
+    let messages = json!([{"role": "system", "content": " Be brief. "}, {"role": "user", "content": "Parse it"}]);
+    let rendered =
+        "<|begin_of_text|><system>Be brief.</system>\n<user>Parse it</user>\n<assistant>";
+    let (st, _, chat) = post(
+        &c.addr,
+        "/v1/chat/completions",
+        &json!({"model": "templated", "messages": messages, "max_tokens": 8, "temperature": 0, "ignore_eos": true}),
+        &[],
+    );
+    assert_eq!(st, 200, "{chat}");
+    let want_ids = tok.encode(rendered).unwrap();
+    assert_eq!(
+        want_ids[0], 0,
+        "the bos token is tokenized as the special token"
+    );
+    assert_eq!(chat["usage"]["prompt_tokens"], want_ids.len());
+    let (st, _, same) = post(
+        &c.addr,
+        "/v1/completions",
+        &json!({"prompt": want_ids, "max_tokens": 8, "temperature": 0, "ignore_eos": true}),
+        &[],
+    );
+    assert_eq!(st, 200, "{same}");
+    assert_eq!(
+        chat["choices"][0]["message"]["content"],
+        same["choices"][0]["text"]
+    );
+    assert_eq!(
+        chat["choices"][0]["token_ids"],
+        same["choices"][0]["token_ids"]
+    );
+    // A template error is the client's 400, not a crash.
+    let (st, _, e) = post(
+        &c.addr,
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "assistant", "content": "hi"}], "max_tokens": 2}),
+        &[],
+    );
+    assert_eq!(st, 400, "{e}");
+    assert_eq!(e["error"]["param"], "messages");
+    let msg = e["error"]["message"].as_str().unwrap();
+    assert!(msg.contains("start with a user or system message"), "{msg}");
 }

@@ -101,6 +101,10 @@ pub async fn serve(
     listener: tokio::net::TcpListener,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
+    // Before anything records: worker gauges go to the same process-wide recorder.
+    if let Err(e) = metrics::handle() {
+        tracing::warn!(error = e, "GET /metrics is unavailable");
+    }
     let workers = Arc::new(Workers::new(
         &settings.prefill,
         &settings.decode,
