@@ -2,6 +2,8 @@
 //! HTTP/1.1 client (with SSE), and single-process reference generations.
 #![allow(clippy::unwrap_used, clippy::expect_used, dead_code)]
 
+pub mod api;
+
 use pdserve_engine::generate::{generate, GenerateRequest};
 use pdserve_engine::sampling::SamplingParams;
 use pdserve_engine::{CpuBackend, Engine, PoolSize};
