@@ -211,6 +211,18 @@ fn stops_chat_usage_metrics_and_request_ids() {
         "the router's completion line lacks the request id"
     );
 
+    // Model listing and retrieval.
+    let (st, _, b) = raw(addr, "GET", "/v1/models", &[], b"", T);
+    assert_eq!(st, 200);
+    let v: Value = serde_json::from_str(&b).unwrap();
+    assert_eq!(v["data"][0]["id"], "pdserve-embedded");
+    assert_eq!(v["data"][0]["max_model_len"], MAX_MODEL_LEN);
+    let (st, _, b) = raw(addr, "GET", "/v1/models/pdserve-embedded", &[], b"", T);
+    assert_eq!(st, 200, "{b}");
+    let (st, _, b) = raw(addr, "GET", "/v1/models/gpt-17", &[], b"", T);
+    assert_eq!(st, 404);
+    assert!(b.contains("model_not_found"), "{b}");
+
     // Metrics: exact token totals and request counts of this router process.
     let (st, head, m) = raw(addr, "GET", "/metrics", &[], b"", T);
     assert_eq!(st, 200);

@@ -309,14 +309,26 @@ fn stream(driver: Driver, shape: Shape, include_usage: bool) -> impl IntoRespons
     Sse::new(events).keep_alive(KeepAlive::default())
 }
 
+fn model_card(state: &AppState) -> Value {
+    json!({
+        "id": state.settings.model_name, "object": "model", "created": 0, "owned_by": "pdserve",
+        "max_model_len": state.settings.context_length,
+    })
+}
+
 pub async fn models(State(state): State<Arc<AppState>>) -> Json<Value> {
-    Json(json!({
-        "object": "list",
-        "data": [{
-            "id": state.settings.model_name, "object": "model", "created": 0, "owned_by": "pdserve",
-            "max_model_len": state.settings.context_length,
-        }],
-    }))
+    Json(json!({ "object": "list", "data": [model_card(&state)] }))
+}
+
+/// `GET /v1/models/{model}`: the served model, or 404 `model_not_found`.
+pub async fn model(
+    State(state): State<Arc<AppState>>,
+    axum::extract::Path(name): axum::extract::Path<String>,
+) -> Response {
+    match params::check_model(&state, &Some(name)) {
+        Ok(()) => Json(model_card(&state)).into_response(),
+        Err(e) => e.into_response(),
+    }
 }
 
 pub async fn health(State(state): State<Arc<AppState>>) -> Response {

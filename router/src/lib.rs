@@ -84,6 +84,7 @@ pub fn app(state: Arc<AppState>) -> axum::Router {
         .route("/v1/completions", post(completions::completions))
         .route("/v1/chat/completions", post(completions::chat_completions))
         .route("/v1/models", get(completions::models))
+        .route("/v1/models/{model}", get(completions::model))
         .route("/health", get(completions::health))
         .route("/config", get(completions::config))
         .route("/metrics", get(completions::metrics))
