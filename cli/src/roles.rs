@@ -256,6 +256,8 @@ pub struct RouterConfig {
     pub prefill_policy: String,
     pub decode_policy: String,
     pub health_interval_s: f64,
+    pub max_body_bytes: usize,
+    pub max_model_len: Option<usize>,
 }
 
 pub const ROUTER_KEYS: &[&str] = &[
@@ -269,6 +271,8 @@ pub const ROUTER_KEYS: &[&str] = &[
     "prefill_policy",
     "decode_policy",
     "health_interval_s",
+    "max_body_bytes",
+    "max_model_len",
 ];
 
 #[derive(clap::Args, Debug, Clone, Default)]
@@ -310,6 +314,13 @@ pub struct RouterFlags {
     /// Seconds between two health/load polls of every worker.
     #[arg(long)]
     pub health_interval_s: Option<f64>,
+    /// Largest request body accepted, in bytes (larger: 413).
+    #[arg(long)]
+    pub max_body_bytes: Option<usize>,
+    /// Context length requests are checked against (prompt + max_tokens); default and
+    /// upper bound: the model's max_position_embeddings.
+    #[arg(long)]
+    pub max_model_len: Option<usize>,
 }
 
 impl RouterConfig {
@@ -347,6 +358,8 @@ impl RouterFlags {
         flag(&mut f, "prefill_policy", &self.prefill_policy);
         flag(&mut f, "decode_policy", &self.decode_policy);
         flag(&mut f, "health_interval_s", &self.health_interval_s);
+        flag(&mut f, "max_body_bytes", &self.max_body_bytes);
+        flag(&mut f, "max_model_len", &self.max_model_len);
         let defaults = RouterConfig {
             model: None,
             listen: "127.0.0.1:8000".into(),
@@ -358,6 +371,8 @@ impl RouterFlags {
             prefill_policy: "prefix_affinity".into(),
             decode_policy: "least_load".into(),
             health_interval_s: 0.5,
+            max_body_bytes: 2 << 20,
+            max_model_len: None,
         };
         layered::extract(&defaults, self.config.as_deref(), ROUTER_KEYS, f)
     }

@@ -217,6 +217,18 @@ pub fn router(flags: RouterFlags) -> Result<()> {
     let mcfg =
         ModelConfig::from_model_dir(&dir).with_context(|| format!("reading {}", dir.display()))?;
     let tokenizer = pdserve_engine::tokenizer::Tokenizer::from_model_dir(&dir)?;
+    let chat_template = pdserve_router::chat::ChatTemplate::from_model_dir(&dir)?;
+    let context_length = match cfg.max_model_len {
+        None => mcfg.max_position_embeddings,
+        Some(n) if n >= 1 && n <= mcfg.max_position_embeddings => n,
+        Some(n) => anyhow::bail!(
+            "--max-model-len {n}: must be in 1..={} (the model's max_position_embeddings)",
+            mcfg.max_position_embeddings
+        ),
+    };
+    if cfg.max_body_bytes == 0 {
+        anyhow::bail!("--max-body-bytes must be at least 1");
+    }
     let config = serde_json::Value::Array(
         entries
             .iter()
@@ -236,6 +248,10 @@ pub fn router(flags: RouterFlags) -> Result<()> {
         prefill_policy: cfg.prefill_policy.clone(),
         decode_policy: cfg.decode_policy.clone(),
         config,
+        context_length,
+        vocab_size: mcfg.vocab_size,
+        max_body_bytes: cfg.max_body_bytes,
+        chat_template: chat_template.map(std::sync::Arc::new),
     };
     runtime()?.block_on(async move {
         let listener = bind(&cfg.listen, "router").await?;

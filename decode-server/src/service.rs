@@ -14,6 +14,7 @@ use std::sync::Arc;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 use tonic::{Request, Response, Status};
+use tracing::Instrument;
 
 pub struct DecodeService {
     pub admits: mpsc::Sender<Admit>,
@@ -106,6 +107,7 @@ impl pb::decode_server::Decode for DecodeService {
         };
         let prompt_tokens = r.prompt.len() as u32;
         let status = self.status.clone();
+        let span = tracing::info_span!("decode", request_id = %request_id);
         tokio::spawn(async move {
             let t0 = std::time::Instant::now();
             let pulled = tokio::select! {
@@ -148,7 +150,7 @@ impl pb::decode_server::Decode for DecodeService {
             if admits.send(admit).await.is_err() {
                 let _ = tx.send(Err(Status::unavailable("decode engine stopped")));
             }
-        });
+        }.instrument(span));
         Ok(Response::new(UnboundedReceiverStream::new(rx)))
     }
 }

@@ -12,6 +12,7 @@ use std::sync::Arc;
 use tokio::sync::{mpsc, oneshot};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
+use tracing::Instrument;
 
 pub struct PrefillService {
     pub jobs: mpsc::Sender<Job>,
@@ -71,6 +72,7 @@ impl pb::prefill_server::Prefill for PrefillService {
         let (tx, rx) = mpsc::channel(8);
         let layout = self.layout.clone();
         let chunk_bytes = self.settings.transfer_chunk_bytes;
+        let span = tracing::info_span!("prefill", request_id = %request_id);
         tokio::spawn(async move {
             let res = tokio::select! {
                 r = tokio::time::timeout(timeout, done) => r,
@@ -111,7 +113,7 @@ impl pb::prefill_server::Prefill for PrefillService {
                 }
             }
             load.add_transfer(bytes as u64, t0.elapsed());
-        });
+        }.instrument(span));
         Ok(Response::new(ReceiverStream::new(rx)))
     }
 }

@@ -80,6 +80,8 @@ fn add_error(e: AddError) -> ApiError {
         status,
         kind,
         message: msg,
+        param: None,
+        code: Some(kind),
     }
 }
 

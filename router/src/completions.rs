@@ -1,62 +1,28 @@
-//! `POST /v1/completions`, `GET /v1/models`, `GET /health`, `GET /config`.
+//! `POST /v1/completions`, `POST /v1/chat/completions` (streamed as SSE or not),
+//! `GET /v1/models`, `GET /health`, `GET /config`, `GET /metrics`.
 
-use crate::detok::Detok;
+use crate::driver::{Driver, Step};
 use crate::error::ApiError;
-use crate::generation::{self, Job, Next, Started};
-use crate::AppState;
+use crate::extract::{typed, ApiJson};
+use crate::params::{self, ChatOnly, Common, CompletionOnly, Plan};
+use crate::trace::RequestId;
+use crate::{chat, generation, AppState};
 use axum::extract::State;
-use axum::http::{HeaderMap, StatusCode};
+use axum::http::{header, StatusCode};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
-use axum::Json;
+use axum::{Extension, Json};
 use futures::StreamExt;
-use pdserve_proto::pb;
-use serde::Deserialize;
-use serde_json::json;
+use serde_json::{json, Value};
 use std::sync::Arc;
+use std::time::Instant;
+use tracing::Instrument;
 
-/// A prompt: text, or token ids.
-#[derive(Debug, Deserialize)]
-#[serde(untagged)]
-pub enum Prompt {
-    Text(String),
-    Tokens(Vec<u32>),
-    Batch(Vec<serde_json::Value>),
-}
-
-#[derive(Debug, Deserialize)]
-pub struct CompletionRequest {
-    pub model: Option<String>,
-    pub prompt: Prompt,
-    #[serde(default = "default_max_tokens")]
-    pub max_tokens: u32,
-    /// OpenAI's default is 1.0; 0 is greedy.
-    #[serde(default = "one")]
-    pub temperature: f32,
-    #[serde(default = "one")]
-    pub top_p: f32,
-    /// Extension: 0 disables.
-    #[serde(default)]
-    pub top_k: u32,
-    #[serde(default)]
-    pub seed: Option<u64>,
-    #[serde(default)]
-    pub stream: bool,
-    /// Extension: do not stop at the model's end-of-sequence tokens.
-    #[serde(default)]
-    pub ignore_eos: bool,
-    #[serde(default)]
-    pub n: Option<u32>,
-    #[serde(default)]
-    pub stop: Option<serde_json::Value>,
-}
-
-fn default_max_tokens() -> u32 {
-    16
-}
-
-fn one() -> f32 {
-    1.0
+/// Which API shape a response takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Api {
+    Completion,
+    Chat,
 }
 
 fn now() -> u64 {
@@ -66,256 +32,303 @@ fn now() -> u64 {
         .unwrap_or(0)
 }
 
-fn request_id(headers: &HeaderMap) -> String {
-    headers
-        .get("x-request-id")
-        .and_then(|v| v.to_str().ok())
-        .filter(|s| !s.is_empty() && s.len() <= 128)
-        .map(str::to_string)
-        .unwrap_or_else(|| format!("{:016x}", rand::random::<u64>()))
+fn prepare_completion(state: &AppState, body: &Value, rid: String) -> Result<Plan, ApiError> {
+    let c: Common = typed(body)?;
+    params::check_model(state, &c.model)?;
+    let only: CompletionOnly = typed(body)?;
+    params::refuse_unsupported_completion(&only)?;
+    let prompt = params::completion_prompt(state, &only.prompt)?;
+    let max = c.max_tokens.map(|m| (m, "max_tokens"));
+    params::plan(state, &c, prompt, max, Some(16), "prompt", rid)
 }
 
-fn job(state: &AppState, req: &CompletionRequest, request_id: String) -> Result<Job, ApiError> {
-    if let Some(m) = &req.model {
-        if *m != state.settings.model_name {
-            return Err(ApiError::not_found(format!(
-                "model `{m}` is not served here; this router serves `{}`",
-                state.settings.model_name
-            )));
-        }
-    }
-    if req.n.is_some_and(|n| n != 1) {
-        return Err(ApiError::bad_request("only n = 1 is supported"));
-    }
-    if req.stop.as_ref().is_some_and(|s| !s.is_null()) {
-        return Err(ApiError::bad_request(
-            "`stop` sequences are not supported yet; use max_tokens or the model's end token",
-        ));
-    }
-    if req.max_tokens == 0 {
-        return Err(ApiError::bad_request("max_tokens must be at least 1"));
-    }
-    let prompt = match &req.prompt {
-        Prompt::Tokens(t) => t.clone(),
-        Prompt::Text(s) => match &state.tokenizer {
-            Some(tok) => tok
-                .encode(s)
-                .map_err(|e| ApiError::bad_request(e.to_string()))?,
-            None => {
-                return Err(ApiError::bad_request(
-                    "this model has no tokenizer: send the prompt as token ids",
-                ))
-            }
-        },
-        Prompt::Batch(b) => {
-            return Err(ApiError::bad_request(format!(
-                "one prompt per request (a string or an array of token ids), got an array of {} prompts",
-                b.len()
-            )))
-        }
+fn prepare_chat(state: &AppState, body: &Value, rid: String) -> Result<Plan, ApiError> {
+    let c: Common = typed(body)?;
+    params::check_model(state, &c.model)?;
+    let only: ChatOnly = typed(body)?;
+    params::refuse_unsupported_chat(&only)?;
+    let messages = params::chat_messages(&only.messages)?;
+    let text = chat::render(state.settings.chat_template.as_deref(), &messages).map_err(|e| {
+        ApiError::invalid(
+            "messages",
+            "invalid_value",
+            format!("the model's chat template refused these messages: {e}"),
+        )
+    })?;
+    let prompt =
+        params::completion_prompt(state, &Value::String(text)).map_err(|e| e.param("messages"))?;
+    let max = match (only.max_completion_tokens, c.max_tokens) {
+        (Some(m), _) => Some((m, "max_completion_tokens")),
+        (None, Some(m)) => Some((m, "max_tokens")),
+        (None, None) => None,
     };
-    if prompt.is_empty() {
-        return Err(ApiError::bad_request("the prompt is empty"));
-    }
-    Ok(Job {
-        request_id,
-        prompt,
-        sampling: pb::SamplingParams {
-            temperature: req.temperature,
-            top_p: req.top_p,
-            top_k: req.top_k,
-            seed: req.seed.unwrap_or(0),
-        },
-        max_new_tokens: req.max_tokens,
-        stop_tokens: if req.ignore_eos {
-            Vec::new()
-        } else {
-            state.settings.eos_token_ids.clone()
-        },
-    })
+    params::plan(state, &c, prompt, max, None, "messages", rid)
 }
 
 pub async fn completions(
     State(state): State<Arc<AppState>>,
-    headers: HeaderMap,
-    body: Result<Json<CompletionRequest>, axum::extract::rejection::JsonRejection>,
+    Extension(rid): Extension<RequestId>,
+    ApiJson(body): ApiJson<Value>,
 ) -> Response {
-    let Json(req) = match body {
-        Ok(b) => b,
-        Err(e) => return ApiError::bad_request(e.body_text()).into_response(),
-    };
-    let rid = request_id(&headers);
-    let job = match job(&state, &req, rid.clone()) {
-        Ok(j) => j,
-        Err(e) => return e.into_response(),
-    };
-    let started = match generation::start(state.clone(), &job).await {
-        Ok(s) => s,
-        Err(e) => {
-            tracing::warn!(request_id = %rid, error = %e.message, "request failed before its first token");
-            return e.into_response();
-        }
-    };
-    let prompt_tokens = job.prompt.len();
-    if req.stream {
-        stream_response(state, started, rid, prompt_tokens).into_response()
-    } else {
-        full_response(state, started, rid, prompt_tokens).await
+    let t0 = Instant::now();
+    match prepare_completion(&state, &body, rid.0.clone()) {
+        Ok(plan) => run(state, plan, Api::Completion, rid.0, t0).await,
+        Err(e) => refused(e),
     }
 }
 
-fn choice(text: String, ids: Vec<u32>, finish: Option<&str>) -> serde_json::Value {
-    json!({ "index": 0, "text": text, "token_ids": ids, "logprobs": null, "finish_reason": finish })
-}
-
-fn usage(prompt: usize, completion: usize) -> serde_json::Value {
-    json!({ "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion })
-}
-
-async fn full_response(
-    state: Arc<AppState>,
-    mut s: Started,
-    rid: String,
-    prompt_tokens: usize,
+pub async fn chat_completions(
+    State(state): State<Arc<AppState>>,
+    Extension(rid): Extension<RequestId>,
+    ApiJson(body): ApiJson<Value>,
 ) -> Response {
-    let mut detok = Detok::new(state.tokenizer.as_deref());
-    let mut text = String::new();
-    let mut next = Some(std::mem::replace(&mut s.first, Next::Token(0)));
-    let finish = loop {
-        let ev = match next.take() {
-            Some(e) => e,
-            None => match s.next().await {
-                Ok(Some(e)) => e,
-                Ok(None) => break "length".to_string(),
-                Err(e) => {
-                    tracing::warn!(request_id = %rid, error = %e.message, "request failed mid-generation");
-                    return e.into_response();
-                }
-            },
-        };
-        match ev {
-            Next::Token(t) => text.push_str(&detok.push(t)),
-            Next::Finished(f) => break f.reason,
+    let t0 = Instant::now();
+    match prepare_chat(&state, &body, rid.0.clone()) {
+        Ok(plan) => run(state, plan, Api::Chat, rid.0, t0).await,
+        Err(e) => refused(e),
+    }
+}
+
+fn refused(e: ApiError) -> Response {
+    tracing::info!(status = e.status.as_u16(), param = ?e.param, error = %e.message, "request refused");
+    e.into_response()
+}
+
+/// The fixed fields of every response object and chunk.
+struct Shape {
+    api: Api,
+    id: String,
+    created: u64,
+    model: String,
+}
+
+impl Shape {
+    fn object(&self, chunk: bool) -> &'static str {
+        match (self.api, chunk) {
+            (Api::Completion, _) => "text_completion",
+            (Api::Chat, false) => "chat.completion",
+            (Api::Chat, true) => "chat.completion.chunk",
+        }
+    }
+
+    fn envelope(&self, chunk: bool, choices: Value) -> Value {
+        json!({
+            "id": self.id,
+            "object": self.object(chunk),
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        })
+    }
+}
+
+fn usage(d: &Driver) -> Value {
+    json!({
+        "prompt_tokens": d.prompt_tokens,
+        "completion_tokens": d.completion_tokens,
+        "total_tokens": d.prompt_tokens + d.completion_tokens,
+    })
+}
+
+async fn run(state: Arc<AppState>, plan: Plan, api: Api, rid: String, t0: Instant) -> Response {
+    let started = match generation::start(state.clone(), &plan.job).await {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::warn!(status = e.status.as_u16(), error = %e.message, "request failed before its first token");
+            return e.into_response();
         }
     };
-    text.push_str(&detok.finish());
-    let n = detok.ids().len();
-    tracing::info!(request_id = %rid, completion_tokens = n, finish = %finish, "completed");
-    Json(json!({
-        "id": format!("cmpl-{rid}"),
-        "object": "text_completion",
-        "created": now(),
-        "model": state.settings.model_name,
-        "choices": [choice(text, detok.ids().to_vec(), Some(&finish))],
-        "usage": usage(prompt_tokens, n),
-    }))
-    .into_response()
+    let driver = Driver::new(
+        started,
+        state.tokenizer.clone(),
+        plan.stops,
+        plan.job.prompt.len(),
+        t0,
+    );
+    let shape = Shape {
+        api,
+        id: match api {
+            Api::Completion => format!("cmpl-{rid}"),
+            Api::Chat => format!("chatcmpl-{rid}"),
+        },
+        created: now(),
+        model: state.settings.model_name.clone(),
+    };
+    if plan.stream {
+        stream(driver, shape, plan.include_usage).into_response()
+    } else {
+        whole(driver, shape).await
+    }
+}
+
+async fn whole(mut d: Driver, shape: Shape) -> Response {
+    let mut text = String::new();
+    let mut ids = Vec::new();
+    let finish = loop {
+        match d.next().await {
+            Ok(Some(Step::Delta { text: t, ids: i })) => {
+                text.push_str(&t);
+                ids.extend(i);
+            }
+            Ok(Some(Step::Done {
+                text: t,
+                ids: i,
+                finish,
+            })) => {
+                text.push_str(&t);
+                ids.extend(i);
+                break finish;
+            }
+            Ok(None) => break d.finish.clone().unwrap_or_else(|| "length".into()),
+            Err(e) => {
+                tracing::warn!(error = %e.message, "request failed mid-generation");
+                return e.into_response();
+            }
+        }
+    };
+    let choice = match shape.api {
+        Api::Completion => json!({
+            "index": 0, "text": text, "token_ids": ids, "logprobs": null, "finish_reason": finish,
+        }),
+        Api::Chat => json!({
+            "index": 0,
+            "message": { "role": "assistant", "content": text },
+            "token_ids": ids, "logprobs": null, "finish_reason": finish,
+        }),
+    };
+    let mut body = shape.envelope(false, json!([choice]));
+    body["usage"] = usage(&d);
+    Json(body).into_response()
 }
 
 struct StreamState {
-    state: Arc<AppState>,
-    started: Started,
-    rid: String,
-    prompt_tokens: usize,
-    ids: Vec<u32>,
-    pending: Option<Next>,
-    done: bool,
-    created: u64,
+    driver: Driver,
+    shape: Shape,
+    include_usage: bool,
+    /// The chat role chunk went out.
+    role_sent: bool,
+    over: bool,
+    span: tracing::Span,
 }
 
-fn stream_response(
-    state: Arc<AppState>,
-    mut started: Started,
-    rid: String,
-    prompt_tokens: usize,
-) -> impl IntoResponse {
-    let first = std::mem::replace(&mut started.first, Next::Token(0));
+impl StreamState {
+    fn chunk(&self, text: &str, ids: Vec<u32>, finish: Option<&str>) -> Option<Event> {
+        let choice = match self.shape.api {
+            Api::Completion => json!({
+                "index": 0, "text": text, "token_ids": ids, "logprobs": null, "finish_reason": finish,
+            }),
+            Api::Chat => {
+                if text.is_empty() && finish.is_none() {
+                    return None;
+                }
+                let delta = if text.is_empty() {
+                    json!({})
+                } else {
+                    json!({ "content": text })
+                };
+                json!({
+                    "index": 0, "delta": delta, "token_ids": ids, "logprobs": null, "finish_reason": finish,
+                })
+            }
+        };
+        let mut c = self.shape.envelope(true, json!([choice]));
+        if self.include_usage {
+            c["usage"] = Value::Null;
+        }
+        Some(Event::default().data(c.to_string()))
+    }
+
+    fn role_chunk(&self) -> Event {
+        let mut c = self.shape.envelope(
+            true,
+            json!([{
+                "index": 0, "delta": { "role": "assistant", "content": "" },
+                "logprobs": null, "finish_reason": null,
+            }]),
+        );
+        if self.include_usage {
+            c["usage"] = Value::Null;
+        }
+        Event::default().data(c.to_string())
+    }
+
+    /// The events of the next step.
+    async fn step(&mut self) -> Vec<Event> {
+        let mut out = Vec::new();
+        if self.shape.api == Api::Chat && !self.role_sent {
+            self.role_sent = true;
+            out.push(self.role_chunk());
+        }
+        match self.driver.next().await {
+            Ok(Some(Step::Delta { text, ids })) => out.extend(self.chunk(&text, ids, None)),
+            Ok(Some(Step::Done { text, ids, finish })) => {
+                if self.shape.api == Api::Chat && !text.is_empty() {
+                    out.extend(self.chunk(&text, ids.clone(), None));
+                    out.extend(self.chunk("", Vec::new(), Some(&finish)));
+                } else {
+                    out.extend(self.chunk(&text, ids, Some(&finish)));
+                }
+                if self.include_usage {
+                    let mut u = self.shape.envelope(true, json!([]));
+                    u["usage"] = usage(&self.driver);
+                    out.push(Event::default().data(u.to_string()));
+                }
+                out.push(Event::default().data("[DONE]"));
+                self.over = true;
+            }
+            Ok(None) => self.over = true,
+            Err(e) => {
+                tracing::warn!(error = %e.message, "stream failed mid-generation");
+                crate::metrics::stream_error();
+                out.push(Event::default().event("error").data(e.body().to_string()));
+                self.over = true;
+            }
+        }
+        out
+    }
+}
+
+fn stream(driver: Driver, shape: Shape, include_usage: bool) -> impl IntoResponse {
     let st = StreamState {
-        state,
-        started,
-        rid,
-        prompt_tokens,
-        ids: Vec::new(),
-        pending: Some(first),
-        done: false,
-        created: now(),
+        driver,
+        shape,
+        include_usage,
+        role_sent: false,
+        over: false,
+        span: tracing::Span::current(),
     };
     let events = futures::stream::unfold(st, |mut st| async move {
-        if st.done {
+        if st.over {
             return None;
         }
-        let ev = match st.pending.take() {
-            Some(e) => Ok(e),
-            None => st.started.next().await.and_then(|e| {
-                e.ok_or_else(|| ApiError::unavailable("decode stream ended without finishing"))
-            }),
-        };
-        let out = match ev {
-            Err(e) => {
-                tracing::warn!(request_id = %st.rid, error = %e.message, "stream failed mid-generation");
-                st.done = true;
-                vec![Event::default().event("error").data(e.body().to_string())]
-            }
-            Ok(Next::Token(t)) => {
-                st.ids.push(t);
-                let text = incremental_text(&st.state, &st.ids);
-                vec![chunk(&st, text, vec![t], None)]
-            }
-            Ok(Next::Finished(f)) => {
-                st.done = true;
-                tracing::info!(request_id = %st.rid, completion_tokens = st.ids.len(), finish = %f.reason, "completed");
-                let mut c = chunk_json(&st, String::new(), Vec::new(), Some(&f.reason));
-                c["usage"] = usage(st.prompt_tokens, st.ids.len());
-                vec![
-                    Event::default().data(c.to_string()),
-                    Event::default().data("[DONE]"),
-                ]
-            }
-        };
+        let span = st.span.clone();
+        let out = st.step().instrument(span).await;
         Some((out, st))
     })
     .flat_map(|v| futures::stream::iter(v.into_iter().map(Ok::<_, std::convert::Infallible>)));
     Sse::new(events).keep_alive(KeepAlive::default())
 }
 
-/// Text added by the last id of `ids` (whole-sequence decode, incomplete characters held).
-fn incremental_text(state: &AppState, ids: &[u32]) -> String {
-    let Some(tok) = state.tokenizer.as_deref() else {
-        return String::new();
-    };
-    let prev = tok.decode(&ids[..ids.len() - 1]).unwrap_or_default();
-    let now = tok.decode(ids).unwrap_or_default();
-    if now.ends_with('\u{FFFD}') || !now.starts_with(prev.trim_end_matches('\u{FFFD}')) {
-        return String::new();
-    }
-    let base = prev.trim_end_matches('\u{FFFD}').len();
-    now.get(base..).unwrap_or_default().to_string()
-}
-
-fn chunk_json(
-    st: &StreamState,
-    text: String,
-    ids: Vec<u32>,
-    finish: Option<&str>,
-) -> serde_json::Value {
+fn model_card(state: &AppState) -> Value {
     json!({
-        "id": format!("cmpl-{}", st.rid),
-        "object": "text_completion",
-        "created": st.created,
-        "model": st.state.settings.model_name,
-        "choices": [choice(text, ids, finish)],
+        "id": state.settings.model_name, "object": "model", "created": 0, "owned_by": "pdserve",
+        "max_model_len": state.settings.context_length,
     })
 }
 
-fn chunk(st: &StreamState, text: String, ids: Vec<u32>, finish: Option<&str>) -> Event {
-    Event::default().data(chunk_json(st, text, ids, finish).to_string())
+pub async fn models(State(state): State<Arc<AppState>>) -> Json<Value> {
+    Json(json!({ "object": "list", "data": [model_card(&state)] }))
 }
 
-pub async fn models(State(state): State<Arc<AppState>>) -> Json<serde_json::Value> {
-    Json(json!({
-        "object": "list",
-        "data": [{ "id": state.settings.model_name, "object": "model", "created": 0, "owned_by": "pdserve" }],
-    }))
+/// `GET /v1/models/{model}`: the served model, or 404 `model_not_found`.
+pub async fn model(
+    State(state): State<Arc<AppState>>,
+    axum::extract::Path(name): axum::extract::Path<String>,
+) -> Response {
+    match params::check_model(&state, &Some(name)) {
+        Ok(()) => Json(model_card(&state)).into_response(),
+        Err(e) => e.into_response(),
+    }
 }
 
 pub async fn health(State(state): State<Arc<AppState>>) -> Response {
@@ -343,6 +356,38 @@ pub async fn health(State(state): State<Arc<AppState>>) -> Response {
         .into_response()
 }
 
-pub async fn config(State(state): State<Arc<AppState>>) -> Json<serde_json::Value> {
+pub async fn config(State(state): State<Arc<AppState>>) -> Json<Value> {
     Json(state.settings.config.clone())
+}
+
+/// Prometheus text format of every metric recorded in this process.
+pub async fn metrics() -> Response {
+    match crate::metrics::handle() {
+        Ok(h) => {
+            h.run_upkeep();
+            (
+                [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+                h.render(),
+            )
+                .into_response()
+        }
+        Err(e) => ApiError::unavailable(e).into_response(),
+    }
+}
+
+/// Unknown paths get an OpenAI-shaped 404.
+pub async fn not_found(uri: axum::http::Uri) -> Response {
+    ApiError::not_found(format!("no route for {}", uri.path()))
+        .code("unknown_url")
+        .into_response()
+}
+
+/// A known path with the wrong method gets an OpenAI-shaped 405.
+pub async fn method_not_allowed(method: axum::http::Method, uri: axum::http::Uri) -> Response {
+    ApiError::with_status(
+        StatusCode::METHOD_NOT_ALLOWED,
+        format!("{method} is not allowed on {}", uri.path()),
+    )
+    .code("method_not_allowed")
+    .into_response()
 }

@@ -1,4 +1,5 @@
-//! Errors rendered as OpenAI-style JSON bodies with a fitting HTTP status.
+//! Errors rendered as OpenAI-style JSON bodies with a fitting HTTP status:
+//! `{"error": {"message", "type", "param", "code"}}`.
 
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
@@ -9,39 +10,56 @@ pub struct ApiError {
     /// OpenAI error `type`.
     pub kind: &'static str,
     pub message: String,
+    /// The request field at fault, when there is one.
+    pub param: Option<String>,
+    /// A machine-readable code (`model_not_found`, `invalid_value`, ...).
+    pub code: Option<&'static str>,
 }
 
 impl ApiError {
-    pub fn bad_request(msg: impl Into<String>) -> Self {
+    fn new(status: StatusCode, kind: &'static str, msg: impl Into<String>) -> Self {
         ApiError {
-            status: StatusCode::BAD_REQUEST,
-            kind: "invalid_request_error",
+            status,
+            kind,
             message: msg.into(),
+            param: None,
+            code: None,
         }
+    }
+
+    pub fn bad_request(msg: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, "invalid_request_error", msg)
+    }
+
+    /// A 400 about one request field.
+    pub fn invalid(param: &str, code: &'static str, msg: impl Into<String>) -> Self {
+        Self::bad_request(msg).param(param).code(code)
     }
 
     pub fn not_found(msg: impl Into<String>) -> Self {
-        ApiError {
-            status: StatusCode::NOT_FOUND,
-            kind: "not_found_error",
-            message: msg.into(),
-        }
+        Self::new(StatusCode::NOT_FOUND, "invalid_request_error", msg)
     }
 
     pub fn unavailable(msg: impl Into<String>) -> Self {
-        ApiError {
-            status: StatusCode::SERVICE_UNAVAILABLE,
-            kind: "service_unavailable",
-            message: msg.into(),
-        }
+        Self::new(StatusCode::SERVICE_UNAVAILABLE, "service_unavailable", msg)
     }
 
     pub fn timeout(msg: impl Into<String>) -> Self {
-        ApiError {
-            status: StatusCode::GATEWAY_TIMEOUT,
-            kind: "timeout",
-            message: msg.into(),
-        }
+        Self::new(StatusCode::GATEWAY_TIMEOUT, "timeout", msg)
+    }
+
+    pub fn with_status(status: StatusCode, msg: impl Into<String>) -> Self {
+        Self::new(status, "invalid_request_error", msg)
+    }
+
+    pub fn param(mut self, p: impl Into<String>) -> Self {
+        self.param = Some(p.into());
+        self
+    }
+
+    pub fn code(mut self, c: &'static str) -> Self {
+        self.code = Some(c);
+        self
     }
 
     /// A worker's gRPC status, classified.
@@ -58,11 +76,7 @@ impl ApiError {
             Code::DataLoss => (StatusCode::BAD_GATEWAY, "data_loss"),
             _ => (StatusCode::BAD_GATEWAY, "worker_error"),
         };
-        ApiError {
-            status,
-            kind,
-            message: format!("{worker}: {}", s.message()),
-        }
+        Self::new(status, kind, format!("{worker}: {}", s.message()))
     }
 
     pub fn body(&self) -> serde_json::Value {
@@ -70,7 +84,8 @@ impl ApiError {
             "error": {
                 "message": self.message,
                 "type": self.kind,
-                "code": self.status.as_u16(),
+                "param": self.param,
+                "code": self.code,
             }
         })
     }

@@ -12,6 +12,7 @@ use tonic::Streaming;
 
 use pdserve_proto::FAILED_WORKER;
 
+#[derive(Debug)]
 pub struct Job {
     pub request_id: String,
     pub prompt: Vec<u32>,
@@ -73,6 +74,8 @@ fn compatible(p: &Worker, ds: Vec<Arc<Worker>>) -> Result<Vec<Arc<Worker>>, ApiE
             status: axum::http::StatusCode::BAD_GATEWAY,
             kind: "worker_mismatch",
             message: format!("refusing to pair prefill and decode workers: {m}"),
+            param: None,
+            code: Some("worker_mismatch"),
         }),
         _ => Ok(ok),
     }
@@ -168,6 +171,7 @@ pub async fn start(state: Arc<AppState>, job: &Job) -> Result<Started, ApiError>
         }
         tracing::warn!(request_id = %job.request_id, worker = %culprit.addr, error = %status.message(), "worker unavailable; trying another pair");
         culprit.fail_hard(status.message());
+        crate::metrics::retry();
         tried.push(culprit.addr.clone());
         last_err = Some(err);
     }

@@ -1,5 +1,6 @@
-//! The HTTP router: OpenAI-style `POST /v1/completions` (SSE and not), `GET /v1/models`,
-//! `GET /health`. For each request it picks a prefill worker P and a decode worker D
+//! The HTTP router: OpenAI-style `POST /v1/completions` and `POST /v1/chat/completions`
+//! (SSE and not), `GET /v1/models`, `GET /health`, `GET /config`, `GET /metrics`
+//! (Prometheus). For each request it picks a prefill worker P and a decode worker D
 //! through a [`policy::RoutingPolicy`], asks D to generate with P as its prefill source,
 //! and streams D's tokens to the client. A failure before the first token is retried on
 //! another pair; after it, the client's stream ends with an error event.
@@ -9,13 +10,20 @@
 //! worker's `Worker.Info` and drives its circuit breaker.
 
 mod admin;
+pub mod chat;
 pub mod circuit;
 mod completions;
 mod detok;
+mod driver;
 mod error;
+pub mod extract;
 mod generation;
 pub mod health;
+pub mod metrics;
+mod params;
 pub mod policy;
+mod stop;
+mod trace;
 mod workers;
 
 pub use error::ApiError;
@@ -51,6 +59,14 @@ pub struct RouterSettings {
     pub decode_policy: String,
     /// Effective configuration with sources, served at `GET /config`.
     pub config: serde_json::Value,
+    /// Positions the model handles: prompt + generated tokens must fit.
+    pub context_length: usize,
+    /// Token ids in requests must be below this.
+    pub vocab_size: usize,
+    /// Largest request body accepted (413 above).
+    pub max_body_bytes: usize,
+    /// The model's chat template; None: the default `role: content` lines.
+    pub chat_template: Option<Arc<chat::ChatTemplate>>,
 }
 
 pub struct AppState {
@@ -74,13 +90,24 @@ pub enum ServeError {
 /// The axum application (routes and state), for embedding and tests.
 pub fn app(state: Arc<AppState>) -> axum::Router {
     use axum::routing::{delete, get, post};
+    if let Err(e) = metrics::handle() {
+        tracing::warn!(error = e, "GET /metrics is unavailable");
+    }
+    let limit = axum::extract::DefaultBodyLimit::max(state.settings.max_body_bytes);
     axum::Router::new()
         .route("/v1/completions", post(completions::completions))
+        .route("/v1/chat/completions", post(completions::chat_completions))
         .route("/v1/models", get(completions::models))
+        .route("/v1/models/{model}", get(completions::model))
         .route("/health", get(completions::health))
         .route("/config", get(completions::config))
         .route("/workers", get(admin::list).post(admin::add))
         .route("/workers/{address}", delete(admin::remove))
+        .route("/metrics", get(completions::metrics))
+        .fallback(completions::not_found)
+        .method_not_allowed_fallback(completions::method_not_allowed)
+        .layer(limit)
+        .layer(axum::middleware::from_fn(trace::request_context))
         .with_state(state)
 }
 
@@ -91,6 +118,10 @@ pub async fn serve(
     listener: tokio::net::TcpListener,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
+    // Before anything records: worker gauges go to the same process-wide recorder.
+    if let Err(e) = metrics::handle() {
+        tracing::warn!(error = e, "GET /metrics is unavailable");
+    }
     let workers = Arc::new(Workers::new(
         &settings.prefill,
         &settings.decode,
@@ -102,6 +133,7 @@ pub async fn serve(
         workers.clone(),
         settings.health_interval,
     ));
+    let upkeep = tokio::spawn(metrics::upkeep(Duration::from_secs(5)));
     let state = Arc::new(AppState {
         tokenizer: tokenizer.map(Arc::new),
         workers,
@@ -114,5 +146,6 @@ pub async fn serve(
         .with_graceful_shutdown(shutdown)
         .await;
     health.abort();
+    upkeep.abort();
     Ok(res?)
 }

@@ -2,6 +2,8 @@
 //! HTTP/1.1 client (with SSE), and single-process reference generations.
 #![allow(clippy::unwrap_used, clippy::expect_used, dead_code)]
 
+pub mod api;
+
 use pdserve_engine::generate::{generate, GenerateRequest};
 use pdserve_engine::sampling::SamplingParams;
 use pdserve_engine::{CpuBackend, Engine, PoolSize};
@@ -371,4 +373,40 @@ pub fn wait_healthy(addr: &str, secs: u64) {
         );
         std::thread::sleep(Duration::from_millis(100));
     }
+}
+
+/// A raw HTTP/1.1 exchange: any method, content type, headers and body bytes.
+/// Returns (status, lower-cased head, body).
+pub fn raw(
+    addr: &str,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+    timeout: Duration,
+) -> (u16, String, String) {
+    let mut s = connect(addr, timeout);
+    let mut head = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n");
+    for (k, v) in headers {
+        head.push_str(&format!("{k}: {v}\r\n"));
+    }
+    head.push_str(&format!("Content-Length: {}\r\n\r\n", body.len()));
+    s.write_all(head.as_bytes()).unwrap();
+    // The server may answer (413) before reading a large body; a failed write is fine.
+    let _ = s.write_all(body);
+    let mut raw = Vec::new();
+    let _ = s.read_to_end(&mut raw);
+    let split = raw
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .unwrap_or_else(|| panic!("no HTTP response: {:?}", String::from_utf8_lossy(&raw)));
+    let head = String::from_utf8_lossy(&raw[..split]).to_lowercase();
+    let status: u16 = head.split_whitespace().nth(1).unwrap().parse().unwrap();
+    let body = &raw[split + 4..];
+    let body = if head.contains("transfer-encoding: chunked") {
+        dechunk(body)
+    } else {
+        body.to_vec()
+    };
+    (status, head, String::from_utf8(body).unwrap())
 }

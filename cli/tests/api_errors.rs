@@ -1,0 +1,335 @@
+//! Every malformed request to the router's OpenAI API gets the right status and an
+//! OpenAI-shaped error naming the field (`type`, `param`, `code`), against real workers,
+//! and the router keeps serving afterwards.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod support;
+
+use serde_json::{json, Value};
+use support::api::*;
+use support::*;
+
+/// One row of the bad-request table.
+struct Bad {
+    what: &'static str,
+    path: &'static str,
+    content_type: &'static str,
+    body: Vec<u8>,
+    status: u16,
+    param: Option<&'static str>,
+    code: &'static str,
+}
+
+fn bad(what: &'static str, body: Value, param: Option<&'static str>, code: &'static str) -> Bad {
+    Bad {
+        what,
+        path: "/v1/completions",
+        content_type: "application/json",
+        body: body.to_string().into_bytes(),
+        status: 400,
+        param,
+        code,
+    }
+}
+
+fn bad_chat(
+    what: &'static str,
+    body: Value,
+    param: Option<&'static str>,
+    code: &'static str,
+) -> Bad {
+    Bad {
+        path: "/v1/chat/completions",
+        ..bad(what, body, param, code)
+    }
+}
+
+fn table() -> Vec<Bad> {
+    let user = json!([{"role": "user", "content": "hi"}]);
+    let long: Vec<u32> = prompt(1, MAX_MODEL_LEN + 1);
+    let near: Vec<u32> = prompt(2, MAX_MODEL_LEN - 10);
+    vec![
+        Bad {
+            body: b"{\"prompt\": \"x\", ".to_vec(),
+            ..bad("malformed JSON", json!({}), None, "invalid_json")
+        },
+        Bad {
+            body: Vec::new(),
+            ..bad("empty body", json!({}), None, "invalid_json")
+        },
+        bad("array body", json!([1, 2]), None, "invalid_type"),
+        bad(
+            "max_tokens a string",
+            json!({"prompt": "x", "max_tokens": "ten"}),
+            Some("max_tokens"),
+            "invalid_type",
+        ),
+        bad(
+            "temperature a string",
+            json!({"prompt": "x", "temperature": "hot"}),
+            Some("temperature"),
+            "invalid_type",
+        ),
+        bad(
+            "stream not a bool",
+            json!({"prompt": "x", "stream": "yes"}),
+            Some("stream"),
+            "invalid_type",
+        ),
+        bad(
+            "prompt an object",
+            json!({"prompt": {"text": "x"}}),
+            Some("prompt"),
+            "invalid_type",
+        ),
+        bad(
+            "stop a number",
+            json!({"prompt": "x", "stop": 5}),
+            Some("stop"),
+            "invalid_type",
+        ),
+        bad(
+            "missing prompt",
+            json!({"max_tokens": 3}),
+            Some("prompt"),
+            "missing_required_parameter",
+        ),
+        bad_chat(
+            "missing messages",
+            json!({"max_tokens": 3}),
+            Some("messages"),
+            "missing_required_parameter",
+        ),
+        bad_chat(
+            "message without role",
+            json!({"messages": [{"content": "x"}]}),
+            Some("messages[0].role"),
+            "missing_required_parameter",
+        ),
+        bad_chat(
+            "unknown role",
+            json!({"messages": [{"role": "wizard", "content": "x"}]}),
+            Some("messages[0].role"),
+            "invalid_value",
+        ),
+        bad_chat(
+            "no messages",
+            json!({"messages": []}),
+            Some("messages"),
+            "invalid_value",
+        ),
+        bad(
+            "empty prompt",
+            json!({"prompt": ""}),
+            Some("prompt"),
+            "invalid_value",
+        ),
+        bad(
+            "empty token prompt",
+            json!({"prompt": []}),
+            Some("prompt"),
+            "invalid_value",
+        ),
+        bad(
+            "token id outside the vocabulary",
+            json!({"prompt": [5, 100000]}),
+            Some("prompt"),
+            "invalid_value",
+        ),
+        bad(
+            "a batch of prompts",
+            json!({"prompt": ["a", "b"]}),
+            Some("prompt"),
+            "invalid_value",
+        ),
+        bad(
+            "negative max_tokens",
+            json!({"prompt": "x", "max_tokens": -5}),
+            Some("max_tokens"),
+            "invalid_value",
+        ),
+        bad(
+            "zero max_tokens",
+            json!({"prompt": "x", "max_tokens": 0}),
+            Some("max_tokens"),
+            "invalid_value",
+        ),
+        bad(
+            "huge max_tokens",
+            json!({"prompt": "x", "max_tokens": 1_000_000_000_000i64}),
+            Some("max_tokens"),
+            "invalid_value",
+        ),
+        bad_chat(
+            "negative max_completion_tokens",
+            json!({"messages": user, "max_completion_tokens": -1}),
+            Some("max_completion_tokens"),
+            "invalid_value",
+        ),
+        bad(
+            "temperature above 2",
+            json!({"prompt": "x", "temperature": 2.5}),
+            Some("temperature"),
+            "invalid_value",
+        ),
+        bad(
+            "negative temperature",
+            json!({"prompt": "x", "temperature": -0.1}),
+            Some("temperature"),
+            "invalid_value",
+        ),
+        bad(
+            "top_p zero",
+            json!({"prompt": "x", "top_p": 0}),
+            Some("top_p"),
+            "invalid_value",
+        ),
+        bad(
+            "top_p above 1",
+            json!({"prompt": "x", "top_p": 1.5}),
+            Some("top_p"),
+            "invalid_value",
+        ),
+        bad(
+            "n = 2",
+            json!({"prompt": "x", "n": 2}),
+            Some("n"),
+            "unsupported_parameter",
+        ),
+        bad_chat(
+            "chat n = 3",
+            json!({"messages": user, "n": 3}),
+            Some("n"),
+            "unsupported_parameter",
+        ),
+        bad(
+            "logprobs",
+            json!({"prompt": "x", "logprobs": 2}),
+            Some("logprobs"),
+            "unsupported_parameter",
+        ),
+        bad_chat(
+            "chat logprobs",
+            json!({"messages": user, "logprobs": true}),
+            Some("logprobs"),
+            "unsupported_parameter",
+        ),
+        bad(
+            "echo",
+            json!({"prompt": "x", "echo": true}),
+            Some("echo"),
+            "unsupported_parameter",
+        ),
+        bad(
+            "empty stop string",
+            json!({"prompt": "x", "stop": ["a", ""]}),
+            Some("stop"),
+            "invalid_value",
+        ),
+        bad(
+            "stop token outside the vocabulary",
+            json!({"prompt": "x", "stop_token_ids": [9999]}),
+            Some("stop_token_ids"),
+            "invalid_value",
+        ),
+        bad(
+            "prompt longer than the context",
+            json!({"prompt": long, "max_tokens": 1}),
+            Some("prompt"),
+            "context_length_exceeded",
+        ),
+        bad(
+            "prompt + max_tokens over the context",
+            json!({"prompt": near, "max_tokens": 20}),
+            Some("prompt"),
+            "context_length_exceeded",
+        ),
+        Bad {
+            status: 404,
+            ..bad(
+                "unknown model",
+                json!({"model": "gpt-17", "prompt": "x"}),
+                Some("model"),
+                "model_not_found",
+            )
+        },
+        Bad {
+            status: 404,
+            ..bad_chat(
+                "unknown chat model",
+                json!({"model": "gpt-17", "messages": user}),
+                Some("model"),
+                "model_not_found",
+            )
+        },
+        Bad {
+            status: 413,
+            body: format!("{{\"prompt\": \"{}\"}}", "a".repeat(3 * MAX_BODY)).into_bytes(),
+            ..bad("oversized body", json!({}), None, "request_too_large")
+        },
+        Bad {
+            body: b"{\"prompt\": \"caf\xe9 \xff\"}".to_vec(),
+            ..bad("invalid UTF-8", json!({}), None, "invalid_utf8")
+        },
+        Bad {
+            status: 415,
+            content_type: "text/plain",
+            ..bad(
+                "wrong content type",
+                json!({"prompt": "x"}),
+                None,
+                "unsupported_media_type",
+            )
+        },
+        Bad {
+            status: 404,
+            path: "/v1/no-such-endpoint",
+            ..bad("unknown path", json!({"prompt": "x"}), None, "unknown_url")
+        },
+    ]
+}
+
+#[test]
+fn bad_requests_get_openai_errors_and_the_router_keeps_serving() {
+    let c = cluster();
+    let mut failures = Vec::new();
+    for b in table() {
+        let (st, _, body) = raw(
+            &c.addr,
+            "POST",
+            b.path,
+            &[("Content-Type", b.content_type)],
+            &b.body,
+            T,
+        );
+        let v: Value = serde_json::from_str(&body).unwrap_or(Value::Null);
+        let e = &v["error"];
+        let ok = st == b.status
+            && e["type"] == "invalid_request_error"
+            && e["param"] == json!(b.param)
+            && e["code"] == b.code
+            && e["message"].as_str().is_some_and(|m| !m.is_empty());
+        if !ok {
+            failures.push(format!("{}: got {st} {body}", b.what));
+        }
+        if b.what == "prompt + max_tokens over the context" {
+            let m = e["message"].as_str().unwrap_or_default();
+            assert!(m.contains("512") && m.contains("20"), "{m}");
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    // Wrong method on a known path.
+    let (st, _, body) = raw(&c.addr, "GET", "/v1/completions", &[], b"", T);
+    assert_eq!(st, 405, "{body}");
+    assert!(body.contains("method_not_allowed"), "{body}");
+    // Still serving.
+    let (st, _, v) = post(
+        &c.addr,
+        "/v1/completions",
+        &json!({"prompt": "def parse(", "max_tokens": 4, "temperature": 0, "ignore_eos": true}),
+        &[],
+    );
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], 4);
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+}

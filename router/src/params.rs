@@ -1,0 +1,448 @@
+//! Request bodies of `/v1/completions` and `/v1/chat/completions` and their validation
+//! into a [`Plan`]: the worker job plus what the router itself does (stop strings, SSE
+//! options). Every refusal names the field (`param`) and says what is accepted.
+
+use crate::error::ApiError;
+use crate::generation::Job;
+use crate::AppState;
+use pdserve_proto::pb;
+use serde::Deserialize;
+use serde_json::Value;
+
+/// At most this many stop strings per request.
+pub const MAX_STOPS: usize = 16;
+
+/// Fields both endpoints share.
+#[derive(Debug, Deserialize)]
+pub struct Common {
+    pub model: Option<String>,
+    pub max_tokens: Option<i64>,
+    pub temperature: Option<f64>,
+    pub top_p: Option<f64>,
+    /// Extension: keep the k most likely tokens; 0 or -1 disables.
+    pub top_k: Option<i64>,
+    pub seed: Option<i64>,
+    pub stop: Option<Value>,
+    /// Extension: token ids that end generation (like the model's end token).
+    pub stop_token_ids: Option<Vec<u32>>,
+    pub n: Option<i64>,
+    pub stream: Option<bool>,
+    pub stream_options: Option<StreamOptions>,
+    /// Extension: do not stop at the model's end-of-sequence tokens.
+    pub ignore_eos: Option<bool>,
+    pub logprobs: Option<Value>,
+    pub top_logprobs: Option<Value>,
+    pub presence_penalty: Option<f64>,
+    pub frequency_penalty: Option<f64>,
+    pub logit_bias: Option<Value>,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct StreamOptions {
+    pub include_usage: Option<bool>,
+}
+
+/// Fields only `/v1/completions` has.
+#[derive(Debug, Deserialize)]
+pub struct CompletionOnly {
+    pub prompt: Value,
+    pub echo: Option<bool>,
+    pub suffix: Option<Value>,
+    pub best_of: Option<i64>,
+}
+
+/// Fields only `/v1/chat/completions` has.
+#[derive(Debug, Deserialize)]
+pub struct ChatOnly {
+    pub messages: Vec<ChatMessage>,
+    pub max_completion_tokens: Option<i64>,
+    pub tools: Option<Value>,
+    pub response_format: Option<Value>,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct ChatMessage {
+    pub role: String,
+    /// A string, an array of `{"type": "text", "text": ...}` parts, or null.
+    pub content: Option<Value>,
+}
+
+/// A validated request.
+#[derive(Debug)]
+pub struct Plan {
+    pub job: Job,
+    pub stops: Vec<String>,
+    pub stream: bool,
+    pub include_usage: bool,
+}
+
+fn unsupported(param: &str, what: &str) -> ApiError {
+    ApiError::invalid(
+        param,
+        "unsupported_parameter",
+        format!("`{param}` is not supported by this server: {what}"),
+    )
+}
+
+fn is_set(v: &Option<Value>) -> bool {
+    !matches!(v, None | Some(Value::Null) | Some(Value::Bool(false)))
+}
+
+/// Refuse parameters this server cannot honour instead of silently ignoring them.
+fn refuse_unsupported(c: &Common) -> Result<(), ApiError> {
+    if is_set(&c.logprobs) || is_set(&c.top_logprobs) {
+        let p = if is_set(&c.logprobs) {
+            "logprobs"
+        } else {
+            "top_logprobs"
+        };
+        return Err(unsupported(
+            p,
+            "the decode workers return token ids without log-probabilities",
+        ));
+    }
+    for (p, v) in [
+        ("presence_penalty", c.presence_penalty),
+        ("frequency_penalty", c.frequency_penalty),
+    ] {
+        if v.is_some_and(|x| x != 0.0) {
+            return Err(unsupported(
+                p,
+                "sampling penalties are not implemented; use 0",
+            ));
+        }
+    }
+    if c.logit_bias
+        .as_ref()
+        .is_some_and(|b| !b.is_null() && b.as_object().is_none_or(|o| !o.is_empty()))
+    {
+        return Err(unsupported(
+            "logit_bias",
+            "logit biases are not implemented",
+        ));
+    }
+    Ok(())
+}
+
+pub fn refuse_unsupported_completion(c: &CompletionOnly) -> Result<(), ApiError> {
+    if c.echo == Some(true) {
+        return Err(unsupported("echo", "the prompt is not echoed back"));
+    }
+    if c.suffix.as_ref().is_some_and(|s| !s.is_null() && s != "") {
+        return Err(unsupported(
+            "suffix",
+            "insertion (suffix) is not implemented",
+        ));
+    }
+    if c.best_of.is_some_and(|b| b != 1) {
+        return Err(unsupported("best_of", "only best_of = 1"));
+    }
+    Ok(())
+}
+
+pub fn refuse_unsupported_chat(c: &ChatOnly) -> Result<(), ApiError> {
+    if c.tools
+        .as_ref()
+        .is_some_and(|t| !t.is_null() && t.as_array().is_none_or(|a| !a.is_empty()))
+    {
+        return Err(unsupported("tools", "tool calls are not implemented"));
+    }
+    if let Some(f) = &c.response_format {
+        if !f.is_null() && f.get("type").and_then(Value::as_str) != Some("text") {
+            return Err(unsupported("response_format", "only {\"type\": \"text\"}"));
+        }
+    }
+    Ok(())
+}
+
+/// The model name a request asks for must be the one served (404 otherwise).
+pub fn check_model(state: &AppState, model: &Option<String>) -> Result<(), ApiError> {
+    match model {
+        Some(m) if *m != state.settings.model_name => Err(ApiError::not_found(format!(
+            "the model `{m}` does not exist; this router serves `{}`",
+            state.settings.model_name
+        ))
+        .param("model")
+        .code("model_not_found")),
+        _ => Ok(()),
+    }
+}
+
+/// `stop`: null, a string, or a list of up to [`MAX_STOPS`] non-empty strings.
+fn stops(v: &Option<Value>) -> Result<Vec<String>, ApiError> {
+    let bad = |msg: String| ApiError::invalid("stop", "invalid_value", msg);
+    let list = match v {
+        None | Some(Value::Null) => return Ok(Vec::new()),
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|x| {
+                x.as_str()
+                    .map(str::to_string)
+                    .ok_or_else(|| bad(format!("`stop` entries must be strings, got {x}")))
+            })
+            .collect::<Result<_, _>>()?,
+        Some(x) => {
+            return Err(ApiError::invalid(
+                "stop",
+                "invalid_type",
+                format!("`stop` must be a string or a list of strings, got {x}"),
+            ))
+        }
+    };
+    if list.len() > MAX_STOPS {
+        return Err(bad(format!(
+            "at most {MAX_STOPS} stop strings, got {}",
+            list.len()
+        )));
+    }
+    if list.iter().any(String::is_empty) {
+        return Err(bad("stop strings must not be empty".into()));
+    }
+    Ok(list)
+}
+
+fn tokenize(state: &AppState, text: &str, param: &str) -> Result<Vec<u32>, ApiError> {
+    match &state.tokenizer {
+        Some(t) => t
+            .encode(text)
+            .map_err(|e| ApiError::invalid(param, "invalid_value", e.to_string())),
+        None => Err(ApiError::invalid(
+            param,
+            "invalid_value",
+            "this model has no tokenizer: send the prompt as token ids",
+        )),
+    }
+}
+
+fn token_ids(state: &AppState, a: &[Value], param: &str) -> Result<Vec<u32>, ApiError> {
+    let vocab = state.settings.vocab_size;
+    a.iter()
+        .map(|x| {
+            x.as_u64()
+                .filter(|&t| (t as usize) < vocab)
+                .map(|t| t as u32)
+                .ok_or_else(|| {
+                    ApiError::invalid(
+                        param,
+                        "invalid_value",
+                        format!("token ids must be integers in 0..{vocab}, got {x}"),
+                    )
+                })
+        })
+        .collect()
+}
+
+/// `prompt`: a string, token ids, or a list holding exactly one of those.
+pub fn completion_prompt(state: &AppState, v: &Value) -> Result<Vec<u32>, ApiError> {
+    let ids = match v {
+        Value::String(s) => tokenize(state, s, "prompt")?,
+        Value::Array(a) if a.iter().all(Value::is_number) => token_ids(state, a, "prompt")?,
+        Value::Array(a) if a.len() == 1 => return completion_prompt(state, &a[0]),
+        Value::Array(a) if a.iter().all(|x| x.is_string() || x.is_array()) => {
+            return Err(ApiError::invalid(
+                "prompt",
+                "invalid_value",
+                format!(
+                    "one prompt per request (a string or an array of token ids), got a batch of {}",
+                    a.len()
+                ),
+            ))
+        }
+        x => {
+            return Err(ApiError::invalid(
+                "prompt",
+                "invalid_type",
+                format!("`prompt` must be a string or an array of token ids, got {x}"),
+            ))
+        }
+    };
+    if ids.is_empty() {
+        return Err(ApiError::invalid(
+            "prompt",
+            "invalid_value",
+            "the prompt is empty",
+        ));
+    }
+    Ok(ids)
+}
+
+const ROLES: [&str; 4] = ["system", "developer", "user", "assistant"];
+
+/// `messages` as plain-text messages for the template.
+pub fn chat_messages(msgs: &[ChatMessage]) -> Result<Vec<crate::chat::Message>, ApiError> {
+    if msgs.is_empty() {
+        return Err(ApiError::invalid(
+            "messages",
+            "invalid_value",
+            "`messages` must hold at least one message",
+        ));
+    }
+    msgs.iter()
+        .enumerate()
+        .map(|(i, m)| {
+            let param = format!("messages[{i}]");
+            if !ROLES.contains(&m.role.as_str()) {
+                return Err(ApiError::invalid(
+                    &format!("{param}.role"),
+                    "invalid_value",
+                    format!("role `{}` is not one of {ROLES:?}", m.role),
+                ));
+            }
+            let content = match &m.content {
+                None | Some(Value::Null) => String::new(),
+                Some(Value::String(s)) => s.clone(),
+                Some(Value::Array(parts)) => parts
+                    .iter()
+                    .map(|p| match (p.get("type").and_then(Value::as_str), p.get("text")) {
+                        (Some("text"), Some(Value::String(t))) => Ok(t.as_str()),
+                        _ => Err(ApiError::invalid(
+                            &format!("{param}.content"),
+                            "invalid_value",
+                            "only text content parts ({\"type\": \"text\", \"text\": ...}) are supported",
+                        )),
+                    })
+                    .collect::<Result<String, _>>()?,
+                Some(x) => {
+                    return Err(ApiError::invalid(
+                        &format!("{param}.content"),
+                        "invalid_type",
+                        format!("content must be a string or a list of text parts, got {x}"),
+                    ))
+                }
+            };
+            Ok(crate::chat::Message {
+                role: m.role.clone(),
+                content,
+            })
+        })
+        .collect()
+}
+
+/// Validate the shared fields against a tokenized prompt and build the plan.
+/// `max_tokens`: the request's (with its field name), or None for `default_max`
+/// (None there: whatever context is left).
+pub fn plan(
+    state: &AppState,
+    c: &Common,
+    prompt: Vec<u32>,
+    max_tokens: Option<(i64, &str)>,
+    default_max: Option<u32>,
+    prompt_param: &str,
+    request_id: String,
+) -> Result<Plan, ApiError> {
+    refuse_unsupported(c)?;
+    if let Some(n) = c.n {
+        if n != 1 {
+            return Err(ApiError::invalid(
+                "n",
+                "unsupported_parameter",
+                format!("only n = 1 is supported, got {n}"),
+            ));
+        }
+    }
+    let temperature = c.temperature.unwrap_or(1.0);
+    if !(0.0..=2.0).contains(&temperature) {
+        return Err(ApiError::invalid(
+            "temperature",
+            "invalid_value",
+            format!("temperature must be in [0, 2], got {temperature}"),
+        ));
+    }
+    let top_p = c.top_p.unwrap_or(1.0);
+    if !(top_p > 0.0 && top_p <= 1.0) {
+        return Err(ApiError::invalid(
+            "top_p",
+            "invalid_value",
+            format!("top_p must be in (0, 1], got {top_p}"),
+        ));
+    }
+    let top_k = match c.top_k.unwrap_or(0) {
+        -1 | 0 => 0,
+        k if k > 0 => u32::try_from(k).unwrap_or(u32::MAX),
+        k => {
+            return Err(ApiError::invalid(
+                "top_k",
+                "invalid_value",
+                format!("top_k must be >= 1, or 0 / -1 to disable, got {k}"),
+            ))
+        }
+    };
+    let stops = stops(&c.stop)?;
+    if !stops.is_empty() && state.tokenizer.is_none() {
+        return Err(ApiError::invalid(
+            "stop",
+            "unsupported_parameter",
+            "this model has no tokenizer, so stop strings cannot be matched; use stop_token_ids",
+        ));
+    }
+    let vocab = state.settings.vocab_size;
+    let mut stop_tokens = c.stop_token_ids.clone().unwrap_or_default();
+    if let Some(t) = stop_tokens.iter().find(|&&t| t as usize >= vocab) {
+        return Err(ApiError::invalid(
+            "stop_token_ids",
+            "invalid_value",
+            format!("token id {t} is outside the vocabulary (0..{vocab})"),
+        ));
+    }
+    if !c.ignore_eos.unwrap_or(false) {
+        stop_tokens.extend(&state.settings.eos_token_ids);
+    }
+    let ctx = state.settings.context_length;
+    let max_new = match max_tokens {
+        Some((m, param)) => {
+            if m < 1 {
+                return Err(ApiError::invalid(
+                    param,
+                    "invalid_value",
+                    format!("`{param}` must be at least 1, got {m}"),
+                ));
+            }
+            if m as u64 > ctx as u64 {
+                return Err(ApiError::invalid(
+                    param,
+                    "invalid_value",
+                    format!("`{param}` must be at most the model's context length {ctx}, got {m}"),
+                ));
+            }
+            m as usize
+        }
+        None => match default_max {
+            Some(d) => d as usize,
+            None => ctx.saturating_sub(prompt.len()).max(1),
+        },
+    };
+    if prompt.len() + max_new > ctx {
+        return Err(ApiError::invalid(
+            prompt_param,
+            "context_length_exceeded",
+            format!(
+                "this model's maximum context length is {ctx} tokens, but {} were requested ({} in the prompt + {max_new} to generate); shorten the prompt or lower max_tokens",
+                prompt.len() + max_new,
+                prompt.len()
+            ),
+        ));
+    }
+    let include_usage = c
+        .stream_options
+        .as_ref()
+        .and_then(|o| o.include_usage)
+        .unwrap_or(false);
+    Ok(Plan {
+        job: Job {
+            request_id,
+            prompt,
+            sampling: pb::SamplingParams {
+                temperature: temperature as f32,
+                top_p: top_p as f32,
+                top_k,
+                seed: c.seed.map_or_else(rand::random::<u64>, |s| s as u64),
+            },
+            max_new_tokens: max_new as u32,
+            stop_tokens,
+        },
+        stops,
+        stream: c.stream.unwrap_or(false),
+        include_usage,
+    })
+}

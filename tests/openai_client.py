@@ -1,0 +1,134 @@
+#!/usr/bin/env python3
+"""Drive a pdserve router with the official `openai` Python client.
+
+Checks completions and chat completions, streamed and not, usage, finish reasons, stop
+strings and error mapping; prints a JSON summary on stdout (the Rust test
+cli/tests/openai_client.rs compares it with `pdserve generate`) and exits non-zero on
+the first failed check.
+
+    python3 tests/openai_client.py --base-url http://127.0.0.1:8000/v1
+"""
+
+import argparse
+import json
+import sys
+
+import openai
+from openai import OpenAI
+
+
+def check(cond, what):
+    if not cond:
+        print(f"FAILED: {what}", file=sys.stderr)
+        sys.exit(1)
+
+
+def pick_stop(text):
+    """A 3-character piece from the middle of `text` that is not only whitespace."""
+    for start in range(len(text) // 3, len(text) - 3):
+        piece = text[start : start + 3]
+        if piece.strip():
+            return piece
+    return None
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--base-url", required=True, help="router URL ending in /v1")
+    ap.add_argument("--model", default="pdserve-embedded")
+    ap.add_argument("--prompt", default="The quick brown fox")
+    ap.add_argument("--max-tokens", type=int, default=12)
+    args = ap.parse_args()
+    n = args.max_tokens
+    client = OpenAI(base_url=args.base_url, api_key="unused", max_retries=0, timeout=120)
+    greedy = dict(model=args.model, max_tokens=n, temperature=0, extra_body={"ignore_eos": True})
+
+    ids = [m.id for m in client.models.list().data]
+    check(args.model in ids, f"/v1/models lists {args.model}: {ids}")
+
+    # Completions, not streamed and streamed.
+    c = client.completions.create(prompt=args.prompt, **greedy)
+    text = c.choices[0].text
+    check(c.object == "text_completion", f"object {c.object}")
+    check(c.choices[0].finish_reason == "length", f"finish {c.choices[0].finish_reason}")
+    u = c.usage
+    check(u.completion_tokens == n, f"completion_tokens {u.completion_tokens} != {n}")
+    check(u.prompt_tokens > 0 and u.total_tokens == u.prompt_tokens + n, f"usage {u}")
+    chunks = list(
+        client.completions.create(
+            prompt=args.prompt, stream=True, stream_options={"include_usage": True}, **greedy
+        )
+    )
+    streamed = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    check(streamed == text, f"streamed {streamed!r} != {text!r}")
+    finishes = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    check(finishes == ["length"], f"stream finish reasons {finishes}")
+    check(chunks[-1].choices == [] and chunks[-1].usage is not None, "last chunk carries usage only")
+    check(chunks[-1].usage.completion_tokens == n, f"streamed usage {chunks[-1].usage}")
+    check(chunks[-1].usage.prompt_tokens == u.prompt_tokens, "streamed prompt_tokens")
+
+    # Stop strings: the text ends before the first occurrence and finish_reason is stop.
+    stop = pick_stop(text)
+    check(stop is not None, f"no stop string to pick from {text!r}")
+    want = text[: text.index(stop)]
+    s = client.completions.create(prompt=args.prompt, stop=[stop], **greedy)
+    check(s.choices[0].text == want, f"stop {stop!r}: {s.choices[0].text!r} != {want!r}")
+    check(s.choices[0].finish_reason == "stop", f"stop finish {s.choices[0].finish_reason}")
+    check(s.usage.completion_tokens <= n, "stop usage")
+    st = "".join(
+        ch.choices[0].text
+        for ch in client.completions.create(prompt=args.prompt, stop=stop, stream=True, **greedy)
+        if ch.choices
+    )
+    check(st == want, f"streamed stop {st!r} != {want!r}")
+
+    # Chat completions.
+    messages = [{"role": "user", "content": args.prompt}]
+    r = client.chat.completions.create(messages=messages, **greedy)
+    chat = r.choices[0].message.content
+    check(r.object == "chat.completion", f"object {r.object}")
+    check(r.choices[0].message.role == "assistant", "assistant role")
+    check(r.choices[0].finish_reason == "length", f"chat finish {r.choices[0].finish_reason}")
+    check(r.usage.completion_tokens == n, f"chat usage {r.usage}")
+    chunks = list(client.chat.completions.create(messages=messages, stream=True, **greedy))
+    check(all(ch.object == "chat.completion.chunk" for ch in chunks), "chunk objects")
+    check(chunks[0].choices[0].delta.role == "assistant", "role on the first chunk")
+    chat_streamed = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    check(chat_streamed == chat, f"chat streamed {chat_streamed!r} != {chat!r}")
+    check(chunks[-1].choices[0].finish_reason == "length", "chat stream finish")
+    r3 = client.chat.completions.create(
+        model=args.model, messages=messages, max_completion_tokens=3, temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    check(r3.usage.completion_tokens == 3 and r3.choices[0].finish_reason == "length", "max_completion_tokens")
+
+    # Errors come back as the client's typed exceptions with OpenAI fields.
+    try:
+        client.completions.create(model="no-such-model", prompt="x", max_tokens=1)
+        check(False, "unknown model accepted")
+    except openai.NotFoundError as e:
+        check(e.status_code == 404 and e.code == "model_not_found", f"404 {e.code} {e.body}")
+    try:
+        client.completions.create(prompt="x", n=2, **greedy)
+        check(False, "n=2 accepted")
+    except openai.BadRequestError as e:
+        check(e.param == "n", f"n=2 error param {e.param}")
+    try:
+        client.chat.completions.create(messages=messages, temperature=3, model=args.model)
+        check(False, "temperature 3 accepted")
+    except openai.BadRequestError as e:
+        check(e.param == "temperature", f"temperature error param {e.param}")
+
+    print(json.dumps({
+        "completion": text,
+        "completion_prompt_tokens": u.prompt_tokens,
+        "chat": chat,
+        "chat_prompt_tokens": r.usage.prompt_tokens,
+        "stop": stop,
+        "stopped": s.choices[0].text,
+        "openai_version": openai.__version__,
+    }))
+
+
+if __name__ == "__main__":
+    main()
