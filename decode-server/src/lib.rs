@@ -32,19 +32,7 @@ pub struct DecodeSettings {
     pub config: Vec<pb::ConfigEntry>,
 }
 
-#[derive(Debug, thiserror::Error)]
-pub enum ServeError {
-    #[error("loading the model: {0}")]
-    Load(#[from] EngineError),
-    #[error("the engine thread stopped while loading the model")]
-    EngineGone,
-    #[error("loading the model took longer than {0:?}")]
-    LoadTimeout(Duration),
-    #[error("gRPC server: {0}")]
-    Transport(#[from] tonic::transport::Error),
-    #[error("starting the engine thread: {0}")]
-    Thread(#[from] std::io::Error),
-}
+pub use pdserve_proto::worker::ServeError;
 
 /// Load the engine with `make_engine` on its own thread, then serve on `listener` until
 /// `shutdown` resolves.
@@ -60,10 +48,7 @@ where
 {
     let load = Arc::new(Load::default());
     let (admits, ready) = batch::spawn(make_engine, load.clone())?;
-    let ready = tokio::time::timeout(settings.load_timeout, ready)
-        .await
-        .map_err(|_| ServeError::LoadTimeout(settings.load_timeout))?
-        .map_err(|_| ServeError::EngineGone)??;
+    let ready = pdserve_proto::worker::engine_ready(ready, settings.load_timeout).await?;
     load.total_pages
         .store(ready.total_pages as u64, Ordering::Relaxed);
     load.free_pages
