@@ -59,40 +59,88 @@ pub(crate) fn pad_plan(plan: &BatchPlan, rows: usize, page: PageId, state: State
     out
 }
 
-/// A step signature with its hash computed once (signatures run to tens of KB).
-#[derive(Clone, PartialEq, Eq)]
-struct Signature {
-    hash: u64,
-    bytes: Vec<u8>,
+/// FNV-1a over 8-byte words of a step signature (tens of KB): fast; lookups still
+/// compare every byte.
+fn signature_hash(bytes: &[u8]) -> u64 {
+    let mut hash = 0xcbf2_9ce4_8422_2325u64;
+    for chunk in bytes.chunks(8) {
+        let mut w = [0u8; 8];
+        w[..chunk.len()].copy_from_slice(chunk);
+        hash = (hash ^ u64::from_le_bytes(w)).wrapping_mul(0x0100_0000_01b3);
+    }
+    hash
 }
 
-impl Signature {
-    fn new(bytes: &[u8]) -> Self {
-        // FNV-1a over 8-byte words: fast, and equality still compares every byte.
-        let mut hash = 0xcbf2_9ce4_8422_2325u64;
-        for chunk in bytes.chunks(8) {
-            let mut w = [0u8; 8];
-            w[..chunk.len()].copy_from_slice(chunk);
-            hash = (hash ^ u64::from_le_bytes(w)).wrapping_mul(0x0100_0000_01b3);
-        }
-        Signature {
-            hash,
-            bytes: bytes.to_vec(),
+/// Values keyed by step signature, looked up by slice (a replayed step copies nothing),
+/// with least-recently-used eviction.
+struct SignatureMap<G> {
+    buckets: HashMap<u64, Vec<(Vec<u8>, G, u64)>>,
+    len: usize,
+}
+
+impl<G> Default for SignatureMap<G> {
+    fn default() -> Self {
+        SignatureMap {
+            buckets: HashMap::new(),
+            len: 0,
         }
     }
 }
 
-impl std::hash::Hash for Signature {
-    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
-        state.write_u64(self.hash);
+impl<G> SignatureMap<G> {
+    /// The value stored for exactly `sig`, marked used at `tick`.
+    fn get_mut(&mut self, sig: &[u8], tick: u64) -> Option<&mut G> {
+        let (_, g, used) = self
+            .buckets
+            .get_mut(&signature_hash(sig))?
+            .iter_mut()
+            .find(|(k, _, _)| k == sig)?;
+        *used = tick;
+        Some(g)
+    }
+
+    fn insert_hashed(&mut self, hash: u64, sig: &[u8], g: G, tick: u64) {
+        self.buckets
+            .entry(hash)
+            .or_default()
+            .push((sig.to_vec(), g, tick));
+        self.len += 1;
+    }
+
+    fn insert(&mut self, sig: &[u8], g: G, tick: u64) {
+        self.insert_hashed(signature_hash(sig), sig, g, tick);
+    }
+
+    /// Drop the least recently used value.
+    fn evict_oldest(&mut self) {
+        let oldest = self
+            .buckets
+            .iter()
+            .flat_map(|(h, v)| v.iter().enumerate().map(move |(i, e)| (e.2, *h, i)))
+            .min();
+        if let Some((_, h, i)) = oldest {
+            if let Some(v) = self.buckets.get_mut(&h) {
+                v.swap_remove(i);
+                if v.is_empty() {
+                    self.buckets.remove(&h);
+                }
+                self.len -= 1;
+            }
+        }
+    }
+
+    fn clear(&mut self) {
+        self.buckets.clear();
+        self.len = 0;
+    }
+
+    fn len(&self) -> usize {
+        self.len
     }
 }
 
 /// A captured graph. `CudaGraph` holds raw driver handles and is not `Send`.
-struct Captured {
-    graph: CudaGraph,
-    last_used: u64,
-}
+struct Captured(CudaGraph);
 
 // SAFETY: a graph is only touched with the `GraphCache` mutex held, so calls on it are
 // serialised as the driver requires; the handles stay valid on any thread of the process.
@@ -102,7 +150,7 @@ unsafe impl Send for Captured {}
 /// Captured graphs by signature.
 #[derive(Default)]
 pub(crate) struct GraphCache {
-    graphs: HashMap<Signature, Captured>,
+    graphs: SignatureMap<Captured>,
     tick: u64,
     pub captures: u64,
     pub replays: u64,
@@ -240,41 +288,26 @@ fn replay(
     out: (u64, usize, usize),
     rows: usize,
 ) -> BResult<HostTensor> {
-    let key = Signature::new(&dry.signature);
     let mut cache = b.graph_cache()?;
     cache.tick += 1;
     let tick = cache.tick;
-    if !cache.graphs.contains_key(&key) {
+    if cache.graphs.get_mut(&dry.signature, tick).is_none() {
         drop(cache);
         let graph = capture(b, kv, plan, forward, dry)?;
         cache = b.graph_cache()?;
         if cache.graphs.len() >= MAX_GRAPHS {
-            let oldest = cache
-                .graphs
-                .iter()
-                .min_by_key(|(_, g)| g.last_used)
-                .map(|(k, _)| k.clone());
-            if let Some(k) = oldest {
-                cache.graphs.remove(&k);
-            }
+            cache.graphs.evict_oldest();
         }
         cache.captures += 1;
-        cache.graphs.insert(
-            key.clone(),
-            Captured {
-                graph,
-                last_used: tick,
-            },
-        );
+        cache.graphs.insert(&dry.signature, Captured(graph), tick);
     }
     let t0 = Instant::now();
     b.gpu.copy_staged(dry)?;
-    let captured = cache
+    let Captured(graph) = cache
         .graphs
-        .get_mut(&key)
+        .get_mut(&dry.signature, tick)
         .ok_or_else(|| BackendError::Device("captured graph missing".into()))?;
-    captured.last_used = tick;
-    captured.graph.launch().map_err(dev_err)?;
+    graph.launch().map_err(dev_err)?;
     cache.replays += 1;
     cache.phases.submit += t0.elapsed().as_secs_f64();
     drop(cache);
@@ -495,12 +528,28 @@ mod tests {
 
     #[test]
     fn signatures_compare_every_byte() {
-        let a = Signature::new(b"kernel-a 1 2 3");
-        assert!(a == Signature::new(b"kernel-a 1 2 3"));
-        assert!(a != Signature::new(b"kernel-a 1 2 4"));
+        let mut m = SignatureMap::default();
+        m.insert(b"kernel-a 1 2 3", 'a', 1);
+        assert_eq!(m.get_mut(b"kernel-a 1 2 3", 2), Some(&mut 'a'));
+        assert_eq!(m.get_mut(b"kernel-a 1 2 4", 2), None);
         // Equal hashes never make different signatures equal.
-        let mut forged = Signature::new(b"other");
-        forged.hash = a.hash;
-        assert!(a != forged);
+        m.insert_hashed(signature_hash(b"kernel-a 1 2 3"), b"other", 'o', 3);
+        assert_eq!(m.get_mut(b"kernel-a 1 2 3", 4), Some(&mut 'a'));
+        assert_eq!(m.get_mut(b"other", 4), None);
+        assert_eq!(m.len(), 2);
+    }
+
+    #[test]
+    fn the_least_recently_used_signature_is_evicted() {
+        let mut m = SignatureMap::default();
+        m.insert(b"one", 1, 1);
+        m.insert(b"two", 2, 2);
+        m.get_mut(b"one", 3);
+        m.evict_oldest();
+        assert_eq!(m.len(), 1);
+        assert_eq!(m.get_mut(b"two", 4), None);
+        assert_eq!(m.get_mut(b"one", 5), Some(&mut 1));
+        m.clear();
+        assert_eq!(m.len(), 0);
     }
 }
