@@ -186,6 +186,22 @@ impl CudaBackend {
         Ok((self.gpu.upload(&cs)?, self.gpu.upload(&sn)?))
     }
 
+    /// `src` rounded to bf16 (a GEMM input next to bf16 weights).
+    pub(crate) fn to_bf16(&self, src: &DevMem<f32>) -> BResult<DevMem<u16>> {
+        let out = self.gpu.uninit::<u16>(src.len())?;
+        self.gpu.launch(
+            "k_f32_to_bf16",
+            grid_1d(src.len()),
+            0,
+            &[
+                Arg::Ptr(self.gpu.ptr(src)),
+                Arg::Ptr(self.gpu.ptr(&out)),
+                Arg::I64(src.len() as i64),
+            ],
+        )?;
+        Ok(out)
+    }
+
     fn matmul_into(&self, x: &GpuTensor, w: &GpuTensor, groups: usize) -> BResult<GpuTensor> {
         let xs = f32_buf(x, "matmul")?;
         let out = self.new_f32(x.rows, w.rows)?;
@@ -198,17 +214,7 @@ impl CudaBackend {
         let strides = (din as i64, (dout * din) as i64, dout as i64);
         match &w.buf {
             Buf::Bf16(wb) => {
-                let xb = self.gpu.uninit::<u16>(x.len())?;
-                self.gpu.launch(
-                    "k_f32_to_bf16",
-                    grid_1d(x.len()),
-                    0,
-                    &[
-                        Arg::Ptr(self.gpu.ptr(xs)),
-                        Arg::Ptr(self.gpu.ptr(&xb)),
-                        Arg::I64(x.len() as i64),
-                    ],
-                )?;
+                let xb = self.to_bf16(xs)?;
                 let (xp, wp, op) = (self.gpu.ptr(&xb), self.gpu.ptr(wb), self.gpu.ptr(o));
                 self.gpu
                     .gemm_nt(xp, wp, op, dims, lds, strides, groups, true)?;

@@ -38,26 +38,6 @@ pub(crate) fn sort_picks(ids: &[i32], experts: usize) -> (Vec<i32>, Vec<(usize, 
     (order, spans)
 }
 
-/// `out` = `src` rounded to bf16 when the weights are bf16 (the GEMM's input type).
-fn gemm_input(b: &CudaBackend, src: &DevMem<f32>, bf16: bool) -> BResult<Option<DevMem<u16>>> {
-    if !bf16 {
-        return Ok(None);
-    }
-    let g = &b.gpu;
-    let out = g.uninit::<u16>(src.len())?;
-    g.launch(
-        "k_f32_to_bf16",
-        grid_1d(src.len()),
-        0,
-        &[
-            Arg::Ptr(g.ptr(src)),
-            Arg::Ptr(g.ptr(&out)),
-            Arg::I64(src.len() as i64),
-        ],
-    )?;
-    Ok(Some(out))
-}
-
 /// `c[rows, m] = a[rows, kd] @ w[m, kd]^T` for one expert's span; element offsets given.
 #[allow(clippy::too_many_arguments)]
 fn span_gemm(
@@ -115,7 +95,7 @@ pub(crate) fn routed(
     let (gu_bf16, down_bf16) = (gu_kind == "_bf16", down_kind == "_bf16");
     let wsz = |bf16: bool| if bf16 { 2u64 } else { 4 };
     // Gate and up rows of every pick: [picks, 2I].
-    let xin = gemm_input(b, &xs, gu_bf16)?;
+    let xin = gu_bf16.then(|| b.to_bf16(&xs)).transpose()?;
     let a = xin.as_ref().map_or(g.ptr(&xs), |t| g.ptr(t));
     let gu = g.uninit::<f32>(picks * 2 * inter)?;
     for (ex, &(first, count)) in spans.iter().enumerate() {
@@ -139,7 +119,7 @@ pub(crate) fn routed(
             Arg::F32(p.swiglu_limit),
         ],
     )?;
-    let ain = gemm_input(b, &act, down_bf16)?;
+    let ain = down_bf16.then(|| b.to_bf16(&act)).transpose()?;
     let a = ain.as_ref().map_or(g.ptr(&act), |t| g.ptr(t));
     let ys = g.uninit::<f32>(picks * h)?;
     for (ex, &(first, count)) in spans.iter().enumerate() {
