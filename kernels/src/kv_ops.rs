@@ -39,6 +39,17 @@ fn entry_bucket(n: usize) -> usize {
     }
 }
 
+/// Error unless every compressed entry a sequence of `plan` can see lies in its pages.
+fn check_visible_reach(layout: &KvLayout, rate: usize, plan: &BatchPlan) -> BResult<()> {
+    for s in &plan.seqs {
+        let nv = (s.start + s.len) / rate;
+        if nv > 0 {
+            check_entry_page(layout, rate, s.pages.len(), nv - 1)?;
+        }
+    }
+    Ok(())
+}
+
 fn layer_of(layout: &KvLayout, layer: usize) -> BResult<&LayerKvLayout> {
     layout
         .layers
@@ -177,12 +188,7 @@ pub fn index_select(
             format!("q cols {}, weights cols {}", q.cols, weights.cols),
         ));
     }
-    for s in &plan.seqs {
-        let nv = (s.start + s.len) / l.rate;
-        if nv > 0 {
-            check_entry_page(layout, l.rate, s.pages.len(), nv - 1)?;
-        }
-    }
+    check_visible_reach(layout, l.rate, plan)?;
     let max_nv = entry_bucket(
         plan.positions
             .iter()
@@ -302,12 +308,7 @@ pub fn attention(
                 format!("layer {layer} has no compressed entries"),
             ));
         }
-        for s in &plan.seqs {
-            let nv = (s.start + s.len) / l.rate;
-            if nv > 0 {
-                check_entry_page(layout, l.rate, s.pages.len(), nv - 1)?;
-            }
-        }
+        check_visible_reach(layout, l.rate, plan)?;
     }
     let max_keys = window + max_comp;
     let group = if n_heads.is_multiple_of(ATT_G) {
