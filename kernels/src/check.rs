@@ -132,7 +132,7 @@ fn rel_err(got: &[f32], want: &[f32]) -> f64 {
     (num / den.max(1e-30)).sqrt()
 }
 
-fn argmax(v: &[f32]) -> usize {
+pub(crate) fn argmax(v: &[f32]) -> usize {
     v.iter()
         .enumerate()
         .fold(0, |b, (i, x)| if *x > v[b] { i } else { b })
@@ -277,7 +277,7 @@ pub fn check_fixture(
     Ok(out)
 }
 
-const PROMPTS: &[&str] = &[
+pub(crate) const PROMPTS: &[&str] = &[
     "The quick brown fox",
     "Once upon a time, in a small village by the sea, there lived",
     "fn main() { println!(",

@@ -16,23 +16,19 @@ const POOL: PoolSize = PoolSize {
     states: 32,
 };
 
-const PROMPTS: &[&str] = &[
-    "The quick brown fox",
-    "Once upon a time, in a small village by the sea, there lived",
-    "fn main() { println!(",
+/// `check::PROMPTS`, then these: six sequences of different lengths.
+const MORE_PROMPTS: &[&str] = &[
     "Hello",
     "In the beginning the universe was created. This has made a lot of people very angry",
     "a",
 ];
 
+fn prompts() -> impl Iterator<Item = &'static str> + Clone {
+    crate::check::PROMPTS.iter().chain(MORE_PROMPTS).copied()
+}
+
 fn argmax(v: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &x) in v.iter().enumerate() {
-        if x > v[best] {
-            best = i;
-        }
-    }
-    best as u32
+    crate::check::argmax(v) as u32
 }
 
 /// A small deterministic generator for batch choices (xorshift64*).
@@ -63,7 +59,7 @@ fn start(
     copies: usize,
 ) -> AnyResult<(Vec<Sequence>, Vec<u32>)> {
     let (mut seqs, mut next) = (Vec::new(), Vec::new());
-    for p in PROMPTS.iter().cycle().take(PROMPTS.len() * copies) {
+    for p in prompts().cycle().take(prompts().count() * copies) {
         let ids = tok.encode(p)?;
         let mut seq = e.new_sequence()?;
         let rows = prefill(e, &mut seq, &ids, 0, Logits::Last)?;
@@ -87,18 +83,9 @@ fn step(
         .filter(|(i, _)| pick.contains(i))
         .collect();
     chosen.sort_by_key(|(i, _)| pick.iter().position(|p| p == i));
-    let mut items: Vec<ForwardItem<'_>> = chosen
-        .into_iter()
-        .zip(&toks)
-        .map(|((_, seq), t)| ForwardItem {
-            seq,
-            tokens: std::slice::from_ref(t),
-            logits: Logits::Last,
-        })
-        .collect();
-    let outs = e.forward(&mut items)?;
+    let outs = decode_logits(e, chosen.into_iter().map(|(_, s)| s), &toks)?;
     for (&i, o) in pick.iter().zip(outs) {
-        next[i] = argmax(&o.data);
+        next[i] = argmax(&o);
     }
     Ok(())
 }
@@ -149,13 +136,13 @@ fn verify_random(ordinal: usize, tok: &Tokenizer, steps: usize) -> AnyResult<Che
 }
 
 /// One decode step of every sequence in `seqs`, feeding `toks`; each row's logits.
-fn decode_logits<B: pdserve_engine::backend::Backend>(
+fn decode_logits<'a, B: pdserve_engine::backend::Backend>(
     e: &mut Engine<B>,
-    seqs: &mut [Sequence],
+    seqs: impl IntoIterator<Item = &'a mut Sequence>,
     toks: &[u32],
 ) -> AnyResult<Vec<Vec<f32>>> {
     let mut items: Vec<ForwardItem<'_>> = seqs
-        .iter_mut()
+        .into_iter()
         .zip(toks)
         .map(|(seq, t)| ForwardItem {
             seq,
@@ -176,7 +163,7 @@ fn batched_vs_cpu(ordinal: usize, tok: &Tokenizer, steps: usize) -> AnyResult<Ch
     let (mut gseqs, _) = start(&mut gpu, tok, 2)?;
     let mut cseqs = Vec::new();
     let mut next = Vec::new();
-    for p in PROMPTS.iter().cycle().take(PROMPTS.len() * 2) {
+    for p in prompts().cycle().take(prompts().count() * 2) {
         let ids = tok.encode(p)?;
         let mut seq = cpu.new_sequence()?;
         let rows = prefill(&mut cpu, &mut seq, &ids, 0, Logits::Last)?;
