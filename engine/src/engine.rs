@@ -26,8 +26,14 @@ pub enum EngineError {
     Pool(#[from] PoolError),
     #[error(transparent)]
     Backend(#[from] BackendError),
+    /// The caller's input is wrong (empty prompt, token outside the vocabulary, too long,
+    /// bad sampling parameters): a client error.
     #[error("invalid request: {0}")]
-    Request(String),
+    InvalidInput(String),
+    /// An invariant of the engine or of data handed between engines broke (prefix-cache
+    /// bookkeeping, a KV snapshot whose layout differs, a sampler failure): a server bug.
+    #[error("internal error: {0}")]
+    Internal(String),
     #[error("KV audit: pages {pages:?} and state slots {states:?} changed outside this step's expected writes; the request's KV state is corrupt")]
     KvAudit {
         pages: Vec<PageId>,
@@ -35,6 +41,41 @@ pub enum EngineError {
     },
     #[error(transparent)]
     Host(#[from] crate::kv::HostPoolError),
+}
+
+/// What kind of failure an [`EngineError`] is, decided where it arises; the servers map
+/// a class to a gRPC status in one place (`pdserve_worker`), the router to HTTP.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorClass {
+    /// The request itself is wrong: the client can fix it (gRPC INVALID_ARGUMENT, HTTP 400).
+    InvalidInput,
+    /// Out of KV pages or state slots: retry later or elsewhere (RESOURCE_EXHAUSTED, 503).
+    Exhausted,
+    /// KV state found corrupt by the audit (DATA_LOSS, 500).
+    Corrupt,
+    /// Anything else is the server's fault (INTERNAL, 500).
+    Internal,
+}
+
+impl EngineError {
+    pub fn class(&self) -> ErrorClass {
+        match self {
+            EngineError::InvalidInput(_) => ErrorClass::InvalidInput,
+            EngineError::Pool(
+                crate::kv::PoolError::PagesExhausted { .. }
+                | crate::kv::PoolError::StatesExhausted { .. },
+            ) => ErrorClass::Exhausted,
+            EngineError::KvAudit { .. } => ErrorClass::Corrupt,
+            EngineError::Config(_)
+            | EngineError::Load(_)
+            | EngineError::Weights(_)
+            | EngineError::Layout(_)
+            | EngineError::Pool(_)
+            | EngineError::Backend(_)
+            | EngineError::Internal(_)
+            | EngineError::Host(_) => ErrorClass::Internal,
+        }
+    }
 }
 
 /// Pool sizing.
@@ -243,7 +284,7 @@ impl<B: Backend> Engine<B> {
         len: usize,
     ) -> Result<Sequence, EngineError> {
         if pages.len() != self.layout().pages_for(len) {
-            return Err(EngineError::Request(format!(
+            return Err(EngineError::Internal(format!(
                 "prefix of {len} positions given {} pages",
                 pages.len()
             )));
@@ -278,7 +319,7 @@ impl<B: Backend> Engine<B> {
     pub fn import_sequence(&mut self, snap: &SeqSnapshot) -> Result<Sequence, EngineError> {
         let fp = self.device.fingerprint.clone();
         if snap.layout_fingerprint != fp {
-            return Err(EngineError::Request(format!(
+            return Err(EngineError::Internal(format!(
                 "KV snapshot has layout {}, this engine's is {fp}",
                 snap.layout_fingerprint
             )));
@@ -288,7 +329,7 @@ impl<B: Backend> Engine<B> {
             || snap.pages.iter().any(|p| p.len() != pb)
             || snap.state.len() != sb
         {
-            return Err(EngineError::Request(format!(
+            return Err(EngineError::Internal(format!(
                 "KV snapshot of {} positions has {} pages / state of {} bytes; layout wants {} pages of {pb} bytes and {sb} state bytes",
                 snap.len,
                 snap.pages.len(),
@@ -404,16 +445,16 @@ impl<B: Backend> Engine<B> {
         let vocab = self.model.cfg.vocab_size;
         for it in items.iter() {
             if it.tokens.is_empty() {
-                return Err(EngineError::Request("forward item with no tokens".into()));
+                return Err(EngineError::InvalidInput("forward item with no tokens".into()));
             }
             if let Some(&t) = it.tokens.iter().find(|&&t| t as usize >= vocab) {
-                return Err(EngineError::Request(format!(
+                return Err(EngineError::InvalidInput(format!(
                     "token id {t} outside the vocabulary (size {vocab})"
                 )));
             }
             let end = it.seq.kv.len + it.tokens.len();
             if end > self.model.cfg.max_position_embeddings {
-                return Err(EngineError::Request(format!(
+                return Err(EngineError::InvalidInput(format!(
                     "sequence would reach {end} positions, model maximum is {}",
                     self.model.cfg.max_position_embeddings
                 )));

@@ -85,7 +85,7 @@ pub fn logits_prefill_decode<B: Backend>(
     chunk: usize,
 ) -> Result<Vec<Vec<f32>>, EngineError> {
     if prefill_len == 0 || prefill_len > tokens.len() {
-        return Err(EngineError::Request(format!(
+        return Err(EngineError::InvalidInput(format!(
             "prefill length {prefill_len} must be in 1..={}",
             tokens.len()
         )));
@@ -111,10 +111,10 @@ pub fn generate<B: Backend>(
     mut on_token: impl FnMut(u32),
 ) -> Result<Generation, EngineError> {
     if req.prompt.is_empty() {
-        return Err(EngineError::Request("empty prompt".into()));
+        return Err(EngineError::InvalidInput("empty prompt".into()));
     }
     let mut sampler =
-        Sampler::new(req.sampling).map_err(|e| EngineError::Request(e.to_string()))?;
+        Sampler::new(req.sampling).map_err(|e| EngineError::InvalidInput(e.to_string()))?;
     with_sequence(engine, |engine, seq| {
         let mut tokens = Vec::new();
         if req.max_new_tokens == 0 {
@@ -129,7 +129,7 @@ pub fn generate<B: Backend>(
         loop {
             let t = sampler
                 .sample(&logits)
-                .map_err(|e| EngineError::Request(e.to_string()))?;
+                .map_err(|e| EngineError::Internal(format!("sampling: {e}")))?;
             if req.stop_tokens.contains(&t) {
                 return Ok(Generation {
                     tokens,

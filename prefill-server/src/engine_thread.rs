@@ -129,9 +129,9 @@ impl<B: Backend> Worker<B> {
     /// Otherwise the prefill and its cached and host-tier token counts.
     fn prefill_one(&mut self, job: &Job) -> Result<Option<(Prefilled, usize, usize)>, EngineError> {
         let mut sampler =
-            Sampler::new(job.sampling).map_err(|e| EngineError::Request(e.to_string()))?;
+            Sampler::new(job.sampling).map_err(|e| EngineError::InvalidInput(e.to_string()))?;
         if job.prompt.is_empty() {
-            return Err(EngineError::Request("empty prompt".into()));
+            return Err(EngineError::InvalidInput("empty prompt".into()));
         }
         let cancelled = || job.reply.is_closed();
         let Some(done) = self.cache.prefill_cancellable(
@@ -157,7 +157,7 @@ impl<B: Backend> Worker<B> {
             let last = done.logits.last().cloned().unwrap_or_default();
             let first_token = sampler
                 .sample(&last)
-                .map_err(|e| EngineError::Request(e.to_string()))?;
+                .map_err(|e| EngineError::Internal(format!("sampling: {e}")))?;
             Ok(Some((
                 Prefilled {
                     snapshot: self.engine.export_sequence(&seq)?,
@@ -174,9 +174,16 @@ impl<B: Backend> Worker<B> {
 }
 
 pub fn engine_status(e: EngineError) -> tonic::Status {
-    match e {
-        EngineError::Request(m) => tonic::Status::invalid_argument(m),
-        EngineError::Pool(p) => tonic::Status::resource_exhausted(p.to_string()),
-        other => tonic::Status::internal(other.to_string()),
+    use pdserve_engine::engine::ErrorClass;
+    let class = e.class();
+    let msg = match e {
+        EngineError::InvalidInput(m) => m,
+        other => other.to_string(),
+    };
+    match class {
+        ErrorClass::InvalidInput => tonic::Status::invalid_argument(msg),
+        ErrorClass::Exhausted => tonic::Status::resource_exhausted(msg),
+        ErrorClass::Corrupt => tonic::Status::data_loss(msg),
+        ErrorClass::Internal => tonic::Status::internal(msg),
     }
 }

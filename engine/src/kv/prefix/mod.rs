@@ -72,7 +72,7 @@ pub struct PrefixCache {
 }
 
 fn internal(msg: String) -> EngineError {
-    EngineError::Request(format!("prefix cache: {msg}"))
+    EngineError::Internal(format!("prefix cache: {msg}"))
 }
 
 impl PrefixCache {
@@ -186,7 +186,7 @@ impl PrefixCache {
         cancelled: &dyn Fn() -> bool,
     ) -> Result<Option<CachedPrefill>, EngineError> {
         if tokens.is_empty() {
-            return Err(EngineError::Request("empty prompt".into()));
+            return Err(EngineError::InvalidInput("empty prompt".into()));
         }
         let (mut seq, last, host_hit) = self.begin(engine, tokens)?;
         let hit = seq.len();
