@@ -11,7 +11,7 @@ use pdserve_engine::{Engine, EngineError, ForwardItem, Logits, Sequence};
 use pdserve_kv_transfer::Prefilled;
 use pdserve_proto::pb;
 use pdserve_proto::pb::token_event::Kind;
-use pdserve_proto::worker::Load;
+use pdserve_worker::Load;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use tokio::sync::{mpsc, oneshot};

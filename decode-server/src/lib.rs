@@ -9,7 +9,7 @@ mod service;
 use pdserve_engine::backend::Backend;
 use pdserve_engine::{Engine, EngineError};
 use pdserve_proto::pb;
-use pdserve_proto::worker::{Load, WorkerService, WorkerStatus};
+use pdserve_worker::{Load, WorkerService, WorkerStatus};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
@@ -32,7 +32,7 @@ pub struct DecodeSettings {
     pub config: Vec<pb::ConfigEntry>,
 }
 
-pub use pdserve_proto::worker::ServeError;
+pub use pdserve_worker::ServeError;
 
 /// Load the engine with `make_engine` on its own thread, then serve on `listener` until
 /// `shutdown` resolves.
@@ -48,7 +48,7 @@ where
 {
     let load = Arc::new(Load::default());
     let (admits, ready) = batch::spawn(make_engine, load.clone())?;
-    let ready = pdserve_proto::worker::engine_ready(ready, settings.load_timeout).await?;
+    let ready = pdserve_worker::engine_ready(ready, settings.load_timeout).await?;
     load.total_pages
         .store(ready.total_pages as u64, Ordering::Relaxed);
     load.free_pages

@@ -6,7 +6,7 @@ use pdserve_engine::kv::{HostPool, KvLayout, PrefixCache};
 use pdserve_engine::sampling::{Sampler, SamplingParams};
 use pdserve_engine::{Engine, EngineError, Logits};
 use pdserve_kv_transfer::Prefilled;
-use pdserve_proto::worker::Load;
+use pdserve_worker::Load;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use tokio::sync::{mpsc, oneshot};

@@ -11,7 +11,7 @@ mod service;
 use pdserve_engine::backend::Backend;
 use pdserve_engine::{Engine, EngineError};
 use pdserve_proto::pb;
-use pdserve_proto::worker::{Load, WorkerService, WorkerStatus};
+use pdserve_worker::{Load, WorkerService, WorkerStatus};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
@@ -35,7 +35,7 @@ pub struct PrefillSettings {
     pub config: Vec<pb::ConfigEntry>,
 }
 
-pub use pdserve_proto::worker::ServeError;
+pub use pdserve_worker::ServeError;
 
 /// Load the engine with `make_engine` on its own thread, then serve on `listener` until
 /// `shutdown` resolves.
@@ -56,7 +56,7 @@ where
         settings.host_pages,
         load.clone(),
     )?;
-    let ready = pdserve_proto::worker::engine_ready(ready, settings.load_timeout).await?;
+    let ready = pdserve_worker::engine_ready(ready, settings.load_timeout).await?;
     load.total_pages
         .store(ready.total_pages as u64, Ordering::Relaxed);
     let status = Arc::new(WorkerStatus {

@@ -6,7 +6,7 @@ use pdserve_engine::kv::KvLayout;
 use pdserve_engine::sampling::SamplingParams;
 use pdserve_kv_transfer::{check_peer, encode_prefill};
 use pdserve_proto::pb;
-use pdserve_proto::worker::WorkerStatus;
+use pdserve_worker::WorkerStatus;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use tokio::sync::{mpsc, oneshot};

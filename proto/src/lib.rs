@@ -1,12 +1,12 @@
-//! gRPC messages and services shared by the router, the prefill and the decode servers
-//! (generated from `proto/pdserve.proto` by protox + tonic-prost-build).
+//! The wire contract between the router, the prefill and the decode servers: gRPC
+//! messages and services (generated from `proto/pdserve.proto` by protox +
+//! tonic-prost-build) and the metadata keys they carry. The runtime that serves them is
+//! `pdserve-worker`.
 
 #[allow(clippy::all, clippy::unwrap_used, clippy::expect_used)]
 pub mod pb {
     tonic::include_proto!("pdserve.v1");
 }
-
-pub mod worker;
 
 /// gRPC metadata key carrying a request's id across processes.
 pub const REQUEST_ID: &str = "x-request-id";

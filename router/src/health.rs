@@ -65,34 +65,52 @@ mod tests {
     use crate::circuit::Circuit;
     use crate::workers::Role;
 
+    struct FixedInfo(pb::WorkerInfo);
+
+    #[tonic::async_trait]
+    impl pb::worker_server::Worker for FixedInfo {
+        async fn info(
+            &self,
+            _req: tonic::Request<pb::Empty>,
+        ) -> Result<tonic::Response<pb::WorkerInfo>, tonic::Status> {
+            Ok(tonic::Response::new(self.0.clone()))
+        }
+
+        async fn health(
+            &self,
+            _req: tonic::Request<pb::Empty>,
+        ) -> Result<tonic::Response<pb::HealthResponse>, tonic::Status> {
+            Ok(tonic::Response::new(pb::HealthResponse { ok: true }))
+        }
+    }
+
     #[tokio::test]
     async fn polls_record_load_gauges_and_close_the_circuit() {
         use metrics_util::debugging::{DebugValue, DebuggingRecorder};
-        use pdserve_proto::worker::{WorkerService, WorkerStatus};
-        use std::sync::atomic::Ordering;
-
         let recorder = DebuggingRecorder::new();
         let snapshotter = recorder.snapshotter();
         metrics::set_global_recorder(recorder).unwrap();
-        // A real Worker service reporting fixed figures.
-        let status = Arc::new(WorkerStatus {
-            role: "prefill".into(),
-            model: "m".into(),
-            ..Default::default()
-        });
-        let l = &status.load;
-        l.running.store(1, Ordering::Relaxed);
-        l.waiting.store(3, Ordering::Relaxed);
-        l.total_pages.store(100, Ordering::Relaxed);
-        l.free_pages.store(60, Ordering::Relaxed);
-        l.prefix_hit_device_tokens.store(512, Ordering::Relaxed);
-        l.prefix_hit_host_tokens.store(256, Ordering::Relaxed);
-        l.add_transfer(4096, Duration::from_millis(250));
+        // A real gRPC Worker service reporting fixed figures (the router depends on the
+        // wire contract only, not on the servers' runtime).
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap().to_string();
+        let info = pb::WorkerInfo {
+            role: "prefill".into(),
+            model: "m".into(),
+            running: 1,
+            waiting: 3,
+            total_pages: 100,
+            free_pages: 60,
+            prefix_hit_device_tokens: 512,
+            prefix_hit_host_tokens: 256,
+            transfers: 1,
+            transfer_bytes: 4096,
+            transfer_seconds: 0.25,
+            ..Default::default()
+        };
         tokio::spawn(
             tonic::transport::Server::builder()
-                .add_service(pb::worker_server::WorkerServer::new(WorkerService(status)))
+                .add_service(pb::worker_server::WorkerServer::new(FixedInfo(info)))
                 .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
         );
         let ws = Workers::new(std::slice::from_ref(&addr), &[], Duration::from_secs(1)).unwrap();

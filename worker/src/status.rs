@@ -1,6 +1,6 @@
 //! The `Worker` service every prefill and decode server exposes: info and health.
 
-use crate::pb;
+use pdserve_proto::pb;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -86,32 +86,28 @@ impl pb::worker_server::Worker for WorkerService {
     }
 }
 
-/// Why a prefill or decode server could not start or stopped serving.
-#[derive(Debug, thiserror::Error)]
-pub enum ServeError {
-    #[error("loading the model: {0}")]
-    Load(Box<dyn std::error::Error + Send + Sync>),
-    #[error("the engine thread stopped while loading the model")]
-    EngineGone,
-    #[error("loading the model took longer than {0:?}")]
-    LoadTimeout(std::time::Duration),
-    #[error("gRPC server: {0}")]
-    Transport(#[from] tonic::transport::Error),
-    #[error("starting the engine thread: {0}")]
-    Thread(#[from] std::io::Error),
-}
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
 
-/// Wait (at most `timeout`) for a server's engine thread to report the model loaded.
-pub async fn engine_ready<R, E>(
-    ready: tokio::sync::oneshot::Receiver<Result<R, E>>,
-    timeout: std::time::Duration,
-) -> Result<R, ServeError>
-where
-    E: std::error::Error + Send + Sync + 'static,
-{
-    tokio::time::timeout(timeout, ready)
-        .await
-        .map_err(|_| ServeError::LoadTimeout(timeout))?
-        .map_err(|_| ServeError::EngineGone)?
-        .map_err(|e| ServeError::Load(Box::new(e)))
+    #[test]
+    fn info_reports_the_live_counters() {
+        let status = WorkerStatus {
+            role: "prefill".into(),
+            model: "m".into(),
+            ..Default::default()
+        };
+        let l = &status.load;
+        l.running.store(1, Ordering::Relaxed);
+        l.waiting.store(3, Ordering::Relaxed);
+        l.prefix_hit_host_tokens.store(256, Ordering::Relaxed);
+        l.add_transfer(4096, std::time::Duration::from_millis(250));
+        l.add_transfer(1024, std::time::Duration::from_millis(250));
+        let i = status.info();
+        assert_eq!((i.role.as_str(), i.model.as_str()), ("prefill", "m"));
+        assert_eq!((i.running, i.waiting, i.prefix_hit_host_tokens), (1, 3, 256));
+        assert_eq!((i.transfers, i.transfer_bytes), (2, 5120));
+        assert_eq!(i.transfer_seconds, 0.5);
+    }
 }

@@ -1,0 +1,32 @@
+//! Starting a worker: wait for its engine thread to load the model, then serve its role's
+//! gRPC service next to the `Worker` service until shutdown.
+
+/// Why a prefill or decode server could not start or stopped serving.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error("loading the model: {0}")]
+    Load(Box<dyn std::error::Error + Send + Sync>),
+    #[error("the engine thread stopped while loading the model")]
+    EngineGone,
+    #[error("loading the model took longer than {0:?}")]
+    LoadTimeout(std::time::Duration),
+    #[error("gRPC server: {0}")]
+    Transport(#[from] tonic::transport::Error),
+    #[error("starting the engine thread: {0}")]
+    Thread(#[from] std::io::Error),
+}
+
+/// Wait (at most `timeout`) for a server's engine thread to report the model loaded.
+pub async fn engine_ready<R, E>(
+    ready: tokio::sync::oneshot::Receiver<Result<R, E>>,
+    timeout: std::time::Duration,
+) -> Result<R, ServeError>
+where
+    E: std::error::Error + Send + Sync + 'static,
+{
+    tokio::time::timeout(timeout, ready)
+        .await
+        .map_err(|_| ServeError::LoadTimeout(timeout))?
+        .map_err(|_| ServeError::EngineGone)?
+        .map_err(|e| ServeError::Load(Box::new(e)))
+}
