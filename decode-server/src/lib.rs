@@ -9,7 +9,7 @@ mod service;
 use pdserve_engine::backend::Backend;
 use pdserve_engine::{Engine, EngineError};
 use pdserve_proto::pb;
-use pdserve_worker::{Load, WorkerService, WorkerStatus};
+use pdserve_worker::{Load, WorkerStatus};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
@@ -73,15 +73,6 @@ where
         status: status.clone(),
     };
     tracing::info!(addr = ?listener.local_addr().ok(), layout = %status.layout.fingerprint, max_batch = settings.max_batch, "decode server ready");
-    tonic::transport::Server::builder()
-        .http2_keepalive_interval(Some(Duration::from_secs(1)))
-        .http2_keepalive_timeout(Some(Duration::from_secs(2)))
-        .add_service(pb::decode_server::DecodeServer::new(svc))
-        .add_service(pb::worker_server::WorkerServer::new(WorkerService(status)))
-        .serve_with_incoming_shutdown(
-            tokio_stream::wrappers::TcpListenerStream::new(listener),
-            shutdown,
-        )
-        .await?;
-    Ok(())
+    let role = tonic::service::Routes::new(pb::decode_server::DecodeServer::new(svc));
+    pdserve_worker::serve_grpc(role, status, listener, shutdown).await
 }

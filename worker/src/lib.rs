@@ -5,5 +5,5 @@
 mod serve;
 mod status;
 
-pub use serve::{engine_ready, ServeError};
+pub use serve::{engine_ready, serve_grpc, ServeError};
 pub use status::{Load, WorkerService, WorkerStatus};

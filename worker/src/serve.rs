@@ -1,6 +1,11 @@
 //! Starting a worker: wait for its engine thread to load the model, then serve its role's
 //! gRPC service next to the `Worker` service until shutdown.
 
+use crate::{WorkerService, WorkerStatus};
+use pdserve_proto::pb;
+use std::sync::Arc;
+use std::time::Duration;
+
 /// Why a prefill or decode server could not start or stopped serving.
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
@@ -29,4 +34,26 @@ where
         .map_err(|_| ServeError::LoadTimeout(timeout))?
         .map_err(|_| ServeError::EngineGone)?
         .map_err(|e| ServeError::Load(Box::new(e)))
+}
+
+/// Serve `role` (the role's own gRPC service) and the `Worker` service reporting `status`
+/// on `listener` until `shutdown` resolves. HTTP/2 keepalives of 1 s (2 s timeout) let
+/// both ends notice a dead peer mid-stream.
+pub async fn serve_grpc(
+    role: tonic::service::Routes,
+    status: Arc<WorkerStatus>,
+    listener: tokio::net::TcpListener,
+    shutdown: impl std::future::Future<Output = ()> + Send,
+) -> Result<(), ServeError> {
+    let routes = role.add_service(pb::worker_server::WorkerServer::new(WorkerService(status)));
+    tonic::transport::Server::builder()
+        .http2_keepalive_interval(Some(Duration::from_secs(1)))
+        .http2_keepalive_timeout(Some(Duration::from_secs(2)))
+        .add_routes(routes)
+        .serve_with_incoming_shutdown(
+            tokio_stream::wrappers::TcpListenerStream::new(listener),
+            shutdown,
+        )
+        .await?;
+    Ok(())
 }

@@ -106,7 +106,10 @@ mod tests {
         l.add_transfer(1024, std::time::Duration::from_millis(250));
         let i = status.info();
         assert_eq!((i.role.as_str(), i.model.as_str()), ("prefill", "m"));
-        assert_eq!((i.running, i.waiting, i.prefix_hit_host_tokens), (1, 3, 256));
+        assert_eq!(
+            (i.running, i.waiting, i.prefix_hit_host_tokens),
+            (1, 3, 256)
+        );
         assert_eq!((i.transfers, i.transfer_bytes), (2, 5120));
         assert_eq!(i.transfer_seconds, 0.5);
     }
