@@ -101,7 +101,7 @@ impl<B: Backend> Worker<B> {
                 Ok(None) => tracing::info!("cancelled by the decode server; pages freed"),
                 Err(e) => {
                     tracing::warn!(error = %e, "prefill failed");
-                    let _ = job.reply.send(Err(engine_status(e)));
+                    let _ = job.reply.send(Err(pdserve_worker::engine_status(&e, None)));
                 }
             }
             self.load.running.store(0, Ordering::Relaxed);
@@ -170,20 +170,5 @@ impl<B: Backend> Worker<B> {
         })();
         self.engine.release(seq)?;
         result
-    }
-}
-
-pub fn engine_status(e: EngineError) -> tonic::Status {
-    use pdserve_engine::engine::ErrorClass;
-    let class = e.class();
-    let msg = match e {
-        EngineError::InvalidInput(m) => m,
-        other => other.to_string(),
-    };
-    match class {
-        ErrorClass::InvalidInput => tonic::Status::invalid_argument(msg),
-        ErrorClass::Exhausted => tonic::Status::resource_exhausted(msg),
-        ErrorClass::Corrupt => tonic::Status::data_loss(msg),
-        ErrorClass::Internal => tonic::Status::internal(msg),
     }
 }

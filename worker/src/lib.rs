@@ -1,9 +1,12 @@
 //! The runtime a prefill and a decode server share around their engine thread: the
-//! `Worker` service with the live load counters, startup (waiting for the model) and the
-//! gRPC server both roles run. `pdserve-proto` holds only the wire contract.
+//! `Worker` service with the live load counters, startup (waiting for the model), the
+//! gRPC server both roles run and the one mapping of engine failures to gRPC statuses.
+//! `pdserve-proto` holds only the wire contract.
 
 mod serve;
 mod status;
+mod status_code;
 
 pub use serve::{engine_ready, serve_grpc, ServeError};
 pub use status::{Load, WorkerService, WorkerStatus};
+pub use status_code::{class_status, engine_status};
