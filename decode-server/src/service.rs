@@ -5,7 +5,6 @@ use crate::admission::Admission;
 use crate::batch::Admit;
 use crate::DecodeSettings;
 use pdserve_engine::kv::KvLayout;
-use pdserve_engine::sampling::SamplingParams;
 use pdserve_kv_transfer::{pull_prefill, PullOptions, TransferError};
 use pdserve_proto::pb;
 use pdserve_worker::WorkerStatus;
@@ -23,24 +22,6 @@ pub struct DecodeService {
     pub admission: Arc<Admission>,
     pub settings: DecodeSettings,
     pub status: Arc<WorkerStatus>,
-}
-
-fn sampling(s: Option<pb::SamplingParams>) -> Result<(SamplingParams, pb::SamplingParams), Status> {
-    let s = s.unwrap_or(pb::SamplingParams {
-        temperature: 0.0,
-        top_p: 1.0,
-        top_k: 0,
-        seed: 0,
-    });
-    let p = SamplingParams {
-        temperature: s.temperature,
-        top_p: s.top_p,
-        top_k: s.top_k as usize,
-        seed: s.seed,
-    };
-    p.validate()
-        .map_err(|e| Status::invalid_argument(e.to_string()))?;
-    Ok((p, s))
 }
 
 /// Decrements the waiting counter when dropped.
@@ -80,7 +61,10 @@ impl pb::decode_server::Decode for DecodeService {
         if r.prefill_addr.is_empty() {
             return Err(Status::invalid_argument("no prefill server given"));
         }
-        let (params, wire_params) = sampling(r.sampling)?;
+        let params = pdserve_worker::sampling_from_pb(r.sampling);
+        params
+            .validate()
+            .map_err(|e| Status::invalid_argument(e.to_string()))?;
         let total = r.prompt.len() + r.max_new_tokens as usize;
         if total > self.max_positions {
             return Err(Status::invalid_argument(format!(
@@ -106,12 +90,13 @@ impl pb::decode_server::Decode for DecodeService {
             total_timeout: self.settings.transfer_timeout,
         };
         let prompt_tokens = r.prompt.len() as u32;
+        let wire_sampling = pdserve_worker::sampling_to_pb(&params);
         let status = self.status.clone();
         let span = tracing::info_span!("decode", request_id = %request_id);
         tokio::spawn(async move {
             let t0 = std::time::Instant::now();
             let pulled = tokio::select! {
-                p = pull_prefill(&r.prefill_addr, &layout, r.prompt, wire_params, &request_id, opts) => p,
+                p = pull_prefill(&r.prefill_addr, &layout, r.prompt, wire_sampling, &request_id, opts) => p,
                 _ = tx.closed() => {
                     tracing::info!(%request_id, "client went away during prefill; cancelled");
                     return;
@@ -132,10 +117,9 @@ impl pb::decode_server::Decode for DecodeService {
                     return;
                 }
             };
-            let bytes = prefilled.snapshot.pages.iter().map(Vec::len).sum::<usize>()
-                + prefilled.snapshot.state.len()
-                + 4 * prefilled.last_logits.len();
-            status.load.add_transfer(bytes as u64, t0.elapsed());
+            status
+                .load
+                .add_transfer(prefilled.payload_bytes() as u64, t0.elapsed());
             tracing::info!(%request_id, prefill = %r.prefill_addr, pages = prefilled.snapshot.pages.len(), ms = t0.elapsed().as_millis() as u64, "KV received");
             let admit = Admit {
                 request_id,

@@ -16,6 +16,15 @@ pub struct Prefilled {
     pub first_token: u32,
 }
 
+impl Prefilled {
+    /// Bytes of KV pages, state slot and logits: what a transfer counts as moved.
+    pub fn payload_bytes(&self) -> usize {
+        self.snapshot.pages.iter().map(Vec::len).sum::<usize>()
+            + self.snapshot.state.len()
+            + 4 * self.last_logits.len()
+    }
+}
+
 fn crc(data: &[u8]) -> u32 {
     crc32fast::hash(data)
 }

@@ -3,7 +3,6 @@
 use crate::engine_thread::Job;
 use crate::PrefillSettings;
 use pdserve_engine::kv::KvLayout;
-use pdserve_engine::sampling::SamplingParams;
 use pdserve_kv_transfer::{check_peer, encode_prefill};
 use pdserve_proto::pb;
 use pdserve_worker::WorkerStatus;
@@ -19,21 +18,6 @@ pub struct PrefillService {
     pub layout: Arc<KvLayout>,
     pub settings: PrefillSettings,
     pub status: Arc<WorkerStatus>,
-}
-
-pub fn sampling_from_pb(s: Option<pb::SamplingParams>) -> SamplingParams {
-    let s = s.unwrap_or(pb::SamplingParams {
-        temperature: 0.0,
-        top_p: 1.0,
-        top_k: 0,
-        seed: 0,
-    });
-    SamplingParams {
-        temperature: s.temperature,
-        top_p: s.top_p,
-        top_k: s.top_k as usize,
-        seed: s.seed,
-    }
 }
 
 #[tonic::async_trait]
@@ -56,7 +40,7 @@ impl pb::prefill_server::Prefill for PrefillService {
         let (reply, done) = oneshot::channel();
         let job = Job {
             prompt: r.prompt,
-            sampling: sampling_from_pb(r.sampling),
+            sampling: pdserve_worker::sampling_from_pb(r.sampling),
             request_id: request_id.clone(),
             reply,
         };
@@ -103,9 +87,7 @@ impl pb::prefill_server::Prefill for PrefillService {
                 }
             };
             let t0 = std::time::Instant::now();
-            let bytes = prefilled.snapshot.pages.iter().map(Vec::len).sum::<usize>()
-                + prefilled.snapshot.state.len()
-                + 4 * prefilled.last_logits.len();
+            let bytes = prefilled.payload_bytes();
             for m in encode_prefill(&layout, &prefilled, chunk_bytes) {
                 if tx.send(Ok(m)).await.is_err() {
                     tracing::info!(%request_id, "decode server went away during the transfer");

@@ -53,7 +53,10 @@ mod tests {
     #[test]
     fn engine_errors_map_by_their_class() {
         let s = engine_status(&EngineError::InvalidInput("empty prompt".into()), None);
-        assert_eq!((s.code(), s.message()), (Code::InvalidArgument, "empty prompt"));
+        assert_eq!(
+            (s.code(), s.message()),
+            (Code::InvalidArgument, "empty prompt")
+        );
         let bug = EngineError::Internal("prefix node 3 missing".into());
         let s = engine_status(&bug, Some("decode step failed"));
         assert_eq!(s.code(), Code::Internal);
