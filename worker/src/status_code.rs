@@ -5,29 +5,51 @@
 use pdserve_engine::{EngineError, ErrorClass};
 use tonic::Status;
 
-/// The gRPC status for a failure of `class` described by `message`.
-pub fn class_status(class: ErrorClass, message: impl Into<String>) -> Status {
-    let message = message.into();
-    match class {
-        ErrorClass::InvalidInput => Status::invalid_argument(message),
-        ErrorClass::Exhausted => Status::resource_exhausted(message),
-        ErrorClass::Corrupt => Status::data_loss(message),
-        ErrorClass::Internal => Status::internal(message),
+/// A failed request in engine terms: its class and the words for the client. Engine
+/// threads hand this (not a gRPC status) to their service, which converts at the edge.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Failure {
+    pub class: ErrorClass,
+    pub message: String,
+}
+
+impl Failure {
+    pub fn new(class: ErrorClass, message: impl Into<String>) -> Self {
+        Failure {
+            class,
+            message: message.into(),
+        }
+    }
+
+    /// `e` in its own class, its message prefixed with `context` when one is given
+    /// (`"decode step failed"`). A client's own mistake is reported in its bare words.
+    pub fn from_engine(e: &EngineError, context: Option<&str>) -> Self {
+        let message = match e {
+            EngineError::InvalidInput(m) => m.clone(),
+            other => other.to_string(),
+        };
+        let message = match context {
+            Some(c) => format!("{c}: {message}"),
+            None => message,
+        };
+        Failure::new(e.class(), message)
+    }
+
+    /// The gRPC status for this failure.
+    pub fn to_status(&self) -> Status {
+        let message = self.message.clone();
+        match self.class {
+            ErrorClass::InvalidInput => Status::invalid_argument(message),
+            ErrorClass::Exhausted => Status::resource_exhausted(message),
+            ErrorClass::Corrupt => Status::data_loss(message),
+            ErrorClass::Internal => Status::internal(message),
+        }
     }
 }
 
-/// The gRPC status for `e`, its message prefixed with `context` when one is given
-/// (`"decode step failed"`). A client's own mistake is reported in its bare words.
+/// The gRPC status for `e` (see [`Failure::from_engine`]).
 pub fn engine_status(e: &EngineError, context: Option<&str>) -> Status {
-    let message = match e {
-        EngineError::InvalidInput(m) => m.clone(),
-        other => other.to_string(),
-    };
-    let message = match context {
-        Some(c) => format!("{c}: {message}"),
-        None => message,
-    };
-    class_status(e.class(), message)
+    Failure::from_engine(e, context).to_status()
 }
 
 #[cfg(test)]
@@ -45,7 +67,7 @@ mod tests {
             (ErrorClass::Internal, Code::Internal),
         ];
         for (class, code) in cases {
-            let s = class_status(class, "why");
+            let s = Failure::new(class, "why").to_status();
             assert_eq!((s.code(), s.message()), (code, "why"), "{class:?}");
         }
     }
