@@ -4,20 +4,17 @@
 //! each and streams the tokens out; finished requests release their pages at once.
 
 use crate::admission::Permit;
+use crate::events::{Event, Events};
 use pdserve_engine::backend::Backend;
+use pdserve_engine::generate::FinishReason;
 use pdserve_engine::kv::KvLayout;
 use pdserve_engine::sampling::{Sampler, SamplingParams};
-use pdserve_engine::{Engine, EngineError, ForwardItem, Logits, Sequence};
+use pdserve_engine::{Engine, EngineError, ErrorClass, ForwardItem, Logits, Sequence};
 use pdserve_kv_transfer::Prefilled;
-use pdserve_proto::pb;
-use pdserve_proto::pb::token_event::Kind;
-use pdserve_worker::Load;
+use pdserve_worker::{Failure, Load};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use tokio::sync::{mpsc, oneshot};
-use tonic::Status;
-
-pub type Events = mpsc::UnboundedSender<Result<pb::TokenEvent, Status>>;
 
 /// A request whose KV has arrived, ready to join the batch.
 pub struct Admit {
@@ -93,34 +90,28 @@ struct Running {
 impl Running {
     /// Stream `t` out; true when the request is finished.
     fn emit(&mut self, t: u32) -> bool {
-        let finished = |reason: &str, n: u32, p: u32| pb::TokenEvent {
-            kind: Some(Kind::Finished(pb::Finished {
-                reason: reason.into(),
-                prompt_tokens: p,
-                completion_tokens: n,
-            })),
-        };
         if self.stop_tokens.contains(&t) {
-            let _ = self
-                .events
-                .send(Ok(finished("stop", self.generated, self.prompt_tokens)));
+            self.finished(FinishReason::Stop);
             return true;
         }
         self.last = t;
         self.generated += 1;
-        let sent = self.events.send(Ok(pb::TokenEvent {
-            kind: Some(Kind::Token(t)),
-        }));
-        if sent.is_err() {
+        if self.events.send(Event::Token(t)).is_err() {
             return true;
         }
         if self.generated >= self.max_new_tokens {
-            let _ = self
-                .events
-                .send(Ok(finished("length", self.generated, self.prompt_tokens)));
+            self.finished(FinishReason::Length);
             return true;
         }
         false
+    }
+
+    fn finished(&self, reason: FinishReason) {
+        let _ = self.events.send(Event::Finished {
+            reason,
+            prompt_tokens: self.prompt_tokens,
+            completion_tokens: self.generated,
+        });
     }
 }
 
@@ -149,9 +140,7 @@ impl<B: Backend> Batch<B> {
             self.publish_load();
         }
         for r in std::mem::take(&mut self.running) {
-            let _ = r
-                .events
-                .send(Err(Status::unavailable("decode server shutting down")));
+            let _ = r.events.send(Event::ShuttingDown);
             self.finish(r);
         }
     }
@@ -174,30 +163,40 @@ impl<B: Backend> Batch<B> {
 
     fn admit(&mut self, a: Admit) {
         let _span = tracing::info_span!("admit", request_id = %a.request_id).entered();
-        let fail = |events: &Events, s: Status| {
-            tracing::warn!(error = %s.message(), "request failed at admission");
-            let _ = events.send(Err(s));
+        let fail = |events: &Events, f: Failure| {
+            tracing::warn!(error = %f.message, "request failed at admission");
+            let _ = events.send(Event::Failed(f));
         };
         let mut sampler = match Sampler::new(a.sampling) {
             Ok(s) => s,
-            Err(e) => return fail(&a.events, Status::invalid_argument(e.to_string())),
+            Err(e) => {
+                return fail(
+                    &a.events,
+                    Failure::new(ErrorClass::InvalidInput, e.to_string()),
+                )
+            }
         };
+        // The transferred logits were checksummed: failing to sample them, or sampling
+        // another token than the prefill server did, means the KV state is not what P sent.
         let t = match sampler.sample(&a.prefilled.last_logits) {
             Ok(t) => t,
-            Err(e) => return fail(&a.events, Status::data_loss(e.to_string())),
+            Err(e) => return fail(&a.events, Failure::new(ErrorClass::Corrupt, e.to_string())),
         };
         if t != a.prefilled.first_token {
             return fail(
                 &a.events,
-                Status::data_loss(format!(
-                    "prefill server sampled token {} but the transferred logits give {t}",
-                    a.prefilled.first_token
-                )),
+                Failure::new(
+                    ErrorClass::Corrupt,
+                    format!(
+                        "prefill server sampled token {} but the transferred logits give {t}",
+                        a.prefilled.first_token
+                    ),
+                ),
             );
         }
         let seq = match self.engine.import_sequence(&a.prefilled.snapshot) {
             Ok(s) => s,
-            Err(e) => return fail(&a.events, Status::internal(format!("importing KV: {e}"))),
+            Err(e) => return fail(&a.events, Failure::from_engine(&e, Some("importing KV"))),
         };
         let mut r = Running {
             request_id: a.request_id,
@@ -246,10 +245,9 @@ impl<B: Backend> Batch<B> {
             Ok(l) => l,
             Err(e) => {
                 tracing::error!(error = %e, batch = self.running.len(), "decode step failed");
+                let failure = Failure::from_engine(&e, Some("decode step failed"));
                 for r in std::mem::take(&mut self.running) {
-                    let _ = r
-                        .events
-                        .send(Err(Status::internal(format!("decode step failed: {e}"))));
+                    let _ = r.events.send(Event::Failed(failure.clone()));
                     self.finish(r);
                 }
                 return;
@@ -264,9 +262,10 @@ impl<B: Backend> Batch<B> {
                     }
                 }
                 Err(e) => {
-                    let _ = r
-                        .events
-                        .send(Err(Status::internal(format!("sampling: {e}"))));
+                    let _ = r.events.send(Event::Failed(Failure::new(
+                        ErrorClass::Internal,
+                        format!("sampling: {e}"),
+                    )));
                     done.push(i);
                 }
             }

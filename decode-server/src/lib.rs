@@ -4,6 +4,7 @@
 
 mod admission;
 mod batch;
+mod events;
 mod service;
 
 use pdserve_engine::backend::Backend;

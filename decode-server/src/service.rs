@@ -3,6 +3,7 @@
 
 use crate::admission::Admission;
 use crate::batch::Admit;
+use crate::events::Events;
 use crate::DecodeSettings;
 use pdserve_engine::kv::KvLayout;
 use pdserve_kv_transfer::{pull_prefill, PullOptions, TransferError};
@@ -128,7 +129,7 @@ impl pb::decode_server::Decode for DecodeService {
                 max_new_tokens: r.max_new_tokens,
                 stop_tokens: r.stop_tokens,
                 prompt_tokens,
-                events: tx.clone(),
+                events: Events::new(tx.clone()),
                 permit,
             };
             if admits.send(admit).await.is_err() {
