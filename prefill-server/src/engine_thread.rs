@@ -6,7 +6,7 @@ use pdserve_engine::kv::{HostPool, KvLayout, PrefixCache};
 use pdserve_engine::sampling::{Sampler, SamplingParams};
 use pdserve_engine::{Engine, EngineError, Logits};
 use pdserve_kv_transfer::Prefilled;
-use pdserve_worker::Load;
+use pdserve_worker::{Failure, Load};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use tokio::sync::{mpsc, oneshot};
@@ -15,7 +15,7 @@ pub struct Job {
     pub prompt: Vec<u32>,
     pub sampling: SamplingParams,
     pub request_id: String,
-    pub reply: oneshot::Sender<Result<Prefilled, tonic::Status>>,
+    pub reply: oneshot::Sender<Result<Prefilled, Failure>>,
 }
 
 pub struct Ready {
@@ -101,7 +101,7 @@ impl<B: Backend> Worker<B> {
                 Ok(None) => tracing::info!("cancelled by the decode server; pages freed"),
                 Err(e) => {
                     tracing::warn!(error = %e, "prefill failed");
-                    let _ = job.reply.send(Err(pdserve_worker::engine_status(&e, None)));
+                    let _ = job.reply.send(Err(Failure::from_engine(&e, None)));
                 }
             }
             self.load.running.store(0, Ordering::Relaxed);

@@ -67,8 +67,8 @@ impl pb::prefill_server::Prefill for PrefillService {
             };
             let prefilled = match res {
                 Ok(Ok(Ok(p))) => p,
-                Ok(Ok(Err(status))) => {
-                    let _ = tx.send(Err(status)).await;
+                Ok(Ok(Err(failure))) => {
+                    let _ = tx.send(Err(failure.to_status())).await;
                     return;
                 }
                 Ok(Err(_)) => {

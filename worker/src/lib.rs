@@ -12,4 +12,4 @@ mod status_code;
 pub use sampling::{sampling_from_pb, sampling_to_pb};
 pub use serve::{engine_ready, serve_grpc, ServeError};
 pub use status::{Load, WorkerService, WorkerStatus};
-pub use status_code::{engine_status, Failure};
+pub use status_code::Failure;

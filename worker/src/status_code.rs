@@ -47,11 +47,6 @@ impl Failure {
     }
 }
 
-/// The gRPC status for `e` (see [`Failure::from_engine`]).
-pub fn engine_status(e: &EngineError, context: Option<&str>) -> Status {
-    Failure::from_engine(e, context).to_status()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -70,6 +65,10 @@ mod tests {
             let s = Failure::new(class, "why").to_status();
             assert_eq!((s.code(), s.message()), (code, "why"), "{class:?}");
         }
+    }
+
+    fn engine_status(e: &EngineError, context: Option<&str>) -> Status {
+        Failure::from_engine(e, context).to_status()
     }
 
     #[test]
