@@ -62,10 +62,12 @@ impl ApiError {
         self
     }
 
-    /// A worker's gRPC status, classified.
+    /// A worker's gRPC status, classified: THE mapping from gRPC codes to HTTP. Only the
+    /// client's own mistakes are 4xx; a worker's bug (INTERNAL) is a 500, never a 400.
     pub fn from_status(s: &tonic::Status, worker: &str) -> Self {
         use tonic::Code;
         let (status, kind) = match s.code() {
+            Code::Internal => (StatusCode::INTERNAL_SERVER_ERROR, "server_error"),
             Code::InvalidArgument | Code::OutOfRange => {
                 (StatusCode::BAD_REQUEST, "invalid_request_error")
             }
@@ -94,5 +96,31 @@ impl ApiError {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         (self.status, axum::Json(self.body())).into_response()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tonic::Code;
+
+    #[test]
+    fn worker_statuses_map_to_http_by_class() {
+        let cases = [
+            (Code::InvalidArgument, 400, "invalid_request_error"),
+            (Code::OutOfRange, 400, "invalid_request_error"),
+            (Code::ResourceExhausted, 503, "overloaded"),
+            (Code::Unavailable, 503, "service_unavailable"),
+            (Code::DeadlineExceeded, 504, "timeout"),
+            (Code::FailedPrecondition, 502, "worker_mismatch"),
+            (Code::DataLoss, 502, "data_loss"),
+            (Code::Internal, 500, "server_error"),
+            (Code::Unknown, 502, "worker_error"),
+        ];
+        for (code, http, kind) in cases {
+            let e = ApiError::from_status(&tonic::Status::new(code, "why"), "decode worker d:1");
+            assert_eq!((e.status.as_u16(), e.kind), (http, kind), "{code:?}");
+            assert_eq!(e.message, "decode worker d:1: why");
+        }
     }
 }
