@@ -5,7 +5,7 @@ use anyhow::{bail, Context, Result};
 use pdserve_engine::backend::Backend;
 use pdserve_engine::generate::{generate as run_generate, logits_prefill_decode, GenerateRequest};
 use pdserve_engine::sampling::SamplingParams;
-use pdserve_engine::tokenizer::Tokenizer;
+use pdserve_tokenizer::Tokenizer;
 use std::io::Write;
 use std::path::PathBuf;
 

@@ -216,7 +216,7 @@ pub fn router(flags: RouterFlags) -> Result<()> {
     let (dir, model_name) = model_dir(&cfg.model)?;
     let mcfg =
         ModelConfig::from_model_dir(&dir).with_context(|| format!("reading {}", dir.display()))?;
-    let tokenizer = pdserve_engine::tokenizer::Tokenizer::from_model_dir(&dir)?;
+    let tokenizer = pdserve_tokenizer::Tokenizer::from_model_dir(&dir)?;
     let chat_template = pdserve_router::chat::ChatTemplate::from_model_dir(&dir)?;
     let context_length = match cfg.max_model_len {
         None => mcfg.max_position_embeddings,

@@ -5,7 +5,7 @@
 //! emitted (kept as context so decoders that look at neighbours stay right), `read..` is
 //! new. A decode ending in U+FFFD is an incomplete character and is held.
 
-use pdserve_engine::tokenizer::Tokenizer;
+use pdserve_tokenizer::Tokenizer;
 use std::sync::Arc;
 
 pub struct Detok {

@@ -8,7 +8,7 @@ use crate::error::ApiError;
 use crate::generation::{Next, Started};
 use crate::metrics as m;
 use crate::stop::StopMatcher;
-use pdserve_engine::tokenizer::Tokenizer;
+use pdserve_tokenizer::Tokenizer;
 use std::sync::Arc;
 use std::time::Instant;
 

@@ -29,7 +29,7 @@ mod workers;
 pub use error::ApiError;
 pub use workers::{Role, Worker, Workers};
 
-use pdserve_engine::tokenizer::Tokenizer;
+use pdserve_tokenizer::Tokenizer;
 use std::sync::Arc;
 use std::time::Duration;
 

@@ -4,6 +4,7 @@
 
 use crate::circuit::{Breaker, Circuit};
 use crate::ServeError;
+use pdserve_layout_fields::first_difference;
 use pdserve_proto::pb;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
@@ -209,24 +210,26 @@ pub fn compare(
         ai.layout.as_ref().unwrap_or(&empty),
         bi.layout.as_ref().unwrap_or(&empty),
     );
-    for f in &la.fields {
-        let theirs = lb.fields.iter().find(|g| g.name == f.name);
-        let v = theirs.map_or("(absent)", |g| g.value.as_str());
-        if v != f.value {
-            return Some(mm(&f.name, &f.value, v));
-        }
-    }
-    if let Some(g) = lb
-        .fields
-        .iter()
-        .find(|g| !la.fields.iter().any(|f| f.name == g.name))
-    {
-        return Some(mm(&g.name, "(absent)", &g.value));
+    if let Some(d) = first_difference(&pairs(la), &pairs(lb)) {
+        let absent = "(absent)";
+        return Some(mm(
+            d.field,
+            d.ours.unwrap_or(absent),
+            d.theirs.unwrap_or(absent),
+        ));
     }
     if la.fingerprint != lb.fingerprint {
         return Some(mm("layout fingerprint", &la.fingerprint, &lb.fingerprint));
     }
     None
+}
+
+fn pairs(layout: &pb::KvLayoutInfo) -> Vec<(&str, &str)> {
+    layout
+        .fields
+        .iter()
+        .map(|f| (f.name.as_str(), f.value.as_str()))
+        .collect()
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -2,7 +2,7 @@
 //! collected, JSON and SSE requests, the embedded tokenizer, Prometheus text lookups.
 
 use super::*;
-use pdserve_engine::tokenizer::Tokenizer;
+use pdserve_tokenizer::Tokenizer;
 use serde_json::Value;
 use std::io::{BufRead, BufReader};
 use std::path::Path;

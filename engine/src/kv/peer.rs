@@ -2,34 +2,26 @@
 //! fields ([`KvLayout::fields`]) have crossed the wire.
 
 use super::layout::{KvLayout, LayoutError};
+use pdserve_layout_fields::first_difference;
 
 impl KvLayout {
     /// Refuse a peer whose named fields differ from ours, naming the first differing field
     /// in our field order (a field present on one side only counts as differing).
     pub fn check_peer_fields(&self, theirs: &[(String, String)]) -> Result<(), LayoutError> {
         let ours = self.fields();
-        for (k, a) in &ours {
-            let b = theirs.iter().find(|(n, _)| n == k).map(|(_, v)| v.as_str());
-            if b != Some(a.as_str()) {
-                return Err(LayoutError::Mismatch {
-                    field: k.clone(),
-                    ours: a.clone(),
-                    theirs: b.unwrap_or("absent").to_string(),
-                });
-            }
+        match first_difference(&pairs(&ours), &pairs(theirs)) {
+            None => Ok(()),
+            Some(d) => Err(LayoutError::Mismatch {
+                field: d.field.to_string(),
+                ours: d.ours.unwrap_or("absent").to_string(),
+                theirs: d.theirs.unwrap_or("absent").to_string(),
+            }),
         }
-        if let Some((k, v)) = theirs
-            .iter()
-            .find(|(n, _)| !ours.iter().any(|(m, _)| m == n))
-        {
-            return Err(LayoutError::Mismatch {
-                field: k.clone(),
-                ours: "absent".into(),
-                theirs: v.clone(),
-            });
-        }
-        Ok(())
     }
+}
+
+fn pairs(fields: &[(String, String)]) -> Vec<(&str, &str)> {
+    fields.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect()
 }
 
 #[cfg(test)]
