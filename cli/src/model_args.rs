@@ -4,9 +4,9 @@ use anyhow::{bail, Context, Result};
 use pdserve_engine::backend::Backend;
 use pdserve_engine::kv::sizing::{self, DeviceSize, HostSize};
 use pdserve_engine::kv::{EntryDtype, KvLayout, KvLayoutSpec};
-use pdserve_tokenizer::Tokenizer;
 use pdserve_engine::{CpuBackend, Engine, PoolSize};
 use pdserve_kernels::{CudaBackend, GraphMode, WeightDtype};
+use pdserve_tokenizer::Tokenizer;
 use std::path::PathBuf;
 use std::time::Instant;
 

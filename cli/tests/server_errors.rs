@@ -70,7 +70,9 @@ fn a_workers_internal_error_is_a_500_server_error() {
             .add_service(pb::worker_server::WorkerServer::new(BuggyPrefill {
                 info: info.clone(),
             }))
-            .add_service(pb::prefill_server::PrefillServer::new(BuggyPrefill { info }))
+            .add_service(pb::prefill_server::PrefillServer::new(BuggyPrefill {
+                info,
+            }))
             .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
     );
     let (_r, ar) = role("router", &["--prefill", &ap, "--decode", &ad]);

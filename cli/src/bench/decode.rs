@@ -3,6 +3,7 @@
 
 use super::config::ModelFlags;
 use super::device::BenchBackend;
+use super::median;
 use super::peer::{self, Peer};
 use super::table::{mb, num, Table};
 use super::traffic::{step_bytes, weight_bytes, StepBytes};
@@ -77,11 +78,6 @@ pub fn step_plan(layout: &KvLayout, pages_per_seq: usize, pos: usize, tokens: &[
         positions: vec![pos; n],
         row_seq: (0..n).collect(),
     }
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
 }
 
 pub fn run<B: BenchBackend>(a: &DecodeArgs, mut backend: B) -> Result<Vec<DecodeRow>> {

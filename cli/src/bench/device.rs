@@ -1,6 +1,7 @@
 //! What the bench needs from a backend beyond [`Backend`]: weight storage sizes, a way to
 //! wait for queued work, the two ceilings measured in the same run, and graph mode.
 
+use super::median;
 use anyhow::{anyhow, Result};
 use pdserve_engine::backend::{random, BResult, Backend, WeightInit};
 use pdserve_engine::CpuBackend;
@@ -27,11 +28,6 @@ pub trait BenchBackend: Backend + Sized {
     fn gemm_rate(&self) -> Result<Ceiling>;
     /// Run decode steps in `mode`; returns the label the table shows for it.
     fn apply_graph_mode(&mut self, mode: GraphMode) -> String;
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
 }
 
 impl BenchBackend for CpuBackend {

@@ -127,6 +127,13 @@ impl<B: BenchBackend> Prepared<B> {
     }
 }
 
+/// The middle of `v` (the upper one of an even count); NaN when empty. Every timed row
+/// and measured ceiling reports this.
+pub(crate) fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
 /// A progress bar on stderr when it is a terminal, hidden otherwise.
 pub(crate) fn progress(len: u64, what: &str) -> ProgressBar {
     if !std::io::stderr().is_terminal() {

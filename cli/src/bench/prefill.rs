@@ -3,6 +3,7 @@
 
 use super::config::ModelFlags;
 use super::device::BenchBackend;
+use super::median;
 use super::peer::{self, Peer};
 use super::table::{num, Table};
 use super::traffic::prefill_flops;
@@ -101,8 +102,7 @@ pub fn run<B: BenchBackend>(a: &PrefillArgs, backend: B) -> Result<Vec<PrefillRo
                 finite &= logits.data.iter().all(|v| v.is_finite());
             }
         }
-        times.sort_by(f64::total_cmp);
-        let s = times[times.len() / 2];
+        let s = median(times);
         let flops = prefill_flops(cfg, n);
         rows.push(PrefillRow {
             tokens: n,
