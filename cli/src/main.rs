@@ -2,6 +2,7 @@
 
 mod bench;
 mod commands;
+mod engine_spec;
 mod gpu_check;
 mod layered;
 mod model_args;

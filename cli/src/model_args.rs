@@ -1,14 +1,15 @@
 //! Flags shared by every command that loads a model.
 
-use anyhow::{bail, Context, Result};
+use crate::engine_spec::{
+    layout_spec, open_engine, weight_dtype, CudaSpec, Device, EngineSpec, GraphChoice,
+};
+use anyhow::{Context, Result};
 use pdserve_engine::backend::Backend;
 use pdserve_engine::kv::sizing::{self, DeviceSize, HostSize};
-use pdserve_engine::kv::{EntryDtype, KvLayout, KvLayoutSpec};
+use pdserve_engine::kv::KvLayout;
 use pdserve_engine::{CpuBackend, Engine, PoolSize};
-use pdserve_kernels::{CudaBackend, GraphMode, WeightDtype};
 use pdserve_tokenizer::Tokenizer;
 use std::path::PathBuf;
-use std::time::Instant;
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct ModelArgs {
@@ -24,8 +25,8 @@ pub struct ModelArgs {
     #[arg(long, default_value = "bf16")]
     pub cuda_weights: String,
     /// Decode steps on a CUDA device: `capture` (one CUDA graph per batch-size bucket,
-    /// captured on first use, then replayed) or `eager` (the same kernels launched one by
-    /// one).
+    /// captured on first use, then replayed), `eager` (the same kernels launched one by
+    /// one) or `auto` (capture, as the decode server does).
     #[arg(long, default_value = "capture")]
     pub cuda_graph: String,
     /// Run every CUDA decode step both from its graph and eagerly, and fail it unless the
@@ -63,30 +64,6 @@ pub struct ModelArgs {
     /// Prefill chunk size in tokens (0: whole prompt in one forward).
     #[arg(long, default_value_t = 512)]
     pub chunked_prefill_size: usize,
-}
-
-/// Where the model runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Device {
-    Cpu,
-    Cuda(usize),
-    Auto,
-}
-
-impl std::str::FromStr for Device {
-    type Err = anyhow::Error;
-
-    fn from_str(s: &str) -> Result<Self> {
-        match s {
-            "cpu" => Ok(Device::Cpu),
-            "auto" => Ok(Device::Auto),
-            "cuda" => Ok(Device::Cuda(0)),
-            other => match other.strip_prefix("cuda:").map(str::parse::<usize>) {
-                Some(Ok(n)) => Ok(Device::Cuda(n)),
-                _ => bail!("unknown device `{other}` (expected cpu, cuda:N or auto)"),
-            },
-        }
-    }
 }
 
 /// A command body that runs on whichever backend `--device` selects.
@@ -144,31 +121,19 @@ impl ModelArgs {
     /// Load the model on the selected device and run `cmd` with it.
     pub fn run<C: OnEngine>(&self, cmd: C) -> Result<()> {
         let device: Device = self.device.parse().context("--device")?;
-        let weights: WeightDtype = self
-            .cuda_weights
-            .parse()
-            .map_err(anyhow::Error::msg)
-            .context("--cuda-weights")?;
-        let graphs: GraphMode = self
-            .cuda_graph
-            .parse()
-            .map_err(anyhow::Error::msg)
-            .context("--cuda-graph")?;
-        let open = |n: usize| {
-            CudaBackend::with_weights(n, None, weights).map(|mut b| {
-                b.set_graph_mode(graphs);
-                b.set_verify_graphs(self.verify_graphs);
-                b
-            })
+        let graphs: GraphChoice = self.cuda_graph.parse()?;
+        let cuda = CudaSpec {
+            weights: weight_dtype(&self.cuda_weights)?,
+            graphs: graphs.mode(true),
+            verify_graphs: self.verify_graphs,
         };
         match device {
             Device::Cpu => cmd.run(self.load(CpuBackend)?),
             Device::Cuda(n) => {
-                let b = open(n)
-                    .with_context(|| format!("--device cuda:{n}: CUDA backend unavailable"))?;
+                let b = cuda.open(n).context("CUDA backend unavailable")?;
                 cmd.run(self.load(b)?)
             }
-            Device::Auto => match open(0) {
+            Device::Auto => match cuda.open(0) {
                 Ok(b) => cmd.run(self.load(b)?),
                 Err(e) => {
                     tracing::warn!(error = %e, "--device auto: CUDA unavailable, running on the CPU");
@@ -180,35 +145,24 @@ impl ModelArgs {
 
     pub fn load<B: Backend>(&self, backend: B) -> Result<Loaded<B>> {
         let dir = self.model_dir()?;
-        let t0 = Instant::now();
         let cfg = pdserve_engine::config::ModelConfig::from_model_dir(&dir)?;
-        let mut spec = KvLayoutSpec::default_for(&cfg);
-        spec.index_k_dtype = EntryDtype::parse(&self.index_k_dtype).context("--index-k-dtype")?;
-        spec.kv_dtype = EntryDtype::parse(&self.kv_dtype).context("--kv-dtype")?;
-        if let Some(p) = self.page_tokens {
-            spec.page_tokens = p;
-        }
-        let layout = KvLayout::new(&cfg, spec).context("KV layout")?;
-        let (device_pages, host_pages) = self.pool_pages(&layout, STATE_SLOTS)?;
-        let mut engine = Engine::load(
-            &dir,
-            backend,
-            Some(spec),
-            PoolSize {
+        let layout = layout_spec(&cfg, &self.index_k_dtype, &self.kv_dtype, self.page_tokens)?;
+        let (device_pages, host_pages) = self.pool_pages(
+            &KvLayout::new(&cfg, layout).context("KV layout")?,
+            STATE_SLOTS,
+        )?;
+        let spec = EngineSpec {
+            dir: dir.clone(),
+            layout,
+            pool: PoolSize {
                 pages: device_pages,
                 states: STATE_SLOTS,
             },
-        )
-        .with_context(|| format!("loading model from {}", dir.display()))?;
-        engine.set_kv_audit(self.kv_audit);
+            kv_audit: self.kv_audit,
+        };
+        let engine = open_engine(&spec, backend)
+            .with_context(|| format!("loading model from {}", dir.display()))?;
         let tokenizer = Tokenizer::from_model_dir(&dir)?;
-        tracing::info!(
-            model = %dir.display(),
-            backend = %pdserve_engine::backend::Backend::name(engine.backend()),
-            layout = %engine.layout().fingerprint(),
-            secs = t0.elapsed().as_secs_f32(),
-            "model loaded"
-        );
         Ok(Loaded {
             engine,
             host_pages,
@@ -228,22 +182,4 @@ pub fn parse_tokens(s: &str) -> Result<Vec<u32>> {
                 .with_context(|| format!("token id `{t}` is not a non-negative integer"))
         })
         .collect()
-}
-
-#[cfg(test)]
-mod tests {
-    #![allow(clippy::unwrap_used)]
-    use super::Device;
-
-    #[test]
-    fn device_names_parse() {
-        assert_eq!("cpu".parse::<Device>().unwrap(), Device::Cpu);
-        assert_eq!("auto".parse::<Device>().unwrap(), Device::Auto);
-        assert_eq!("cuda".parse::<Device>().unwrap(), Device::Cuda(0));
-        assert_eq!("cuda:3".parse::<Device>().unwrap(), Device::Cuda(3));
-        for bad in ["cuda:", "cuda:x", "gpu", "cuda:-1"] {
-            let e = bad.parse::<Device>().unwrap_err().to_string();
-            assert!(e.contains(bad), "{e}");
-        }
-    }
 }

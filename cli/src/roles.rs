@@ -1,6 +1,7 @@
 //! Configuration of the `prefill`, `decode` and `router` roles: keys, defaults, flags,
 //! validation (flags whose machinery does not exist yet are refused, never ignored).
 
+use crate::engine_spec::{Device, GraphChoice};
 use crate::layered::{self, flag, Entry, Flags};
 use anyhow::{bail, Result};
 use pdserve_engine::kv::EntryDtype;
@@ -82,26 +83,22 @@ impl WorkerConfig {
         }
     }
 
-    /// The CUDA device ordinal of `--device cuda:N` (`cuda` is device 0); `None` for cpu.
-    pub fn cuda_ordinal(&self) -> Option<usize> {
-        match self.device.as_str() {
-            "cuda" => Some(0),
-            d => d.strip_prefix("cuda:").and_then(|n| n.parse().ok()),
+    /// `--device`: cpu or cuda:N (`cuda` is device 0); a server never guesses (no `auto`).
+    pub fn device(&self) -> Result<Device> {
+        match self.device.parse::<Device>() {
+            Ok(d @ (Device::Cpu | Device::Cuda(_))) => Ok(d),
+            _ => bail!("--device `{}`: expected cpu or cuda:N", self.device),
         }
+    }
+
+    /// `--cuda-graph`.
+    pub fn graphs(&self) -> Result<GraphChoice> {
+        self.cuda_graph.parse()
     }
 
     /// Refuse invalid values and values that need machinery this build lacks.
     pub fn validate(&self, role: WorkerRole) -> Result<()> {
-        let cuda = match self.device.as_str() {
-            "cpu" => false,
-            d if d == "cuda"
-                || d.strip_prefix("cuda:")
-                    .is_some_and(|n| n.parse::<u32>().is_ok()) =>
-            {
-                true
-            }
-            d => bail!("--device `{d}`: expected cpu or cuda:N"),
-        };
+        let cuda = matches!(self.device()?, Device::Cuda(_));
         EntryDtype::parse(&self.index_k_dtype)
             .map_err(|e| anyhow::anyhow!("--index-k-dtype: {e}"))?;
         EntryDtype::parse(&self.kv_dtype).map_err(|e| anyhow::anyhow!("--kv-dtype: {e}"))?;
@@ -140,17 +137,16 @@ impl WorkerConfig {
                 "--hicache-ratio / --hicache-size: the host (hierarchical) KV cache backs the prefix cache of prefill servers; decode servers keep none, so leave them unset on decode"
             );
         }
-        match self.cuda_graph.as_str() {
-            "auto" | "eager" => {}
-            "capture" if !cuda => bail!(
+        match self.graphs()? {
+            GraphChoice::Auto | GraphChoice::Eager => {}
+            GraphChoice::Capture if !cuda => bail!(
                 "--cuda-graph capture needs --device cuda:N (device is {}); use eager or auto",
                 self.device
             ),
-            "capture" if role == WorkerRole::Prefill => {
+            GraphChoice::Capture if role == WorkerRole::Prefill => {
                 bail!("--cuda-graph capture applies to decode servers only")
             }
-            "capture" => {}
-            g => bail!("--cuda-graph `{g}`: expected auto, capture or eager"),
+            GraphChoice::Capture => {}
         }
         if self.max_batch == 0 || self.kv_pages == 0 {
             bail!("--max-batch and --kv-pages must be at least 1");

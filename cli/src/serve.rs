@@ -1,14 +1,15 @@
 //! `pdserve prefill`, `pdserve decode`, `pdserve router`: one role per process.
 
+use crate::engine_spec::{layout_spec, open_engine, CudaSpec, Device, EngineSpec};
 use crate::layered::{render, Entry};
 use crate::roles::{RouterFlags, WorkerConfig, WorkerFlags, WorkerRole};
 use anyhow::{Context, Result};
 use pdserve_engine::backend::{Backend, BackendError};
 use pdserve_engine::config::ModelConfig;
 use pdserve_engine::kv::sizing::{self, HostSize};
-use pdserve_engine::kv::{EntryDtype, KvLayout, KvLayoutSpec};
+use pdserve_engine::kv::KvLayout;
 use pdserve_engine::{CpuBackend, Engine, PoolSize};
-use pdserve_kernels::{CudaBackend, GraphMode};
+use pdserve_kernels::WeightDtype;
 use pdserve_proto::pb;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -89,16 +90,7 @@ fn engine_factory<B: Backend + 'static>(
 ) -> Result<(EngineFactory<B>, usize)> {
     let mcfg =
         ModelConfig::from_model_dir(&dir).with_context(|| format!("reading {}", dir.display()))?;
-    let mut spec = KvLayoutSpec::default_for(&mcfg);
-    spec.index_k_dtype = EntryDtype::parse(&cfg.index_k_dtype)?;
-    spec.kv_dtype = EntryDtype::parse(&cfg.kv_dtype)?;
-    if let Some(p) = cfg.page_tokens {
-        spec.page_tokens = p;
-    }
-    let size = PoolSize {
-        pages: cfg.kv_pages,
-        states: cfg.max_batch,
-    };
+    let layout = layout_spec(&mcfg, &cfg.index_k_dtype, &cfg.kv_dtype, cfg.page_tokens)?;
     let host = match (cfg.hicache_size, cfg.hicache_ratio) {
         (Some(gb), _) => Some(HostSize::Gb(gb)),
         (None, r) if r > 0.0 => Some(HostSize::Ratio(r)),
@@ -107,41 +99,23 @@ fn engine_factory<B: Backend + 'static>(
     let host_pages = match host {
         None => 0,
         Some(h) => {
-            let layout = KvLayout::new(&mcfg, spec).context("KV layout")?;
+            let layout = KvLayout::new(&mcfg, layout).context("KV layout")?;
             let used = cfg.kv_pages * layout.page_bytes + cfg.max_batch * layout.state_bytes;
             let left = sizing::host_memory_available().map(|a| a.saturating_sub(used as u64));
             sizing::host_pages(&layout, cfg.kv_pages, h, left)?
         }
     };
-    let factory: EngineFactory<B> = Box::new(move || {
-        let t0 = std::time::Instant::now();
-        let backend = open()?;
-        let name = backend.name();
-        let e = Engine::load(&dir, backend, Some(spec), size)?;
-        tracing::info!(model = %dir.display(), backend = %name, layout = %e.layout().fingerprint(), secs = t0.elapsed().as_secs_f32(), "model loaded");
-        Ok(e)
-    });
-    Ok((factory, host_pages))
-}
-
-/// The CUDA backend a worker config asks for, opened on the engine thread.
-fn cuda_opener(
-    cfg: &WorkerConfig,
-    role: WorkerRole,
-    ordinal: usize,
-) -> impl FnOnce() -> Result<CudaBackend, BackendError> + Send + 'static {
-    // Prefill forwards are multi-token and run eagerly; decode steps are captured unless
-    // `--cuda-graph eager`.
-    let graphs = match (role, cfg.cuda_graph.as_str()) {
-        (WorkerRole::Decode, "auto" | "capture") => GraphMode::Capture,
-        _ => GraphMode::Eager,
+    let spec = EngineSpec {
+        dir,
+        layout,
+        pool: PoolSize {
+            pages: cfg.kv_pages,
+            states: cfg.max_batch,
+        },
+        kv_audit: false,
     };
-    move || {
-        let mut b = CudaBackend::new(ordinal, None)
-            .map_err(|e| BackendError::Device(format!("--device cuda:{ordinal}: {e}")))?;
-        b.set_graph_mode(graphs);
-        Ok(b)
-    }
+    let factory: EngineFactory<B> = Box::new(move || open_engine(&spec, open()?));
+    Ok((factory, host_pages))
 }
 
 pub fn worker(role: WorkerRole, flags: WorkerFlags) -> Result<()> {
@@ -152,13 +126,20 @@ pub fn worker(role: WorkerRole, flags: WorkerFlags) -> Result<()> {
     }
     cfg.validate(role)?;
     let (dir, model_name) = model_dir(&cfg.model)?;
-    match cfg.cuda_ordinal() {
-        None => {
-            let factory = engine_factory(&cfg, dir, || Ok(CpuBackend))?;
+    match cfg.device()? {
+        Device::Cuda(n) => {
+            // Prefill forwards are multi-token and run eagerly; decode steps follow
+            // --cuda-graph.
+            let cuda = CudaSpec {
+                weights: WeightDtype::Bf16,
+                graphs: cfg.graphs()?.mode(role == WorkerRole::Decode),
+                verify_graphs: false,
+            };
+            let factory = engine_factory(&cfg, dir, move || cuda.open(n))?;
             serve_worker(role, cfg, entries, model_name, factory)
         }
-        Some(n) => {
-            let factory = engine_factory(&cfg, dir, cuda_opener(&cfg, role, n))?;
+        _ => {
+            let factory = engine_factory(&cfg, dir, || Ok(CpuBackend))?;
             serve_worker(role, cfg, entries, model_name, factory)
         }
     }

@@ -2,9 +2,10 @@
 //! number of layers and experts, as a transformers `config.json` (parsed by the engine's
 //! own [`ModelConfig`] parser, and given as-is to `scripts/peer_bench.py`).
 
+use crate::engine_spec::layout_spec;
 use anyhow::{bail, Context, Result};
 use pdserve_engine::config::ModelConfig;
-use pdserve_engine::kv::{EntryDtype, KvLayout, KvLayoutSpec};
+use pdserve_engine::kv::KvLayout;
 use serde_json::{json, Value};
 
 /// Flags that describe the synthetic model and where it runs.
@@ -128,9 +129,7 @@ impl ModelFlags {
     }
 
     pub fn layout(&self, cfg: &ModelConfig) -> Result<KvLayout> {
-        let mut spec = KvLayoutSpec::default_for(cfg);
-        spec.kv_dtype = EntryDtype::parse(&self.kv_dtype).context("--kv-dtype")?;
-        spec.index_k_dtype = EntryDtype::parse(&self.index_k_dtype).context("--index-k-dtype")?;
+        let spec = layout_spec(cfg, &self.index_k_dtype, &self.kv_dtype, None)?;
         KvLayout::new(cfg, spec).context("KV layout")
     }
 }

@@ -11,7 +11,7 @@ mod prefill;
 mod table;
 mod traffic;
 
-use crate::model_args::Device;
+use crate::engine_spec::{weight_dtype, CudaSpec, Device};
 use anyhow::{bail, Context, Result};
 use config::ModelFlags;
 use device::BenchBackend;
@@ -20,7 +20,7 @@ use pdserve_engine::backend::Backend;
 use pdserve_engine::kv::KvLayout;
 use pdserve_engine::model::{Model, ModelWeights};
 use pdserve_engine::CpuBackend;
-use pdserve_kernels::{CudaBackend, WeightDtype};
+use pdserve_kernels::{CudaBackend, GraphMode};
 use std::io::IsTerminal;
 use std::time::Instant;
 
@@ -65,14 +65,13 @@ fn on_device(
     match m.device.parse::<Device>().context("--device")? {
         Device::Cpu => cpu(CpuBackend),
         Device::Cuda(n) => {
-            let w: WeightDtype = m
-                .cuda_weights
-                .parse()
-                .map_err(anyhow::Error::msg)
-                .context("--cuda-weights")?;
-            let b = CudaBackend::with_weights(n, None, w)
-                .with_context(|| format!("--device cuda:{n}: CUDA backend unavailable"))?;
-            cuda(b)
+            // Each row then sets its own graph mode (`BenchBackend::apply_graph_mode`).
+            let spec = CudaSpec {
+                weights: weight_dtype(&m.cuda_weights)?,
+                graphs: GraphMode::default(),
+                verify_graphs: false,
+            };
+            cuda(spec.open(n).context("CUDA backend unavailable")?)
         }
         Device::Auto => bail!("--device auto is not accepted by bench: name cpu or cuda:N"),
     }
