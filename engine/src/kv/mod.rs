@@ -15,15 +15,9 @@ pub mod sizing;
 
 pub use device::DevicePool;
 pub use host::{HostPool, HostPoolError};
-pub use layout::{EntryDtype, KvLayout, KvLayoutSpec, LayerKvLayout, LayoutError};
-pub use pool::{PageId, PagePool, PoolError, StateSlot};
+pub use layout::{
+    EntryDtype, KvLayout, KvLayoutSpec, LayerKvLayout, LayoutError, PageId, StateSlot,
+};
+pub use pool::{PagePool, PoolError, SeqKv};
 pub use prefix::{CachedPrefill, PrefixCache};
 
-/// One request's KV handle: its page table and its state slot.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SeqKv {
-    pub pages: Vec<PageId>,
-    pub state: StateSlot,
-    /// Positions already written (the next token's position).
-    pub len: usize,
-}

@@ -1,10 +1,16 @@
 //! Page and state-slot bookkeeping. Storage lives in the backend; this only decides
 //! which ids are free, and counts references so a shared page is freed once.
 
-/// Index of a token page in a pool.
-pub type PageId = u32;
-/// Index of a per-request state slot in a pool.
-pub type StateSlot = u32;
+use super::layout::{PageId, StateSlot};
+
+/// One request's KV handle: its page table and its state slot.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SeqKv {
+    pub pages: Vec<PageId>,
+    pub state: StateSlot,
+    /// Positions already written (the next token's position).
+    pub len: usize,
+}
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum PoolError {
