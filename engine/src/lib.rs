@@ -40,4 +40,6 @@ pub mod tokenizer;
 pub mod weights;
 
 pub use backend::cpu::CpuBackend;
-pub use engine::{Engine, EngineError, ErrorClass, ForwardItem, Logits, PoolSize, SeqSnapshot, Sequence};
+pub use engine::{
+    Engine, EngineError, ErrorClass, ForwardItem, Logits, PoolSize, SeqSnapshot, Sequence,
+};

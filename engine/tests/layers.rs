@@ -5,6 +5,8 @@
 //! `kv/mod.rs`), and fails on any import that runs upwards or names a module missing
 //! from [`LAYERS`].
 
+#![allow(clippy::unwrap_used)]
+
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
@@ -279,7 +281,10 @@ fn no_module_imports_a_higher_layer() {
             continue;
         }
         let Some(own) = layer_of(m) else {
-            errors.push(format!("{}: module `{m}` has no layer in LAYERS", f.display()));
+            errors.push(format!(
+                "{}: module `{m}` has no layer in LAYERS",
+                f.display()
+            ));
             continue;
         };
         let (trees, rest) = use_trees(&code_of(f));
@@ -306,7 +311,11 @@ fn no_module_imports_a_higher_layer() {
             }
         }
     }
-    assert!(errors.is_empty(), "layer violations:\n{}", errors.join("\n"));
+    assert!(
+        errors.is_empty(),
+        "layer violations:\n{}",
+        errors.join("\n")
+    );
 }
 
 /// The name `name` is re-exported under in a `pub use` tree (`x as y` -> `y`).
@@ -327,7 +336,10 @@ fn the_checker_sees_an_upward_import() {
     let code = strip_comments("use crate::engine::{Engine, EngineError}; // use crate::x;\n");
     let (trees, rest) = use_trees(&code);
     let paths: Vec<String> = trees.iter().flat_map(|t| expand(t)).collect();
-    assert_eq!(paths, vec!["crate::engine::Engine", "crate::engine::EngineError"]);
+    assert_eq!(
+        paths,
+        vec!["crate::engine::Engine", "crate::engine::EngineError"]
+    );
     assert!(inline_crate_paths(&rest).is_empty());
     assert_eq!(
         inline_crate_paths("let x = crate::model::Model::new();"),

@@ -20,4 +20,3 @@ pub use layout::{
 };
 pub use pool::{PagePool, PoolError, SeqKv};
 pub use prefix::{CachedPrefill, PrefixCache};
-

@@ -1,82 +1,18 @@
 //! An engine: one model on one backend with its KV pool. Sequences hold page tables;
 //! [`Engine::forward`] runs any mix of prefill chunks and decode steps in one batch.
 
-use crate::backend::{Backend, BackendError, BatchPlan, HostTensor, SeqPlan};
+use crate::backend::{Backend, BatchPlan, HostTensor, SeqPlan};
 use crate::config::ModelConfig;
 use crate::kv::audit::{self, PoolChecksums};
-use crate::kv::{
-    DevicePool, KvLayout, KvLayoutSpec, LayoutError, PageId, PagePool, PoolError, SeqKv, StateSlot,
-};
-use crate::model::{LoadError, Model, ModelWeights};
+use crate::kv::{DevicePool, KvLayout, KvLayoutSpec, PageId, PagePool, SeqKv, StateSlot};
+use crate::model::{Model, ModelWeights};
 use crate::weights::Checkpoint;
 use std::collections::BTreeSet;
 use std::path::Path;
 
-#[derive(Debug, thiserror::Error)]
-pub enum EngineError {
-    #[error(transparent)]
-    Config(#[from] crate::config::ConfigError),
-    #[error(transparent)]
-    Load(#[from] LoadError),
-    #[error(transparent)]
-    Weights(#[from] crate::weights::WeightsError),
-    #[error(transparent)]
-    Layout(#[from] LayoutError),
-    #[error(transparent)]
-    Pool(#[from] PoolError),
-    #[error(transparent)]
-    Backend(#[from] BackendError),
-    /// The caller's input is wrong (empty prompt, token outside the vocabulary, too long,
-    /// bad sampling parameters): a client error.
-    #[error("invalid request: {0}")]
-    InvalidInput(String),
-    /// An invariant of the engine or of data handed between engines broke (prefix-cache
-    /// bookkeeping, a KV snapshot whose layout differs, a sampler failure): a server bug.
-    #[error("internal error: {0}")]
-    Internal(String),
-    #[error("KV audit: pages {pages:?} and state slots {states:?} changed outside this step's expected writes; the request's KV state is corrupt")]
-    KvAudit {
-        pages: Vec<PageId>,
-        states: Vec<StateSlot>,
-    },
-    #[error(transparent)]
-    Host(#[from] crate::kv::HostPoolError),
-}
+mod error;
 
-/// What kind of failure an [`EngineError`] is, decided where it arises; the servers map
-/// a class to a gRPC status in one place (`pdserve_worker`), the router to HTTP.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ErrorClass {
-    /// The request itself is wrong: the client can fix it (gRPC INVALID_ARGUMENT, HTTP 400).
-    InvalidInput,
-    /// Out of KV pages or state slots: retry later or elsewhere (RESOURCE_EXHAUSTED, 503).
-    Exhausted,
-    /// KV state found corrupt by the audit (DATA_LOSS, 500).
-    Corrupt,
-    /// Anything else is the server's fault (INTERNAL, 500).
-    Internal,
-}
-
-impl EngineError {
-    pub fn class(&self) -> ErrorClass {
-        match self {
-            EngineError::InvalidInput(_) => ErrorClass::InvalidInput,
-            EngineError::Pool(
-                crate::kv::PoolError::PagesExhausted { .. }
-                | crate::kv::PoolError::StatesExhausted { .. },
-            ) => ErrorClass::Exhausted,
-            EngineError::KvAudit { .. } => ErrorClass::Corrupt,
-            EngineError::Config(_)
-            | EngineError::Load(_)
-            | EngineError::Weights(_)
-            | EngineError::Layout(_)
-            | EngineError::Pool(_)
-            | EngineError::Backend(_)
-            | EngineError::Internal(_)
-            | EngineError::Host(_) => ErrorClass::Internal,
-        }
-    }
-}
+pub use error::{EngineError, ErrorClass};
 
 /// Pool sizing.
 #[derive(Debug, Clone, Copy)]
@@ -445,7 +381,9 @@ impl<B: Backend> Engine<B> {
         let vocab = self.model.cfg.vocab_size;
         for it in items.iter() {
             if it.tokens.is_empty() {
-                return Err(EngineError::InvalidInput("forward item with no tokens".into()));
+                return Err(EngineError::InvalidInput(
+                    "forward item with no tokens".into(),
+                ));
             }
             if let Some(&t) = it.tokens.iter().find(|&&t| t as usize >= vocab) {
                 return Err(EngineError::InvalidInput(format!(
