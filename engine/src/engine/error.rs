@@ -1,6 +1,7 @@
 //! What can go wrong in an engine, and which kind of failure each error is.
 
 use crate::backend::BackendError;
+use crate::kv::audit::AuditError;
 use crate::kv::{LayoutError, PageId, PoolError, StateSlot};
 use crate::model::LoadError;
 
@@ -66,6 +67,15 @@ impl EngineError {
             | EngineError::Backend(_)
             | EngineError::Internal(_)
             | EngineError::Host(_) => ErrorClass::Internal,
+        }
+    }
+}
+
+impl From<AuditError> for EngineError {
+    fn from(e: AuditError) -> Self {
+        match e {
+            AuditError::Backend(e) => EngineError::Backend(e),
+            AuditError::Corrupt { pages, states } => EngineError::KvAudit { pages, states },
         }
     }
 }

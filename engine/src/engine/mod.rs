@@ -3,11 +3,10 @@
 
 use crate::backend::{Backend, BatchPlan, HostTensor, SeqPlan};
 use crate::config::ModelConfig;
-use crate::kv::audit::{self, PoolChecksums};
-use crate::kv::{DevicePool, KvLayout, KvLayoutSpec, PageId, PagePool, SeqKv, StateSlot};
+use crate::kv::audit::StepAudit;
+use crate::kv::{DevicePool, KvLayout, KvLayoutSpec, PageId, PagePool, SeqKv};
 use crate::model::{Model, ModelWeights};
 use crate::weights::Checkpoint;
-use std::collections::BTreeSet;
 use std::path::Path;
 
 mod error;
@@ -83,11 +82,7 @@ pub struct Engine<B: Backend> {
     pub(crate) backend: B,
     model: Model<B>,
     pub(crate) device: DevicePool<B>,
-    kv_audit: bool,
-    /// Pages/slots the audit found corrupt; sequences holding them fail until they are freed.
-    poisoned: BTreeSet<PageId>,
-    poisoned_states: BTreeSet<StateSlot>,
-    scribble: Option<PageId>,
+    audit: StepAudit,
 }
 
 impl<B: Backend> Engine<B> {
@@ -117,10 +112,7 @@ impl<B: Backend> Engine<B> {
         Ok(Engine {
             model: Model::new(cfg, weights),
             device,
-            kv_audit: false,
-            poisoned: BTreeSet::new(),
-            poisoned_states: BTreeSet::new(),
-            scribble: None,
+            audit: StepAudit::default(),
             backend,
         })
     }
@@ -136,11 +128,11 @@ impl<B: Backend> Engine<B> {
     /// Turn the per-step write audit on or off (`--kv-audit`; costly: it checksums the
     /// whole pool twice per forward).
     pub fn set_kv_audit(&mut self, on: bool) {
-        self.kv_audit = on;
+        self.audit.set_enabled(on);
     }
 
     pub fn kv_audit(&self) -> bool {
-        self.kv_audit
+        self.audit.enabled()
     }
 
     /// The device pool (pages, state slots and their storage).
@@ -152,7 +144,7 @@ impl<B: Backend> Engine<B> {
     /// kernel writing out of bounds would. Only the audit tests use it.
     #[doc(hidden)]
     pub fn debug_scribble_after_next_forward(&mut self, page: PageId) {
-        self.scribble = Some(page);
+        self.audit.scribble_after_next_step(page);
     }
 
     pub fn backend(&self) -> &B {
@@ -174,7 +166,7 @@ impl<B: Backend> Engine<B> {
             self.device.pages.release_state(state)?;
             return Err(e.into());
         }
-        self.poisoned_states.remove(&state);
+        self.audit.forget_state(state);
         Ok(Sequence {
             kv: SeqKv {
                 pages: Vec::new(),
@@ -188,7 +180,7 @@ impl<B: Backend> Engine<B> {
     pub fn release(&mut self, seq: Sequence) -> Result<(), EngineError> {
         self.release_pages(&seq.kv.pages)?;
         self.device.pages.release_state(seq.kv.state)?;
-        self.poisoned_states.remove(&seq.kv.state);
+        self.audit.forget_state(seq.kv.state);
         Ok(())
     }
 
@@ -198,7 +190,7 @@ impl<B: Backend> Engine<B> {
         self.device.pages.release_pages(pages)?;
         for p in pages {
             if self.device.pages.refcount(*p) == 0 {
-                self.poisoned.remove(p);
+                self.audit.forget_page(*p);
             }
         }
         self.device.publish_metrics();
@@ -207,7 +199,7 @@ impl<B: Backend> Engine<B> {
 
     /// Whether the audit marked `page` corrupt.
     pub fn is_poisoned(&self, page: PageId) -> bool {
-        self.poisoned.contains(&page)
+        self.audit.is_poisoned(page)
     }
 
     /// A new sequence that shares `pages` and starts from `state` (a state slot's bytes)
@@ -295,64 +287,6 @@ impl<B: Backend> Engine<B> {
         }
     }
 
-    /// Fail a forward whose sequences hold pages the audit found corrupt.
-    fn check_poison(&self, items: &[ForwardItem<'_>]) -> Result<(), EngineError> {
-        if self.poisoned.is_empty() && self.poisoned_states.is_empty() {
-            return Ok(());
-        }
-        let mut pages = Vec::new();
-        let mut states = Vec::new();
-        for it in items {
-            pages.extend(it.seq.kv.pages.iter().filter(|p| self.poisoned.contains(p)));
-            if self.poisoned_states.contains(&it.seq.kv.state) {
-                states.push(it.seq.kv.state);
-            }
-        }
-        if pages.is_empty() && states.is_empty() {
-            return Ok(());
-        }
-        Err(EngineError::KvAudit { pages, states })
-    }
-
-    /// Compare the pool against its checksums from before the step.
-    fn audit_step(&mut self, before: &PoolChecksums, plan: &BatchPlan) -> Result<(), EngineError> {
-        let after = PoolChecksums::take(&self.backend, &self.device)?;
-        let expected = audit::expected_writes(plan, self.device.layout.page_tokens);
-        let bad = audit::compare(before, &after, &expected);
-        if bad.is_empty() {
-            return Ok(());
-        }
-        tracing::error!(
-            pages = ?bad.pages,
-            states = ?bad.states,
-            expected_pages = ?expected.0,
-            "KV audit: unexpected writes in this step"
-        );
-        crate::kv::metrics::audit_violations(bad.count());
-        let pool = &self.device.pages;
-        self.poisoned
-            .extend(bad.pages.iter().copied().filter(|&p| pool.refcount(p) > 0));
-        self.poisoned_states.extend(bad.states.iter().copied());
-        // Fail this step only if one of its own sequences holds corrupted state; other
-        // owners fail when they next run (check_poison), so only affected requests end.
-        let pages: Vec<PageId> = plan
-            .seqs
-            .iter()
-            .flat_map(|s| s.pages.iter().copied())
-            .filter(|p| bad.pages.contains(p))
-            .collect();
-        let states: Vec<StateSlot> = plan
-            .seqs
-            .iter()
-            .map(|s| s.state)
-            .filter(|s| bad.states.contains(s))
-            .collect();
-        if pages.is_empty() && states.is_empty() {
-            return Ok(());
-        }
-        Err(EngineError::KvAudit { pages, states })
-    }
-
     /// Grow every sequence's page table to cover its new tokens; all or nothing.
     fn reserve(&mut self, items: &mut [ForwardItem<'_>]) -> Result<(), EngineError> {
         let need: Vec<usize> = items
@@ -398,7 +332,7 @@ impl<B: Backend> Engine<B> {
                 )));
             }
         }
-        self.check_poison(items)?;
+        self.audit.check_held(items.iter().map(|it| &it.seq.kv))?;
         self.reserve(items)?;
         let mut plan = BatchPlan::default();
         let mut logit_rows = Vec::new();
@@ -425,10 +359,7 @@ impl<B: Backend> Engine<B> {
             counts.push(rows.len());
             logit_rows.extend(rows);
         }
-        let before = match self.kv_audit {
-            true => Some(PoolChecksums::take(&self.backend, &self.device)?),
-            false => None,
-        };
+        let before = self.audit.before_step(&self.backend, &self.device)?;
         let decode = items
             .iter()
             .all(|it| it.tokens.len() == 1 && matches!(it.logits, Logits::Last));
@@ -451,13 +382,8 @@ impl<B: Backend> Engine<B> {
                 &logit_rows,
             )?
         };
-        if let Some(page) = self.scribble.take() {
-            let garbage = vec![0xA5u8; self.device.layout.page_bytes];
-            self.device.write_page(&self.backend, page, &garbage)?;
-        }
-        if let Some(before) = before {
-            self.audit_step(&before, &plan)?;
-        }
+        self.audit
+            .after_step(&self.backend, &mut self.device, before, &plan)?;
         for it in items.iter_mut() {
             it.seq.kv.len += it.tokens.len();
         }
