@@ -10,6 +10,7 @@ use crate::weights::Checkpoint;
 use std::path::Path;
 
 mod error;
+mod pages;
 
 pub use error::{EngineError, ErrorClass};
 
@@ -79,9 +80,9 @@ pub struct ForwardItem<'a> {
 }
 
 pub struct Engine<B: Backend> {
-    pub(crate) backend: B,
+    backend: B,
     model: Model<B>,
-    pub(crate) device: DevicePool<B>,
+    device: DevicePool<B>,
     audit: StepAudit,
 }
 
@@ -182,49 +183,6 @@ impl<B: Backend> Engine<B> {
         self.device.pages.release_state(seq.kv.state)?;
         self.audit.forget_state(seq.kv.state);
         Ok(())
-    }
-
-    /// Drop one reference on each page; a page whose last reference goes is free again
-    /// (and no longer counted as corrupt).
-    pub(crate) fn release_pages(&mut self, pages: &[PageId]) -> Result<(), EngineError> {
-        self.device.pages.release_pages(pages)?;
-        for p in pages {
-            if self.device.pages.refcount(*p) == 0 {
-                self.audit.forget_page(*p);
-            }
-        }
-        self.device.publish_metrics();
-        Ok(())
-    }
-
-    /// Whether the audit marked `page` corrupt.
-    pub fn is_poisoned(&self, page: PageId) -> bool {
-        self.audit.is_poisoned(page)
-    }
-
-    /// A new sequence that shares `pages` and starts from `state` (a state slot's bytes)
-    /// at position `len`. It takes over one reference the caller holds on each page; on
-    /// error those references stay with the caller.
-    pub(crate) fn sequence_from_prefix(
-        &mut self,
-        pages: &[PageId],
-        state: &[u8],
-        len: usize,
-    ) -> Result<Sequence, EngineError> {
-        if pages.len() != self.layout().pages_for(len) {
-            return Err(EngineError::Internal(format!(
-                "prefix of {len} positions given {} pages",
-                pages.len()
-            )));
-        }
-        let mut seq = self.new_sequence()?;
-        if let Err(e) = self.device.write_state(&self.backend, seq.kv.state, state) {
-            self.release(seq)?;
-            return Err(e.into());
-        }
-        seq.kv.pages = pages.to_vec();
-        seq.kv.len = len;
-        Ok(seq)
     }
 
     /// Copy out a sequence's pages and state.
