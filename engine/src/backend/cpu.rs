@@ -4,8 +4,8 @@ use super::cpu_kv::{CpuKv, Region};
 use super::gemm::matmul_nt;
 use super::shapes::shape_err;
 use super::{
-    cpu_attention, shapes, BResult, Backend, BatchPlan, CompressedKeys, CompressorParams, HcParams,
-    HcPre, HostTensor, MoeParams,
+    cpu_attention, shapes, BResult, BatchPlan, CompressedKeys, CompressorParams, HcParams, HcPre,
+    HostTensor, KvStorage, MoeParams, StepRunner, TensorOps,
 };
 use crate::config::ScoringFunc;
 use crate::kv::{KvLayout, PageId, StateSlot};
@@ -101,9 +101,39 @@ impl CpuBackend {
     }
 }
 
-impl Backend for CpuBackend {
-    type Tensor = CpuTensor;
+impl KvStorage for CpuBackend {
     type KvStore = CpuKv;
+
+    fn alloc_kv(&self, layout: &KvLayout, pages: usize, states: usize) -> BResult<CpuKv> {
+        Ok(CpuKv::new(layout, pages, states))
+    }
+
+    fn reset_state(&self, kv: &mut CpuKv, slot: StateSlot) -> BResult<()> {
+        kv.zero(Region::State(slot))
+    }
+
+    fn page_bytes(&self, kv: &CpuKv, page: PageId) -> BResult<Vec<u8>> {
+        kv.bytes(Region::Page(page))
+    }
+
+    fn state_bytes(&self, kv: &CpuKv, slot: StateSlot) -> BResult<Vec<u8>> {
+        kv.bytes(Region::State(slot))
+    }
+
+    fn write_page(&self, kv: &mut CpuKv, page: PageId, bytes: &[u8]) -> BResult<()> {
+        kv.write_bytes(Region::Page(page), bytes)
+    }
+
+    fn write_state(&self, kv: &mut CpuKv, slot: StateSlot, bytes: &[u8]) -> BResult<()> {
+        kv.write_bytes(Region::State(slot), bytes)
+    }
+}
+
+/// One forward per decode step (no graphs on the CPU).
+impl StepRunner for CpuBackend {}
+
+impl TensorOps for CpuBackend {
+    type Tensor = CpuTensor;
     type Selection = Vec<Vec<u32>>;
 
     fn name(&self) -> String {
@@ -145,42 +175,6 @@ impl Backend for CpuBackend {
             out.data[i * t.cols..(i + 1) * t.cols].copy_from_slice(t.row(r));
         }
         Ok(out)
-    }
-
-    fn alloc_kv(&self, layout: &KvLayout, pages: usize, states: usize) -> BResult<CpuKv> {
-        Ok(CpuKv::new(layout, pages, states))
-    }
-
-    fn reset_state(&self, kv: &mut CpuKv, _layout: &KvLayout, slot: StateSlot) -> BResult<()> {
-        kv.zero(Region::State(slot))
-    }
-
-    fn page_bytes(&self, kv: &CpuKv, _layout: &KvLayout, page: PageId) -> BResult<Vec<u8>> {
-        kv.bytes(Region::Page(page))
-    }
-
-    fn state_bytes(&self, kv: &CpuKv, _layout: &KvLayout, slot: StateSlot) -> BResult<Vec<u8>> {
-        kv.bytes(Region::State(slot))
-    }
-
-    fn write_page(
-        &self,
-        kv: &mut CpuKv,
-        _layout: &KvLayout,
-        page: PageId,
-        bytes: &[u8],
-    ) -> BResult<()> {
-        kv.write_bytes(Region::Page(page), bytes)
-    }
-
-    fn write_state(
-        &self,
-        kv: &mut CpuKv,
-        _layout: &KvLayout,
-        slot: StateSlot,
-        bytes: &[u8],
-    ) -> BResult<()> {
-        kv.write_bytes(Region::State(slot), bytes)
     }
 
     fn embed(&self, table: &CpuTensor, tokens: &[u32], copies: usize) -> BResult<CpuTensor> {

@@ -162,8 +162,7 @@ impl<B: Backend> Engine<B> {
 
     pub fn new_sequence(&mut self) -> Result<Sequence, EngineError> {
         let state = self.device.pages.alloc_state()?;
-        let d = &mut self.device;
-        if let Err(e) = self.backend.reset_state(&mut d.store, &d.layout, state) {
+        if let Err(e) = self.backend.reset_state(&mut self.device.store, state) {
             self.device.pages.release_state(state)?;
             return Err(e.into());
         }

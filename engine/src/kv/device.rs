@@ -43,25 +43,25 @@ impl<B: Backend> DevicePool<B> {
 
     /// Bytes of a page (exactly `layout.page_bytes`).
     pub fn read_page(&self, backend: &B, page: PageId) -> BResult<Vec<u8>> {
-        let b = backend.page_bytes(&self.store, &self.layout, page)?;
+        let b = backend.page_bytes(&self.store, page)?;
         self.check_len("page", b.len(), self.layout.page_bytes)?;
         Ok(b)
     }
 
     pub fn write_page(&mut self, backend: &B, page: PageId, bytes: &[u8]) -> BResult<()> {
         self.check_len("page", bytes.len(), self.layout.page_bytes)?;
-        backend.write_page(&mut self.store, &self.layout, page, bytes)
+        backend.write_page(&mut self.store, page, bytes)
     }
 
     pub fn read_state(&self, backend: &B, slot: StateSlot) -> BResult<Vec<u8>> {
-        let b = backend.state_bytes(&self.store, &self.layout, slot)?;
+        let b = backend.state_bytes(&self.store, slot)?;
         self.check_len("state slot", b.len(), self.layout.state_bytes)?;
         Ok(b)
     }
 
     pub fn write_state(&mut self, backend: &B, slot: StateSlot, bytes: &[u8]) -> BResult<()> {
         self.check_len("state slot", bytes.len(), self.layout.state_bytes)?;
-        backend.write_state(&mut self.store, &self.layout, slot, bytes)
+        backend.write_state(&mut self.store, slot, bytes)
     }
 
     fn check_len(&self, what: &str, got: usize, want: usize) -> BResult<()> {

@@ -4,7 +4,7 @@
 //! `N(0, 1/sqrt(fan_in))`, norm weights `1 + 0.2 N`, sinks `N(0,1)`, ...), so activations
 //! stay finite and no parameter is left at a degenerate zero.
 
-use super::weights::{rows_cols, LoadError, TensorSource};
+use super::weights::{rows_cols, weight_use, LoadError, TensorSource};
 use crate::backend::random::tensor_seed;
 use crate::backend::{Backend, WeightInit};
 use crate::config::ModelConfig;
@@ -46,7 +46,7 @@ pub fn init_for(name: &str, cols: usize) -> Option<WeightInit> {
     }
 }
 
-/// Tensors drawn by the backend's [`Backend::random_weight`].
+/// Tensors drawn by the backend's [`crate::backend::TensorOps::random_weight`].
 pub struct RandomSource {
     shapes: HashMap<String, Vec<usize>>,
     seed: u64,
@@ -88,7 +88,8 @@ impl<B: Backend> TensorSource<B> for RandomSource {
             name: name.into(),
             reason: "no random-init rule for this tensor".into(),
         })?;
-        let t = backend.random_weight(name, rows, cols, init, tensor_seed(self.seed, name))?;
+        let seed = tensor_seed(self.seed, name);
+        let t = backend.random_weight(rows, cols, init, seed, weight_use(name, rows, cols))?;
         self.progress.advance((rows * cols * 4) as u64);
         Ok(t)
     }

@@ -1,6 +1,6 @@
 //! The model's parameters, loaded from a checkpoint onto a backend.
 
-use crate::backend::{Backend, BackendError, HostTensor};
+use crate::backend::{Backend, BackendError, HostTensor, WeightUse};
 use crate::config::{LayerKind, MlpKind, ModelConfig};
 use crate::weights::{Checkpoint, LoadProgress, WeightsError};
 
@@ -94,14 +94,12 @@ impl<B: Backend> TensorSource<B> for CheckpointSource<'_> {
         let t = self.ckpt.tensor_f32(name)?;
         self.progress.advance(self.ckpt.tensor_bytes(name));
         let (rows, cols) = rows_cols(&t.shape);
-        Ok(backend.upload_weight(
-            name,
-            HostTensor {
-                rows,
-                cols,
-                data: t.data,
-            },
-        )?)
+        let host = HostTensor {
+            rows,
+            cols,
+            data: t.data,
+        };
+        Ok(backend.upload_weight(host, weight_use(name, rows, cols))?)
     }
 
     fn expert_ids(&mut self, name: &str, n_experts: usize) -> Result<Vec<u32>, LoadError> {
@@ -126,6 +124,24 @@ impl<B: Backend> TensorSource<B> for CheckpointSource<'_> {
 
     fn finish(&mut self) {
         self.progress.finish();
+    }
+}
+
+/// How the model uses weight `name` (canonical, stored `rows x cols`), which decides its
+/// storage. Kept fp32: the MoE router (`mlp.gate.weight`: its top-k picks are discrete;
+/// DeepSeek's reference computes it in fp32) and the hyper-connection `fn` maps (fp32 in
+/// the reference too). Vectors (norm weights, sinks, biases, scales) are one row or one
+/// column; every other weight is a matrix.
+pub fn weight_use(name: &str, rows: usize, cols: usize) -> WeightUse {
+    let keep_f32 = name.ends_with(".mlp.gate.weight")
+        || name.ends_with("_hc.fn")
+        || name.ends_with("hc_head.hc_fn");
+    if rows < 2 || cols < 2 {
+        WeightUse::Vector
+    } else if keep_f32 {
+        WeightUse::KeepF32
+    } else {
+        WeightUse::Matrix
     }
 }
 
@@ -280,5 +296,56 @@ impl<B: Backend> ModelWeights<B> {
 
     pub fn lm_head(&self) -> &B::Tensor {
         self.lm_head.as_ref().unwrap_or(&self.embed_tokens)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn router_and_hyper_connection_maps_stay_f32_vectors_are_vectors() {
+        let cases = [
+            ("model.layers.3.mlp.gate.weight", 8, 64, WeightUse::KeepF32),
+            ("model.layers.0.attn_hc.fn", 24, 256, WeightUse::KeepF32),
+            ("model.layers.0.ffn_hc.fn", 24, 256, WeightUse::KeepF32),
+            ("model.hc_head.hc_fn", 4, 256, WeightUse::KeepF32),
+            ("model.layers.0.attn_hc.base", 1, 24, WeightUse::Vector),
+            (
+                "model.layers.0.input_layernorm.weight",
+                1,
+                64,
+                WeightUse::Vector,
+            ),
+            ("model.layers.0.self_attn.sinks", 1, 4, WeightUse::Vector),
+            (
+                "model.layers.0.self_attn.q_a_proj.weight",
+                32,
+                64,
+                WeightUse::Matrix,
+            ),
+            (
+                "model.layers.1.self_attn.compressor.position_bias",
+                4,
+                16,
+                WeightUse::Matrix,
+            ),
+            (
+                "model.layers.0.mlp.experts.gate_up_proj",
+                512,
+                64,
+                WeightUse::Matrix,
+            ),
+            (
+                "model.layers.0.mlp.shared_experts.gate_proj.weight",
+                32,
+                64,
+                WeightUse::Matrix,
+            ),
+            ("model.embed_tokens.weight", 100, 64, WeightUse::Matrix),
+        ];
+        for (name, rows, cols, want) in cases {
+            assert_eq!(weight_use(name, rows, cols), want, "{name}");
+        }
     }
 }
