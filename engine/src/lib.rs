@@ -11,7 +11,7 @@
 //!    `kv::sizing`, `kv::fp8`, `kv::peer`, `kv::metrics`): values and plain algorithms.
 //! 1. **backend** (`backend`): the traits a backend implements (tensor ops, KV storage,
 //!    step running) and the CPU backend. It knows the layout, not who allocates pages.
-//! 2. **pools** (`kv::pool`, `kv::device`, `kv::host`, `kv::audit`): page and state-slot
+//! 2. **pools** (`kv::allocator`, `kv::device`, `kv::host`, `kv::audit`): page and state-slot
 //!    allocation, the device pool over a backend's KV storage, the host pool, the
 //!    per-step write audit.
 //! 3. **model** (`model`): the parameters and the forward pass, written against the

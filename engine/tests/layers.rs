@@ -29,7 +29,7 @@ const LAYERS: &[(&str, usize)] = &[
     // 1. backend: the traits of numeric ops, KV storage and step running; the CPU backend.
     ("backend", 1),
     // 2. pools: page/state allocation, device and host pools, the step audit.
-    ("kv::pool", 2),
+    ("kv::allocator", 2),
     ("kv::device", 2),
     ("kv::host", 2),
     ("kv::audit", 2),

@@ -4,7 +4,7 @@
 use crate::backend::{Backend, BatchPlan, HostTensor, SeqPlan};
 use crate::config::ModelConfig;
 use crate::kv::audit::StepAudit;
-use crate::kv::{DevicePool, KvLayout, KvLayoutSpec, PageId, PagePool, SeqKv};
+use crate::kv::{DevicePool, KvAllocator, KvLayout, KvLayoutSpec, PageId, SeqKv};
 use crate::model::{Model, ModelWeights};
 use crate::weights::Checkpoint;
 use std::path::Path;
@@ -152,8 +152,9 @@ impl<B: Backend> Engine<B> {
         &self.backend
     }
 
-    pub fn pool(&self) -> &PagePool {
-        &self.device.pages
+    /// Who holds which device pages and state slots.
+    pub fn allocator(&self) -> &KvAllocator {
+        self.device.allocator()
     }
 
     pub fn kv_store(&self) -> &B::KvStore {
@@ -161,9 +162,9 @@ impl<B: Backend> Engine<B> {
     }
 
     pub fn new_sequence(&mut self) -> Result<Sequence, EngineError> {
-        let state = self.device.pages.alloc_state()?;
+        let state = self.device.allocator.alloc_state()?;
         if let Err(e) = self.backend.reset_state(&mut self.device.store, state) {
-            self.device.pages.release_state(state)?;
+            self.device.allocator.release_state(state)?;
             return Err(e.into());
         }
         self.audit.forget_state(state);
@@ -179,7 +180,7 @@ impl<B: Backend> Engine<B> {
     /// Free a sequence's pages and state slot.
     pub fn release(&mut self, seq: Sequence) -> Result<(), EngineError> {
         self.release_pages(&seq.kv.pages)?;
-        self.device.pages.release_state(seq.kv.state)?;
+        self.device.allocator.release_state(seq.kv.state)?;
         self.audit.forget_state(seq.kv.state);
         Ok(())
     }
@@ -224,7 +225,7 @@ impl<B: Backend> Engine<B> {
         }
         let mut seq = self.new_sequence()?;
         let written = (|| {
-            seq.kv.pages = self.device.pages.alloc_pages(snap.pages.len())?;
+            seq.kv.pages = self.device.allocator.alloc_pages(snap.pages.len())?;
             for (&p, bytes) in seq.kv.pages.iter().zip(&snap.pages) {
                 self.device.write_page(&self.backend, p, bytes)?;
             }
@@ -256,7 +257,7 @@ impl<B: Backend> Engine<B> {
             })
             .collect();
         let total: usize = need.iter().sum();
-        let mut fresh = self.device.pages.alloc_pages(total)?.into_iter();
+        let mut fresh = self.device.allocator.alloc_pages(total)?.into_iter();
         for (it, n) in items.iter_mut().zip(need) {
             it.seq.kv.pages.extend(fresh.by_ref().take(n));
         }

@@ -10,9 +10,9 @@ impl<B: Backend> Engine<B> {
     /// Drop one reference on each page; a page whose last reference goes is free again
     /// (and no longer counted as corrupt).
     pub(crate) fn release_pages(&mut self, pages: &[PageId]) -> Result<(), EngineError> {
-        self.device.pages.release_pages(pages)?;
+        self.device.allocator.release_pages(pages)?;
         for p in pages {
-            if self.device.pages.refcount(*p) == 0 {
+            if self.device.allocator.refcount(*p) == 0 {
                 self.audit.forget_page(*p);
             }
         }
@@ -52,24 +52,24 @@ impl<B: Backend> Engine<B> {
 
     /// References held on `page` (0: free).
     pub(crate) fn page_refcount(&self, page: PageId) -> u32 {
-        self.device.pages.refcount(page)
+        self.device.allocator.refcount(page)
     }
 
     /// Device pages free now.
     pub(crate) fn free_page_count(&self) -> usize {
-        self.device.pages.free_page_count()
+        self.device.allocator.free_page_count()
     }
 
     /// `n` fresh pages, one reference each owned by the caller; all or nothing.
     pub(crate) fn alloc_pages(&mut self, n: usize) -> Result<Vec<PageId>, EngineError> {
-        let pages = self.device.pages.alloc_pages(n)?;
+        let pages = self.device.allocator.alloc_pages(n)?;
         self.device.publish_metrics();
         Ok(pages)
     }
 
     /// Add one reference to each of `pages` (already allocated).
     pub(crate) fn retain_pages(&mut self, pages: &[PageId]) -> Result<(), EngineError> {
-        Ok(self.device.pages.retain_pages(pages)?)
+        Ok(self.device.allocator.retain_pages(pages)?)
     }
 
     /// The bytes of `seq`'s state slot.

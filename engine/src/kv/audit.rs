@@ -121,7 +121,7 @@ impl StepAudit {
             "KV audit: unexpected writes in this step"
         );
         super::metrics::audit_violations(bad.count());
-        let alloc = pool.bookkeeping();
+        let alloc = pool.allocator();
         self.poisoned_pages
             .extend(bad.pages.iter().copied().filter(|&p| alloc.refcount(p) > 0));
         self.poisoned_states.extend(bad.states.iter().copied());
@@ -166,7 +166,7 @@ pub struct PoolChecksums {
 
 impl PoolChecksums {
     pub fn take<B: Backend>(backend: &B, pool: &DevicePool<B>) -> BResult<Self> {
-        let pp = pool.bookkeeping();
+        let pp = pool.allocator();
         let pages = (0..pp.total_pages() as PageId)
             .map(|p| pool.read_page(backend, p).map(|b| checksum(&b)))
             .collect::<BResult<_>>()?;

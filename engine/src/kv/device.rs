@@ -1,14 +1,14 @@
-//! The device pool: page/state bookkeeping plus the backend's storage of every page and
+//! The device pool: page/state allocation ([`KvAllocator`]) plus the backend's storage of every page and
 //! state slot ("device" memory is host memory on the CPU backend, GPU memory on CUDA).
 //! Every size comes from its [`KvLayout`].
 
-use super::{metrics, KvLayout, PageId, PagePool, StateSlot};
+use super::{metrics, KvAllocator, KvLayout, PageId, StateSlot};
 use crate::backend::{BResult, Backend, BackendError};
 
 pub struct DevicePool<B: Backend> {
     pub(crate) layout: KvLayout,
     pub(crate) fingerprint: String,
-    pub(crate) pages: PagePool,
+    pub(crate) allocator: KvAllocator,
     pub(crate) store: B::KvStore,
 }
 
@@ -18,7 +18,7 @@ impl<B: Backend> DevicePool<B> {
         let pool = DevicePool {
             fingerprint: layout.fingerprint(),
             layout,
-            pages: PagePool::new(pages, states),
+            allocator: KvAllocator::new(pages, states),
             store,
         };
         pool.publish_metrics();
@@ -33,8 +33,9 @@ impl<B: Backend> DevicePool<B> {
         &self.fingerprint
     }
 
-    pub fn bookkeeping(&self) -> &PagePool {
-        &self.pages
+    /// Who holds which pages and state slots of this pool.
+    pub fn allocator(&self) -> &KvAllocator {
+        &self.allocator
     }
 
     pub fn store(&self) -> &B::KvStore {
@@ -78,8 +79,8 @@ impl<B: Backend> DevicePool<B> {
     pub fn publish_metrics(&self) {
         metrics::pages(
             "device",
-            self.pages.total_pages() - self.pages.free_page_count(),
-            self.pages.total_pages(),
+            self.allocator.total_pages() - self.allocator.free_page_count(),
+            self.allocator.total_pages(),
         );
     }
 }

@@ -2,7 +2,7 @@
 //! from the same [`KvLayout`] as the device pool; every copy checks that both pools
 //! share that layout and refuses (naming the differing field) otherwise.
 
-use super::{metrics, DevicePool, KvLayout, LayoutError, PageId, PagePool};
+use super::{metrics, DevicePool, KvAllocator, KvLayout, LayoutError, PageId};
 use crate::backend::{Backend, BackendError};
 
 #[derive(Debug, thiserror::Error)]
@@ -24,7 +24,7 @@ pub enum HostPoolError {
 pub struct HostPool {
     layout: KvLayout,
     fingerprint: String,
-    pages: PagePool,
+    allocator: KvAllocator,
     data: Vec<u8>,
 }
 
@@ -33,7 +33,7 @@ impl HostPool {
         let pool = HostPool {
             layout: layout.clone(),
             fingerprint: layout.fingerprint(),
-            pages: PagePool::new(pages, 0),
+            allocator: KvAllocator::new(pages, 0),
             data: vec![0; pages * layout.page_bytes],
         };
         pool.publish_metrics();
@@ -45,21 +45,21 @@ impl HostPool {
     }
 
     pub fn total_pages(&self) -> usize {
-        self.pages.total_pages()
+        self.allocator.total_pages()
     }
 
     pub fn used_pages(&self) -> usize {
-        self.pages.total_pages() - self.pages.free_page_count()
+        self.allocator.total_pages() - self.allocator.free_page_count()
     }
 
     pub fn alloc(&mut self) -> Option<PageId> {
-        let p = self.pages.alloc_pages(1).ok()?.pop();
+        let p = self.allocator.alloc_pages(1).ok()?.pop();
         self.publish_metrics();
         p
     }
 
     pub fn free(&mut self, page: PageId) -> Result<(), HostPoolError> {
-        self.pages
+        self.allocator
             .release_pages(&[page])
             .map_err(|_| HostPoolError::NotAllocated(page))?;
         self.publish_metrics();
@@ -67,7 +67,7 @@ impl HostPool {
     }
 
     fn range(&self, page: PageId) -> Result<std::ops::Range<usize>, HostPoolError> {
-        if self.pages.refcount(page) == 0 {
+        if self.allocator.refcount(page) == 0 {
             return Err(HostPoolError::NotAllocated(page));
         }
         let pb = self.layout.page_bytes;

@@ -1,6 +1,7 @@
 //! Paged KV state: the layout value, the page/state allocator, the device and host
 //! pools, the prefix cache and the write audit.
 
+pub mod allocator;
 pub mod audit;
 pub mod device;
 pub mod fp8;
@@ -9,14 +10,13 @@ pub mod layout;
 pub mod layout_table;
 pub mod metrics;
 pub mod peer;
-pub mod pool;
 pub mod prefix;
 pub mod sizing;
 
+pub use allocator::{KvAllocator, PoolError, SeqKv};
 pub use device::DevicePool;
 pub use host::{HostPool, HostPoolError};
 pub use layout::{
     EntryDtype, KvLayout, KvLayoutSpec, LayerKvLayout, LayoutError, PageId, StateSlot,
 };
-pub use pool::{PagePool, PoolError, SeqKv};
 pub use prefix::{CachedPrefill, PrefixCache};

@@ -1,5 +1,6 @@
-//! Page and state-slot bookkeeping. Storage lives in the backend; this only decides
-//! which ids are free, and counts references so a shared page is freed once.
+//! [`KvAllocator`]: hands out a pool's page ids and state slots. Storage lives in the
+//! backend; this only decides which ids are free, and counts references so a shared
+//! page is freed once.
 
 use super::layout::{PageId, StateSlot};
 
@@ -28,17 +29,18 @@ pub enum PoolError {
     DoubleFreeState(StateSlot),
 }
 
+/// Allocator of a pool's token pages (reference counted) and state slots.
 #[derive(Debug)]
-pub struct PagePool {
+pub struct KvAllocator {
     refcount: Vec<u32>,
     free_pages: Vec<PageId>,
     state_used: Vec<bool>,
     free_states: Vec<StateSlot>,
 }
 
-impl PagePool {
+impl KvAllocator {
     pub fn new(pages: usize, states: usize) -> Self {
-        PagePool {
+        KvAllocator {
             refcount: vec![0; pages],
             // Pop from the end: hand out low ids first.
             free_pages: (0..pages as PageId).rev().collect(),
@@ -138,7 +140,7 @@ mod tests {
 
     #[test]
     fn alloc_release_roundtrip_and_errors() {
-        let mut p = PagePool::new(4, 2);
+        let mut p = KvAllocator::new(4, 2);
         let a = p.alloc_pages(3).unwrap();
         assert_eq!(a, vec![0, 1, 2]);
         assert!(matches!(
