@@ -1,4 +1,5 @@
-//! fp32 CPU backend. Dense ops here; paged KV ops in `cpu_attention`.
+//! fp32 CPU backend: its tensors are [`HostTensor`]s. Dense ops here; paged KV ops in
+//! `cpu_attention`.
 
 use super::cpu_kv::{CpuKv, Region};
 use super::gemm::matmul_nt;
@@ -11,28 +12,6 @@ use crate::config::ScoringFunc;
 use crate::kv::{KvLayout, PageId, StateSlot};
 use crate::rope::Rope;
 use rayon::prelude::*;
-
-/// Row-major fp32 matrix.
-#[derive(Debug, Clone, PartialEq)]
-pub struct CpuTensor {
-    pub rows: usize,
-    pub cols: usize,
-    pub data: Vec<f32>,
-}
-
-impl CpuTensor {
-    pub fn zeros(rows: usize, cols: usize) -> Self {
-        CpuTensor {
-            rows,
-            cols,
-            data: vec![0.0; rows * cols],
-        }
-    }
-
-    pub fn row(&self, r: usize) -> &[f32] {
-        &self.data[r * self.cols..(r + 1) * self.cols]
-    }
-}
 
 /// The CPU backend; matmuls use rayon's global pool.
 #[derive(Debug, Default, Clone)]
@@ -87,8 +66,8 @@ pub(super) fn rms_norm_into(x: &[f32], w: Option<&[f32]>, eps: f32, out: &mut [f
 }
 
 impl CpuBackend {
-    fn mm(&self, x: &[f32], n: usize, k: usize, w: &[f32], m: usize) -> CpuTensor {
-        let mut out = CpuTensor::zeros(n, m);
+    fn mm(&self, x: &[f32], n: usize, k: usize, w: &[f32], m: usize) -> HostTensor {
+        let mut out = HostTensor::zeros(n, m);
         matmul_nt(x, n, k, w, m, &mut out.data);
         out
     }
@@ -133,41 +112,33 @@ impl KvStorage for CpuBackend {
 impl StepRunner for CpuBackend {}
 
 impl TensorOps for CpuBackend {
-    type Tensor = CpuTensor;
+    type Tensor = HostTensor;
     type Selection = Vec<Vec<u32>>;
 
     fn name(&self) -> String {
         format!("cpu ({} threads)", rayon::current_num_threads())
     }
 
-    fn dims(&self, t: &CpuTensor) -> (usize, usize) {
+    fn dims(&self, t: &HostTensor) -> (usize, usize) {
         (t.rows, t.cols)
     }
 
-    fn upload(&self, t: HostTensor) -> BResult<CpuTensor> {
+    fn upload(&self, t: HostTensor) -> BResult<HostTensor> {
         if t.data.len() != t.rows * t.cols {
             return Err(shape_err(
                 "upload",
                 format!("{}x{} with {} values", t.rows, t.cols, t.data.len()),
             ));
         }
-        Ok(CpuTensor {
-            rows: t.rows,
-            cols: t.cols,
-            data: t.data,
-        })
+        Ok(t)
     }
 
-    fn to_host(&self, t: &CpuTensor) -> BResult<HostTensor> {
-        Ok(HostTensor {
-            rows: t.rows,
-            cols: t.cols,
-            data: t.data.clone(),
-        })
+    fn to_host(&self, t: &HostTensor) -> BResult<HostTensor> {
+        Ok(t.clone())
     }
 
-    fn gather_rows(&self, t: &CpuTensor, rows: &[usize]) -> BResult<CpuTensor> {
-        let mut out = CpuTensor::zeros(rows.len(), t.cols);
+    fn gather_rows(&self, t: &HostTensor, rows: &[usize]) -> BResult<HostTensor> {
+        let mut out = HostTensor::zeros(rows.len(), t.cols);
         for (i, &r) in rows.iter().enumerate() {
             if r >= t.rows {
                 return Err(shape_err("gather_rows", format!("row {r} of {}", t.rows)));
@@ -177,10 +148,10 @@ impl TensorOps for CpuBackend {
         Ok(out)
     }
 
-    fn embed(&self, table: &CpuTensor, tokens: &[u32], copies: usize) -> BResult<CpuTensor> {
+    fn embed(&self, table: &HostTensor, tokens: &[u32], copies: usize) -> BResult<HostTensor> {
         shapes::check_embed(table.rows, tokens)?;
         let h = table.cols;
-        let mut out = CpuTensor::zeros(tokens.len(), copies * h);
+        let mut out = HostTensor::zeros(tokens.len(), copies * h);
         for (i, &t) in tokens.iter().enumerate() {
             let t = t as usize;
             for c in 0..copies {
@@ -191,15 +162,15 @@ impl TensorOps for CpuBackend {
         Ok(out)
     }
 
-    fn matmul(&self, x: &CpuTensor, w: &CpuTensor) -> BResult<CpuTensor> {
+    fn matmul(&self, x: &HostTensor, w: &HostTensor) -> BResult<HostTensor> {
         shapes::check_matmul((x.rows, x.cols), (w.rows, w.cols))?;
         Ok(self.mm(&x.data, x.rows, x.cols, &w.data, w.rows))
     }
 
-    fn grouped_matmul(&self, x: &CpuTensor, w: &CpuTensor, groups: usize) -> BResult<CpuTensor> {
+    fn grouped_matmul(&self, x: &HostTensor, w: &HostTensor, groups: usize) -> BResult<HostTensor> {
         shapes::check_grouped_matmul((x.rows, x.cols), (w.rows, w.cols), groups)?;
         let (din, dout) = (w.cols, w.rows / groups);
-        let mut out = CpuTensor::zeros(x.rows, w.rows);
+        let mut out = HostTensor::zeros(x.rows, w.rows);
         for g in 0..groups {
             let xg: Vec<f32> = (0..x.rows)
                 .flat_map(|r| x.row(r)[g * din..(g + 1) * din].iter().copied())
@@ -221,13 +192,13 @@ impl TensorOps for CpuBackend {
 
     fn rms_norm(
         &self,
-        x: &CpuTensor,
-        weight: Option<&CpuTensor>,
+        x: &HostTensor,
+        weight: Option<&HostTensor>,
         group: usize,
         eps: f32,
-    ) -> BResult<CpuTensor> {
+    ) -> BResult<HostTensor> {
         shapes::check_rms_norm(x.cols, weight.map(|w| w.data.len()), group)?;
-        let mut out = CpuTensor::zeros(x.rows, x.cols);
+        let mut out = HostTensor::zeros(x.rows, x.cols);
         let w = weight.map(|w| w.data.as_slice());
         out.data
             .par_chunks_mut(group)
@@ -238,7 +209,7 @@ impl TensorOps for CpuBackend {
 
     fn rope(
         &self,
-        x: &mut CpuTensor,
+        x: &mut HostTensor,
         head_dim: usize,
         rope: &Rope,
         positions: &[usize],
@@ -262,10 +233,10 @@ impl TensorOps for CpuBackend {
 
     fn hc_pre(
         &self,
-        streams: &CpuTensor,
-        mix: &CpuTensor,
-        p: &HcParams<'_, CpuTensor>,
-    ) -> BResult<HcPre<CpuTensor>> {
+        streams: &HostTensor,
+        mix: &HostTensor,
+        p: &HcParams<'_, HostTensor>,
+    ) -> BResult<HcPre<HostTensor>> {
         let hc = p.hc;
         shapes::check_hc_pre(
             (streams.rows, streams.cols),
@@ -277,9 +248,9 @@ impl TensorOps for CpuBackend {
         let n = streams.rows;
         let h = streams.cols / hc;
         let (base, scale) = (&p.base.data, &p.scale.data);
-        let mut post = CpuTensor::zeros(n, hc);
-        let mut comb = CpuTensor::zeros(n, hc * hc);
-        let mut collapsed = CpuTensor::zeros(n, h);
+        let mut post = HostTensor::zeros(n, hc);
+        let mut comb = HostTensor::zeros(n, hc * hc);
+        let mut collapsed = HostTensor::zeros(n, h);
         for r in 0..n {
             let m = mix.row(r);
             let pre: Vec<f32> = (0..hc)
@@ -322,11 +293,11 @@ impl TensorOps for CpuBackend {
 
     fn hc_post(
         &self,
-        streams: &CpuTensor,
-        out: &CpuTensor,
-        pre: &HcPre<CpuTensor>,
+        streams: &HostTensor,
+        out: &HostTensor,
+        pre: &HcPre<HostTensor>,
         hc: usize,
-    ) -> BResult<CpuTensor> {
+    ) -> BResult<HostTensor> {
         let h = out.cols;
         shapes::check_hc_post(
             (streams.rows, streams.cols),
@@ -335,7 +306,7 @@ impl TensorOps for CpuBackend {
             pre.comb.data.len(),
             hc,
         )?;
-        let mut res = CpuTensor::zeros(streams.rows, streams.cols);
+        let mut res = HostTensor::zeros(streams.rows, streams.cols);
         for r in 0..streams.rows {
             let s = streams.row(r);
             let o = out.row(r);
@@ -357,10 +328,10 @@ impl TensorOps for CpuBackend {
 
     fn hc_head(
         &self,
-        streams: &CpuTensor,
-        mix: &CpuTensor,
-        p: &HcParams<'_, CpuTensor>,
-    ) -> BResult<CpuTensor> {
+        streams: &HostTensor,
+        mix: &HostTensor,
+        p: &HcParams<'_, HostTensor>,
+    ) -> BResult<HostTensor> {
         let hc = p.hc;
         shapes::check_hc_head(
             (streams.rows, streams.cols),
@@ -370,7 +341,7 @@ impl TensorOps for CpuBackend {
             hc,
         )?;
         let h = streams.cols / hc;
-        let mut out = CpuTensor::zeros(streams.rows, h);
+        let mut out = HostTensor::zeros(streams.rows, h);
         for r in 0..streams.rows {
             let m = mix.row(r);
             let pre: Vec<f32> = (0..hc)
@@ -393,9 +364,9 @@ impl TensorOps for CpuBackend {
         kv: &mut CpuKv,
         layout: &KvLayout,
         layer: usize,
-        proj_kv: &CpuTensor,
-        proj_gate: &CpuTensor,
-        p: &CompressorParams<'_, CpuTensor>,
+        proj_kv: &HostTensor,
+        proj_gate: &HostTensor,
+        p: &CompressorParams<'_, HostTensor>,
         plan: &BatchPlan,
     ) -> BResult<()> {
         cpu_attention::compress(kv, layout, layer, proj_kv, proj_gate, p, plan)
@@ -406,8 +377,8 @@ impl TensorOps for CpuBackend {
         kv: &CpuKv,
         layout: &KvLayout,
         layer: usize,
-        q: &CpuTensor,
-        weights: &CpuTensor,
+        q: &HostTensor,
+        weights: &HostTensor,
         n_heads: usize,
         topk: usize,
         plan: &BatchPlan,
@@ -420,13 +391,13 @@ impl TensorOps for CpuBackend {
         kv: &CpuKv,
         layout: &KvLayout,
         layer: usize,
-        q: &CpuTensor,
-        kv_new: &CpuTensor,
-        sinks: &CpuTensor,
+        q: &HostTensor,
+        kv_new: &HostTensor,
+        sinks: &HostTensor,
         n_heads: usize,
         compressed: CompressedKeys<'_, Vec<Vec<u32>>>,
         plan: &BatchPlan,
-    ) -> BResult<CpuTensor> {
+    ) -> BResult<HostTensor> {
         cpu_attention::attention(
             kv, layout, layer, q, kv_new, sinks, n_heads, compressed, plan,
         )
@@ -437,13 +408,13 @@ impl TensorOps for CpuBackend {
         kv: &mut CpuKv,
         layout: &KvLayout,
         layer: usize,
-        kv_new: &CpuTensor,
+        kv_new: &HostTensor,
         plan: &BatchPlan,
     ) -> BResult<()> {
         cpu_attention::window_store(kv, layout, layer, kv_new, plan)
     }
 
-    fn moe(&self, x: &CpuTensor, p: &MoeParams<'_, CpuTensor>) -> BResult<CpuTensor> {
+    fn moe(&self, x: &HostTensor, p: &MoeParams<'_, HostTensor>) -> BResult<HostTensor> {
         let (n, h) = (x.rows, x.cols);
         let (e, k, inter) = (p.n_experts, p.top_k, p.intermediate);
         if p.router.rows != e || p.gate_up.rows != e * 2 * inter || p.down.rows != e * h {
@@ -492,7 +463,7 @@ impl TensorOps for CpuBackend {
                     .collect(),
             );
         }
-        let mut out = CpuTensor::zeros(n, h);
+        let mut out = HostTensor::zeros(n, h);
         let mut act = Vec::new();
         for ex in 0..e {
             let rows: Vec<(usize, f32)> = picks
@@ -534,7 +505,7 @@ impl TensorOps for CpuBackend {
         let g = self.matmul(x, p.shared_gate)?;
         let u = self.matmul(x, p.shared_up)?;
         let si = p.shared_gate.rows;
-        let mut sact = CpuTensor::zeros(n, si);
+        let mut sact = HostTensor::zeros(n, si);
         for r in 0..n {
             Self::swiglu(
                 g.row(r),

@@ -21,12 +21,27 @@ pub use ops::{TensorOps, WeightUse};
 pub use random::WeightInit;
 pub use step::{StepForward, StepRunner};
 
-/// A 2-D tensor on the host, row-major.
+/// A 2-D fp32 tensor on the host, row-major: what backends upload from and download to,
+/// and the CPU backend's own tensor.
 #[derive(Debug, Clone, PartialEq)]
 pub struct HostTensor {
     pub rows: usize,
     pub cols: usize,
     pub data: Vec<f32>,
+}
+
+impl HostTensor {
+    pub fn zeros(rows: usize, cols: usize) -> Self {
+        HostTensor {
+            rows,
+            cols,
+            data: vec![0.0; rows * cols],
+        }
+    }
+
+    pub fn row(&self, r: usize) -> &[f32] {
+        &self.data[r * self.cols..(r + 1) * self.cols]
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
