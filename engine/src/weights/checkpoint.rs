@@ -14,9 +14,9 @@ use safetensors::SafeTensors;
 use super::names::{canonical, Canonical, ExpertPart};
 use super::{DiskDtype, WeightsError, CONVERT_CHUNK, INDEX_FILE, SINGLE_FILE};
 
-/// A tensor converted to f32 on the host.
+/// A checkpoint tensor converted to f32 on the host, in its stored shape.
 #[derive(Debug, Clone, PartialEq)]
-pub struct HostTensor {
+pub struct CheckpointTensor {
     pub shape: Vec<usize>,
     pub data: Vec<f32>,
 }
@@ -289,7 +289,7 @@ impl Checkpoint {
     }
 
     /// A float tensor (F32, BF16 or F16 on disk) converted to f32.
-    pub fn tensor_f32(&self, name: &str) -> Result<HostTensor, WeightsError> {
+    pub fn tensor_f32(&self, name: &str) -> Result<CheckpointTensor, WeightsError> {
         match self.canon.get(name) {
             Some(Source::Stacked(experts)) => {
                 let shape = self.shape(name).ok_or_else(|| WeightsError::NotFound {
@@ -299,7 +299,7 @@ impl Checkpoint {
                 for d in experts.iter().flatten() {
                     data.extend(self.disk_f32(d)?.data);
                 }
-                Ok(HostTensor { shape, data })
+                Ok(CheckpointTensor { shape, data })
             }
             Some(Source::Disk(d)) => self.disk_f32(d),
             None => Err(WeightsError::NotFound {
@@ -308,7 +308,7 @@ impl Checkpoint {
         }
     }
 
-    fn disk_f32(&self, name: &str) -> Result<HostTensor, WeightsError> {
+    fn disk_f32(&self, name: &str) -> Result<CheckpointTensor, WeightsError> {
         let raw = self.raw_disk(name)?;
         let decode: fn(&[u8]) -> f32 = match raw.dtype {
             DiskDtype::F32 => |b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
@@ -331,7 +331,7 @@ impl Checkpoint {
                     *o = decode(b);
                 }
             });
-        Ok(HostTensor {
+        Ok(CheckpointTensor {
             shape: raw.shape.to_vec(),
             data,
         })

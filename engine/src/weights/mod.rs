@@ -12,7 +12,7 @@ use std::path::PathBuf;
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
-pub use checkpoint::{Checkpoint, HostTensor, RawTensor};
+pub use checkpoint::{Checkpoint, CheckpointTensor, RawTensor};
 
 use crate::config::{LayerKind, MlpKind, ModelConfig};
 
