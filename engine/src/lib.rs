@@ -6,7 +6,7 @@
 //! The modules form six layers; a module uses its own layer and the ones below it, never
 //! one above (`tests/layers.rs` checks every import):
 //!
-//! 0. **foundation**: `config`, `rope`, `weights` (checkpoint files), `sampling`,
+//! 0. **foundation**: `config`, `rope`, `checkpoint` (checkpoint files), `sampling`,
 //!    `tokenizer`, `embedded`, and the KV layout (`kv::layout`, `kv::layout_table`,
 //!    `kv::sizing`, `kv::fp8`, `kv::peer`, `kv::metrics`): values and plain algorithms.
 //! 1. **backend** (`backend`): the traits a backend implements (tensor ops, KV storage,
@@ -28,6 +28,7 @@
 //! `tests/layers.rs`.
 
 pub mod backend;
+pub mod checkpoint;
 pub mod config;
 pub mod embedded;
 pub mod engine;
@@ -37,7 +38,6 @@ pub mod model;
 pub mod rope;
 pub mod sampling;
 pub mod tokenizer;
-pub mod weights;
 
 pub use backend::cpu::CpuBackend;
 pub use engine::{

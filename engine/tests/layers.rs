@@ -16,7 +16,7 @@ const LAYERS: &[(&str, usize)] = &[
     // 0. foundation: config, checkpoint files, KV layout, plain algorithms.
     ("config", 0),
     ("rope", 0),
-    ("weights", 0),
+    ("checkpoint", 0),
     ("sampling", 0),
     ("tokenizer", 0),
     ("embedded", 0),

@@ -3,11 +3,11 @@
 //! many layers of every kind.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+use pdserve_engine::checkpoint::expected_tensors;
 use pdserve_engine::config::ModelConfig;
 use pdserve_engine::model::random::init_for;
 use pdserve_engine::model::weights::rows_cols;
 use pdserve_engine::model::ModelWeights;
-use pdserve_engine::weights::expected_tensors;
 use pdserve_engine::{CpuBackend, Engine, ForwardItem, Logits, PoolSize};
 
 /// 12 layers cycling sliding / CSA / HCA, hash routing on the first 3.

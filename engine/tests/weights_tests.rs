@@ -4,11 +4,11 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use half::{bf16, f16};
-use pdserve_engine::config::ModelConfig;
-use pdserve_engine::weights::{
+use pdserve_engine::checkpoint::{
     expected_tensors, lm_head_name, validate, Checkpoint, DiskDtype, ExpectedTensor, LoadProgress,
     WeightsError,
 };
+use pdserve_engine::config::ModelConfig;
 use safetensors::tensor::TensorView;
 
 /// hidden 8, 3 layers (sliding / CSA / HCA), 4 experts.

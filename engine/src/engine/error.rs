@@ -12,7 +12,7 @@ pub enum EngineError {
     #[error(transparent)]
     Load(#[from] LoadError),
     #[error(transparent)]
-    Weights(#[from] crate::weights::WeightsError),
+    Weights(#[from] crate::checkpoint::WeightsError),
     #[error(transparent)]
     Layout(#[from] LayoutError),
     #[error(transparent)]

@@ -2,11 +2,11 @@
 //! [`Engine::forward`] runs any mix of prefill chunks and decode steps in one batch.
 
 use crate::backend::{Backend, BatchPlan, HostTensor, SeqPlan};
+use crate::checkpoint::Checkpoint;
 use crate::config::ModelConfig;
 use crate::kv::audit::StepAudit;
 use crate::kv::{DevicePool, KvAllocator, KvLayout, KvLayoutSpec, PageId, SeqKv};
 use crate::model::{Model, ModelWeights};
-use crate::weights::Checkpoint;
 use std::path::Path;
 
 mod error;

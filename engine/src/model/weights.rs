@@ -1,8 +1,8 @@
 //! The model's parameters, loaded from a checkpoint onto a backend.
 
 use crate::backend::{Backend, BackendError, HostTensor, WeightUse};
+use crate::checkpoint::{Checkpoint, LoadProgress, WeightsError};
 use crate::config::{LayerKind, MlpKind, ModelConfig};
-use crate::weights::{Checkpoint, LoadProgress, WeightsError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
@@ -252,7 +252,7 @@ impl<B: Backend> Loader<'_, B> {
 impl<B: Backend> ModelWeights<B> {
     /// Validate the checkpoint against the config (one error listing every problem), then load.
     pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, backend: &B) -> Result<Self, LoadError> {
-        crate::weights::validate(ckpt, cfg)?;
+        crate::checkpoint::validate(ckpt, cfg)?;
         let mut src = CheckpointSource {
             ckpt,
             progress: LoadProgress::new(ckpt.total_bytes()),

@@ -2,8 +2,8 @@
 //! inventory transformers' `DeepseekV4ForCausalLM.state_dict()` saves, and validation of one
 //! against the other.
 
-mod checkpoint;
 pub mod names;
+mod reader;
 
 use std::collections::BTreeSet;
 use std::fmt;
@@ -12,7 +12,7 @@ use std::path::PathBuf;
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
-pub use checkpoint::{Checkpoint, CheckpointTensor, RawTensor};
+pub use reader::{Checkpoint, CheckpointTensor, RawTensor};
 
 use crate::config::{LayerKind, MlpKind, ModelConfig};
 
