@@ -5,7 +5,7 @@
 
 use pdserve_engine::checkpoint::expected_tensors;
 use pdserve_engine::config::ModelConfig;
-use pdserve_engine::model::random::init_for;
+use pdserve_engine::model::random_weights::init_for;
 use pdserve_engine::model::weights::rows_cols;
 use pdserve_engine::model::ModelWeights;
 use pdserve_engine::{CpuBackend, Engine, ForwardItem, Logits, PoolSize};

@@ -1,10 +1,10 @@
 //! On a machine with a CUDA device: `CudaBackend::random_weight` produces the same values
-//! as the host generator (`pdserve_engine::backend::random`), bit for bit in fp32 and after
+//! as the host generator (`pdserve_engine::backend::counter_rng`), bit for bit in fp32 and after
 //! bf16 rounding, for every init kind; the bandwidth and GEMM probes return plausible
 //! figures. Skipped (passes) where no device can be opened.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use pdserve_engine::backend::random::{host_tensor, tensor_seed};
+use pdserve_engine::backend::counter_rng::{host_tensor, tensor_seed};
 use pdserve_engine::backend::{TensorOps, WeightInit, WeightUse};
 use pdserve_kernels::{CudaBackend, WeightDtype};
 

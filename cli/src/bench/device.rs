@@ -2,7 +2,7 @@
 //! wait for queued work, the two ceilings measured in the same run, and graph mode.
 
 use anyhow::{anyhow, Result};
-use pdserve_engine::backend::{random, BResult, Backend, TensorOps, WeightInit, WeightUse};
+use pdserve_engine::backend::{counter_rng, BResult, Backend, TensorOps, WeightInit, WeightUse};
 use pdserve_engine::CpuBackend;
 use pdserve_kernels::{CudaBackend, GraphMode};
 use rayon::prelude::*;
@@ -47,7 +47,7 @@ impl BenchBackend for CpuBackend {
     fn memory_bandwidth(&self) -> Result<Ceiling> {
         let n = 64 << 20;
         let init = WeightInit::Uniform { lo: -1.0, hi: 1.0 };
-        let src = random::host_tensor(1, n, init, 11).data;
+        let src = counter_rng::host_tensor(1, n, init, 11).data;
         let mut dst = vec![0f32; n];
         let mut runs = Vec::new();
         for _ in 0..6 {
@@ -71,8 +71,8 @@ impl BenchBackend for CpuBackend {
     fn gemm_rate(&self) -> Result<Ceiling> {
         let n = 512;
         let init = WeightInit::Uniform { lo: -1.0, hi: 1.0 };
-        let x = self.upload(random::host_tensor(n, n, init, 12))?;
-        let w = self.upload(random::host_tensor(n, n, init, 13))?;
+        let x = self.upload(counter_rng::host_tensor(n, n, init, 12))?;
+        let w = self.upload(counter_rng::host_tensor(n, n, init, 13))?;
         let mut runs = Vec::new();
         for _ in 0..6 {
             let t = Instant::now();

@@ -4,21 +4,21 @@
 //! ([`crate::model`]) is written once against them; `cpu` implements them in fp32 and
 //! the CUDA backend on the GPU.
 
+pub mod counter_rng;
 pub mod cpu;
 mod cpu_attention;
 mod cpu_kv;
 mod gemm;
 mod kv_storage;
 mod ops;
-pub mod random;
 pub mod shapes;
 mod step;
 
 use crate::kv::{PageId, StateSlot};
 use crate::rope::Rope;
+pub use counter_rng::WeightInit;
 pub use kv_storage::KvStorage;
 pub use ops::{TensorOps, WeightUse};
-pub use random::WeightInit;
 pub use step::{StepForward, StepRunner};
 
 /// A 2-D fp32 tensor on the host, row-major: what backends upload from and download to,

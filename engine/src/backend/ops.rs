@@ -1,7 +1,7 @@
 //! Every numeric operation of the forward pass, on a backend's own tensors (and, for the
 //! paged attention ops, its KV storage).
 
-use super::random::{self, WeightInit};
+use super::counter_rng::{self, WeightInit};
 use super::{
     BResult, BatchPlan, CompressedKeys, CompressorParams, HcParams, HcPre, HostTensor, KvStorage,
     MoeParams,
@@ -40,7 +40,7 @@ pub trait TensorOps: KvStorage {
     }
     /// A synthetic weight used as `usage` (stored as [`TensorOps::upload_weight`] would
     /// store it), `rows x cols` values drawn by `init` from the counter-based generator of
-    /// [`random`] keyed by `seed`: deterministic, the same values on every backend (up to
+    /// [`counter_rng`] keyed by `seed`: deterministic, the same values on every backend (up to
     /// storage rounding). Default: generated on the host, then uploaded; the CUDA backend
     /// generates on the device.
     fn random_weight(
@@ -51,7 +51,7 @@ pub trait TensorOps: KvStorage {
         seed: u64,
         usage: WeightUse,
     ) -> BResult<Self::Tensor> {
-        self.upload_weight(random::host_tensor(rows, cols, init, seed), usage)
+        self.upload_weight(counter_rng::host_tensor(rows, cols, init, seed), usage)
     }
     fn to_host(&self, t: &Self::Tensor) -> BResult<HostTensor>;
     /// Rows `rows` of `t`, in that order.

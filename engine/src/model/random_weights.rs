@@ -5,7 +5,7 @@
 //! stay finite and no parameter is left at a degenerate zero.
 
 use super::weights::{rows_cols, weight_use, LoadError, TensorSource};
-use crate::backend::random::tensor_seed;
+use crate::backend::counter_rng::tensor_seed;
 use crate::backend::{Backend, WeightInit};
 use crate::checkpoint::{expected_tensors, LoadProgress};
 use crate::config::ModelConfig;
