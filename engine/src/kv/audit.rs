@@ -4,7 +4,7 @@
 //! other owners of that state fail when they next run.
 
 use super::{DevicePool, PageId, SeqKv, StateSlot};
-use crate::backend::{BResult, Backend, BackendError, BatchPlan};
+use crate::backend::{BResult, BackendError, BatchPlan, KvStorage};
 use std::collections::BTreeSet;
 
 /// Pages and state slots of a step's own sequences found corrupt.
@@ -80,7 +80,7 @@ impl StepAudit {
     }
 
     /// Before a step: the pool's checksums when the audit is on.
-    pub fn before_step<B: Backend>(
+    pub fn before_step<B: KvStorage>(
         &self,
         backend: &B,
         pool: &DevicePool<B>,
@@ -94,7 +94,7 @@ impl StepAudit {
     /// After the step of `plan`: compare the pool against `before`. Fails only if one of
     /// the step's own sequences holds corrupted state; other owners fail when they next
     /// run ([`StepAudit::check_held`]), so only affected requests end.
-    pub fn after_step<B: Backend>(
+    pub fn after_step<B: KvStorage>(
         &mut self,
         backend: &B,
         pool: &mut DevicePool<B>,
@@ -165,7 +165,7 @@ pub struct PoolChecksums {
 }
 
 impl PoolChecksums {
-    pub fn take<B: Backend>(backend: &B, pool: &DevicePool<B>) -> BResult<Self> {
+    pub fn take<B: KvStorage>(backend: &B, pool: &DevicePool<B>) -> BResult<Self> {
         let pp = pool.allocator();
         let pages = (0..pp.total_pages() as PageId)
             .map(|p| pool.read_page(backend, p).map(|b| checksum(&b)))

@@ -1,18 +1,19 @@
-//! The device pool: page/state allocation ([`KvAllocator`]) plus the backend's storage of every page and
-//! state slot ("device" memory is host memory on the CPU backend, GPU memory on CUDA).
-//! Every size comes from its [`KvLayout`].
+//! The device pool: page/state allocation ([`KvAllocator`]) plus the backend's storage of
+//! every page and state slot ("device" memory is host memory on the CPU backend, GPU
+//! memory on CUDA). Every size comes from its [`KvLayout`]; of the backend it needs only
+//! the [`KvStorage`].
 
 use super::{metrics, KvAllocator, KvLayout, PageId, StateSlot};
-use crate::backend::{BResult, Backend, BackendError};
+use crate::backend::{BResult, BackendError, KvStorage};
 
-pub struct DevicePool<B: Backend> {
+pub struct DevicePool<B: KvStorage> {
     pub(crate) layout: KvLayout,
     pub(crate) fingerprint: String,
     pub(crate) allocator: KvAllocator,
     pub(crate) store: B::KvStore,
 }
 
-impl<B: Backend> DevicePool<B> {
+impl<B: KvStorage> DevicePool<B> {
     pub fn new(backend: &B, layout: KvLayout, pages: usize, states: usize) -> BResult<Self> {
         let store = backend.alloc_kv(&layout, pages, states)?;
         let pool = DevicePool {

@@ -3,7 +3,7 @@
 //! share that layout and refuses (naming the differing field) otherwise.
 
 use super::{metrics, DevicePool, KvAllocator, KvLayout, LayoutError, PageId};
-use crate::backend::{Backend, BackendError};
+use crate::backend::{BackendError, KvStorage};
 
 #[derive(Debug, thiserror::Error)]
 pub enum HostPoolError {
@@ -92,7 +92,7 @@ impl HostPool {
         Ok(())
     }
 
-    fn check_peer<B: Backend>(&self, dev: &DevicePool<B>) -> Result<(), HostPoolError> {
+    fn check_peer<B: KvStorage>(&self, dev: &DevicePool<B>) -> Result<(), HostPoolError> {
         if dev.fingerprint() != self.fingerprint {
             self.layout.check_compatible(dev.layout())?;
             // Same fields, different fingerprint cannot happen; refuse anyway.
@@ -107,7 +107,7 @@ impl HostPool {
     }
 
     /// Copy device page `dev_page` into host page `host_page`.
-    pub fn backup<B: Backend>(
+    pub fn backup<B: KvStorage>(
         &mut self,
         backend: &B,
         dev: &DevicePool<B>,
@@ -120,7 +120,7 @@ impl HostPool {
     }
 
     /// Copy host page `host_page` into device page `dev_page`.
-    pub fn load<B: Backend>(
+    pub fn load<B: KvStorage>(
         &self,
         backend: &B,
         dev: &mut DevicePool<B>,
