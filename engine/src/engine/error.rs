@@ -12,7 +12,7 @@ pub enum EngineError {
     #[error(transparent)]
     Load(#[from] LoadError),
     #[error(transparent)]
-    Weights(#[from] crate::checkpoint::WeightsError),
+    Checkpoint(#[from] crate::checkpoint::CheckpointError),
     #[error(transparent)]
     Layout(#[from] LayoutError),
     #[error(transparent)]
@@ -61,7 +61,7 @@ impl EngineError {
             EngineError::KvAudit { .. } => ErrorClass::Corrupt,
             EngineError::Config(_)
             | EngineError::Load(_)
-            | EngineError::Weights(_)
+            | EngineError::Checkpoint(_)
             | EngineError::Layout(_)
             | EngineError::Pool(_)
             | EngineError::Backend(_)

@@ -1,13 +1,13 @@
 //! The model's parameters, loaded from a checkpoint onto a backend.
 
 use crate::backend::{Backend, BackendError, HostTensor, WeightUse};
-use crate::checkpoint::{Checkpoint, LoadProgress, WeightsError};
+use crate::checkpoint::{Checkpoint, CheckpointError, LoadProgress};
 use crate::config::{LayerKind, MlpKind, ModelConfig};
 
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
     #[error(transparent)]
-    Weights(#[from] WeightsError),
+    Checkpoint(#[from] CheckpointError),
     #[error(transparent)]
     Backend(#[from] BackendError),
     #[error("tensor `{name}`: {reason}")]
