@@ -2,6 +2,7 @@
 //! `cpu_attention`.
 
 use super::cpu_kv::{CpuKv, Region};
+use super::cpu_math::{rms_norm_into, sigmoid, silu, softmax, softplus};
 use super::gemm::matmul_nt;
 use super::shapes::shape_err;
 use super::{
@@ -16,54 +17,6 @@ use rayon::prelude::*;
 /// The CPU backend; matmuls use rayon's global pool.
 #[derive(Debug, Default, Clone)]
 pub struct CpuBackend;
-
-pub(super) fn sigmoid(x: f32) -> f32 {
-    1.0 / (1.0 + (-x).exp())
-}
-
-fn silu(x: f32) -> f32 {
-    x * sigmoid(x)
-}
-
-/// torch's softplus (beta 1, threshold 20).
-fn softplus(x: f32) -> f32 {
-    if x > 20.0 {
-        x
-    } else {
-        x.exp().ln_1p()
-    }
-}
-
-/// In-place max-subtracted softmax.
-pub(super) fn softmax(v: &mut [f32]) {
-    let m = v.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut s = 0f32;
-    for x in v.iter_mut() {
-        *x = (*x - m).exp();
-        s += *x;
-    }
-    for x in v.iter_mut() {
-        *x /= s;
-    }
-}
-
-/// `x * rsqrt(mean(x^2) + eps)`, times `w` if given.
-pub(super) fn rms_norm_into(x: &[f32], w: Option<&[f32]>, eps: f32, out: &mut [f32]) {
-    let ss: f32 = x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32;
-    let r = 1.0 / (ss + eps).sqrt();
-    match w {
-        Some(w) => {
-            for ((o, v), g) in out.iter_mut().zip(x).zip(w) {
-                *o = g * (v * r);
-            }
-        }
-        None => {
-            for (o, v) in out.iter_mut().zip(x) {
-                *o = v * r;
-            }
-        }
-    }
-}
 
 impl CpuBackend {
     fn mm(&self, x: &[f32], n: usize, k: usize, w: &[f32], m: usize) -> HostTensor {

@@ -4,8 +4,8 @@
 //! Keys are always visited in position order (window by position, compressed entries
 //! by index), so a row's result does not depend on how the sequence was chunked.
 
-use super::cpu::{rms_norm_into, softmax};
 use super::cpu_kv::{quantize, CpuKv, EntryLoc, Region};
+use super::cpu_math::{rms_norm_into, softmax};
 use super::gemm::dot;
 use super::{
     BResult, BackendError, BatchPlan, CompressedKeys, CompressorParams, CompressorPart, HostTensor,

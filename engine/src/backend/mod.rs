@@ -8,6 +8,7 @@ pub mod counter_rng;
 pub mod cpu;
 mod cpu_attention;
 mod cpu_kv;
+mod cpu_math;
 mod gemm;
 mod kv_storage;
 mod ops;
