@@ -204,7 +204,7 @@ impl ModelArgs {
         let tokenizer = Tokenizer::from_model_dir(&dir)?;
         tracing::info!(
             model = %dir.display(),
-            backend = %pdserve_engine::backend::Backend::name(engine.backend()),
+            backend = %pdserve_engine::backend::TensorOps::name(engine.backend()),
             layout = %engine.layout().fingerprint(),
             secs = t0.elapsed().as_secs_f32(),
             "model loaded"
