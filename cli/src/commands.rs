@@ -259,11 +259,11 @@ fn inspect_on<B: Backend>(loaded: Loaded<B>) -> Result<()> {
         "kv_layout": e.layout(),
         "kv_layout_fingerprint": e.layout().fingerprint(),
         "kv_pool": {
-            "device_pages": e.pool().total_pages(),
-            "state_slots": e.pool().total_states(),
+            "device_pages": e.allocator().total_pages(),
+            "state_slots": e.allocator().total_states(),
             "host_pages": loaded.host_pages,
-            "device_bytes": e.pool().total_pages() * e.layout().page_bytes
-                + e.pool().total_states() * e.layout().state_bytes,
+            "device_bytes": e.allocator().total_pages() * e.layout().page_bytes
+                + e.allocator().total_states() * e.layout().state_bytes,
             "host_bytes": loaded.host_pages * e.layout().page_bytes,
         },
         "kv_audit": e.kv_audit(),

@@ -2,6 +2,7 @@
 
 use anyhow::{bail, Context, Result};
 use pdserve_kernels::check::{check_embedded, check_fixture, header, CheckRow};
+use pdserve_kernels::check_batched::check_batched;
 use pdserve_kernels::check_graphs::check_graphs;
 use std::path::PathBuf;
 
@@ -14,8 +15,17 @@ pub struct GpuCheckArgs {
     #[arg(long, default_value_t = 0)]
     device: usize,
     /// Run only these groups of checks (default: all).
-    #[arg(long, value_delimiter = ',', value_parser = ["embedded", "fixtures", "graphs"])]
+    #[arg(long, value_delimiter = ',', value_parser = ["embedded", "fixtures", "graphs", "batched"])]
     only: Vec<String>,
+    /// Text the `batched` group cuts its teacher-forced sequences from.
+    #[arg(long, default_value = "scripts/tokenizer_corpus.txt")]
+    corpus: PathBuf,
+    /// Sequences of the `batched` group (decoded together, in small batches, one by one).
+    #[arg(long, default_value_t = 48)]
+    batched_seqs: usize,
+    /// Teacher-forced decode steps per sequence in the `batched` group.
+    #[arg(long, default_value_t = 32)]
+    batched_steps: usize,
 }
 
 pub fn gpu_check(a: GpuCheckArgs) -> Result<()> {
@@ -50,6 +60,12 @@ pub fn gpu_check(a: GpuCheckArgs) -> Result<()> {
         let (rows, f) = check_graphs(a.device).map_err(|e| anyhow::anyhow!("CUDA graphs: {e}"))?;
         show(rows);
         figures = f;
+    }
+    if run("batched") {
+        let (rows, f) = check_batched(a.device, &a.corpus, a.batched_seqs, a.batched_steps)
+            .map_err(|e| anyhow::anyhow!("batched decode: {e}"))?;
+        show(rows);
+        figures.extend(f);
     }
     for f in figures {
         println!("{f}");

@@ -59,8 +59,8 @@ where
             };
             let _ = ready_tx.send(Ok(Ready {
                 layout: engine.layout().clone(),
-                total_pages: engine.pool().total_pages(),
-                total_states: engine.pool().total_states(),
+                total_pages: engine.allocator().total_pages(),
+                total_states: engine.allocator().total_states(),
                 max_positions: engine.config().max_position_embeddings,
             }));
             Batch {
@@ -150,7 +150,7 @@ impl<B: Backend> Batch<B> {
             .running
             .store(self.running.len() as u32, Ordering::Relaxed);
         self.load.free_pages.store(
-            self.engine.pool().free_page_count() as u64,
+            self.engine.allocator().free_page_count() as u64,
             Ordering::Relaxed,
         );
     }

@@ -43,6 +43,88 @@ fn with_sequence<B: Backend, T>(
     Ok(v)
 }
 
+/// How a prefill splits its tokens into forwards.
+#[derive(Debug, Clone, Copy)]
+pub struct Chunking {
+    /// Tokens per forward (0: all at once).
+    pub chunk: usize,
+    /// Also end a forward at every multiple of this many positions (the prefix cache's
+    /// cut points), so that the state at each one can be taken.
+    pub cut_every: Option<usize>,
+}
+
+/// What a caller of [`prefill_chunks`] does around each forward.
+pub trait ChunkHooks<B: Backend> {
+    /// Before the forward that brings `seq` to `end` positions; `Ok(false)` stops the
+    /// prefill there.
+    fn before(
+        &mut self,
+        engine: &mut Engine<B>,
+        seq: &Sequence,
+        end: usize,
+    ) -> Result<bool, EngineError>;
+    /// After that forward (`seq.len()` is `end` now).
+    fn after(&mut self, engine: &mut Engine<B>, seq: &Sequence) -> Result<(), EngineError>;
+}
+
+/// No hooks: a plain chunked prefill.
+struct NoHooks;
+
+impl<B: Backend> ChunkHooks<B> for NoHooks {
+    fn before(&mut self, _: &mut Engine<B>, _: &Sequence, _: usize) -> Result<bool, EngineError> {
+        Ok(true)
+    }
+
+    fn after(&mut self, _: &mut Engine<B>, _: &Sequence) -> Result<(), EngineError> {
+        Ok(())
+    }
+}
+
+/// THE chunked prefill: feed `tokens` to `seq` in forwards of `chunking`, asking `hooks`
+/// around each; returns the logits `want` asks for, stacked, or `None` when a hook
+/// stopped it.
+pub fn prefill_chunks<B: Backend>(
+    engine: &mut Engine<B>,
+    seq: &mut Sequence,
+    tokens: &[u32],
+    chunking: Chunking,
+    want: Logits,
+    hooks: &mut dyn ChunkHooks<B>,
+) -> Result<Option<Vec<Vec<f32>>>, EngineError> {
+    let start = seq.len();
+    let chunk = match chunking.chunk {
+        0 => tokens.len(),
+        n => n,
+    };
+    let mut rows = Vec::new();
+    let mut fed = 0;
+    while fed < tokens.len() {
+        let mut end = (fed + chunk).min(tokens.len());
+        if let Some(p) = chunking.cut_every {
+            end = end.min(((start + fed) / p + 1) * p - start);
+        }
+        if !hooks.before(engine, seq, start + end)? {
+            return Ok(None);
+        }
+        let logits = match want {
+            Logits::All => Logits::All,
+            Logits::Last if end == tokens.len() => Logits::Last,
+            _ => Logits::None,
+        };
+        let out = engine.forward(&mut [ForwardItem {
+            seq: &mut *seq,
+            tokens: &tokens[fed..end],
+            logits,
+        }])?;
+        for t in out {
+            rows.extend(t.data.chunks(t.cols.max(1)).map(<[f32]>::to_vec));
+        }
+        hooks.after(engine, seq)?;
+        fed = end;
+    }
+    Ok(Some(rows))
+}
+
 /// Feed `tokens` in chunks of `chunk` (0: all at once); returns the logits `want` asks for, stacked.
 pub fn prefill<B: Backend>(
     engine: &mut Engine<B>,
@@ -51,29 +133,12 @@ pub fn prefill<B: Backend>(
     chunk: usize,
     want: Logits,
 ) -> Result<Vec<Vec<f32>>, EngineError> {
-    let chunk = if chunk == 0 {
-        tokens.len().max(1)
-    } else {
-        chunk
+    let chunking = Chunking {
+        chunk,
+        cut_every: None,
     };
-    let mut rows = Vec::new();
-    let n_chunks = tokens.len().div_ceil(chunk);
-    for (i, part) in tokens.chunks(chunk).enumerate() {
-        let logits = match want {
-            Logits::All => Logits::All,
-            Logits::Last if i + 1 == n_chunks => Logits::Last,
-            _ => Logits::None,
-        };
-        let out = engine.forward(&mut [ForwardItem {
-            seq: &mut *seq,
-            tokens: part,
-            logits,
-        }])?;
-        for t in out {
-            rows.extend(t.data.chunks(t.cols.max(1)).map(<[f32]>::to_vec));
-        }
-    }
-    Ok(rows)
+    prefill_chunks(engine, seq, tokens, chunking, want, &mut NoHooks)?
+        .ok_or_else(|| EngineError::Internal("prefill stopped without a stopping hook".into()))
 }
 
 /// Logits after each token of `tokens`: a prefill of the first `prefill_len` (in `chunk`-sized

@@ -1,7 +1,34 @@
 //! pdserve's engine: DeepSeek-V4 config and weights, paged KV state, the forward pass
 //! against a backend trait (CPU in fp32 here), sampling and tokenization.
+//!
+//! # Layers
+//!
+//! The modules form six layers; a module uses its own layer and the ones below it, never
+//! one above (`tests/layers.rs` checks every import):
+//!
+//! 0. **foundation**: `config`, `rope`, `checkpoint` (checkpoint files), `sampling`,
+//!    `tokenizer`, `embedded`, and the KV layout (`kv::layout`, `kv::layout_table`,
+//!    `kv::sizing`, `kv::fp8`, `kv::peer`, `kv::metrics`): values and plain algorithms.
+//! 1. **backend** (`backend`): the traits a backend implements (tensor ops, KV storage,
+//!    step running) and the CPU backend. It knows the layout, not who allocates pages.
+//! 2. **pools** (`kv::allocator`, `kv::device`, `kv::host`, `kv::audit`): page and state-slot
+//!    allocation, the device pool over a backend's KV storage, the host pool, the
+//!    per-step write audit.
+//! 3. **model** (`model`): the parameters and the forward pass, written against the
+//!    backend traits.
+//! 4. **engine** (`engine`, `generate`): sequences, the batched forward, chunked
+//!    prefill and the single-request drivers. The engine owns its device pool and lends
+//!    it through methods, never fields.
+//! 5. **prefix cache** (`kv::prefix`): answers lookups and inserts through the engine's
+//!    page interface.
+//!
+//! `lib.rs` and `kv/mod.rs` only declare modules and re-export. New code goes in the
+//! lowest layer whose modules it needs; a module that would need a higher layer takes
+//! what it needs as a parameter or a small trait instead. A new module gets its line in
+//! `tests/layers.rs`.
 
 pub mod backend;
+pub mod checkpoint;
 pub mod config;
 pub mod embedded;
 pub mod engine;
@@ -11,7 +38,8 @@ pub mod model;
 pub mod rope;
 pub mod sampling;
 pub mod tokenizer;
-pub mod weights;
 
 pub use backend::cpu::CpuBackend;
-pub use engine::{Engine, EngineError, ErrorClass, ForwardItem, Logits, PoolSize, SeqSnapshot, Sequence};
+pub use engine::{
+    Engine, EngineError, ErrorClass, ForwardItem, Logits, PoolSize, SeqSnapshot, Sequence,
+};

@@ -6,9 +6,9 @@ mod common;
 
 use common::*;
 use half::{bf16, f16};
+use pdserve_engine::checkpoint::{Checkpoint, DiskDtype};
 use pdserve_engine::generate::logits_prefill_decode;
 use pdserve_engine::kv::EntryDtype;
-use pdserve_engine::weights::{Checkpoint, DiskDtype};
 use pdserve_engine::{CpuBackend, Engine, PoolSize};
 use safetensors::tensor::TensorView;
 use std::path::Path;

@@ -101,7 +101,10 @@ fn prefix_hits_are_bit_identical_to_cold_runs() {
         let st = cache.stats();
         assert_eq!(st.device_pages, 0);
         assert!(st.host_pages > 0);
-        assert_eq!(eng.pool().free_page_count(), eng.pool().total_pages());
+        assert_eq!(
+            eng.allocator().free_page_count(),
+            eng.allocator().total_pages()
+        );
         let share = longest - 2;
         let pr = prompt(&fx.tokens, share, 2, vocab);
         let want = cold(&mut coldeng, &pr, decode);
@@ -121,7 +124,10 @@ fn prefix_hits_are_bit_identical_to_cold_runs() {
         println!("{name}: host-tier hit of {expect_hit} tokens bit-identical");
 
         cache.clear(&mut eng).unwrap();
-        assert_eq!(eng.pool().free_page_count(), eng.pool().total_pages());
+        assert_eq!(
+            eng.allocator().free_page_count(),
+            eng.allocator().total_pages()
+        );
         assert_eq!(cache.host().used_pages(), 0);
     }
 }
@@ -244,7 +250,7 @@ fn metrics_count_pages_and_prefix_hits() {
         let c = cache
             .prefill(&mut eng, &fx.tokens[..26], 0, Logits::Last)
             .unwrap(); // 24 host hits, 2 misses
-        let held = eng.pool().total_pages() - eng.pool().free_page_count();
+        let held = eng.allocator().total_pages() - eng.allocator().free_page_count();
         (held, c.host_hit_tokens)
     });
     assert_eq!(host_hit, 24);

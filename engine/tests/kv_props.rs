@@ -68,7 +68,7 @@ proptest! {
         // What each owned page must hold.
         let mut owned: Vec<(u32, Vec<u8>)> = Vec::new();
         let mut hosted: Vec<(u32, Vec<u8>)> = Vec::new();
-        let mut pages = pdserve_engine::kv::PagePool::new(8, 0);
+        let mut pages = pdserve_engine::kv::KvAllocator::new(8, 0);
         for op in ops {
             match op {
                 PoolOp::Alloc(n) => {
@@ -278,8 +278,8 @@ proptest! {
             eng.release(s).unwrap();
         }
         cache.clear(&mut eng).unwrap();
-        prop_assert_eq!(eng.pool().free_page_count(), eng.pool().total_pages());
-        prop_assert_eq!(eng.pool().free_state_count(), eng.pool().total_states());
+        prop_assert_eq!(eng.allocator().free_page_count(), eng.allocator().total_pages());
+        prop_assert_eq!(eng.allocator().free_state_count(), eng.allocator().total_states());
         prop_assert_eq!(cache.host().used_pages(), 0);
     }
 }

@@ -29,8 +29,8 @@ fn prefill_then_decode_matches_reference() {
             );
         }
         assert_eq!(
-            eng.pool().free_page_count(),
-            eng.pool().total_pages(),
+            eng.allocator().free_page_count(),
+            eng.allocator().total_pages(),
             "{name}: pages leaked"
         );
     }

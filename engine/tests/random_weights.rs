@@ -3,11 +3,12 @@
 //! many layers of every kind.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+use pdserve_engine::backend::WeightUse;
+use pdserve_engine::checkpoint::expected_tensors;
 use pdserve_engine::config::ModelConfig;
-use pdserve_engine::model::random::init_for;
-use pdserve_engine::model::weights::rows_cols;
+use pdserve_engine::model::random_weights::init_for;
+use pdserve_engine::model::weights::{rows_cols, weight_use};
 use pdserve_engine::model::ModelWeights;
-use pdserve_engine::weights::expected_tensors;
 use pdserve_engine::{CpuBackend, Engine, ForwardItem, Logits, PoolSize};
 
 /// 12 layers cycling sliding / CSA / HCA, hash routing on the first 3.
@@ -140,4 +141,52 @@ fn activations_stay_finite_through_deep_random_models() {
     }
     // Different positions give different distributions.
     assert_ne!(rows[10], rows[60]);
+}
+
+/// The precision hint the model passes with each upload (random and checkpoint weights
+/// alike): the same tensors stay fp32 as when the CUDA backend matched names itself.
+#[test]
+fn router_and_hyper_connection_maps_stay_f32_vectors_are_vectors() {
+    let cases = [
+        ("model.layers.3.mlp.gate.weight", 8, 64, WeightUse::KeepF32),
+        ("model.layers.0.attn_hc.fn", 24, 256, WeightUse::KeepF32),
+        ("model.layers.0.ffn_hc.fn", 24, 256, WeightUse::KeepF32),
+        ("model.hc_head.hc_fn", 4, 256, WeightUse::KeepF32),
+        ("model.layers.0.attn_hc.base", 1, 24, WeightUse::Vector),
+        (
+            "model.layers.0.input_layernorm.weight",
+            1,
+            64,
+            WeightUse::Vector,
+        ),
+        ("model.layers.0.self_attn.sinks", 1, 4, WeightUse::Vector),
+        (
+            "model.layers.0.self_attn.q_a_proj.weight",
+            32,
+            64,
+            WeightUse::Matrix,
+        ),
+        (
+            "model.layers.1.self_attn.compressor.position_bias",
+            4,
+            16,
+            WeightUse::Matrix,
+        ),
+        (
+            "model.layers.0.mlp.experts.gate_up_proj",
+            512,
+            64,
+            WeightUse::Matrix,
+        ),
+        (
+            "model.layers.0.mlp.shared_experts.gate_proj.weight",
+            32,
+            64,
+            WeightUse::Matrix,
+        ),
+        ("model.embed_tokens.weight", 100, 64, WeightUse::Matrix),
+    ];
+    for (name, rows, cols, want) in cases {
+        assert_eq!(weight_use(name, rows, cols), want, "{name}");
+    }
 }

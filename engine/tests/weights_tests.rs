@@ -4,11 +4,11 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use half::{bf16, f16};
-use pdserve_engine::config::ModelConfig;
-use pdserve_engine::weights::{
-    expected_tensors, lm_head_name, validate, Checkpoint, DiskDtype, ExpectedTensor, LoadProgress,
-    WeightsError,
+use pdserve_engine::checkpoint::{
+    expected_tensors, lm_head_name, validate, Checkpoint, CheckpointError, DiskDtype,
+    ExpectedTensor, LoadProgress,
 };
+use pdserve_engine::config::ModelConfig;
 use safetensors::tensor::TensorView;
 
 /// hidden 8, 3 layers (sliding / CSA / HCA), 4 experts.
@@ -164,7 +164,7 @@ fn float_dtypes_round_trip() {
     assert_eq!(ck.tensor_i64("model.e").unwrap(), (vec![3], vec![5, -6, 7]));
 
     let err = ck.tensor_f32("model.f").unwrap_err();
-    assert!(matches!(err, WeightsError::Dtype { .. }));
+    assert!(matches!(err, CheckpointError::Dtype { .. }));
     assert!(
         err.to_string().contains("`model.f`") && err.to_string().contains("U8"),
         "{err}"
@@ -175,7 +175,7 @@ fn float_dtypes_round_trip() {
         "{err}"
     );
     let err = ck.tensor_f32("missing").unwrap_err();
-    assert!(matches!(err, WeightsError::NotFound { .. }) && err.to_string().contains("missing"));
+    assert!(matches!(err, CheckpointError::NotFound { .. }) && err.to_string().contains("missing"));
     let raw = ck.raw("model.b").unwrap();
     assert_eq!(
         (raw.dtype, raw.shape, raw.bytes.len()),
@@ -235,7 +235,7 @@ fn sharded_index() {
     .unwrap();
     let err = Checkpoint::open(dir.path()).unwrap_err();
     assert!(
-        matches!(err, WeightsError::Index { .. }) && err.to_string().contains("`z`"),
+        matches!(err, CheckpointError::Index { .. }) && err.to_string().contains("`z`"),
         "{err}"
     );
 
@@ -260,7 +260,7 @@ fn sharded_index() {
 fn open_errors() {
     let dir = tempfile::tempdir().unwrap();
     let err = Checkpoint::open(dir.path()).unwrap_err();
-    assert!(matches!(err, WeightsError::NoCheckpoint { .. }));
+    assert!(matches!(err, CheckpointError::NoCheckpoint { .. }));
     assert!(
         err.to_string().contains(&dir.path().display().to_string()),
         "{err}"
@@ -268,7 +268,7 @@ fn open_errors() {
 
     std::fs::write(dir.path().join("model.safetensors"), b"garbage!garbage!").unwrap();
     let err = Checkpoint::open(dir.path()).unwrap_err();
-    assert!(matches!(err, WeightsError::Format { .. }), "{err}");
+    assert!(matches!(err, CheckpointError::Format { .. }), "{err}");
 }
 
 #[test]
@@ -443,7 +443,7 @@ fn validate_lists_every_problem_at_once() {
     write(&dir.path().join("model.safetensors"), &set);
 
     let err = validate(&Checkpoint::open(dir.path()).unwrap(), &cfg).unwrap_err();
-    let WeightsError::Invalid(report) = &err else {
+    let CheckpointError::Invalid(report) = &err else {
         panic!("{err}")
     };
     assert_eq!(

@@ -5,12 +5,12 @@ use crate::device::{dev_err, grid_1d, Arg, DeviceError, Gpu};
 use crate::devmem::DevMem;
 use crate::graphs::{GraphCache, GraphStats};
 use crate::kv_ops::{self, GpuKv, GpuSelection};
-use crate::tensor::{keeps_f32, stores_bf16, Buf, GpuTensor, WeightDtype};
+use crate::tensor::{stores_bf16, Buf, GpuTensor, WeightDtype};
 use crate::GraphMode;
 use pdserve_engine::backend::StepForward;
 use pdserve_engine::backend::{
-    BResult, Backend, BatchPlan, CompressedKeys, CompressorParams, HcParams, HcPre, HostTensor,
-    MoeParams, WeightInit,
+    BResult, BatchPlan, CompressedKeys, CompressorParams, HcParams, HcPre, HostTensor, KvStorage,
+    MoeParams, StepRunner, TensorOps, WeightInit, WeightUse,
 };
 use pdserve_engine::kv::{KvLayout, PageId, StateSlot};
 use pdserve_engine::rope::Rope;
@@ -104,10 +104,10 @@ impl CudaBackend {
         self.weights
     }
 
-    /// Whether weight `name` (`rows x cols`) is stored in bf16 (else fp32): the one rule
-    /// for uploaded, generated and counted weights.
-    pub fn weight_is_bf16(&self, name: &str, rows: usize, cols: usize) -> bool {
-        self.weights == WeightDtype::Bf16 && stores_bf16(rows, cols) && !keeps_f32(name)
+    /// Whether a weight the model uses as `usage` is stored in bf16 (else fp32): the one
+    /// rule for uploaded, generated and counted weights.
+    pub fn weight_is_bf16(&self, usage: WeightUse) -> bool {
+        self.weights == WeightDtype::Bf16 && usage == WeightUse::Matrix
     }
 
     fn upload_as(&self, t: HostTensor, bf16: bool) -> BResult<GpuTensor> {
@@ -236,9 +236,36 @@ pub(crate) fn out_ptr(gpu: &Gpu, t: &GpuTensor) -> BResult<u64> {
     }
 }
 
-impl Backend for CudaBackend {
-    type Tensor = GpuTensor;
+impl KvStorage for CudaBackend {
     type KvStore = GpuKv;
+
+    fn alloc_kv(&self, layout: &KvLayout, pages: usize, states: usize) -> BResult<GpuKv> {
+        GpuKv::new(&self.gpu, layout, pages, states)
+    }
+
+    fn reset_state(&self, kv: &mut GpuKv, slot: StateSlot) -> BResult<()> {
+        kv.zero_state(&self.gpu, slot)
+    }
+
+    fn page_bytes(&self, kv: &GpuKv, page: PageId) -> BResult<Vec<u8>> {
+        kv.read_page(&self.gpu, page)
+    }
+
+    fn state_bytes(&self, kv: &GpuKv, slot: StateSlot) -> BResult<Vec<u8>> {
+        kv.read_state(&self.gpu, slot)
+    }
+
+    fn write_page(&self, kv: &mut GpuKv, page: PageId, bytes: &[u8]) -> BResult<()> {
+        kv.write_page(&self.gpu, page, bytes)
+    }
+
+    fn write_state(&self, kv: &mut GpuKv, slot: StateSlot, bytes: &[u8]) -> BResult<()> {
+        kv.write_state(&self.gpu, slot, bytes)
+    }
+}
+
+impl TensorOps for CudaBackend {
+    type Tensor = GpuTensor;
     type Selection = GpuSelection;
 
     fn name(&self) -> String {
@@ -257,27 +284,21 @@ impl Backend for CudaBackend {
         self.upload_as(t, bf16)
     }
 
-    fn upload_weight(&self, name: &str, t: HostTensor) -> BResult<GpuTensor> {
-        let bf16 = self.weight_is_bf16(name, t.rows, t.cols);
+    fn upload_weight(&self, t: HostTensor, usage: WeightUse) -> BResult<GpuTensor> {
+        let bf16 = self.weight_is_bf16(usage);
         self.upload_as(t, bf16)
     }
 
     fn random_weight(
         &self,
-        name: &str,
         rows: usize,
         cols: usize,
         init: WeightInit,
         seed: u64,
+        usage: WeightUse,
     ) -> BResult<GpuTensor> {
-        crate::random::random_tensor(
-            self,
-            rows,
-            cols,
-            self.weight_is_bf16(name, rows, cols),
-            init,
-            seed,
-        )
+        let bf16 = self.weight_is_bf16(usage);
+        crate::random::random_tensor(self, rows, cols, bf16, init, seed)
     }
 
     fn to_host(&self, t: &GpuTensor) -> BResult<HostTensor> {
@@ -316,42 +337,6 @@ impl Backend for CudaBackend {
             ],
         )?;
         Ok(out)
-    }
-
-    fn alloc_kv(&self, layout: &KvLayout, pages: usize, states: usize) -> BResult<GpuKv> {
-        GpuKv::new(&self.gpu, layout, pages, states)
-    }
-
-    fn reset_state(&self, kv: &mut GpuKv, _layout: &KvLayout, slot: StateSlot) -> BResult<()> {
-        kv.zero_state(&self.gpu, slot)
-    }
-
-    fn page_bytes(&self, kv: &GpuKv, _layout: &KvLayout, page: PageId) -> BResult<Vec<u8>> {
-        kv.read_page(&self.gpu, page)
-    }
-
-    fn state_bytes(&self, kv: &GpuKv, _layout: &KvLayout, slot: StateSlot) -> BResult<Vec<u8>> {
-        kv.read_state(&self.gpu, slot)
-    }
-
-    fn write_page(
-        &self,
-        kv: &mut GpuKv,
-        _layout: &KvLayout,
-        page: PageId,
-        bytes: &[u8],
-    ) -> BResult<()> {
-        kv.write_page(&self.gpu, page, bytes)
-    }
-
-    fn write_state(
-        &self,
-        kv: &mut GpuKv,
-        _layout: &KvLayout,
-        slot: StateSlot,
-        bytes: &[u8],
-    ) -> BResult<()> {
-        kv.write_state(&self.gpu, slot, bytes)
     }
 
     fn embed(&self, table: &GpuTensor, tokens: &[u32], copies: usize) -> BResult<GpuTensor> {
@@ -525,7 +510,10 @@ impl Backend for CudaBackend {
     fn moe(&self, x: &GpuTensor, p: &MoeParams<'_, GpuTensor>) -> BResult<GpuTensor> {
         crate::moe::moe(self, x, p)
     }
+}
 
+/// Decode steps replayed from captured graphs (`--cuda-graph`).
+impl StepRunner for CudaBackend {
     fn decode_step(
         &self,
         kv: &mut GpuKv,

@@ -122,7 +122,7 @@ const POOL: PoolSize = PoolSize {
     states: 8,
 };
 
-fn rel_err(got: &[f32], want: &[f32]) -> f64 {
+pub(crate) fn rel_err(got: &[f32], want: &[f32]) -> f64 {
     let num: f64 = got
         .iter()
         .zip(want)

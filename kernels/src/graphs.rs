@@ -409,7 +409,7 @@ fn first_difference(
     None
 }
 
-/// [`pdserve_engine::backend::Backend::decode_step`] of the CUDA backend.
+/// [`pdserve_engine::backend::StepRunner::decode_step`] of the CUDA backend.
 pub(crate) fn decode_step(
     b: &CudaBackend,
     kv: &mut GpuKv,

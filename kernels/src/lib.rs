@@ -6,6 +6,7 @@
 pub mod backend;
 pub mod bench;
 pub mod check;
+pub mod check_batched;
 pub mod check_graphs;
 pub mod compile;
 pub mod device;

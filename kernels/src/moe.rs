@@ -6,7 +6,7 @@ use crate::backend::{f32_buf, out_ptr, shape_err, CudaBackend};
 use crate::device::{Arg, BLOCK};
 use crate::devmem::DevMem;
 use crate::tensor::{Buf, GpuTensor};
-use pdserve_engine::backend::{BResult, Backend, MoeParams};
+use pdserve_engine::backend::{BResult, MoeParams, TensorOps};
 use pdserve_engine::config::ScoringFunc;
 
 const WARPS: usize = BLOCK as usize / 32;

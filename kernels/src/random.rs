@@ -1,5 +1,5 @@
 //! Random tensors generated on the device (`cu/random.cu`): the same counter-based values
-//! as `pdserve_engine::backend::random` computes on the host.
+//! as `pdserve_engine::backend::counter_rng` computes on the host.
 
 use crate::backend::CudaBackend;
 use crate::device::{grid_1d, Arg};

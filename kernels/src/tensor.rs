@@ -57,15 +57,6 @@ impl std::str::FromStr for WeightDtype {
     }
 }
 
-/// Weights kept in fp32 under [`WeightDtype::Bf16`]: the MoE router (its top-k picks are
-/// discrete; DeepSeek's reference computes it in fp32) and the hyper-connection maps
-/// (fp32 in the reference too).
-pub fn keeps_f32(name: &str) -> bool {
-    name.ends_with(".mlp.gate.weight")
-        || name.ends_with("_hc.fn")
-        || name.ends_with("hc_head.hc_fn")
-}
-
 /// Whether an uploaded tensor is stored in bf16: matrices (weights used by GEMMs and the
 /// expert kernels) are; vectors (norm weights, sinks, biases, hyper-connection scales)
 /// stay fp32.

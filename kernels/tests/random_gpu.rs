@@ -1,11 +1,11 @@
 //! On a machine with a CUDA device: `CudaBackend::random_weight` produces the same values
-//! as the host generator (`pdserve_engine::backend::random`), bit for bit in fp32 and after
+//! as the host generator (`pdserve_engine::backend::counter_rng`), bit for bit in fp32 and after
 //! bf16 rounding, for every init kind; the bandwidth and GEMM probes return plausible
 //! figures. Skipped (passes) where no device can be opened.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use pdserve_engine::backend::random::{host_tensor, tensor_seed};
-use pdserve_engine::backend::{Backend, WeightInit};
+use pdserve_engine::backend::counter_rng::{host_tensor, tensor_seed};
+use pdserve_engine::backend::{TensorOps, WeightInit, WeightUse};
 use pdserve_kernels::{CudaBackend, WeightDtype};
 
 fn open(w: WeightDtype) -> Option<CudaBackend> {
@@ -48,7 +48,7 @@ fn device_random_weights_equal_the_host_generator() {
         let got = f32b
             .to_host(
                 &f32b
-                    .random_weight("x.weight", 300, 257, init, seed)
+                    .random_weight(300, 257, init, seed, WeightUse::Matrix)
                     .unwrap(),
             )
             .unwrap();
@@ -63,7 +63,7 @@ fn device_random_weights_equal_the_host_generator() {
         let got = bf16b
             .to_host(
                 &bf16b
-                    .random_weight("x.weight", 300, 257, init, seed)
+                    .random_weight(300, 257, init, seed, WeightUse::Matrix)
                     .unwrap(),
             )
             .unwrap();

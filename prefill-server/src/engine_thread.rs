@@ -54,7 +54,7 @@ where
             };
             let _ = ready_tx.send(Ok(Ready {
                 layout: engine.layout().clone(),
-                total_pages: engine.pool().total_pages(),
+                total_pages: engine.allocator().total_pages(),
             }));
             let mut w = Worker {
                 engine,
@@ -114,7 +114,7 @@ impl<B: Backend> Worker<B> {
         let l = &self.load;
         let stats = self.cache.stats();
         l.free_pages.store(
-            self.engine.pool().free_page_count() as u64,
+            self.engine.allocator().free_page_count() as u64,
             Ordering::Relaxed,
         );
         l.cached_pages

@@ -11,6 +11,7 @@ use super::{kvfill, progress, Prepared};
 use anyhow::{bail, Result};
 use pdserve_engine::backend::{BatchPlan, SeqPlan};
 use pdserve_engine::kv::KvLayout;
+use pdserve_engine::model::weights::weight_use;
 use pdserve_kernels::GraphMode;
 use rand::{Rng, SeedableRng};
 use std::path::PathBuf;
@@ -103,7 +104,9 @@ pub fn run<B: BenchBackend>(a: &DecodeArgs, mut backend: B) -> Result<Vec<Decode
     }
     let bw = backend.memory_bandwidth()?;
     println!("memory bandwidth: {:.1} GB/s ({})", bw.rate / 1e9, bw.how);
-    let wb = weight_bytes(cfg, |n, r, c| backend.weight_elem_bytes(n, r, c));
+    let wb = weight_bytes(cfg, |n, r, c| {
+        backend.weight_elem_bytes(weight_use(n, r, c))
+    });
     let tid2eid: Vec<Option<&[u32]>> = p
         .model
         .weights
@@ -138,10 +141,10 @@ pub fn run<B: BenchBackend>(a: &DecodeArgs, mut backend: B) -> Result<Vec<Decode
         for s in 0..max_b {
             for pg in 0..layout.pages_for(c + span + 1) {
                 let (page, _) = &variants[(s + pg) % variants.len()];
-                backend.write_page(&mut kv, layout, (s * pages_per_seq + pg) as u32, page)?;
+                backend.write_page(&mut kv, (s * pages_per_seq + pg) as u32, page)?;
             }
             let (_, state) = &variants[s % variants.len()];
-            backend.write_state(&mut kv, layout, s as u32, state)?;
+            backend.write_state(&mut kv, s as u32, state)?;
         }
         for &b in &a.batch {
             for &mode in &a.graph {

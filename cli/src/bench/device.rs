@@ -3,7 +3,7 @@
 
 use super::median;
 use anyhow::{anyhow, Result};
-use pdserve_engine::backend::{random, BResult, Backend, WeightInit};
+use pdserve_engine::backend::{counter_rng, BResult, Backend, TensorOps, WeightInit, WeightUse};
 use pdserve_engine::CpuBackend;
 use pdserve_kernels::{CudaBackend, GraphMode};
 use rayon::prelude::*;
@@ -18,8 +18,8 @@ pub struct Ceiling {
 }
 
 pub trait BenchBackend: Backend + Sized {
-    /// Bytes per value of weight `name` (`rows x cols`) as this backend stores it.
-    fn weight_elem_bytes(&self, name: &str, rows: usize, cols: usize) -> usize;
+    /// Bytes per value of a weight the model uses as `usage`, as this backend stores it.
+    fn weight_elem_bytes(&self, usage: WeightUse) -> usize;
     /// Wait until every queued operation has finished.
     fn sync(&self) -> BResult<()>;
     /// Memory bandwidth (bytes/s) measured now: the decode floor's denominator.
@@ -31,7 +31,7 @@ pub trait BenchBackend: Backend + Sized {
 }
 
 impl BenchBackend for CpuBackend {
-    fn weight_elem_bytes(&self, _: &str, _: usize, _: usize) -> usize {
+    fn weight_elem_bytes(&self, _: WeightUse) -> usize {
         4
     }
 
@@ -43,7 +43,7 @@ impl BenchBackend for CpuBackend {
     fn memory_bandwidth(&self) -> Result<Ceiling> {
         let n = 64 << 20;
         let init = WeightInit::Uniform { lo: -1.0, hi: 1.0 };
-        let src = random::host_tensor(1, n, init, 11).data;
+        let src = counter_rng::host_tensor(1, n, init, 11).data;
         let mut dst = vec![0f32; n];
         let mut runs = Vec::new();
         for _ in 0..6 {
@@ -67,8 +67,8 @@ impl BenchBackend for CpuBackend {
     fn gemm_rate(&self) -> Result<Ceiling> {
         let n = 512;
         let init = WeightInit::Uniform { lo: -1.0, hi: 1.0 };
-        let x = self.upload(random::host_tensor(n, n, init, 12))?;
-        let w = self.upload(random::host_tensor(n, n, init, 13))?;
+        let x = self.upload(counter_rng::host_tensor(n, n, init, 12))?;
+        let w = self.upload(counter_rng::host_tensor(n, n, init, 13))?;
         let mut runs = Vec::new();
         for _ in 0..6 {
             let t = Instant::now();
@@ -101,8 +101,8 @@ pub fn set_graph_mode(backend: &mut CudaBackend, mode: GraphMode) -> String {
 }
 
 impl BenchBackend for CudaBackend {
-    fn weight_elem_bytes(&self, name: &str, rows: usize, cols: usize) -> usize {
-        if self.weight_is_bf16(name, rows, cols) {
+    fn weight_elem_bytes(&self, usage: WeightUse) -> usize {
+        if self.weight_is_bf16(usage) {
             2
         } else {
             4

@@ -2,7 +2,7 @@
 //! values of its dtype (random normals; fp8 index-K keys with unit scales), so a decode
 //! step at position `p` reads real-looking data without a `p`-token prefill.
 
-use pdserve_engine::backend::random::{bits, value};
+use pdserve_engine::backend::counter_rng::{bits, value};
 use pdserve_engine::backend::WeightInit;
 use pdserve_engine::kv::fp8::f32_to_e4m3;
 use pdserve_engine::kv::{EntryDtype, KvLayout};

@@ -88,7 +88,7 @@ pub fn run<B: BenchBackend>(a: &PrefillArgs, backend: B) -> Result<Vec<PrefillRo
         };
         let (mut times, mut finite) = (Vec::new(), true);
         for i in 0..a.warmup + a.repeats {
-            backend.reset_state(&mut kv, layout, 0)?;
+            backend.reset_state(&mut kv, 0)?;
             backend.sync()?;
             let t = Instant::now();
             let logits = p

@@ -13,10 +13,10 @@
 //! `visible = (pos + 1) / rate`. Compressor-ring state reads (only on the 1-in-`rate` steps
 //! that close a window) and all writes are left out.
 
+use pdserve_engine::checkpoint::expected_tensors;
 use pdserve_engine::config::{LayerKind, MlpKind, ModelConfig};
 use pdserve_engine::kv::KvLayout;
 use pdserve_engine::model::weights::rows_cols;
-use pdserve_engine::weights::expected_tensors;
 use std::collections::BTreeSet;
 
 /// Weight bytes as one backend stores them.

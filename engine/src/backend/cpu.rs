@@ -1,94 +1,26 @@
-//! fp32 CPU backend. Dense ops here; paged KV ops in `cpu_attention`.
+//! fp32 CPU backend: its tensors are [`HostTensor`]s. Dense ops here; paged KV ops in
+//! `cpu_attention`.
 
 use super::cpu_kv::{CpuKv, Region};
+use super::cpu_math::{rms_norm_into, sigmoid, silu, softmax, softplus};
 use super::gemm::matmul_nt;
 use super::shapes::shape_err;
 use super::{
-    cpu_attention, shapes, BResult, Backend, BatchPlan, CompressedKeys, CompressorParams, HcParams,
-    HcPre, HostTensor, MoeParams,
+    cpu_attention, shapes, BResult, BatchPlan, CompressedKeys, CompressorParams, HcParams, HcPre,
+    HostTensor, KvStorage, MoeParams, StepRunner, TensorOps,
 };
 use crate::config::ScoringFunc;
 use crate::kv::{KvLayout, PageId, StateSlot};
 use crate::rope::Rope;
 use rayon::prelude::*;
 
-/// Row-major fp32 matrix.
-#[derive(Debug, Clone, PartialEq)]
-pub struct CpuTensor {
-    pub rows: usize,
-    pub cols: usize,
-    pub data: Vec<f32>,
-}
-
-impl CpuTensor {
-    pub fn zeros(rows: usize, cols: usize) -> Self {
-        CpuTensor {
-            rows,
-            cols,
-            data: vec![0.0; rows * cols],
-        }
-    }
-
-    pub fn row(&self, r: usize) -> &[f32] {
-        &self.data[r * self.cols..(r + 1) * self.cols]
-    }
-}
-
 /// The CPU backend; matmuls use rayon's global pool.
 #[derive(Debug, Default, Clone)]
 pub struct CpuBackend;
 
-pub(super) fn sigmoid(x: f32) -> f32 {
-    1.0 / (1.0 + (-x).exp())
-}
-
-fn silu(x: f32) -> f32 {
-    x * sigmoid(x)
-}
-
-/// torch's softplus (beta 1, threshold 20).
-fn softplus(x: f32) -> f32 {
-    if x > 20.0 {
-        x
-    } else {
-        x.exp().ln_1p()
-    }
-}
-
-/// In-place max-subtracted softmax.
-pub(super) fn softmax(v: &mut [f32]) {
-    let m = v.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut s = 0f32;
-    for x in v.iter_mut() {
-        *x = (*x - m).exp();
-        s += *x;
-    }
-    for x in v.iter_mut() {
-        *x /= s;
-    }
-}
-
-/// `x * rsqrt(mean(x^2) + eps)`, times `w` if given.
-pub(super) fn rms_norm_into(x: &[f32], w: Option<&[f32]>, eps: f32, out: &mut [f32]) {
-    let ss: f32 = x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32;
-    let r = 1.0 / (ss + eps).sqrt();
-    match w {
-        Some(w) => {
-            for ((o, v), g) in out.iter_mut().zip(x).zip(w) {
-                *o = g * (v * r);
-            }
-        }
-        None => {
-            for (o, v) in out.iter_mut().zip(x) {
-                *o = v * r;
-            }
-        }
-    }
-}
-
 impl CpuBackend {
-    fn mm(&self, x: &[f32], n: usize, k: usize, w: &[f32], m: usize) -> CpuTensor {
-        let mut out = CpuTensor::zeros(n, m);
+    fn mm(&self, x: &[f32], n: usize, k: usize, w: &[f32], m: usize) -> HostTensor {
+        let mut out = HostTensor::zeros(n, m);
         matmul_nt(x, n, k, w, m, &mut out.data);
         out
     }
@@ -101,43 +33,65 @@ impl CpuBackend {
     }
 }
 
-impl Backend for CpuBackend {
-    type Tensor = CpuTensor;
+impl KvStorage for CpuBackend {
     type KvStore = CpuKv;
+
+    fn alloc_kv(&self, layout: &KvLayout, pages: usize, states: usize) -> BResult<CpuKv> {
+        Ok(CpuKv::new(layout, pages, states))
+    }
+
+    fn reset_state(&self, kv: &mut CpuKv, slot: StateSlot) -> BResult<()> {
+        kv.zero(Region::State(slot))
+    }
+
+    fn page_bytes(&self, kv: &CpuKv, page: PageId) -> BResult<Vec<u8>> {
+        kv.bytes(Region::Page(page))
+    }
+
+    fn state_bytes(&self, kv: &CpuKv, slot: StateSlot) -> BResult<Vec<u8>> {
+        kv.bytes(Region::State(slot))
+    }
+
+    fn write_page(&self, kv: &mut CpuKv, page: PageId, bytes: &[u8]) -> BResult<()> {
+        kv.write_bytes(Region::Page(page), bytes)
+    }
+
+    fn write_state(&self, kv: &mut CpuKv, slot: StateSlot, bytes: &[u8]) -> BResult<()> {
+        kv.write_bytes(Region::State(slot), bytes)
+    }
+}
+
+/// One forward per decode step (no graphs on the CPU).
+impl StepRunner for CpuBackend {}
+
+impl TensorOps for CpuBackend {
+    type Tensor = HostTensor;
     type Selection = Vec<Vec<u32>>;
 
     fn name(&self) -> String {
         format!("cpu ({} threads)", rayon::current_num_threads())
     }
 
-    fn dims(&self, t: &CpuTensor) -> (usize, usize) {
+    fn dims(&self, t: &HostTensor) -> (usize, usize) {
         (t.rows, t.cols)
     }
 
-    fn upload(&self, t: HostTensor) -> BResult<CpuTensor> {
+    fn upload(&self, t: HostTensor) -> BResult<HostTensor> {
         if t.data.len() != t.rows * t.cols {
             return Err(shape_err(
                 "upload",
                 format!("{}x{} with {} values", t.rows, t.cols, t.data.len()),
             ));
         }
-        Ok(CpuTensor {
-            rows: t.rows,
-            cols: t.cols,
-            data: t.data,
-        })
+        Ok(t)
     }
 
-    fn to_host(&self, t: &CpuTensor) -> BResult<HostTensor> {
-        Ok(HostTensor {
-            rows: t.rows,
-            cols: t.cols,
-            data: t.data.clone(),
-        })
+    fn to_host(&self, t: &HostTensor) -> BResult<HostTensor> {
+        Ok(t.clone())
     }
 
-    fn gather_rows(&self, t: &CpuTensor, rows: &[usize]) -> BResult<CpuTensor> {
-        let mut out = CpuTensor::zeros(rows.len(), t.cols);
+    fn gather_rows(&self, t: &HostTensor, rows: &[usize]) -> BResult<HostTensor> {
+        let mut out = HostTensor::zeros(rows.len(), t.cols);
         for (i, &r) in rows.iter().enumerate() {
             if r >= t.rows {
                 return Err(shape_err("gather_rows", format!("row {r} of {}", t.rows)));
@@ -147,46 +101,10 @@ impl Backend for CpuBackend {
         Ok(out)
     }
 
-    fn alloc_kv(&self, layout: &KvLayout, pages: usize, states: usize) -> BResult<CpuKv> {
-        Ok(CpuKv::new(layout, pages, states))
-    }
-
-    fn reset_state(&self, kv: &mut CpuKv, _layout: &KvLayout, slot: StateSlot) -> BResult<()> {
-        kv.zero(Region::State(slot))
-    }
-
-    fn page_bytes(&self, kv: &CpuKv, _layout: &KvLayout, page: PageId) -> BResult<Vec<u8>> {
-        kv.bytes(Region::Page(page))
-    }
-
-    fn state_bytes(&self, kv: &CpuKv, _layout: &KvLayout, slot: StateSlot) -> BResult<Vec<u8>> {
-        kv.bytes(Region::State(slot))
-    }
-
-    fn write_page(
-        &self,
-        kv: &mut CpuKv,
-        _layout: &KvLayout,
-        page: PageId,
-        bytes: &[u8],
-    ) -> BResult<()> {
-        kv.write_bytes(Region::Page(page), bytes)
-    }
-
-    fn write_state(
-        &self,
-        kv: &mut CpuKv,
-        _layout: &KvLayout,
-        slot: StateSlot,
-        bytes: &[u8],
-    ) -> BResult<()> {
-        kv.write_bytes(Region::State(slot), bytes)
-    }
-
-    fn embed(&self, table: &CpuTensor, tokens: &[u32], copies: usize) -> BResult<CpuTensor> {
+    fn embed(&self, table: &HostTensor, tokens: &[u32], copies: usize) -> BResult<HostTensor> {
         shapes::check_embed(table.rows, tokens)?;
         let h = table.cols;
-        let mut out = CpuTensor::zeros(tokens.len(), copies * h);
+        let mut out = HostTensor::zeros(tokens.len(), copies * h);
         for (i, &t) in tokens.iter().enumerate() {
             let t = t as usize;
             for c in 0..copies {
@@ -197,15 +115,15 @@ impl Backend for CpuBackend {
         Ok(out)
     }
 
-    fn matmul(&self, x: &CpuTensor, w: &CpuTensor) -> BResult<CpuTensor> {
+    fn matmul(&self, x: &HostTensor, w: &HostTensor) -> BResult<HostTensor> {
         shapes::check_matmul((x.rows, x.cols), (w.rows, w.cols))?;
         Ok(self.mm(&x.data, x.rows, x.cols, &w.data, w.rows))
     }
 
-    fn grouped_matmul(&self, x: &CpuTensor, w: &CpuTensor, groups: usize) -> BResult<CpuTensor> {
+    fn grouped_matmul(&self, x: &HostTensor, w: &HostTensor, groups: usize) -> BResult<HostTensor> {
         shapes::check_grouped_matmul((x.rows, x.cols), (w.rows, w.cols), groups)?;
         let (din, dout) = (w.cols, w.rows / groups);
-        let mut out = CpuTensor::zeros(x.rows, w.rows);
+        let mut out = HostTensor::zeros(x.rows, w.rows);
         for g in 0..groups {
             let xg: Vec<f32> = (0..x.rows)
                 .flat_map(|r| x.row(r)[g * din..(g + 1) * din].iter().copied())
@@ -227,13 +145,13 @@ impl Backend for CpuBackend {
 
     fn rms_norm(
         &self,
-        x: &CpuTensor,
-        weight: Option<&CpuTensor>,
+        x: &HostTensor,
+        weight: Option<&HostTensor>,
         group: usize,
         eps: f32,
-    ) -> BResult<CpuTensor> {
+    ) -> BResult<HostTensor> {
         shapes::check_rms_norm(x.cols, weight.map(|w| w.data.len()), group)?;
-        let mut out = CpuTensor::zeros(x.rows, x.cols);
+        let mut out = HostTensor::zeros(x.rows, x.cols);
         let w = weight.map(|w| w.data.as_slice());
         out.data
             .par_chunks_mut(group)
@@ -244,7 +162,7 @@ impl Backend for CpuBackend {
 
     fn rope(
         &self,
-        x: &mut CpuTensor,
+        x: &mut HostTensor,
         head_dim: usize,
         rope: &Rope,
         positions: &[usize],
@@ -268,10 +186,10 @@ impl Backend for CpuBackend {
 
     fn hc_pre(
         &self,
-        streams: &CpuTensor,
-        mix: &CpuTensor,
-        p: &HcParams<'_, CpuTensor>,
-    ) -> BResult<HcPre<CpuTensor>> {
+        streams: &HostTensor,
+        mix: &HostTensor,
+        p: &HcParams<'_, HostTensor>,
+    ) -> BResult<HcPre<HostTensor>> {
         let hc = p.hc;
         shapes::check_hc_pre(
             (streams.rows, streams.cols),
@@ -283,9 +201,9 @@ impl Backend for CpuBackend {
         let n = streams.rows;
         let h = streams.cols / hc;
         let (base, scale) = (&p.base.data, &p.scale.data);
-        let mut post = CpuTensor::zeros(n, hc);
-        let mut comb = CpuTensor::zeros(n, hc * hc);
-        let mut collapsed = CpuTensor::zeros(n, h);
+        let mut post = HostTensor::zeros(n, hc);
+        let mut comb = HostTensor::zeros(n, hc * hc);
+        let mut collapsed = HostTensor::zeros(n, h);
         for r in 0..n {
             let m = mix.row(r);
             let pre: Vec<f32> = (0..hc)
@@ -328,11 +246,11 @@ impl Backend for CpuBackend {
 
     fn hc_post(
         &self,
-        streams: &CpuTensor,
-        out: &CpuTensor,
-        pre: &HcPre<CpuTensor>,
+        streams: &HostTensor,
+        out: &HostTensor,
+        pre: &HcPre<HostTensor>,
         hc: usize,
-    ) -> BResult<CpuTensor> {
+    ) -> BResult<HostTensor> {
         let h = out.cols;
         shapes::check_hc_post(
             (streams.rows, streams.cols),
@@ -341,7 +259,7 @@ impl Backend for CpuBackend {
             pre.comb.data.len(),
             hc,
         )?;
-        let mut res = CpuTensor::zeros(streams.rows, streams.cols);
+        let mut res = HostTensor::zeros(streams.rows, streams.cols);
         for r in 0..streams.rows {
             let s = streams.row(r);
             let o = out.row(r);
@@ -363,10 +281,10 @@ impl Backend for CpuBackend {
 
     fn hc_head(
         &self,
-        streams: &CpuTensor,
-        mix: &CpuTensor,
-        p: &HcParams<'_, CpuTensor>,
-    ) -> BResult<CpuTensor> {
+        streams: &HostTensor,
+        mix: &HostTensor,
+        p: &HcParams<'_, HostTensor>,
+    ) -> BResult<HostTensor> {
         let hc = p.hc;
         shapes::check_hc_head(
             (streams.rows, streams.cols),
@@ -376,7 +294,7 @@ impl Backend for CpuBackend {
             hc,
         )?;
         let h = streams.cols / hc;
-        let mut out = CpuTensor::zeros(streams.rows, h);
+        let mut out = HostTensor::zeros(streams.rows, h);
         for r in 0..streams.rows {
             let m = mix.row(r);
             let pre: Vec<f32> = (0..hc)
@@ -399,9 +317,9 @@ impl Backend for CpuBackend {
         kv: &mut CpuKv,
         layout: &KvLayout,
         layer: usize,
-        proj_kv: &CpuTensor,
-        proj_gate: &CpuTensor,
-        p: &CompressorParams<'_, CpuTensor>,
+        proj_kv: &HostTensor,
+        proj_gate: &HostTensor,
+        p: &CompressorParams<'_, HostTensor>,
         plan: &BatchPlan,
     ) -> BResult<()> {
         cpu_attention::compress(kv, layout, layer, proj_kv, proj_gate, p, plan)
@@ -412,8 +330,8 @@ impl Backend for CpuBackend {
         kv: &CpuKv,
         layout: &KvLayout,
         layer: usize,
-        q: &CpuTensor,
-        weights: &CpuTensor,
+        q: &HostTensor,
+        weights: &HostTensor,
         n_heads: usize,
         topk: usize,
         plan: &BatchPlan,
@@ -426,13 +344,13 @@ impl Backend for CpuBackend {
         kv: &CpuKv,
         layout: &KvLayout,
         layer: usize,
-        q: &CpuTensor,
-        kv_new: &CpuTensor,
-        sinks: &CpuTensor,
+        q: &HostTensor,
+        kv_new: &HostTensor,
+        sinks: &HostTensor,
         n_heads: usize,
         compressed: CompressedKeys<'_, Vec<Vec<u32>>>,
         plan: &BatchPlan,
-    ) -> BResult<CpuTensor> {
+    ) -> BResult<HostTensor> {
         cpu_attention::attention(
             kv, layout, layer, q, kv_new, sinks, n_heads, compressed, plan,
         )
@@ -443,13 +361,13 @@ impl Backend for CpuBackend {
         kv: &mut CpuKv,
         layout: &KvLayout,
         layer: usize,
-        kv_new: &CpuTensor,
+        kv_new: &HostTensor,
         plan: &BatchPlan,
     ) -> BResult<()> {
         cpu_attention::window_store(kv, layout, layer, kv_new, plan)
     }
 
-    fn moe(&self, x: &CpuTensor, p: &MoeParams<'_, CpuTensor>) -> BResult<CpuTensor> {
+    fn moe(&self, x: &HostTensor, p: &MoeParams<'_, HostTensor>) -> BResult<HostTensor> {
         let (n, h) = (x.rows, x.cols);
         let (e, k, inter) = (p.n_experts, p.top_k, p.intermediate);
         if p.router.rows != e || p.gate_up.rows != e * 2 * inter || p.down.rows != e * h {
@@ -498,7 +416,7 @@ impl Backend for CpuBackend {
                     .collect(),
             );
         }
-        let mut out = CpuTensor::zeros(n, h);
+        let mut out = HostTensor::zeros(n, h);
         let mut act = Vec::new();
         for ex in 0..e {
             let rows: Vec<(usize, f32)> = picks
@@ -540,7 +458,7 @@ impl Backend for CpuBackend {
         let g = self.matmul(x, p.shared_gate)?;
         let u = self.matmul(x, p.shared_up)?;
         let si = p.shared_gate.rows;
-        let mut sact = CpuTensor::zeros(n, si);
+        let mut sact = HostTensor::zeros(n, si);
         for r in 0..n {
             Self::swiglu(
                 g.row(r),

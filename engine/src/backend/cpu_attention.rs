@@ -4,11 +4,12 @@
 //! Keys are always visited in position order (window by position, compressed entries
 //! by index), so a row's result does not depend on how the sequence was chunked.
 
-use super::cpu::{rms_norm_into, softmax, CpuTensor};
 use super::cpu_kv::{quantize, CpuKv, EntryLoc, Region};
+use super::cpu_math::{rms_norm_into, softmax};
 use super::gemm::dot;
 use super::{
-    BResult, BackendError, BatchPlan, CompressedKeys, CompressorParams, CompressorPart, SeqPlan,
+    BResult, BackendError, BatchPlan, CompressedKeys, CompressorParams, CompressorPart, HostTensor,
+    SeqPlan,
 };
 use crate::config::LayerKind;
 use crate::kv::{EntryDtype, KvLayout, LayerKvLayout};
@@ -88,9 +89,9 @@ pub fn compress(
     kv: &mut CpuKv,
     layout: &KvLayout,
     layer: usize,
-    proj_kv: &CpuTensor,
-    proj_gate: &CpuTensor,
-    p: &CompressorParams<'_, CpuTensor>,
+    proj_kv: &HostTensor,
+    proj_gate: &HostTensor,
+    p: &CompressorParams<'_, HostTensor>,
     plan: &BatchPlan,
 ) -> BResult<()> {
     let l = layer_of(layout, layer)?.clone();
@@ -185,8 +186,8 @@ pub fn index_select(
     kv: &CpuKv,
     layout: &KvLayout,
     layer: usize,
-    q: &CpuTensor,
-    weights: &CpuTensor,
+    q: &HostTensor,
+    weights: &HostTensor,
     n_heads: usize,
     topk: usize,
     plan: &BatchPlan,
@@ -249,13 +250,13 @@ pub fn attention(
     kv: &CpuKv,
     layout: &KvLayout,
     layer: usize,
-    q: &CpuTensor,
-    kv_new: &CpuTensor,
-    sinks: &CpuTensor,
+    q: &HostTensor,
+    kv_new: &HostTensor,
+    sinks: &HostTensor,
     n_heads: usize,
     compressed: CompressedKeys<'_, Vec<Vec<u32>>>,
     plan: &BatchPlan,
-) -> BResult<CpuTensor> {
+) -> BResult<HostTensor> {
     let l = layer_of(layout, layer)?;
     let hd = layout.head_dim;
     let window = layout.sliding_window;
@@ -266,7 +267,7 @@ pub fn attention(
         });
     }
     let scale = (hd as f32).powf(-0.5);
-    let mut out = CpuTensor::zeros(plan.rows(), n_heads * hd);
+    let mut out = HostTensor::zeros(plan.rows(), n_heads * hd);
     for seq in &plan.seqs {
         let state = Region::State(seq.state);
         // Ring entries this forward may read: positions [start - window + 1, start).
@@ -356,7 +357,7 @@ pub fn window_store(
     kv: &mut CpuKv,
     layout: &KvLayout,
     layer: usize,
-    kv_new: &CpuTensor,
+    kv_new: &HostTensor,
     plan: &BatchPlan,
 ) -> BResult<()> {
     let l = layer_of(layout, layer)?;
@@ -397,8 +398,8 @@ mod tests {
     fn picks(
         dtype: EntryDtype,
         keys: &[f32],
-        q: &CpuTensor,
-        w: &CpuTensor,
+        q: &HostTensor,
+        w: &HostTensor,
         nv: usize,
     ) -> Vec<Vec<u32>> {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/mixed");
@@ -444,12 +445,12 @@ mod tests {
         let keys: Vec<f32> = (0..nv * 128)
             .map(|i| normal(&mut rng) * if i % 128 < 4 { 4.0 } else { 1.0 })
             .collect();
-        let q = CpuTensor {
+        let q = HostTensor {
             rows,
             cols: 64 * 128,
             data: (0..rows * 64 * 128).map(|_| normal(&mut rng)).collect(),
         };
-        let w = CpuTensor {
+        let w = HostTensor {
             rows,
             cols: 64,
             data: (0..rows * 64).map(|_| normal(&mut rng)).collect(),

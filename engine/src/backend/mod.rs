@@ -1,24 +1,48 @@
-//! The backend trait: every numeric operation of the forward pass. The model code
-//! ([`crate::model`]) is written once against it; `cpu` implements it in fp32 and the
-//! CUDA backend implements it on the GPU.
+//! What a backend implements, in three traits: [`TensorOps`] (every numeric operation
+//! of the forward pass), [`KvStorage`] (a pool's pages and state slots as bytes) and
+//! [`StepRunner`] (how a decode step runs); [`Backend`] is all three. The model code
+//! ([`crate::model`]) is written once against them; `cpu` implements them in fp32 and
+//! the CUDA backend on the GPU.
 
+pub mod counter_rng;
 pub mod cpu;
 mod cpu_attention;
 mod cpu_kv;
+mod cpu_math;
 mod gemm;
-pub mod random;
+mod kv_storage;
+mod ops;
 pub mod shapes;
+mod step;
 
-use crate::kv::{KvLayout, PageId, StateSlot};
+use crate::kv::{PageId, StateSlot};
 use crate::rope::Rope;
-pub use random::WeightInit;
+pub use counter_rng::WeightInit;
+pub use kv_storage::KvStorage;
+pub use ops::{TensorOps, WeightUse};
+pub use step::{StepForward, StepRunner};
 
-/// A 2-D tensor on the host, row-major.
+/// A 2-D fp32 tensor on the host, row-major: what backends upload from and download to,
+/// and the CPU backend's own tensor.
 #[derive(Debug, Clone, PartialEq)]
 pub struct HostTensor {
     pub rows: usize,
     pub cols: usize,
     pub data: Vec<f32>,
+}
+
+impl HostTensor {
+    pub fn zeros(rows: usize, cols: usize) -> Self {
+        HostTensor {
+            rows,
+            cols,
+            data: vec![0.0; rows * cols],
+        }
+    }
+
+    pub fn row(&self, r: usize) -> &[f32] {
+        &self.data[r * self.cols..(r + 1) * self.cols]
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -122,7 +146,7 @@ pub struct HcParams<'a, T> {
     pub eps: f32,
 }
 
-/// Output of [`Backend::hc_pre`].
+/// Output of [`TensorOps::hc_pre`].
 pub struct HcPre<T> {
     /// `[rows, hc]` placement weights of the sublayer output.
     pub post: T,
@@ -134,200 +158,7 @@ pub struct HcPre<T> {
 
 pub type BResult<T> = Result<T, BackendError>;
 
-/// One step's forward pass as a backend runs it: `(backend, kv, plan)` -> the logits of
-/// every row of `plan`, in row order, still on the device.
-pub type StepForward<'a, B> =
-    dyn FnMut(&B, &mut <B as Backend>::KvStore, &BatchPlan) -> BResult<<B as Backend>::Tensor> + 'a;
+/// A whole backend: its tensor ops, its KV storage and its step runner.
+pub trait Backend: StepRunner {}
 
-pub trait Backend: Send + Sync {
-    /// A 2-D tensor (activations and weights; vectors are `[1, n]`).
-    type Tensor: Send + Sync;
-    /// Storage of all pages and state slots of one pool.
-    type KvStore: Send + Sync;
-    /// Per-row indexer picks.
-    type Selection: Send + Sync;
-
-    fn name(&self) -> String;
-    fn dims(&self, t: &Self::Tensor) -> (usize, usize);
-    fn upload(&self, t: HostTensor) -> BResult<Self::Tensor>;
-    /// Upload checkpoint tensor `name` (the model's module name); a backend may choose its
-    /// storage by name (the CUDA backend keeps the router and hyper-connection maps in
-    /// fp32). Default: [`Backend::upload`].
-    fn upload_weight(&self, name: &str, t: HostTensor) -> BResult<Self::Tensor> {
-        let _ = name;
-        self.upload(t)
-    }
-    /// A synthetic weight named `name` (stored as [`Backend::upload_weight`] would store
-    /// it), `rows x cols` values drawn by `init` from the counter-based generator of
-    /// [`random`] keyed by `seed`: deterministic, the same values on every backend (up to
-    /// storage rounding). Default: generated on the host, then uploaded; the CUDA backend
-    /// generates on the device.
-    fn random_weight(
-        &self,
-        name: &str,
-        rows: usize,
-        cols: usize,
-        init: WeightInit,
-        seed: u64,
-    ) -> BResult<Self::Tensor> {
-        self.upload_weight(name, random::host_tensor(rows, cols, init, seed))
-    }
-    fn to_host(&self, t: &Self::Tensor) -> BResult<HostTensor>;
-    /// Rows `rows` of `t`, in that order.
-    fn gather_rows(&self, t: &Self::Tensor, rows: &[usize]) -> BResult<Self::Tensor>;
-
-    fn alloc_kv(&self, layout: &KvLayout, pages: usize, states: usize) -> BResult<Self::KvStore>;
-    /// Zero a state slot before a new sequence uses it.
-    fn reset_state(
-        &self,
-        kv: &mut Self::KvStore,
-        layout: &KvLayout,
-        slot: StateSlot,
-    ) -> BResult<()>;
-    /// Raw bytes of a page / state slot (audits, transfers, tests).
-    fn page_bytes(&self, kv: &Self::KvStore, layout: &KvLayout, page: PageId) -> BResult<Vec<u8>>;
-    fn state_bytes(
-        &self,
-        kv: &Self::KvStore,
-        layout: &KvLayout,
-        slot: StateSlot,
-    ) -> BResult<Vec<u8>>;
-    /// Overwrite a whole page / state slot (`layout.page_bytes` / `layout.state_bytes` bytes).
-    fn write_page(
-        &self,
-        kv: &mut Self::KvStore,
-        layout: &KvLayout,
-        page: PageId,
-        bytes: &[u8],
-    ) -> BResult<()>;
-    fn write_state(
-        &self,
-        kv: &mut Self::KvStore,
-        layout: &KvLayout,
-        slot: StateSlot,
-        bytes: &[u8],
-    ) -> BResult<()>;
-
-    /// `table[tokens[r]]`, repeated `copies` times along the row: `[rows, copies*H]`.
-    fn embed(&self, table: &Self::Tensor, tokens: &[u32], copies: usize) -> BResult<Self::Tensor>;
-    /// `x @ w^T`: `[n,k] x [m,k] -> [n,m]`.
-    fn matmul(&self, x: &Self::Tensor, w: &Self::Tensor) -> BResult<Self::Tensor>;
-    /// Block-diagonal `x @ w^T`: group `g` of `x`'s columns times rows `g*m/groups..` of `w`.
-    fn grouped_matmul(
-        &self,
-        x: &Self::Tensor,
-        w: &Self::Tensor,
-        groups: usize,
-    ) -> BResult<Self::Tensor>;
-    /// RMS-normalise each consecutive `group` values of every row, times `weight` (length `group`) if given.
-    fn rms_norm(
-        &self,
-        x: &Self::Tensor,
-        weight: Option<&Self::Tensor>,
-        group: usize,
-        eps: f32,
-    ) -> BResult<Self::Tensor>;
-    /// Interleaved rope on the trailing `rope.dim()` channels of every `head_dim` head,
-    /// at each row's position (`positions[r]`); `inverse` rotates back (`-sin`).
-    fn rope(
-        &self,
-        x: &mut Self::Tensor,
-        head_dim: usize,
-        rope: &Rope,
-        positions: &[usize],
-        inverse: bool,
-    ) -> BResult<()>;
-
-    /// Hyper-connection mapping from precomputed mix logits (`[rows, (2+hc)*hc]`).
-    fn hc_pre(
-        &self,
-        streams: &Self::Tensor,
-        mix: &Self::Tensor,
-        p: &HcParams<'_, Self::Tensor>,
-    ) -> BResult<HcPre<Self::Tensor>>;
-    /// `new[k] = post[k] * out + sum_j comb[j,k] * streams[j]`.
-    fn hc_post(
-        &self,
-        streams: &Self::Tensor,
-        out: &Self::Tensor,
-        pre: &HcPre<Self::Tensor>,
-        hc: usize,
-    ) -> BResult<Self::Tensor>;
-    /// Final collapse: `sum_k (sigmoid(mix_k*scale + base_k) + eps) * streams[k]`.
-    fn hc_head(
-        &self,
-        streams: &Self::Tensor,
-        mix: &Self::Tensor,
-        p: &HcParams<'_, Self::Tensor>,
-    ) -> BResult<Self::Tensor>;
-
-    /// Feed projected `kv`/`gate` rows into a compressor ring; every window a row closes
-    /// is pooled (softmax over slots + position bias), normed, roped at `w*rate`, and
-    /// stored as entry `w` in the sequence's pages.
-    #[allow(clippy::too_many_arguments)]
-    fn compress(
-        &self,
-        kv: &mut Self::KvStore,
-        layout: &KvLayout,
-        layer: usize,
-        proj_kv: &Self::Tensor,
-        proj_gate: &Self::Tensor,
-        p: &CompressorParams<'_, Self::Tensor>,
-        plan: &BatchPlan,
-    ) -> BResult<()>;
-    /// Lightning indexer: score every visible index-K entry, keep the top `topk` per row.
-    #[allow(clippy::too_many_arguments)]
-    fn index_select(
-        &self,
-        kv: &Self::KvStore,
-        layout: &KvLayout,
-        layer: usize,
-        q: &Self::Tensor,
-        weights: &Self::Tensor,
-        n_heads: usize,
-        topk: usize,
-        plan: &BatchPlan,
-    ) -> BResult<Self::Selection>;
-    /// Sink attention of every row over its sliding window (earlier positions from the
-    /// ring, this forward's from `kv_new`) and the given compressed entries.
-    #[allow(clippy::too_many_arguments)]
-    fn attention(
-        &self,
-        kv: &Self::KvStore,
-        layout: &KvLayout,
-        layer: usize,
-        q: &Self::Tensor,
-        kv_new: &Self::Tensor,
-        sinks: &Self::Tensor,
-        n_heads: usize,
-        compressed: CompressedKeys<'_, Self::Selection>,
-        plan: &BatchPlan,
-    ) -> BResult<Self::Tensor>;
-    /// Store this forward's K=V rows into the sliding-window rings.
-    fn window_store(
-        &self,
-        kv: &mut Self::KvStore,
-        layout: &KvLayout,
-        layer: usize,
-        kv_new: &Self::Tensor,
-        plan: &BatchPlan,
-    ) -> BResult<()>;
-    /// Routed experts plus shared expert.
-    fn moe(&self, x: &Self::Tensor, p: &MoeParams<'_, Self::Tensor>) -> BResult<Self::Tensor>;
-
-    /// Run one decode step: every sequence of `plan` has exactly one new row, and
-    /// `forward` returns the logits of every row. A backend may pad the batch and replay a
-    /// captured graph (the CUDA backend does); the default runs `forward` once.
-    fn decode_step(
-        &self,
-        kv: &mut Self::KvStore,
-        plan: &BatchPlan,
-        forward: &mut StepForward<'_, Self>,
-    ) -> BResult<HostTensor>
-    where
-        Self: Sized,
-    {
-        let logits = forward(self, kv, plan)?;
-        self.to_host(&logits)
-    }
-}
+impl<T: StepRunner> Backend for T {}

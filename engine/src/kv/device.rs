@@ -1,24 +1,25 @@
-//! The device pool: page/state bookkeeping plus the backend's storage of every page and
-//! state slot ("device" memory is host memory on the CPU backend, GPU memory on CUDA).
-//! Every size comes from its [`KvLayout`].
+//! The device pool: page/state allocation ([`KvAllocator`]) plus the backend's storage of
+//! every page and state slot ("device" memory is host memory on the CPU backend, GPU
+//! memory on CUDA). Every size comes from its [`KvLayout`]; of the backend it needs only
+//! the [`KvStorage`].
 
-use super::{metrics, KvLayout, PageId, PagePool, StateSlot};
-use crate::backend::{BResult, Backend, BackendError};
+use super::{metrics, KvAllocator, KvLayout, PageId, StateSlot};
+use crate::backend::{BResult, BackendError, KvStorage};
 
-pub struct DevicePool<B: Backend> {
+pub struct DevicePool<B: KvStorage> {
     pub(crate) layout: KvLayout,
     pub(crate) fingerprint: String,
-    pub(crate) pages: PagePool,
+    pub(crate) allocator: KvAllocator,
     pub(crate) store: B::KvStore,
 }
 
-impl<B: Backend> DevicePool<B> {
+impl<B: KvStorage> DevicePool<B> {
     pub fn new(backend: &B, layout: KvLayout, pages: usize, states: usize) -> BResult<Self> {
         let store = backend.alloc_kv(&layout, pages, states)?;
         let pool = DevicePool {
             fingerprint: layout.fingerprint(),
             layout,
-            pages: PagePool::new(pages, states),
+            allocator: KvAllocator::new(pages, states),
             store,
         };
         pool.publish_metrics();
@@ -33,8 +34,9 @@ impl<B: Backend> DevicePool<B> {
         &self.fingerprint
     }
 
-    pub fn bookkeeping(&self) -> &PagePool {
-        &self.pages
+    /// Who holds which pages and state slots of this pool.
+    pub fn allocator(&self) -> &KvAllocator {
+        &self.allocator
     }
 
     pub fn store(&self) -> &B::KvStore {
@@ -43,25 +45,25 @@ impl<B: Backend> DevicePool<B> {
 
     /// Bytes of a page (exactly `layout.page_bytes`).
     pub fn read_page(&self, backend: &B, page: PageId) -> BResult<Vec<u8>> {
-        let b = backend.page_bytes(&self.store, &self.layout, page)?;
+        let b = backend.page_bytes(&self.store, page)?;
         self.check_len("page", b.len(), self.layout.page_bytes)?;
         Ok(b)
     }
 
     pub fn write_page(&mut self, backend: &B, page: PageId, bytes: &[u8]) -> BResult<()> {
         self.check_len("page", bytes.len(), self.layout.page_bytes)?;
-        backend.write_page(&mut self.store, &self.layout, page, bytes)
+        backend.write_page(&mut self.store, page, bytes)
     }
 
     pub fn read_state(&self, backend: &B, slot: StateSlot) -> BResult<Vec<u8>> {
-        let b = backend.state_bytes(&self.store, &self.layout, slot)?;
+        let b = backend.state_bytes(&self.store, slot)?;
         self.check_len("state slot", b.len(), self.layout.state_bytes)?;
         Ok(b)
     }
 
     pub fn write_state(&mut self, backend: &B, slot: StateSlot, bytes: &[u8]) -> BResult<()> {
         self.check_len("state slot", bytes.len(), self.layout.state_bytes)?;
-        backend.write_state(&mut self.store, &self.layout, slot, bytes)
+        backend.write_state(&mut self.store, slot, bytes)
     }
 
     fn check_len(&self, what: &str, got: usize, want: usize) -> BResult<()> {
@@ -78,8 +80,8 @@ impl<B: Backend> DevicePool<B> {
     pub fn publish_metrics(&self) {
         metrics::pages(
             "device",
-            self.pages.total_pages() - self.pages.free_page_count(),
-            self.pages.total_pages(),
+            self.allocator.total_pages() - self.allocator.free_page_count(),
+            self.allocator.total_pages(),
         );
     }
 }

@@ -2,8 +2,8 @@
 //! from the same [`KvLayout`] as the device pool; every copy checks that both pools
 //! share that layout and refuses (naming the differing field) otherwise.
 
-use super::{metrics, DevicePool, KvLayout, LayoutError, PageId, PagePool};
-use crate::backend::{Backend, BackendError};
+use super::{metrics, DevicePool, KvAllocator, KvLayout, LayoutError, PageId};
+use crate::backend::{BackendError, KvStorage};
 
 #[derive(Debug, thiserror::Error)]
 pub enum HostPoolError {
@@ -24,7 +24,7 @@ pub enum HostPoolError {
 pub struct HostPool {
     layout: KvLayout,
     fingerprint: String,
-    pages: PagePool,
+    allocator: KvAllocator,
     data: Vec<u8>,
 }
 
@@ -33,7 +33,7 @@ impl HostPool {
         let pool = HostPool {
             layout: layout.clone(),
             fingerprint: layout.fingerprint(),
-            pages: PagePool::new(pages, 0),
+            allocator: KvAllocator::new(pages, 0),
             data: vec![0; pages * layout.page_bytes],
         };
         pool.publish_metrics();
@@ -45,21 +45,21 @@ impl HostPool {
     }
 
     pub fn total_pages(&self) -> usize {
-        self.pages.total_pages()
+        self.allocator.total_pages()
     }
 
     pub fn used_pages(&self) -> usize {
-        self.pages.total_pages() - self.pages.free_page_count()
+        self.allocator.total_pages() - self.allocator.free_page_count()
     }
 
     pub fn alloc(&mut self) -> Option<PageId> {
-        let p = self.pages.alloc_pages(1).ok()?.pop();
+        let p = self.allocator.alloc_pages(1).ok()?.pop();
         self.publish_metrics();
         p
     }
 
     pub fn free(&mut self, page: PageId) -> Result<(), HostPoolError> {
-        self.pages
+        self.allocator
             .release_pages(&[page])
             .map_err(|_| HostPoolError::NotAllocated(page))?;
         self.publish_metrics();
@@ -67,7 +67,7 @@ impl HostPool {
     }
 
     fn range(&self, page: PageId) -> Result<std::ops::Range<usize>, HostPoolError> {
-        if self.pages.refcount(page) == 0 {
+        if self.allocator.refcount(page) == 0 {
             return Err(HostPoolError::NotAllocated(page));
         }
         let pb = self.layout.page_bytes;
@@ -92,7 +92,7 @@ impl HostPool {
         Ok(())
     }
 
-    fn check_peer<B: Backend>(&self, dev: &DevicePool<B>) -> Result<(), HostPoolError> {
+    fn check_peer<B: KvStorage>(&self, dev: &DevicePool<B>) -> Result<(), HostPoolError> {
         if dev.fingerprint() != self.fingerprint {
             self.layout.check_compatible(dev.layout())?;
             // Same fields, different fingerprint cannot happen; refuse anyway.
@@ -107,7 +107,7 @@ impl HostPool {
     }
 
     /// Copy device page `dev_page` into host page `host_page`.
-    pub fn backup<B: Backend>(
+    pub fn backup<B: KvStorage>(
         &mut self,
         backend: &B,
         dev: &DevicePool<B>,
@@ -120,7 +120,7 @@ impl HostPool {
     }
 
     /// Copy host page `host_page` into device page `dev_page`.
-    pub fn load<B: Backend>(
+    pub fn load<B: KvStorage>(
         &self,
         backend: &B,
         dev: &mut DevicePool<B>,

@@ -15,6 +15,11 @@
 use crate::config::{LayerKind, ModelConfig};
 use sha2::{Digest, Sha256};
 
+/// Index of a token page in a pool (pages are laid out by [`KvLayout::page_bytes`]).
+pub type PageId = u32;
+/// Index of a per-request state slot in a pool ([`KvLayout::state_bytes`] each).
+pub type StateSlot = u32;
+
 /// Storage type of a KV entry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
 pub enum EntryDtype {

@@ -1,6 +1,6 @@
 //! The DeepSeek-V4 forward pass, written once against [`Backend`].
 
-pub mod random;
+pub mod random_weights;
 pub mod weights;
 
 use crate::backend::{

@@ -1,4 +1,4 @@
-// Counter-based random weights (engine/src/backend/random.rs has the same arithmetic on
+// Counter-based random weights (engine/src/backend/counter_rng.rs has the same arithmetic on
 // the host): element i = splitmix64(seed + i * GOLDEN); four 16-bit lanes give uniforms;
 // normal = Irwin-Hall sum of four (mean 0, variance 1), uniform = the first lane.
 // kind 0: a + b * normal (a = mean, b = std); kind 1: a + (b - a) * uniform.

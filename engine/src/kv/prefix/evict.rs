@@ -23,7 +23,7 @@ impl PrefixCache {
             .filter_map(|(id, n)| {
                 let n = n.as_ref()?;
                 let p = n.device?;
-                (engine.pool().refcount(p) == 1).then_some((n.last_use, Reverse(n.depth), id, p))
+                (engine.page_refcount(p) == 1).then_some((n.last_use, Reverse(n.depth), id, p))
             })
             .collect();
         cands.sort_unstable();
@@ -31,9 +31,9 @@ impl PrefixCache {
             if self.node(id)?.host.is_none() {
                 match self.host_page()? {
                     Some(hp) => {
-                        if let Err(e) = self.host.backup(&engine.backend, &engine.device, p, hp) {
+                        if let Err(e) = engine.backup_page(&mut self.host, p, hp) {
                             self.host.free(hp)?;
-                            return Err(e.into());
+                            return Err(e);
                         }
                         self.node_mut(id)?.host = Some(hp);
                     }
@@ -161,7 +161,7 @@ impl PrefixCache {
                 if !dev.insert(p) {
                     return Err(format!("device page {p} owned by two nodes"));
                 }
-                if engine.pool().refcount(p) == 0 {
+                if engine.page_refcount(p) == 0 {
                     return Err(format!("node {id}'s device page {p} is free"));
                 }
             }

@@ -17,7 +17,8 @@ mod evict;
 
 use super::{metrics, HostPool, HostPoolError, PageId};
 use crate::backend::Backend;
-use crate::engine::{Engine, EngineError, ForwardItem, Logits, Sequence};
+use crate::engine::{Engine, EngineError, Logits, Sequence};
+use crate::generate::{prefill_chunks, ChunkHooks, Chunking};
 use std::collections::HashMap;
 
 type NodeId = usize;
@@ -229,7 +230,7 @@ impl PrefixCache {
         let mut held: Vec<PageId> = Vec::new();
         for &id in &chain {
             if let Some(p) = self.node(id)?.device {
-                engine.device.pages.retain_pages(&[p])?;
+                engine.retain_pages(&[p])?;
                 held.push(p);
             }
         }
@@ -290,12 +291,12 @@ impl PrefixCache {
                 chain.truncate(i);
                 break;
             };
-            if let Err(e) = self.host.load(&engine.backend, &mut engine.device, hp, p) {
+            if let Err(e) = engine.restore_page(&self.host, hp, p) {
                 engine.release_pages(&[p])?;
-                return Err(e.into());
+                return Err(e);
             }
             self.node_mut(id)?.device = Some(p);
-            engine.device.pages.retain_pages(&[p])?;
+            engine.retain_pages(&[p])?;
             held.push(p);
             host_hit += self.page_tokens;
         }
@@ -308,8 +309,7 @@ impl PrefixCache {
         engine: &mut Engine<B>,
     ) -> Result<Option<PageId>, EngineError> {
         loop {
-            if let Ok(mut v) = engine.device.pages.alloc_pages(1) {
-                engine.device.publish_metrics();
+            if let Ok(mut v) = engine.alloc_pages(1) {
                 return Ok(v.pop());
             }
             if !self.evict_one_device(engine)? {
@@ -342,41 +342,21 @@ impl PrefixCache {
         tokens: &[u32],
         chunk: usize,
         want: Logits,
-        mut node: NodeId,
+        node: NodeId,
         cancelled: &dyn Fn() -> bool,
     ) -> Result<Option<Vec<Vec<f32>>>, EngineError> {
-        let p = self.page_tokens;
-        let chunk = if chunk == 0 { tokens.len() } else { chunk };
-        let mut rows = Vec::new();
-        while seq.len() < tokens.len() {
-            if cancelled() {
-                return Ok(None);
-            }
-            let at = seq.len();
-            let end = (at + chunk).min(tokens.len()).min((at / p + 1) * p);
-            let logits = match want {
-                Logits::All => Logits::All,
-                Logits::Last if end == tokens.len() => Logits::Last,
-                _ => Logits::None,
-            };
-            let need = engine
-                .layout()
-                .pages_for(end)
-                .saturating_sub(seq.kv.pages.len());
-            self.make_room(engine, need)?;
-            let out = engine.forward(&mut [ForwardItem {
-                seq: &mut *seq,
-                tokens: &tokens[at..end],
-                logits,
-            }])?;
-            for t in out {
-                rows.extend(t.data.chunks(t.cols.max(1)).map(<[f32]>::to_vec));
-            }
-            if end.is_multiple_of(p) {
-                node = self.insert(engine, node, seq, &tokens[end - p..end])?;
-            }
-        }
-        Ok(Some(rows))
+        let chunking = Chunking {
+            chunk,
+            cut_every: Some(self.page_tokens),
+        };
+        let rest = &tokens[seq.len()..];
+        let mut hooks = CutHooks {
+            cache: self,
+            tokens,
+            node,
+            cancelled,
+        };
+        prefill_chunks(engine, seq, rest, chunking, want, &mut hooks)
     }
 
     /// Evict until `need` device pages are free (or nothing more can go).
@@ -385,7 +365,7 @@ impl PrefixCache {
         engine: &mut Engine<B>,
         need: usize,
     ) -> Result<(), EngineError> {
-        while engine.pool().free_page_count() < need {
+        while engine.free_page_count() < need {
             if !self.evict_one_device(engine)? {
                 break;
             }
@@ -406,17 +386,17 @@ impl PrefixCache {
             return Ok(c);
         }
         let page = *seq
-            .kv
+            .kv()
             .pages
             .get(seq.len() / self.page_tokens - 1)
             .ok_or_else(|| internal("sequence shorter than its cut".into()))?;
-        let full = engine.device.read_state(&engine.backend, seq.kv.state)?;
+        let full = engine.sequence_state(seq)?;
         let state: Vec<u8> = self
             .live
             .iter()
             .flat_map(|r| full[r.clone()].iter().copied())
             .collect();
-        engine.device.pages.retain_pages(&[page])?;
+        engine.retain_pages(&[page])?;
         let node = Node {
             parent,
             depth: self.node(parent)?.depth + 1,
@@ -439,5 +419,44 @@ impl PrefixCache {
         };
         self.node_mut(parent)?.children.insert(key.to_vec(), id);
         Ok(id)
+    }
+}
+
+/// The cache's part in a chunked prefill: make room for each chunk's pages, and cache
+/// every cut point the prefill reaches.
+struct CutHooks<'a> {
+    cache: &'a mut PrefixCache,
+    /// The whole prompt.
+    tokens: &'a [u32],
+    /// Node of the last cut cached so far.
+    node: NodeId,
+    cancelled: &'a dyn Fn() -> bool,
+}
+
+impl<B: Backend> ChunkHooks<B> for CutHooks<'_> {
+    fn before(
+        &mut self,
+        engine: &mut Engine<B>,
+        seq: &Sequence,
+        end: usize,
+    ) -> Result<bool, EngineError> {
+        if (self.cancelled)() {
+            return Ok(false);
+        }
+        let need = engine
+            .layout()
+            .pages_for(end)
+            .saturating_sub(seq.kv().pages.len());
+        self.cache.make_room(engine, need)?;
+        Ok(true)
+    }
+
+    fn after(&mut self, engine: &mut Engine<B>, seq: &Sequence) -> Result<(), EngineError> {
+        let (end, p) = (seq.len(), self.cache.page_tokens);
+        if end.is_multiple_of(p) {
+            let key = &self.tokens[end - p..end];
+            self.node = self.cache.insert(engine, self.node, seq, key)?;
+        }
+        Ok(())
     }
 }

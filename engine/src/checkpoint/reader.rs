@@ -12,11 +12,11 @@ use rayon::prelude::*;
 use safetensors::SafeTensors;
 
 use super::names::{canonical, Canonical, ExpertPart};
-use super::{DiskDtype, WeightsError, CONVERT_CHUNK, INDEX_FILE, SINGLE_FILE};
+use super::{CheckpointError, DiskDtype, CONVERT_CHUNK, INDEX_FILE, SINGLE_FILE};
 
-/// A tensor converted to f32 on the host.
+/// A checkpoint tensor converted to f32 on the host, in its stored shape.
 #[derive(Debug, Clone, PartialEq)]
-pub struct HostTensor {
+pub struct CheckpointTensor {
     pub shape: Vec<usize>,
     pub data: Vec<f32>,
 }
@@ -66,8 +66,8 @@ enum Source {
 }
 
 #[allow(unsafe_code)]
-fn map_file(path: &Path) -> Result<Mmap, WeightsError> {
-    let io = |source| WeightsError::Io {
+fn map_file(path: &Path) -> Result<Mmap, CheckpointError> {
+    let io = |source| CheckpointError::Io {
         path: path.to_path_buf(),
         source,
     };
@@ -82,8 +82,8 @@ fn map_file(path: &Path) -> Result<Mmap, WeightsError> {
 type HeaderEntry = (DiskDtype, Vec<usize>, usize, usize);
 
 /// Parsed safetensors header of one mapped file, by tensor name.
-fn read_header(path: &Path, map: &Mmap) -> Result<HashMap<String, HeaderEntry>, WeightsError> {
-    let (n, meta) = SafeTensors::read_metadata(map).map_err(|source| WeightsError::Format {
+fn read_header(path: &Path, map: &Mmap) -> Result<HashMap<String, HeaderEntry>, CheckpointError> {
+    let (n, meta) = SafeTensors::read_metadata(map).map_err(|source| CheckpointError::Format {
         path: path.to_path_buf(),
         source,
     })?;
@@ -101,7 +101,7 @@ fn read_header(path: &Path, map: &Mmap) -> Result<HashMap<String, HeaderEntry>, 
 impl Checkpoint {
     /// Open `dir/model.safetensors`, or else the shards named by `dir/model.safetensors.index.json`
     /// (`weight_map`: tensor name -> file name). Only the headers are read here.
-    pub fn open(dir: &Path) -> Result<Self, WeightsError> {
+    pub fn open(dir: &Path) -> Result<Self, CheckpointError> {
         let single = dir.join(SINGLE_FILE);
         let index = dir.join(INDEX_FILE);
         let mut ckpt = Checkpoint {
@@ -129,15 +129,15 @@ impl Checkpoint {
             return Ok(ckpt);
         }
         if !index.is_file() {
-            return Err(WeightsError::NoCheckpoint {
+            return Err(CheckpointError::NoCheckpoint {
                 dir: dir.to_path_buf(),
             });
         }
-        let bad = |reason: String| WeightsError::Index {
+        let bad = |reason: String| CheckpointError::Index {
             path: index.clone(),
             reason,
         };
-        let text = std::fs::read_to_string(&index).map_err(|source| WeightsError::Io {
+        let text = std::fs::read_to_string(&index).map_err(|source| CheckpointError::Io {
             path: index.clone(),
             source,
         })?;
@@ -249,23 +249,26 @@ impl Checkpoint {
     }
 
     /// The stored bytes of a tensor kept whole on disk, without conversion.
-    pub fn raw(&self, name: &str) -> Result<RawTensor<'_>, WeightsError> {
+    pub fn raw(&self, name: &str) -> Result<RawTensor<'_>, CheckpointError> {
         match self.canon.get(name) {
             Some(Source::Disk(d)) => self.raw_disk(d),
             Some(Source::Stacked(_)) => Err(corrupt(
                 name,
                 "stacked from per-expert tensors on disk; read it with tensor_f32".into(),
             )),
-            None => Err(WeightsError::NotFound {
+            None => Err(CheckpointError::NotFound {
                 name: name.to_string(),
             }),
         }
     }
 
-    fn raw_disk(&self, name: &str) -> Result<RawTensor<'_>, WeightsError> {
-        let entry = self.disk.get(name).ok_or_else(|| WeightsError::NotFound {
-            name: name.to_string(),
-        })?;
+    fn raw_disk(&self, name: &str) -> Result<RawTensor<'_>, CheckpointError> {
+        let entry = self
+            .disk
+            .get(name)
+            .ok_or_else(|| CheckpointError::NotFound {
+                name: name.to_string(),
+            })?;
         let bytes = self
             .shards
             .get(entry.shard)
@@ -289,33 +292,33 @@ impl Checkpoint {
     }
 
     /// A float tensor (F32, BF16 or F16 on disk) converted to f32.
-    pub fn tensor_f32(&self, name: &str) -> Result<HostTensor, WeightsError> {
+    pub fn tensor_f32(&self, name: &str) -> Result<CheckpointTensor, CheckpointError> {
         match self.canon.get(name) {
             Some(Source::Stacked(experts)) => {
-                let shape = self.shape(name).ok_or_else(|| WeightsError::NotFound {
+                let shape = self.shape(name).ok_or_else(|| CheckpointError::NotFound {
                     name: name.to_string(),
                 })?;
                 let mut data = Vec::with_capacity(shape.iter().product());
                 for d in experts.iter().flatten() {
                     data.extend(self.disk_f32(d)?.data);
                 }
-                Ok(HostTensor { shape, data })
+                Ok(CheckpointTensor { shape, data })
             }
             Some(Source::Disk(d)) => self.disk_f32(d),
-            None => Err(WeightsError::NotFound {
+            None => Err(CheckpointError::NotFound {
                 name: name.to_string(),
             }),
         }
     }
 
-    fn disk_f32(&self, name: &str) -> Result<HostTensor, WeightsError> {
+    fn disk_f32(&self, name: &str) -> Result<CheckpointTensor, CheckpointError> {
         let raw = self.raw_disk(name)?;
         let decode: fn(&[u8]) -> f32 = match raw.dtype {
             DiskDtype::F32 => |b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
             DiskDtype::BF16 => |b| half::bf16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32(),
             DiskDtype::F16 => |b| half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32(),
             dtype => {
-                return Err(WeightsError::Dtype {
+                return Err(CheckpointError::Dtype {
                     name: name.to_string(),
                     dtype,
                     expected: "F32, BF16 or F16",
@@ -331,14 +334,14 @@ impl Checkpoint {
                     *o = decode(b);
                 }
             });
-        Ok(HostTensor {
+        Ok(CheckpointTensor {
             shape: raw.shape.to_vec(),
             data,
         })
     }
 
     /// An integer tensor (I64 or I32 on disk), e.g. `tid2eid`.
-    pub fn tensor_i64(&self, name: &str) -> Result<(Vec<usize>, Vec<i64>), WeightsError> {
+    pub fn tensor_i64(&self, name: &str) -> Result<(Vec<usize>, Vec<i64>), CheckpointError> {
         let raw = self.raw(name)?;
         let data: Vec<i64> = match raw.dtype {
             DiskDtype::I64 => raw
@@ -352,7 +355,7 @@ impl Checkpoint {
                 .map(|b| i64::from(i32::from_le_bytes([b[0], b[1], b[2], b[3]])))
                 .collect(),
             dtype => {
-                return Err(WeightsError::Dtype {
+                return Err(CheckpointError::Dtype {
                     name: name.to_string(),
                     dtype,
                     expected: "I64 or I32",
@@ -363,8 +366,8 @@ impl Checkpoint {
     }
 }
 
-fn corrupt(name: &str, reason: String) -> WeightsError {
-    WeightsError::Corrupt {
+fn corrupt(name: &str, reason: String) -> CheckpointError {
+    CheckpointError::Corrupt {
         name: name.to_string(),
         reason,
     }
@@ -373,7 +376,7 @@ fn corrupt(name: &str, reason: String) -> WeightsError {
 /// Group disk names by canonical name; per-expert tensors must form complete, uniform sets.
 fn build_canonical(
     disk: &BTreeMap<String, Entry>,
-) -> Result<BTreeMap<String, Source>, WeightsError> {
+) -> Result<BTreeMap<String, Source>, CheckpointError> {
     let mut canon = BTreeMap::new();
     // packed name -> expert -> [gate/down, up] disk names
     let mut packed: BTreeMap<String, BTreeMap<usize, [Option<String>; 2]>> = BTreeMap::new();
@@ -427,7 +430,7 @@ fn build_canonical(
             for n in &names {
                 let entry = disk
                     .get(n)
-                    .ok_or_else(|| WeightsError::NotFound { name: n.clone() })?;
+                    .ok_or_else(|| CheckpointError::NotFound { name: n.clone() })?;
                 let this = (&entry.shape, entry.dtype);
                 if entry.shape.len() != 2 || first.is_some_and(|f| f != this) {
                     return Err(corrupt(

@@ -1,82 +1,18 @@
 //! An engine: one model on one backend with its KV pool. Sequences hold page tables;
 //! [`Engine::forward`] runs any mix of prefill chunks and decode steps in one batch.
 
-use crate::backend::{Backend, BackendError, BatchPlan, HostTensor, SeqPlan};
+use crate::backend::{Backend, BatchPlan, HostTensor, SeqPlan};
+use crate::checkpoint::Checkpoint;
 use crate::config::ModelConfig;
-use crate::kv::audit::{self, PoolChecksums};
-use crate::kv::{
-    DevicePool, KvLayout, KvLayoutSpec, LayoutError, PageId, PagePool, PoolError, SeqKv, StateSlot,
-};
-use crate::model::{LoadError, Model, ModelWeights};
-use crate::weights::Checkpoint;
-use std::collections::BTreeSet;
+use crate::kv::audit::StepAudit;
+use crate::kv::{DevicePool, KvAllocator, KvLayout, KvLayoutSpec, PageId, SeqKv};
+use crate::model::{Model, ModelWeights};
 use std::path::Path;
 
-#[derive(Debug, thiserror::Error)]
-pub enum EngineError {
-    #[error(transparent)]
-    Config(#[from] crate::config::ConfigError),
-    #[error(transparent)]
-    Load(#[from] LoadError),
-    #[error(transparent)]
-    Weights(#[from] crate::weights::WeightsError),
-    #[error(transparent)]
-    Layout(#[from] LayoutError),
-    #[error(transparent)]
-    Pool(#[from] PoolError),
-    #[error(transparent)]
-    Backend(#[from] BackendError),
-    /// The caller's input is wrong (empty prompt, token outside the vocabulary, too long,
-    /// bad sampling parameters): a client error.
-    #[error("invalid request: {0}")]
-    InvalidInput(String),
-    /// An invariant of the engine or of data handed between engines broke (prefix-cache
-    /// bookkeeping, a KV snapshot whose layout differs, a sampler failure): a server bug.
-    #[error("internal error: {0}")]
-    Internal(String),
-    #[error("KV audit: pages {pages:?} and state slots {states:?} changed outside this step's expected writes; the request's KV state is corrupt")]
-    KvAudit {
-        pages: Vec<PageId>,
-        states: Vec<StateSlot>,
-    },
-    #[error(transparent)]
-    Host(#[from] crate::kv::HostPoolError),
-}
+mod error;
+mod pages;
 
-/// What kind of failure an [`EngineError`] is, decided where it arises; the servers map
-/// a class to a gRPC status in one place (`pdserve_worker`), the router to HTTP.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ErrorClass {
-    /// The request itself is wrong: the client can fix it (gRPC INVALID_ARGUMENT, HTTP 400).
-    InvalidInput,
-    /// Out of KV pages or state slots: retry later or elsewhere (RESOURCE_EXHAUSTED, 503).
-    Exhausted,
-    /// KV state found corrupt by the audit (DATA_LOSS, 500).
-    Corrupt,
-    /// Anything else is the server's fault (INTERNAL, 500).
-    Internal,
-}
-
-impl EngineError {
-    pub fn class(&self) -> ErrorClass {
-        match self {
-            EngineError::InvalidInput(_) => ErrorClass::InvalidInput,
-            EngineError::Pool(
-                crate::kv::PoolError::PagesExhausted { .. }
-                | crate::kv::PoolError::StatesExhausted { .. },
-            ) => ErrorClass::Exhausted,
-            EngineError::KvAudit { .. } => ErrorClass::Corrupt,
-            EngineError::Config(_)
-            | EngineError::Load(_)
-            | EngineError::Weights(_)
-            | EngineError::Layout(_)
-            | EngineError::Pool(_)
-            | EngineError::Backend(_)
-            | EngineError::Internal(_)
-            | EngineError::Host(_) => ErrorClass::Internal,
-        }
-    }
-}
+pub use error::{EngineError, ErrorClass};
 
 /// Pool sizing.
 #[derive(Debug, Clone, Copy)]
@@ -144,14 +80,10 @@ pub struct ForwardItem<'a> {
 }
 
 pub struct Engine<B: Backend> {
-    pub(crate) backend: B,
+    backend: B,
     model: Model<B>,
-    pub(crate) device: DevicePool<B>,
-    kv_audit: bool,
-    /// Pages/slots the audit found corrupt; sequences holding them fail until they are freed.
-    poisoned: BTreeSet<PageId>,
-    poisoned_states: BTreeSet<StateSlot>,
-    scribble: Option<PageId>,
+    device: DevicePool<B>,
+    audit: StepAudit,
 }
 
 impl<B: Backend> Engine<B> {
@@ -181,10 +113,7 @@ impl<B: Backend> Engine<B> {
         Ok(Engine {
             model: Model::new(cfg, weights),
             device,
-            kv_audit: false,
-            poisoned: BTreeSet::new(),
-            poisoned_states: BTreeSet::new(),
-            scribble: None,
+            audit: StepAudit::default(),
             backend,
         })
     }
@@ -200,11 +129,11 @@ impl<B: Backend> Engine<B> {
     /// Turn the per-step write audit on or off (`--kv-audit`; costly: it checksums the
     /// whole pool twice per forward).
     pub fn set_kv_audit(&mut self, on: bool) {
-        self.kv_audit = on;
+        self.audit.set_enabled(on);
     }
 
     pub fn kv_audit(&self) -> bool {
-        self.kv_audit
+        self.audit.enabled()
     }
 
     /// The device pool (pages, state slots and their storage).
@@ -216,15 +145,16 @@ impl<B: Backend> Engine<B> {
     /// kernel writing out of bounds would. Only the audit tests use it.
     #[doc(hidden)]
     pub fn debug_scribble_after_next_forward(&mut self, page: PageId) {
-        self.scribble = Some(page);
+        self.audit.scribble_after_next_step(page);
     }
 
     pub fn backend(&self) -> &B {
         &self.backend
     }
 
-    pub fn pool(&self) -> &PagePool {
-        &self.device.pages
+    /// Who holds which device pages and state slots.
+    pub fn allocator(&self) -> &KvAllocator {
+        self.device.allocator()
     }
 
     pub fn kv_store(&self) -> &B::KvStore {
@@ -232,13 +162,12 @@ impl<B: Backend> Engine<B> {
     }
 
     pub fn new_sequence(&mut self) -> Result<Sequence, EngineError> {
-        let state = self.device.pages.alloc_state()?;
-        let d = &mut self.device;
-        if let Err(e) = self.backend.reset_state(&mut d.store, &d.layout, state) {
-            self.device.pages.release_state(state)?;
+        let state = self.device.allocator.alloc_state()?;
+        if let Err(e) = self.backend.reset_state(&mut self.device.store, state) {
+            self.device.allocator.release_state(state)?;
             return Err(e.into());
         }
-        self.poisoned_states.remove(&state);
+        self.audit.forget_state(state);
         Ok(Sequence {
             kv: SeqKv {
                 pages: Vec::new(),
@@ -251,52 +180,9 @@ impl<B: Backend> Engine<B> {
     /// Free a sequence's pages and state slot.
     pub fn release(&mut self, seq: Sequence) -> Result<(), EngineError> {
         self.release_pages(&seq.kv.pages)?;
-        self.device.pages.release_state(seq.kv.state)?;
-        self.poisoned_states.remove(&seq.kv.state);
+        self.device.allocator.release_state(seq.kv.state)?;
+        self.audit.forget_state(seq.kv.state);
         Ok(())
-    }
-
-    /// Drop one reference on each page; a page whose last reference goes is free again
-    /// (and no longer counted as corrupt).
-    pub(crate) fn release_pages(&mut self, pages: &[PageId]) -> Result<(), EngineError> {
-        self.device.pages.release_pages(pages)?;
-        for p in pages {
-            if self.device.pages.refcount(*p) == 0 {
-                self.poisoned.remove(p);
-            }
-        }
-        self.device.publish_metrics();
-        Ok(())
-    }
-
-    /// Whether the audit marked `page` corrupt.
-    pub fn is_poisoned(&self, page: PageId) -> bool {
-        self.poisoned.contains(&page)
-    }
-
-    /// A new sequence that shares `pages` and starts from `state` (a state slot's bytes)
-    /// at position `len`. It takes over one reference the caller holds on each page; on
-    /// error those references stay with the caller.
-    pub(crate) fn sequence_from_prefix(
-        &mut self,
-        pages: &[PageId],
-        state: &[u8],
-        len: usize,
-    ) -> Result<Sequence, EngineError> {
-        if pages.len() != self.layout().pages_for(len) {
-            return Err(EngineError::Internal(format!(
-                "prefix of {len} positions given {} pages",
-                pages.len()
-            )));
-        }
-        let mut seq = self.new_sequence()?;
-        if let Err(e) = self.device.write_state(&self.backend, seq.kv.state, state) {
-            self.release(seq)?;
-            return Err(e.into());
-        }
-        seq.kv.pages = pages.to_vec();
-        seq.kv.len = len;
-        Ok(seq)
     }
 
     /// Copy out a sequence's pages and state.
@@ -339,7 +225,7 @@ impl<B: Backend> Engine<B> {
         }
         let mut seq = self.new_sequence()?;
         let written = (|| {
-            seq.kv.pages = self.device.pages.alloc_pages(snap.pages.len())?;
+            seq.kv.pages = self.device.allocator.alloc_pages(snap.pages.len())?;
             for (&p, bytes) in seq.kv.pages.iter().zip(&snap.pages) {
                 self.device.write_page(&self.backend, p, bytes)?;
             }
@@ -359,64 +245,6 @@ impl<B: Backend> Engine<B> {
         }
     }
 
-    /// Fail a forward whose sequences hold pages the audit found corrupt.
-    fn check_poison(&self, items: &[ForwardItem<'_>]) -> Result<(), EngineError> {
-        if self.poisoned.is_empty() && self.poisoned_states.is_empty() {
-            return Ok(());
-        }
-        let mut pages = Vec::new();
-        let mut states = Vec::new();
-        for it in items {
-            pages.extend(it.seq.kv.pages.iter().filter(|p| self.poisoned.contains(p)));
-            if self.poisoned_states.contains(&it.seq.kv.state) {
-                states.push(it.seq.kv.state);
-            }
-        }
-        if pages.is_empty() && states.is_empty() {
-            return Ok(());
-        }
-        Err(EngineError::KvAudit { pages, states })
-    }
-
-    /// Compare the pool against its checksums from before the step.
-    fn audit_step(&mut self, before: &PoolChecksums, plan: &BatchPlan) -> Result<(), EngineError> {
-        let after = PoolChecksums::take(&self.backend, &self.device)?;
-        let expected = audit::expected_writes(plan, self.device.layout.page_tokens);
-        let bad = audit::compare(before, &after, &expected);
-        if bad.is_empty() {
-            return Ok(());
-        }
-        tracing::error!(
-            pages = ?bad.pages,
-            states = ?bad.states,
-            expected_pages = ?expected.0,
-            "KV audit: unexpected writes in this step"
-        );
-        crate::kv::metrics::audit_violations(bad.count());
-        let pool = &self.device.pages;
-        self.poisoned
-            .extend(bad.pages.iter().copied().filter(|&p| pool.refcount(p) > 0));
-        self.poisoned_states.extend(bad.states.iter().copied());
-        // Fail this step only if one of its own sequences holds corrupted state; other
-        // owners fail when they next run (check_poison), so only affected requests end.
-        let pages: Vec<PageId> = plan
-            .seqs
-            .iter()
-            .flat_map(|s| s.pages.iter().copied())
-            .filter(|p| bad.pages.contains(p))
-            .collect();
-        let states: Vec<StateSlot> = plan
-            .seqs
-            .iter()
-            .map(|s| s.state)
-            .filter(|s| bad.states.contains(s))
-            .collect();
-        if pages.is_empty() && states.is_empty() {
-            return Ok(());
-        }
-        Err(EngineError::KvAudit { pages, states })
-    }
-
     /// Grow every sequence's page table to cover its new tokens; all or nothing.
     fn reserve(&mut self, items: &mut [ForwardItem<'_>]) -> Result<(), EngineError> {
         let need: Vec<usize> = items
@@ -429,7 +257,7 @@ impl<B: Backend> Engine<B> {
             })
             .collect();
         let total: usize = need.iter().sum();
-        let mut fresh = self.device.pages.alloc_pages(total)?.into_iter();
+        let mut fresh = self.device.allocator.alloc_pages(total)?.into_iter();
         for (it, n) in items.iter_mut().zip(need) {
             it.seq.kv.pages.extend(fresh.by_ref().take(n));
         }
@@ -445,7 +273,9 @@ impl<B: Backend> Engine<B> {
         let vocab = self.model.cfg.vocab_size;
         for it in items.iter() {
             if it.tokens.is_empty() {
-                return Err(EngineError::InvalidInput("forward item with no tokens".into()));
+                return Err(EngineError::InvalidInput(
+                    "forward item with no tokens".into(),
+                ));
             }
             if let Some(&t) = it.tokens.iter().find(|&&t| t as usize >= vocab) {
                 return Err(EngineError::InvalidInput(format!(
@@ -460,7 +290,7 @@ impl<B: Backend> Engine<B> {
                 )));
             }
         }
-        self.check_poison(items)?;
+        self.audit.check_held(items.iter().map(|it| &it.seq.kv))?;
         self.reserve(items)?;
         let mut plan = BatchPlan::default();
         let mut logit_rows = Vec::new();
@@ -487,10 +317,7 @@ impl<B: Backend> Engine<B> {
             counts.push(rows.len());
             logit_rows.extend(rows);
         }
-        let before = match self.kv_audit {
-            true => Some(PoolChecksums::take(&self.backend, &self.device)?),
-            false => None,
-        };
+        let before = self.audit.before_step(&self.backend, &self.device)?;
         let decode = items
             .iter()
             .all(|it| it.tokens.len() == 1 && matches!(it.logits, Logits::Last));
@@ -513,13 +340,8 @@ impl<B: Backend> Engine<B> {
                 &logit_rows,
             )?
         };
-        if let Some(page) = self.scribble.take() {
-            let garbage = vec![0xA5u8; self.device.layout.page_bytes];
-            self.device.write_page(&self.backend, page, &garbage)?;
-        }
-        if let Some(before) = before {
-            self.audit_step(&before, &plan)?;
-        }
+        self.audit
+            .after_step(&self.backend, &mut self.device, before, &plan)?;
         for it in items.iter_mut() {
             it.seq.kv.len += it.tokens.len();
         }

@@ -72,7 +72,7 @@ pub fn value(init: WeightInit, seed: u64, i: u64) -> f32 {
     }
 }
 
-/// A whole tensor on the host (the default [`super::Backend::random_weight`]).
+/// A whole tensor on the host (the default [`super::TensorOps::random_weight`]).
 pub fn host_tensor(rows: usize, cols: usize, init: WeightInit, seed: u64) -> HostTensor {
     use rayon::prelude::*;
     let data = (0..rows * cols)

@@ -1,10 +1,17 @@
-//! Page and state-slot bookkeeping. Storage lives in the backend; this only decides
-//! which ids are free, and counts references so a shared page is freed once.
+//! [`KvAllocator`]: hands out a pool's page ids and state slots. Storage lives in the
+//! backend; this only decides which ids are free, and counts references so a shared
+//! page is freed once.
 
-/// Index of a token page in a pool.
-pub type PageId = u32;
-/// Index of a per-request state slot in a pool.
-pub type StateSlot = u32;
+use super::layout::{PageId, StateSlot};
+
+/// One request's KV handle: its page table and its state slot.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SeqKv {
+    pub pages: Vec<PageId>,
+    pub state: StateSlot,
+    /// Positions already written (the next token's position).
+    pub len: usize,
+}
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum PoolError {
@@ -22,17 +29,18 @@ pub enum PoolError {
     DoubleFreeState(StateSlot),
 }
 
+/// Allocator of a pool's token pages (reference counted) and state slots.
 #[derive(Debug)]
-pub struct PagePool {
+pub struct KvAllocator {
     refcount: Vec<u32>,
     free_pages: Vec<PageId>,
     state_used: Vec<bool>,
     free_states: Vec<StateSlot>,
 }
 
-impl PagePool {
+impl KvAllocator {
     pub fn new(pages: usize, states: usize) -> Self {
-        PagePool {
+        KvAllocator {
             refcount: vec![0; pages],
             // Pop from the end: hand out low ids first.
             free_pages: (0..pages as PageId).rev().collect(),
@@ -132,7 +140,7 @@ mod tests {
 
     #[test]
     fn alloc_release_roundtrip_and_errors() {
-        let mut p = PagePool::new(4, 2);
+        let mut p = KvAllocator::new(4, 2);
         let a = p.alloc_pages(3).unwrap();
         assert_eq!(a, vec![0, 1, 2]);
         assert!(matches!(

@@ -2,8 +2,8 @@
 //! inventory transformers' `DeepseekV4ForCausalLM.state_dict()` saves, and validation of one
 //! against the other.
 
-mod checkpoint;
 pub mod names;
+mod reader;
 
 use std::collections::BTreeSet;
 use std::fmt;
@@ -12,7 +12,7 @@ use std::path::PathBuf;
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
-pub use checkpoint::{Checkpoint, HostTensor, RawTensor};
+pub use reader::{Checkpoint, CheckpointTensor, RawTensor};
 
 use crate::config::{LayerKind, MlpKind, ModelConfig};
 
@@ -27,7 +27,7 @@ const REPORT_CAP: usize = 20;
 pub(crate) const CONVERT_CHUNK: usize = 1 << 16;
 
 #[derive(Debug, thiserror::Error)]
-pub enum WeightsError {
+pub enum CheckpointError {
     #[error("no {SINGLE_FILE} or {INDEX_FILE} in {}", dir.display())]
     NoCheckpoint { dir: PathBuf },
     #[error("cannot read {}: {source}", path.display())]
@@ -259,9 +259,9 @@ fn int_dtype(d: DiskDtype) -> bool {
 }
 
 /// Check `ckpt` against `cfg`: missing, unexpected, wrongly shaped and wrongly typed tensors and
-/// out-of-range `tid2eid` entries, all reported together in one [`WeightsError::Invalid`].
+/// out-of-range `tid2eid` entries, all reported together in one [`CheckpointError::Invalid`].
 /// `mtp.*` tensors are ignored; with tied embeddings `lm_head.weight` may be absent.
-pub fn validate(ckpt: &Checkpoint, cfg: &ModelConfig) -> Result<(), WeightsError> {
+pub fn validate(ckpt: &Checkpoint, cfg: &ModelConfig) -> Result<(), CheckpointError> {
     let mut expected = expected_tensors(cfg);
     let optional: BTreeSet<String> = if cfg.tie_word_embeddings && ckpt.contains("lm_head.weight") {
         expected.push(ExpectedTensor {
@@ -311,7 +311,7 @@ pub fn validate(ckpt: &Checkpoint, cfg: &ModelConfig) -> Result<(), WeightsError
     if report.is_empty() {
         Ok(())
     } else {
-        Err(WeightsError::Invalid(report))
+        Err(CheckpointError::Invalid(report))
     }
 }
 

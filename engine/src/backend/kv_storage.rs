@@ -1,0 +1,21 @@
+//! A pool's KV storage as a backend keeps it: allocation, reset, and pages and state
+//! slots as bytes (audits, transfers, host backups, tests). Sizes come from the layout
+//! the store was allocated with.
+
+use super::BResult;
+use crate::kv::{KvLayout, PageId, StateSlot};
+
+pub trait KvStorage: Send + Sync {
+    /// Storage of all pages and state slots of one pool.
+    type KvStore: Send + Sync;
+
+    fn alloc_kv(&self, layout: &KvLayout, pages: usize, states: usize) -> BResult<Self::KvStore>;
+    /// Zero a state slot before a new sequence uses it.
+    fn reset_state(&self, kv: &mut Self::KvStore, slot: StateSlot) -> BResult<()>;
+    /// Raw bytes of a page / state slot.
+    fn page_bytes(&self, kv: &Self::KvStore, page: PageId) -> BResult<Vec<u8>>;
+    fn state_bytes(&self, kv: &Self::KvStore, slot: StateSlot) -> BResult<Vec<u8>>;
+    /// Overwrite a whole page / state slot (`layout.page_bytes` / `layout.state_bytes` bytes).
+    fn write_page(&self, kv: &mut Self::KvStore, page: PageId, bytes: &[u8]) -> BResult<()>;
+    fn write_state(&self, kv: &mut Self::KvStore, slot: StateSlot, bytes: &[u8]) -> BResult<()>;
+}

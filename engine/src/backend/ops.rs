@@ -1,0 +1,166 @@
+//! Every numeric operation of the forward pass, on a backend's own tensors (and, for the
+//! paged attention ops, its KV storage).
+
+use super::counter_rng::{self, WeightInit};
+use super::{
+    BResult, BatchPlan, CompressedKeys, CompressorParams, HcParams, HcPre, HostTensor, KvStorage,
+    MoeParams,
+};
+use crate::kv::KvLayout;
+use crate::rope::Rope;
+
+/// What the model uses a weight for, which decides how a backend may store it (the model
+/// decides: [`crate::model::weights::weight_use`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WeightUse {
+    /// A matrix read by GEMMs or the expert kernels: a backend may keep it in reduced
+    /// precision (the CUDA backend: bf16 under bf16 weights).
+    Matrix,
+    /// A matrix whose products must stay fp32.
+    KeepF32,
+    /// A vector (norm weight, sink, bias, scale): fp32.
+    Vector,
+}
+
+pub trait TensorOps: KvStorage {
+    /// A 2-D tensor (activations and weights; vectors are `[1, n]`).
+    type Tensor: Send + Sync;
+    /// Per-row indexer picks.
+    type Selection: Send + Sync;
+
+    fn name(&self) -> String;
+    fn dims(&self, t: &Self::Tensor) -> (usize, usize);
+    fn upload(&self, t: HostTensor) -> BResult<Self::Tensor>;
+    /// Upload a weight the model uses as `usage`; the backend stores it accordingly (the
+    /// CUDA backend keeps [`WeightUse::Matrix`] in bf16 under bf16 weights, the rest fp32).
+    /// Default: [`TensorOps::upload`].
+    fn upload_weight(&self, t: HostTensor, usage: WeightUse) -> BResult<Self::Tensor> {
+        let _ = usage;
+        self.upload(t)
+    }
+    /// A synthetic weight used as `usage` (stored as [`TensorOps::upload_weight`] would
+    /// store it), `rows x cols` values drawn by `init` from the counter-based generator of
+    /// [`counter_rng`] keyed by `seed`: deterministic, the same values on every backend (up to
+    /// storage rounding). Default: generated on the host, then uploaded; the CUDA backend
+    /// generates on the device.
+    fn random_weight(
+        &self,
+        rows: usize,
+        cols: usize,
+        init: WeightInit,
+        seed: u64,
+        usage: WeightUse,
+    ) -> BResult<Self::Tensor> {
+        self.upload_weight(counter_rng::host_tensor(rows, cols, init, seed), usage)
+    }
+    fn to_host(&self, t: &Self::Tensor) -> BResult<HostTensor>;
+    /// Rows `rows` of `t`, in that order.
+    fn gather_rows(&self, t: &Self::Tensor, rows: &[usize]) -> BResult<Self::Tensor>;
+
+    /// `table[tokens[r]]`, repeated `copies` times along the row: `[rows, copies*H]`.
+    fn embed(&self, table: &Self::Tensor, tokens: &[u32], copies: usize) -> BResult<Self::Tensor>;
+    /// `x @ w^T`: `[n,k] x [m,k] -> [n,m]`.
+    fn matmul(&self, x: &Self::Tensor, w: &Self::Tensor) -> BResult<Self::Tensor>;
+    /// Block-diagonal `x @ w^T`: group `g` of `x`'s columns times rows `g*m/groups..` of `w`.
+    fn grouped_matmul(
+        &self,
+        x: &Self::Tensor,
+        w: &Self::Tensor,
+        groups: usize,
+    ) -> BResult<Self::Tensor>;
+    /// RMS-normalise each consecutive `group` values of every row, times `weight` (length `group`) if given.
+    fn rms_norm(
+        &self,
+        x: &Self::Tensor,
+        weight: Option<&Self::Tensor>,
+        group: usize,
+        eps: f32,
+    ) -> BResult<Self::Tensor>;
+    /// Interleaved rope on the trailing `rope.dim()` channels of every `head_dim` head,
+    /// at each row's position (`positions[r]`); `inverse` rotates back (`-sin`).
+    fn rope(
+        &self,
+        x: &mut Self::Tensor,
+        head_dim: usize,
+        rope: &Rope,
+        positions: &[usize],
+        inverse: bool,
+    ) -> BResult<()>;
+
+    /// Hyper-connection mapping from precomputed mix logits (`[rows, (2+hc)*hc]`).
+    fn hc_pre(
+        &self,
+        streams: &Self::Tensor,
+        mix: &Self::Tensor,
+        p: &HcParams<'_, Self::Tensor>,
+    ) -> BResult<HcPre<Self::Tensor>>;
+    /// `new[k] = post[k] * out + sum_j comb[j,k] * streams[j]`.
+    fn hc_post(
+        &self,
+        streams: &Self::Tensor,
+        out: &Self::Tensor,
+        pre: &HcPre<Self::Tensor>,
+        hc: usize,
+    ) -> BResult<Self::Tensor>;
+    /// Final collapse: `sum_k (sigmoid(mix_k*scale + base_k) + eps) * streams[k]`.
+    fn hc_head(
+        &self,
+        streams: &Self::Tensor,
+        mix: &Self::Tensor,
+        p: &HcParams<'_, Self::Tensor>,
+    ) -> BResult<Self::Tensor>;
+
+    /// Feed projected `kv`/`gate` rows into a compressor ring; every window a row closes
+    /// is pooled (softmax over slots + position bias), normed, roped at `w*rate`, and
+    /// stored as entry `w` in the sequence's pages.
+    #[allow(clippy::too_many_arguments)]
+    fn compress(
+        &self,
+        kv: &mut Self::KvStore,
+        layout: &KvLayout,
+        layer: usize,
+        proj_kv: &Self::Tensor,
+        proj_gate: &Self::Tensor,
+        p: &CompressorParams<'_, Self::Tensor>,
+        plan: &BatchPlan,
+    ) -> BResult<()>;
+    /// Lightning indexer: score every visible index-K entry, keep the top `topk` per row.
+    #[allow(clippy::too_many_arguments)]
+    fn index_select(
+        &self,
+        kv: &Self::KvStore,
+        layout: &KvLayout,
+        layer: usize,
+        q: &Self::Tensor,
+        weights: &Self::Tensor,
+        n_heads: usize,
+        topk: usize,
+        plan: &BatchPlan,
+    ) -> BResult<Self::Selection>;
+    /// Sink attention of every row over its sliding window (earlier positions from the
+    /// ring, this forward's from `kv_new`) and the given compressed entries.
+    #[allow(clippy::too_many_arguments)]
+    fn attention(
+        &self,
+        kv: &Self::KvStore,
+        layout: &KvLayout,
+        layer: usize,
+        q: &Self::Tensor,
+        kv_new: &Self::Tensor,
+        sinks: &Self::Tensor,
+        n_heads: usize,
+        compressed: CompressedKeys<'_, Self::Selection>,
+        plan: &BatchPlan,
+    ) -> BResult<Self::Tensor>;
+    /// Store this forward's K=V rows into the sliding-window rings.
+    fn window_store(
+        &self,
+        kv: &mut Self::KvStore,
+        layout: &KvLayout,
+        layer: usize,
+        kv_new: &Self::Tensor,
+        plan: &BatchPlan,
+    ) -> BResult<()>;
+    /// Routed experts plus shared expert.
+    fn moe(&self, x: &Self::Tensor, p: &MoeParams<'_, Self::Tensor>) -> BResult<Self::Tensor>;
+}
