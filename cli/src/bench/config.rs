@@ -161,7 +161,7 @@ pub fn print_config(a: ConfigArgs) -> Result<()> {
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
-    use super::*;
+    use crate::bench::config::*;
     use pdserve_engine::config::{LayerKind, MlpKind};
 
     fn flags(layers: usize, experts: usize, tiny: bool) -> ModelFlags {

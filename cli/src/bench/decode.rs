@@ -3,8 +3,8 @@
 
 use super::config::ModelFlags;
 use super::device::BenchBackend;
-use super::median;
 use super::peer::{self, Peer};
+use super::stats::median;
 use super::table::{mb, num, Table};
 use super::traffic::{step_bytes, weight_bytes, StepBytes};
 use super::{kvfill, progress, Prepared};

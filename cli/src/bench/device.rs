@@ -1,7 +1,7 @@
 //! What the bench needs from a backend beyond [`Backend`]: weight storage sizes, a way to
 //! wait for queued work, the two ceilings measured in the same run, and graph mode.
 
-use super::median;
+use super::stats::median;
 use anyhow::{anyhow, Result};
 use pdserve_engine::backend::{counter_rng, BResult, Backend, TensorOps, WeightInit, WeightUse};
 use pdserve_engine::CpuBackend;

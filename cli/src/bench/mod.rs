@@ -8,6 +8,7 @@ mod device;
 mod kvfill;
 mod peer;
 mod prefill;
+mod stats;
 mod table;
 mod traffic;
 
@@ -127,13 +128,6 @@ impl<B: BenchBackend> Prepared<B> {
             layout,
         })
     }
-}
-
-/// The middle of `v` (the upper one of an even count); NaN when empty. Every timed row
-/// and measured ceiling reports this.
-pub(crate) fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
 }
 
 /// A progress bar on stderr when it is a terminal, hidden otherwise.

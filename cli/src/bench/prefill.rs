@@ -3,8 +3,8 @@
 
 use super::config::ModelFlags;
 use super::device::BenchBackend;
-use super::median;
 use super::peer::{self, Peer};
+use super::stats::median;
 use super::table::{num, Table};
 use super::traffic::prefill_flops;
 use super::{progress, Prepared};
