@@ -44,7 +44,7 @@ pub enum ErrorClass {
     InvalidInput,
     /// Out of KV pages or state slots: retry later or elsewhere (RESOURCE_EXHAUSTED, 503).
     Exhausted,
-    /// KV state found corrupt by the audit (DATA_LOSS, 500).
+    /// KV state found corrupt by the audit (DATA_LOSS, HTTP 502 `data_loss`).
     Corrupt,
     /// Anything else is the server's fault (INTERNAL, 500).
     Internal,
