@@ -123,6 +123,17 @@ impl<B: Backend> Worker<B> {
             .store(self.cache.host().used_pages() as u64, Ordering::Relaxed);
         l.host_total_pages
             .store(self.cache.host().total_pages() as u64, Ordering::Relaxed);
+        self.publish_prefix_totals();
+    }
+
+    /// The prefix cache's token totals (counted once, by the cache) into the load report.
+    fn publish_prefix_totals(&self) {
+        let (l, t) = (&self.load, self.cache.totals());
+        l.prefix_hit_device_tokens
+            .store(t.device_hit_tokens, Ordering::Relaxed);
+        l.prefix_hit_host_tokens
+            .store(t.host_hit_tokens, Ordering::Relaxed);
+        l.prefix_miss_tokens.store(t.miss_tokens, Ordering::Relaxed);
     }
 
     /// `Ok(None)`: the requester went away; the sequence is released either way.
@@ -144,14 +155,8 @@ impl<B: Backend> Worker<B> {
         else {
             return Ok(None);
         };
+        self.publish_prefix_totals();
         let (hit, host_hit) = (done.hit_tokens, done.host_hit_tokens);
-        let l = &self.load;
-        l.prefix_hit_device_tokens
-            .fetch_add((hit - host_hit) as u64, Ordering::Relaxed);
-        l.prefix_hit_host_tokens
-            .fetch_add(host_hit as u64, Ordering::Relaxed);
-        l.prefix_miss_tokens
-            .fetch_add((job.prompt.len() - hit) as u64, Ordering::Relaxed);
         let seq = done.seq;
         let result = (|| {
             let last = done.logits.last().cloned().unwrap_or_default();

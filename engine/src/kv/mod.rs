@@ -19,4 +19,4 @@ pub use host::{HostPool, HostPoolError};
 pub use layout::{
     EntryDtype, KvLayout, KvLayoutSpec, LayerKvLayout, LayoutError, PageId, StateSlot,
 };
-pub use prefix::{CachedPrefill, PrefixCache};
+pub use prefix::{CachedPrefill, PrefixCache, PrefixTotals};

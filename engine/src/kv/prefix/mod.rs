@@ -70,6 +70,17 @@ pub struct PrefixCache {
     free_ids: Vec<NodeId>,
     tick: u64,
     page_tokens: usize,
+    totals: PrefixTotals,
+}
+
+/// Prompt tokens by where their KV came from, since the cache was made: counted once, in
+/// [`PrefixCache::prefill_cancellable`], which also feeds the `pdserve_prefix_cache_*`
+/// counters; a server's load report reads these totals rather than counting again.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PrefixTotals {
+    pub device_hit_tokens: u64,
+    pub host_hit_tokens: u64,
+    pub miss_tokens: u64,
 }
 
 fn internal(msg: String) -> EngineError {
@@ -101,11 +112,27 @@ impl PrefixCache {
             nodes: vec![Some(root)],
             free_ids: Vec::new(),
             tick: 0,
+            totals: PrefixTotals::default(),
         })
     }
 
     pub fn host(&self) -> &HostPool {
         &self.host
+    }
+
+    /// Prompt tokens served from each tier and computed, since the cache was made.
+    pub fn totals(&self) -> PrefixTotals {
+        self.totals
+    }
+
+    fn count(&mut self, device_hit: usize, host_hit: usize, miss: usize) {
+        let t = &mut self.totals;
+        t.device_hit_tokens += device_hit as u64;
+        t.host_hit_tokens += host_hit as u64;
+        t.miss_tokens += miss as u64;
+        metrics::hit_tokens("device", device_hit);
+        metrics::hit_tokens("host", host_hit);
+        metrics::miss_tokens(miss);
     }
 
     pub fn stats(&self) -> CacheStats {
@@ -191,9 +218,7 @@ impl PrefixCache {
         }
         let (mut seq, last, host_hit) = self.begin(engine, tokens)?;
         let hit = seq.len();
-        metrics::hit_tokens("device", hit - host_hit);
-        metrics::hit_tokens("host", host_hit);
-        metrics::miss_tokens(tokens.len() - hit);
+        self.count(hit - host_hit, host_hit, tokens.len() - hit);
         match self.extend(engine, &mut seq, tokens, chunk, want, last, cancelled) {
             Ok(Some(logits)) => Ok(Some(CachedPrefill {
                 seq,
