@@ -1,10 +1,12 @@
 //! [`CudaBackend`]: the dense half of the Backend trait (embedding, GEMMs, norms, rope,
 //! hyper-connections); paged-KV ops live in `kv_ops`, MoE in `moe`.
 
-use crate::device::{dev_err, grid_1d, Arg, DeviceError, Gpu};
+use crate::buf::{f32_buf, out_ptr, shape_err};
+use crate::device::{DeviceError, Gpu};
 use crate::devmem::DevMem;
 use crate::graphs::{GraphCache, GraphStats};
 use crate::kv_ops::{self, GpuKv, GpuSelection};
+use crate::launch::{dev_err, grid_1d, Arg};
 use crate::tensor::{keeps_f32, stores_bf16, Buf, GpuTensor, WeightDtype};
 use crate::GraphMode;
 use pdserve_engine::backend::StepForward;
@@ -28,20 +30,6 @@ pub struct CudaBackend {
 }
 
 use pdserve_engine::backend::shapes;
-pub(crate) use pdserve_engine::backend::shapes::shape_err;
-
-pub(crate) fn f32_buf<'a>(t: &'a GpuTensor, op: &'static str) -> BResult<&'a DevMem<f32>> {
-    match &t.buf {
-        Buf::F32(s) => Ok(s),
-        Buf::Bf16(_) => Err(shape_err(
-            op,
-            format!(
-                "expects an fp32 activation, got a bf16 [{}x{}] tensor",
-                t.rows, t.cols
-            ),
-        )),
-    }
-}
 
 impl CudaBackend {
     /// Open CUDA device `ordinal`; kernels are compiled (or loaded from `cache`).
@@ -229,13 +217,6 @@ impl CudaBackend {
     }
 }
 
-pub(crate) fn out_ptr(gpu: &Gpu, t: &GpuTensor) -> BResult<u64> {
-    match &t.buf {
-        Buf::F32(s) => Ok(gpu.ptr(s)),
-        Buf::Bf16(_) => Err(dev_err("bf16 output buffer")),
-    }
-}
-
 impl Backend for CudaBackend {
     type Tensor = GpuTensor;
     type KvStore = GpuKv;
@@ -311,7 +292,7 @@ impl Backend for CudaBackend {
             &[
                 Arg::Ptr(self.gpu.ptr(f32_buf(t, "gather_rows")?)),
                 Arg::Ptr(self.gpu.ptr(&idx)),
-                Arg::Ptr(out_ptr(&self.gpu, &out)?),
+                Arg::Ptr(out_ptr(&out)?),
                 Arg::I32(t.cols as i32),
             ],
         )?;
@@ -370,7 +351,7 @@ impl Backend for CudaBackend {
             &[
                 Arg::Ptr(tp),
                 Arg::Ptr(self.gpu.ptr(&toks)),
-                Arg::Ptr(out_ptr(&self.gpu, &out)?),
+                Arg::Ptr(out_ptr(&out)?),
                 Arg::I32(h as i32),
                 Arg::I32(copies as i32),
             ],
@@ -405,7 +386,7 @@ impl Backend for CudaBackend {
             &[
                 Arg::Ptr(self.gpu.ptr(f32_buf(x, "rms_norm")?)),
                 Arg::Ptr(w.as_ref().map_or(0, |w| self.gpu.ptr(w))),
-                Arg::Ptr(out_ptr(&self.gpu, &out)?),
+                Arg::Ptr(out_ptr(&out)?),
                 Arg::I32(group as i32),
                 Arg::F32(eps),
             ],
@@ -428,7 +409,7 @@ impl Backend for CudaBackend {
             (x.rows as u32, 1, 1),
             0,
             &[
-                Arg::Ptr(out_ptr(&self.gpu, x)?),
+                Arg::Ptr(out_ptr(x)?),
                 Arg::Ptr(self.gpu.ptr(&cs)),
                 Arg::Ptr(self.gpu.ptr(&sn)),
                 Arg::I32(x.cols as i32),

@@ -5,7 +5,7 @@
 //! a warm-up run.
 
 use crate::backend::CudaBackend;
-use crate::device::{dev_err, Arg, BLOCK};
+use crate::launch::{dev_err, Arg, BLOCK};
 use crate::random::random_tensor;
 use crate::tensor::Buf;
 use cudarc::driver::sys::CUevent_flags;

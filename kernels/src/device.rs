@@ -3,6 +3,7 @@
 
 use crate::compile::{self, CompileError};
 use crate::devmem::DevMem;
+use crate::launch::{dev_err, Arg, BLOCK};
 use crate::step::{StepMode, StepRecord, StepState};
 use cudarc::cublas::{result as blas_result, sys as blas_sys, CudaBlas};
 use cudarc::driver::{
@@ -38,21 +39,6 @@ pub enum DeviceError {
     #[error(transparent)]
     Compile(#[from] CompileError),
 }
-
-pub(crate) fn dev_err(e: impl std::fmt::Debug) -> BackendError {
-    BackendError::Device(format!("{e:?}"))
-}
-
-/// A kernel argument, kept alive until the launch.
-pub(crate) enum Arg {
-    Ptr(u64),
-    I32(i32),
-    I64(i64),
-    F32(f32),
-}
-
-/// Threads per block of every kernel.
-pub(crate) const BLOCK: u32 = 256;
 
 pub struct Gpu {
     pub ctx: Arc<CudaContext>,
@@ -548,10 +534,4 @@ impl Gpu {
     pub fn synchronize(&self) -> BResult<()> {
         self.stream.synchronize().map_err(dev_err)
     }
-}
-
-/// Grid size for a grid-stride elementwise kernel over `n` values.
-pub(crate) fn grid_1d(n: usize) -> (u32, u32, u32) {
-    let blocks = n.div_ceil(BLOCK as usize).clamp(1, 65_535);
-    (blocks as u32, 1, 1)
 }

@@ -4,10 +4,11 @@
 //! that signature. `--verify-graphs` runs every step both ways and requires bitwise-equal
 //! logits, pages and states.
 
-use crate::backend::{f32_buf, CudaBackend};
-use crate::device::dev_err;
+use crate::backend::CudaBackend;
+use crate::buf::f32_buf;
 use crate::devmem::DevMem;
 use crate::kv_store::{DevPlan, GpuKv};
+use crate::launch::dev_err;
 use crate::step::{StepMode, StepRecord};
 use crate::tensor::GpuTensor;
 use crate::GraphMode;
@@ -420,7 +421,7 @@ pub(crate) fn decode_step(
     let n = plan.seqs.len();
     for (i, s) in plan.seqs.iter().enumerate() {
         if s.len != 1 || s.row0 != i || plan.rows() != n {
-            return Err(crate::backend::shape_err(
+            return Err(crate::buf::shape_err(
                 "decode_step",
                 format!(
                     "sequence {i} has {} rows at row {}; a decode step has one row per sequence",

@@ -1,7 +1,8 @@
 //! Hyper-connection ops of [`CudaBackend`].
 
-use crate::backend::{f32_buf, out_ptr, shape_err, CudaBackend};
-use crate::device::Arg;
+use crate::backend::CudaBackend;
+use crate::buf::{f32_buf, out_ptr, shape_err};
+use crate::launch::Arg;
 use crate::tensor::GpuTensor;
 use pdserve_engine::backend::{shapes, BResult, HcParams, HcPre};
 
@@ -50,9 +51,9 @@ pub fn hc_pre(
             Arg::Ptr(g.ptr(f32_buf(mix, "hc_pre")?)),
             Arg::Ptr(g.ptr(&base)),
             Arg::Ptr(g.ptr(&scale)),
-            Arg::Ptr(out_ptr(g, &post)?),
-            Arg::Ptr(out_ptr(g, &comb)?),
-            Arg::Ptr(out_ptr(g, &collapsed)?),
+            Arg::Ptr(out_ptr(&post)?),
+            Arg::Ptr(out_ptr(&comb)?),
+            Arg::Ptr(out_ptr(&collapsed)?),
             Arg::I32(h as i32),
             Arg::I32(hc as i32),
             Arg::I32(p.sinkhorn_iters as i32),
@@ -92,7 +93,7 @@ pub fn hc_post(
             Arg::Ptr(g.ptr(f32_buf(out, "hc_post")?)),
             Arg::Ptr(g.ptr(f32_buf(&pre.post, "hc_post")?)),
             Arg::Ptr(g.ptr(f32_buf(&pre.comb, "hc_post")?)),
-            Arg::Ptr(out_ptr(g, &res)?),
+            Arg::Ptr(out_ptr(&res)?),
             Arg::I32(h as i32),
             Arg::I32(hc as i32),
         ],
@@ -129,7 +130,7 @@ pub fn hc_head(
             Arg::Ptr(g.ptr(f32_buf(mix, "hc_head")?)),
             Arg::Ptr(g.ptr(&base)),
             Arg::Ptr(g.ptr(&scale)),
-            Arg::Ptr(out_ptr(g, &out)?),
+            Arg::Ptr(out_ptr(&out)?),
             Arg::I32(h as i32),
             Arg::I32(hc as i32),
             Arg::F32(p.eps),

@@ -1,11 +1,13 @@
 //! Paged-KV ops of [`CudaBackend`]: compressor, lightning indexer, sink attention and
 //! window stores. Host code validates shapes and page reach, then launches one kernel.
 
-use crate::backend::{f32_buf, out_ptr, shape_err, CudaBackend};
-use crate::device::{Arg, ATTENTION_SHARED, BLOCK};
+use crate::backend::CudaBackend;
+use crate::buf::{f32_buf, out_ptr, shape_err};
+use crate::device::ATTENTION_SHARED;
 use crate::devmem::DevMem;
 pub use crate::kv_store::GpuKv;
 use crate::kv_store::{check_entry_page, dt_code, DevPlan};
+use crate::launch::{Arg, BLOCK};
 use pdserve_engine::backend::{
     BResult, BackendError, BatchPlan, CompressedKeys, CompressorParams, CompressorPart,
 };
@@ -351,7 +353,7 @@ pub fn attention(
             Arg::Ptr(g.ptr(&sinks)),
             Arg::Ptr(sel_ptr),
             Arg::I32(topk as i32),
-            Arg::Ptr(out_ptr(g, &out)?),
+            Arg::Ptr(out_ptr(&out)?),
             Arg::I32(n_heads as i32),
             Arg::I32(hd as i32),
             Arg::I32(window as i32),

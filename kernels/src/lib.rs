@@ -5,6 +5,7 @@
 
 pub mod backend;
 pub mod bench;
+mod buf;
 pub mod check;
 pub mod check_graphs;
 pub mod compile;
@@ -15,6 +16,7 @@ pub mod graphs;
 mod hc;
 pub mod kv_ops;
 mod kv_store;
+mod launch;
 mod moe;
 mod moe_gemm;
 mod random;

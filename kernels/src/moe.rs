@@ -2,9 +2,10 @@
 //! routed experts over bf16 or fp32 weights (one warp per output unit of an expert, run
 //! against all of that expert's picks; fp32 accumulation), shared expert, combine.
 
-use crate::backend::{f32_buf, out_ptr, shape_err, CudaBackend};
-use crate::device::{Arg, BLOCK};
+use crate::backend::CudaBackend;
+use crate::buf::{f32_buf, out_ptr, shape_err};
 use crate::devmem::DevMem;
+use crate::launch::{Arg, BLOCK};
 use crate::tensor::{Buf, GpuTensor};
 use pdserve_engine::backend::{BResult, Backend, MoeParams};
 use pdserve_engine::config::ScoringFunc;
@@ -71,7 +72,7 @@ pub fn moe(b: &CudaBackend, x: &GpuTensor, p: &MoeParams<'_, GpuTensor>) -> BRes
         (n.div_ceil(BLOCK as usize) as u32, 1, 1),
         0,
         &[
-            Arg::Ptr(out_ptr(g, &logits)?),
+            Arg::Ptr(out_ptr(&logits)?),
             Arg::Ptr(bias.as_ref().map_or(0, |s| g.ptr(s))),
             Arg::Ptr(hash.as_ref().map_or(0, |s| g.ptr(s))),
             Arg::Ptr(g.ptr(&ids)),
@@ -97,12 +98,12 @@ pub fn moe(b: &CudaBackend, x: &GpuTensor, p: &MoeParams<'_, GpuTensor>) -> BRes
     let sact = b.new_f32(n, p.shared_gate.rows)?;
     g.launch(
         "k_swiglu",
-        crate::device::grid_1d(sact.len()),
+        crate::launch::grid_1d(sact.len()),
         0,
         &[
             Arg::Ptr(g.ptr(f32_buf(&sg, "moe")?)),
             Arg::Ptr(g.ptr(f32_buf(&su, "moe")?)),
-            Arg::Ptr(out_ptr(g, &sact)?),
+            Arg::Ptr(out_ptr(&sact)?),
             Arg::I64(sact.len() as i64),
             Arg::F32(p.swiglu_limit),
         ],
@@ -118,7 +119,7 @@ pub fn moe(b: &CudaBackend, x: &GpuTensor, p: &MoeParams<'_, GpuTensor>) -> BRes
             Arg::Ptr(g.ptr(&ids)),
             Arg::Ptr(g.ptr(&wts)),
             Arg::Ptr(g.ptr(f32_buf(&shared, "moe")?)),
-            Arg::Ptr(out_ptr(g, &out)?),
+            Arg::Ptr(out_ptr(&out)?),
             Arg::I32(h as i32),
             Arg::I32(k as i32),
         ],

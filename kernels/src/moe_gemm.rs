@@ -3,9 +3,11 @@
 //! over all of its picks (gate+up, then down), with SwiGLU between; rows are scattered
 //! back to pick order. Used outside decode steps only (it synchronises on the routing).
 
-use crate::backend::{f32_buf, CudaBackend};
-use crate::device::{grid_1d, Arg, Gpu};
+use crate::backend::CudaBackend;
+use crate::buf::f32_buf;
+use crate::device::Gpu;
 use crate::devmem::DevMem;
+use crate::launch::{grid_1d, Arg};
 use crate::moe::weight;
 use crate::tensor::GpuTensor;
 use pdserve_engine::backend::{BResult, MoeParams};

@@ -2,7 +2,7 @@
 //! as `pdserve_engine::backend::random` computes on the host.
 
 use crate::backend::CudaBackend;
-use crate::device::{grid_1d, Arg};
+use crate::launch::{grid_1d, Arg};
 use crate::tensor::{Buf, GpuTensor};
 use pdserve_engine::backend::{BResult, WeightInit};
 

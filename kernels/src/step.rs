@@ -5,7 +5,7 @@
 //! different staged data, which is what makes replaying a captured graph correct: the
 //! backend replays a graph only for the signature it was captured with.
 
-use crate::device::{dev_err, Arg};
+use crate::launch::{dev_err, Arg};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use pdserve_engine::backend::{BResult, BackendError};
 
