@@ -6,7 +6,7 @@
 
 use crate::backend::CudaBackend;
 use crate::launch::{dev_err, Arg, BLOCK};
-use crate::random::random_tensor;
+use crate::ops::random::random_tensor;
 use crate::tensor::Buf;
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::CudaEvent;
@@ -72,7 +72,7 @@ impl CudaBackend {
     /// Memory bandwidth over a `bytes`-byte buffer (use one far larger than the L2 cache).
     pub fn measure_bandwidth(&self, bytes: usize, iters: usize) -> BResult<Bandwidth> {
         let n = (bytes / 16).max(1) * 4;
-        let src = random_tensor(self, 1, n, false, INIT, 1)?;
+        let src = random_tensor(&self.gpu, 1, n, false, INIT, 1)?;
         let Buf::F32(src) = &src.buf else {
             return Err(dev_err("random f32 buffer"));
         };
@@ -103,8 +103,8 @@ impl CudaBackend {
 
     /// FLOP/s of an `n x n x n` bf16 x bf16 -> fp32 cuBLAS GEMM (fp32 accumulation).
     pub fn measure_gemm_bf16(&self, n: usize, iters: usize) -> BResult<f64> {
-        let a = random_tensor(self, n, n, true, INIT, 2)?;
-        let w = random_tensor(self, n, n, true, INIT, 3)?;
+        let a = random_tensor(&self.gpu, n, n, true, INIT, 2)?;
+        let w = random_tensor(&self.gpu, n, n, true, INIT, 3)?;
         let (Buf::Bf16(a), Buf::Bf16(w)) = (&a.buf, &w.buf) else {
             return Err(dev_err("random bf16 buffers"));
         };

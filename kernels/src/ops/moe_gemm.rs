@@ -3,12 +3,12 @@
 //! over all of its picks (gate+up, then down), with SwiGLU between; rows are scattered
 //! back to pick order. Used outside decode steps only (it synchronises on the routing).
 
-use crate::backend::CudaBackend;
 use crate::buf::f32_buf;
 use crate::device::Gpu;
 use crate::devmem::DevMem;
 use crate::launch::{grid_1d, Arg};
-use crate::moe::weight;
+use crate::ops::moe::weight;
+use crate::ops::tensors::to_bf16;
 use crate::tensor::GpuTensor;
 use pdserve_engine::backend::{BResult, MoeParams};
 
@@ -67,14 +67,13 @@ fn span_gemm(
 }
 
 pub(crate) fn routed(
-    b: &CudaBackend,
+    g: &Gpu,
     x: &GpuTensor,
     p: &MoeParams<'_, GpuTensor>,
     ids: &DevMem<i32>,
 ) -> BResult<DevMem<f32>> {
     let (n, h) = (x.rows, x.cols);
     let (e, k, inter) = (p.n_experts, p.top_k, p.intermediate);
-    let g = &b.gpu;
     let host_ids = g.download(ids, n * k)?;
     let (order, spans) = sort_picks(&host_ids, e);
     let rows_of: Vec<i32> = order.iter().map(|&a| a / k as i32).collect();
@@ -92,12 +91,12 @@ pub(crate) fn routed(
             Arg::I32(h as i32),
         ],
     )?;
-    let (gu_kind, gu_ptr) = weight(b, p.gate_up);
-    let (down_kind, down_ptr) = weight(b, p.down);
+    let (gu_kind, gu_ptr) = weight(p.gate_up);
+    let (down_kind, down_ptr) = weight(p.down);
     let (gu_bf16, down_bf16) = (gu_kind == "_bf16", down_kind == "_bf16");
     let wsz = |bf16: bool| if bf16 { 2u64 } else { 4 };
     // Gate and up rows of every pick: [picks, 2I].
-    let xin = gu_bf16.then(|| b.to_bf16(&xs)).transpose()?;
+    let xin = gu_bf16.then(|| to_bf16(g, &xs)).transpose()?;
     let a = xin.as_ref().map_or(g.ptr(&xs), |t| g.ptr(t));
     let gu = g.uninit::<f32>(picks * 2 * inter)?;
     for (ex, &(first, count)) in spans.iter().enumerate() {
@@ -121,7 +120,7 @@ pub(crate) fn routed(
             Arg::F32(p.swiglu_limit),
         ],
     )?;
-    let ain = down_bf16.then(|| b.to_bf16(&act)).transpose()?;
+    let ain = down_bf16.then(|| to_bf16(g, &act)).transpose()?;
     let a = ain.as_ref().map_or(g.ptr(&act), |t| g.ptr(t));
     let ys = g.uninit::<f32>(picks * h)?;
     for (ex, &(first, count)) in spans.iter().enumerate() {
@@ -165,7 +164,7 @@ pub(crate) fn padded_worthwhile(
 /// runs inside captured decode steps. Reads every expert's weights once; the padding costs
 /// tensor-core time only. Returns `y`: `[rows * k, H]`, one row per pick.
 pub(crate) fn routed_padded(
-    b: &CudaBackend,
+    g: &Gpu,
     x: &GpuTensor,
     p: &MoeParams<'_, GpuTensor>,
     list: &DevMem<i32>,
@@ -173,9 +172,8 @@ pub(crate) fn routed_padded(
 ) -> BResult<DevMem<f32>> {
     let (n, h) = (x.rows, x.cols);
     let (e, k, inter) = (p.n_experts, p.top_k, p.intermediate);
-    let g = &b.gpu;
-    let (_, gu_ptr) = weight(b, p.gate_up);
-    let (_, down_ptr) = weight(b, p.down);
+    let (_, gu_ptr) = weight(p.gate_up);
+    let (_, down_ptr) = weight(p.down);
     let xp = g.uninit::<u16>(e * n * h)?;
     let grid = (e as u32, n as u32, 1);
     g.launch(

@@ -1,7 +1,7 @@
 //! Random tensors generated on the device (`cu/random.cu`): the same counter-based values
 //! as `pdserve_engine::backend::random` computes on the host.
 
-use crate::backend::CudaBackend;
+use crate::device::Gpu;
 use crate::launch::{grid_1d, Arg};
 use crate::tensor::{Buf, GpuTensor};
 use pdserve_engine::backend::{BResult, WeightInit};
@@ -9,7 +9,7 @@ use pdserve_engine::backend::{BResult, WeightInit};
 /// A `rows x cols` tensor of `init` values keyed by `seed`, stored bf16 or fp32, in its
 /// own allocation (weights outlive every decode step).
 pub(crate) fn random_tensor(
-    b: &CudaBackend,
+    g: &Gpu,
     rows: usize,
     cols: usize,
     bf16: bool,
@@ -18,7 +18,6 @@ pub(crate) fn random_tensor(
 ) -> BResult<GpuTensor> {
     let n = rows * cols;
     let (kind, p0, p1) = init.kernel_params();
-    let g = &b.gpu;
     let (buf, ptr, kernel) = if bf16 {
         let s = g.zeros_owned::<u16>(n)?;
         let p = g.ptr(&s);

@@ -1,8 +1,9 @@
 //! Hyper-connection ops of [`CudaBackend`].
 
-use crate::backend::CudaBackend;
 use crate::buf::{f32_buf, out_ptr, shape_err};
+use crate::device::Gpu;
 use crate::launch::Arg;
+use crate::ops::tensors::{new_f32, param_f32};
 use crate::tensor::GpuTensor;
 use pdserve_engine::backend::{shapes, BResult, HcParams, HcPre};
 
@@ -21,7 +22,7 @@ fn check_hc_max(op: &'static str, hc: usize) -> BResult<()> {
 }
 
 pub fn hc_pre(
-    b: &CudaBackend,
+    g: &Gpu,
     streams: &GpuTensor,
     mix: &GpuTensor,
     p: &HcParams<'_, GpuTensor>,
@@ -36,12 +37,11 @@ pub fn hc_pre(
     )?;
     check_hc_max("hc_pre", hc)?;
     let (n, h) = (streams.rows, streams.cols / hc);
-    let base = b.param_f32(p.base)?;
-    let scale = b.param_f32(p.scale)?;
-    let post = b.new_f32(n, hc)?;
-    let comb = b.new_f32(n, hc * hc)?;
-    let collapsed = b.new_f32(n, h)?;
-    let g = &b.gpu;
+    let base = param_f32(g, p.base)?;
+    let scale = param_f32(g, p.scale)?;
+    let post = new_f32(g, n, hc)?;
+    let comb = new_f32(g, n, hc * hc)?;
+    let collapsed = new_f32(g, n, h)?;
     g.launch(
         "k_hc_pre",
         (n as u32, 1, 1),
@@ -68,7 +68,7 @@ pub fn hc_pre(
 }
 
 pub fn hc_post(
-    b: &CudaBackend,
+    g: &Gpu,
     streams: &GpuTensor,
     out: &GpuTensor,
     pre: &HcPre<GpuTensor>,
@@ -82,8 +82,7 @@ pub fn hc_post(
         pre.comb.len(),
         hc,
     )?;
-    let res = b.new_f32(streams.rows, streams.cols)?;
-    let g = &b.gpu;
+    let res = new_f32(g, streams.rows, streams.cols)?;
     g.launch(
         "k_hc_post",
         (streams.rows as u32, 1, 1),
@@ -102,7 +101,7 @@ pub fn hc_post(
 }
 
 pub fn hc_head(
-    b: &CudaBackend,
+    g: &Gpu,
     streams: &GpuTensor,
     mix: &GpuTensor,
     p: &HcParams<'_, GpuTensor>,
@@ -117,10 +116,9 @@ pub fn hc_head(
     )?;
     check_hc_max("hc_head", hc)?;
     let h = streams.cols / hc;
-    let base = b.param_f32(p.base)?;
-    let scale = b.param_f32(p.scale)?;
-    let out = b.new_f32(streams.rows, h)?;
-    let g = &b.gpu;
+    let base = param_f32(g, p.base)?;
+    let scale = param_f32(g, p.scale)?;
+    let out = new_f32(g, streams.rows, h)?;
     g.launch(
         "k_hc_head",
         (streams.rows as u32, 1, 1),

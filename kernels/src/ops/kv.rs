@@ -1,13 +1,16 @@
 //! Paged-KV ops of [`CudaBackend`]: compressor, lightning indexer, sink attention and
 //! window stores. Host code validates shapes and page reach, then launches one kernel.
 
-use crate::backend::CudaBackend;
 use crate::buf::{f32_buf, out_ptr, shape_err};
+use crate::device::Gpu;
 use crate::device::ATTENTION_SHARED;
 use crate::devmem::DevMem;
-pub use crate::kv_store::GpuKv;
+use crate::kv_store::GpuKv;
 use crate::kv_store::{check_entry_page, dt_code, DevPlan};
 use crate::launch::{Arg, BLOCK};
+use crate::ops::dense::rope_tables;
+use crate::ops::tensors::{new_f32, param_f32};
+use crate::tensor::GpuTensor;
 use pdserve_engine::backend::{
     BResult, BackendError, BatchPlan, CompressedKeys, CompressorParams, CompressorPart,
 };
@@ -61,13 +64,13 @@ fn layer_of(layout: &KvLayout, layer: usize) -> BResult<&LayerKvLayout> {
 
 #[allow(clippy::too_many_arguments)]
 pub fn compress(
-    b: &CudaBackend,
+    g: &Gpu,
     kv: &mut GpuKv,
     layout: &KvLayout,
     layer: usize,
-    proj_kv: &crate::tensor::GpuTensor,
-    proj_gate: &crate::tensor::GpuTensor,
-    p: &CompressorParams<'_, crate::tensor::GpuTensor>,
+    proj_kv: &GpuTensor,
+    proj_gate: &GpuTensor,
+    p: &CompressorParams<'_, GpuTensor>,
     plan: &BatchPlan,
 ) -> BResult<()> {
     let l = layer_of(layout, layer)?;
@@ -117,8 +120,9 @@ pub fn compress(
             check_entry_page(layout, rate, s.pages.len(), last - 1)?;
         }
     }
-    let dp = DevPlan::upload(&b.gpu, kv, plan)?;
-    let (cs, sn) = b.rope_tables(
+    let dp = DevPlan::upload(g, kv, plan)?;
+    let (cs, sn) = rope_tables(
+        g,
         p.rope,
         plan.positions.iter().map(|&pos| {
             if (pos + 1).is_multiple_of(rate) {
@@ -128,9 +132,8 @@ pub fn compress(
             }
         }),
     )?;
-    let bias = b.param_f32(p.position_bias)?;
-    let norm = b.param_f32(p.norm_weight)?;
-    let g = &b.gpu;
+    let bias = param_f32(g, p.position_bias)?;
+    let norm = param_f32(g, p.norm_weight)?;
     g.launch(
         "k_compress",
         (plan.seqs.len() as u32, 1, 1),
@@ -165,12 +168,12 @@ pub fn compress(
 
 #[allow(clippy::too_many_arguments)]
 pub fn index_select(
-    b: &CudaBackend,
+    g: &Gpu,
     kv: &GpuKv,
     layout: &KvLayout,
     layer: usize,
-    q: &crate::tensor::GpuTensor,
-    weights: &crate::tensor::GpuTensor,
+    q: &GpuTensor,
+    weights: &GpuTensor,
     n_heads: usize,
     topk: usize,
     plan: &BatchPlan,
@@ -198,8 +201,7 @@ pub fn index_select(
             .max()
             .unwrap_or(0),
     );
-    let dp = DevPlan::upload(&b.gpu, kv, plan)?;
-    let g = &b.gpu;
+    let dp = DevPlan::upload(g, kv, plan)?;
     let scores = g.zeros::<f32>(rows * max_nv)?;
     let sel = g.zeros::<i32>(rows * topk)?;
     g.launch(
@@ -246,8 +248,8 @@ pub fn index_select(
 
 impl GpuSelection {
     /// The picks of every row as the CPU backend returns them.
-    pub fn to_host(&self, b: &CudaBackend) -> BResult<Vec<Vec<u32>>> {
-        let v = b.gpu.download(&self.sel, self.rows * self.topk)?;
+    pub fn to_host(&self, g: &Gpu) -> BResult<Vec<Vec<u32>>> {
+        let v = g.download(&self.sel, self.rows * self.topk)?;
         Ok(v.chunks(self.topk.max(1))
             .take(self.rows)
             .map(|r| r.iter().filter(|&&e| e >= 0).map(|&e| e as u32).collect())
@@ -257,17 +259,17 @@ impl GpuSelection {
 
 #[allow(clippy::too_many_arguments)]
 pub fn attention(
-    b: &CudaBackend,
+    g: &Gpu,
     kv: &GpuKv,
     layout: &KvLayout,
     layer: usize,
-    q: &crate::tensor::GpuTensor,
-    kv_new: &crate::tensor::GpuTensor,
-    sinks: &crate::tensor::GpuTensor,
+    q: &GpuTensor,
+    kv_new: &GpuTensor,
+    sinks: &GpuTensor,
     n_heads: usize,
     compressed: CompressedKeys<'_, GpuSelection>,
     plan: &BatchPlan,
-) -> BResult<crate::tensor::GpuTensor> {
+) -> BResult<GpuTensor> {
     let l = layer_of(layout, layer)?;
     let hd = layout.head_dim;
     let window = layout.sliding_window;
@@ -300,7 +302,7 @@ pub fn attention(
                     format!("{} selection rows for {rows}", s.rows),
                 ));
             }
-            (2, b.gpu.ptr(&s.sel), s.topk, s.topk.min(max_pos_nv))
+            (2, g.ptr(&s.sel), s.topk, s.topk.min(max_pos_nv))
         }
     };
     if mode != 0 {
@@ -331,10 +333,9 @@ pub fn attention(
             ),
         ));
     }
-    let dp = DevPlan::upload(&b.gpu, kv, plan)?;
-    let sinks = b.param_f32(sinks)?;
-    let out = b.new_f32(rows, n_heads * hd)?;
-    let g = &b.gpu;
+    let dp = DevPlan::upload(g, kv, plan)?;
+    let sinks = param_f32(g, sinks)?;
+    let out = new_f32(g, rows, n_heads * hd)?;
     g.launch(
         "k_attention",
         (rows as u32, (n_heads / group) as u32, 1),
@@ -373,11 +374,11 @@ pub fn attention(
 }
 
 pub fn window_store(
-    b: &CudaBackend,
+    g: &Gpu,
     kv: &mut GpuKv,
     layout: &KvLayout,
     layer: usize,
-    kv_new: &crate::tensor::GpuTensor,
+    kv_new: &GpuTensor,
     plan: &BatchPlan,
 ) -> BResult<()> {
     let l = layer_of(layout, layer)?;
@@ -388,8 +389,7 @@ pub fn window_store(
             format!("kv cols {}", kv_new.cols),
         ));
     }
-    let dp = DevPlan::upload(&b.gpu, kv, plan)?;
-    let g = &b.gpu;
+    let dp = DevPlan::upload(g, kv, plan)?;
     g.launch(
         "k_window_store",
         (plan.rows() as u32, 1, 1),

@@ -2,12 +2,15 @@
 //! routed experts over bf16 or fp32 weights (one warp per output unit of an expert, run
 //! against all of that expert's picks; fp32 accumulation), shared expert, combine.
 
-use crate::backend::CudaBackend;
 use crate::buf::{f32_buf, out_ptr, shape_err};
+use crate::device::Gpu;
 use crate::devmem::DevMem;
 use crate::launch::{Arg, BLOCK};
+use crate::ops::dense::matmul;
+use crate::ops::moe_gemm;
+use crate::ops::tensors::{new_f32, param_f32};
 use crate::tensor::{Buf, GpuTensor};
-use pdserve_engine::backend::{BResult, Backend, MoeParams};
+use pdserve_engine::backend::{BResult, MoeParams};
 use pdserve_engine::config::ScoringFunc;
 
 const WARPS: usize = BLOCK as usize / 32;
@@ -15,14 +18,14 @@ const WARPS: usize = BLOCK as usize / 32;
 const MAX_TOP_K: usize = 64;
 
 /// Kernel name suffix and device pointer of an expert weight.
-pub(crate) fn weight(b: &CudaBackend, t: &GpuTensor) -> (&'static str, u64) {
+pub(crate) fn weight(t: &GpuTensor) -> (&'static str, u64) {
     match &t.buf {
-        Buf::Bf16(s) => ("_bf16", b.gpu.ptr(s)),
-        Buf::F32(s) => ("_f32", b.gpu.ptr(s)),
+        Buf::Bf16(s) => ("_bf16", s.ptr()),
+        Buf::F32(s) => ("_f32", s.ptr()),
     }
 }
 
-pub fn moe(b: &CudaBackend, x: &GpuTensor, p: &MoeParams<'_, GpuTensor>) -> BResult<GpuTensor> {
+pub fn moe(g: &Gpu, x: &GpuTensor, p: &MoeParams<'_, GpuTensor>) -> BResult<GpuTensor> {
     let (n, h) = (x.rows, x.cols);
     let (e, k, inter) = (p.n_experts, p.top_k, p.intermediate);
     if p.router.rows != e
@@ -53,13 +56,12 @@ pub fn moe(b: &CudaBackend, x: &GpuTensor, p: &MoeParams<'_, GpuTensor>) -> BRes
             if let Some(&bad) = hash.iter().find(|&&i| i as usize >= e) {
                 return Err(shape_err("moe", format!("expert id {bad} >= {e}")));
             }
-            Some(b.gpu.upload(hash)?)
+            Some(g.upload(hash)?)
         }
         None => None,
     };
-    let logits = b.matmul(x, p.router)?;
-    let bias = p.correction_bias.map(|t| b.param_f32(t)).transpose()?;
-    let g = &b.gpu;
+    let logits = matmul(g, x, p.router)?;
+    let bias = p.correction_bias.map(|t| param_f32(g, t)).transpose()?;
     let ids = g.zeros::<i32>(n * k)?;
     let wts = g.zeros::<f32>(n * k)?;
     let scoring = match p.scoring {
@@ -84,18 +86,18 @@ pub fn moe(b: &CudaBackend, x: &GpuTensor, p: &MoeParams<'_, GpuTensor>) -> BRes
             Arg::F32(p.routed_scaling),
         ],
     )?;
-    let y = if crate::moe_gemm::worthwhile(g, n, k, e) {
-        crate::moe_gemm::routed(b, x, p, &ids)?
-    } else if crate::moe_gemm::padded_worthwhile(p, n, k, e) {
-        let (list, count) = expert_lists(b, &ids, n, e, k)?;
-        crate::moe_gemm::routed_padded(b, x, p, &list, &count)?
+    let y = if moe_gemm::worthwhile(g, n, k, e) {
+        moe_gemm::routed(g, x, p, &ids)?
+    } else if moe_gemm::padded_worthwhile(p, n, k, e) {
+        let (list, count) = expert_lists(g, &ids, n, e, k)?;
+        moe_gemm::routed_padded(g, x, p, &list, &count)?
     } else {
-        routed_grouped(b, x, p, &ids)?
+        routed_grouped(g, x, p, &ids)?
     };
     // Shared expert.
-    let sg = b.matmul(x, p.shared_gate)?;
-    let su = b.matmul(x, p.shared_up)?;
-    let sact = b.new_f32(n, p.shared_gate.rows)?;
+    let sg = matmul(g, x, p.shared_gate)?;
+    let su = matmul(g, x, p.shared_up)?;
+    let sact = new_f32(g, n, p.shared_gate.rows)?;
     g.launch(
         "k_swiglu",
         crate::launch::grid_1d(sact.len()),
@@ -108,8 +110,8 @@ pub fn moe(b: &CudaBackend, x: &GpuTensor, p: &MoeParams<'_, GpuTensor>) -> BRes
             Arg::F32(p.swiglu_limit),
         ],
     )?;
-    let shared = b.matmul(&sact, p.shared_down)?;
-    let out = b.new_f32(n, h)?;
+    let shared = matmul(g, &sact, p.shared_down)?;
+    let out = new_f32(g, n, h)?;
     g.launch(
         "k_moe_combine",
         (n as u32, 1, 1),
@@ -130,25 +132,24 @@ pub fn moe(b: &CudaBackend, x: &GpuTensor, p: &MoeParams<'_, GpuTensor>) -> BRes
 /// Routed experts on CUDA cores, picks grouped by expert on the device (no host
 /// synchronisation: the decode-step path). Returns `y`: `[rows * k, H]`, one row per pick.
 fn routed_grouped(
-    b: &CudaBackend,
+    g: &Gpu,
     x: &GpuTensor,
     p: &MoeParams<'_, GpuTensor>,
     ids: &DevMem<i32>,
 ) -> BResult<DevMem<f32>> {
     let (n, h) = (x.rows, x.cols);
     let (e, k, inter) = (p.n_experts, p.top_k, p.intermediate);
-    let g = &b.gpu;
     // Picks grouped by expert, so each expert's weights are read once per MOE_TILE picks
     // instead of once per pick.
-    let (list, count) = expert_lists(b, ids, n, e, k)?;
+    let (list, count) = expert_lists(g, ids, n, e, k)?;
     let active = count.view_from(e);
     // One block column per expert that may be used: at most one per pick.
     let slots = e.min(n * k) as u32;
     let act = g.uninit::<f32>(n * k * inter)?;
     let y = g.uninit::<f32>(n * k * h)?;
     let xs = f32_buf(x, "moe")?;
-    let (gu_kind, gu_ptr) = weight(b, p.gate_up);
-    let (down_kind, down_ptr) = weight(b, p.down);
+    let (gu_kind, gu_ptr) = weight(p.gate_up);
+    let (down_kind, down_ptr) = weight(p.down);
     g.launch(
         &format!("k_moe_gate_up_grouped{gu_kind}"),
         (slots, inter.div_ceil(WARPS) as u32, 1),
@@ -192,13 +193,12 @@ fn routed_grouped(
 /// expert e; `count` holds `E` counts, then the used experts in ascending order, then how
 /// many are used (see `k_moe_lists`).
 fn expert_lists(
-    b: &CudaBackend,
+    g: &Gpu,
     ids: &DevMem<i32>,
     n: usize,
     e: usize,
     k: usize,
 ) -> BResult<(DevMem<i32>, DevMem<i32>)> {
-    let g = &b.gpu;
     let list = g.uninit::<i32>(e * n)?;
     let count = g.uninit::<i32>(2 * e + 1)?;
     let active = count.view_from(e);
