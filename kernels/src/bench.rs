@@ -5,7 +5,8 @@
 //! a warm-up run.
 
 use crate::backend::CudaBackend;
-use crate::launch::{dev_err, Arg, BLOCK};
+use crate::kernels::{self, DevPtr};
+use crate::launch::{dev_err, BLOCK};
 use crate::ops::random::random_tensor;
 use crate::tensor::Buf;
 use cudarc::driver::sys::CUevent_flags;
@@ -77,20 +78,19 @@ impl CudaBackend {
             return Err(dev_err("random f32 buffer"));
         };
         let dst = self.gpu.zeros_owned::<f32>(n)?;
-        let (sp, dp) = (self.gpu.ptr(src), self.gpu.ptr(&dst));
+        let (sp, dp) = (src.ptr(), dst.ptr());
         let copy = self.time_runs(iters, || self.copy_dtod(dp, sp, n * 4))?;
         let blocks = (n / 4).div_ceil(BLOCK as usize).clamp(1, 16 * 1024);
         let sums = self.gpu.zeros_owned::<f32>(blocks)?;
         let read = self.time_runs(iters, || {
             self.gpu.launch(
-                "k_read_probe",
                 (blocks as u32, 1, 1),
                 0,
-                &[
-                    Arg::Ptr(self.gpu.ptr(src)),
-                    Arg::I64((n / 4) as i64),
-                    Arg::Ptr(self.gpu.ptr(&sums)),
-                ],
+                &kernels::ReadProbe {
+                    x: DevPtr::of(src),
+                    n4: (n / 4) as i64,
+                    out: DevPtr::of(&sums),
+                },
             )
         })?;
         let b = (n * 4) as f64;
@@ -109,7 +109,7 @@ impl CudaBackend {
             return Err(dev_err("random bf16 buffers"));
         };
         let c = self.gpu.zeros_owned::<f32>(n * n)?;
-        let (ap, wp, cp) = (self.gpu.ptr(a), self.gpu.ptr(w), self.gpu.ptr(&c));
+        let (ap, wp, cp) = (a.ptr(), w.ptr(), c.ptr());
         let runs = self.time_runs(iters, || {
             self.gpu
                 .gemm_nt(ap, wp, cp, (n, n, n), (n, n, n), (0, 0, 0), 1, true)

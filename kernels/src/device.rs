@@ -3,6 +3,7 @@
 
 use crate::compile::{self, CompileError};
 use crate::devmem::DevMem;
+use crate::kernels::{Kernel, REGISTRY};
 use crate::launch::{dev_err, Arg, BLOCK};
 use crate::step::{StepMode, StepRecord, StepState};
 use cudarc::cublas::{result as blas_result, sys as blas_sys, CudaBlas};
@@ -50,7 +51,8 @@ pub struct Gpu {
     step: Mutex<StepState>,
     /// Page-locked bounce buffer of large device-to-host copies.
     pinned: Mutex<Option<cudarc::driver::PinnedHostSlice<u8>>>,
-    funcs: HashMap<String, CudaFunction>,
+    /// Every kernel of [`REGISTRY`] by name.
+    funcs: HashMap<&'static str, CudaFunction>,
     pub arch: String,
     pub device_name: String,
 }
@@ -142,14 +144,11 @@ impl Gpu {
             let module = ctx
                 .load_module(Ptx::from_src(ptx))
                 .map_err(|e| DeviceError::Driver(format!("loading module {name}: {e:?}")))?;
-            for line in src.lines().filter(|l| l.contains("__global__ void ")) {
-                let Some(f) = line
-                    .split("__global__ void ")
-                    .nth(1)
-                    .and_then(|r| r.split('(').next())
-                else {
-                    continue;
-                };
+            let kernels = REGISTRY
+                .iter()
+                .filter(|(m, _)| m == name)
+                .flat_map(|(_, fs)| fs.iter().copied());
+            for f in kernels {
                 let func = module
                     .load_function(f)
                     .map_err(|e| DeviceError::Driver(format!("kernel {f}: {e:?}")))?;
@@ -161,7 +160,7 @@ impl Gpu {
                     )
                     .map_err(|e| DeviceError::Driver(format!("kernel {f}: shared memory: {e:?}")))?;
                 }
-                funcs.insert(f.to_string(), func);
+                funcs.insert(f, func);
             }
         }
         Ok(Gpu {
@@ -175,10 +174,6 @@ impl Gpu {
             arch,
             device_name,
         })
-    }
-
-    pub(crate) fn ptr<T>(&self, s: &DevMem<T>) -> u64 {
-        s.ptr()
     }
 
     fn step(&self) -> BResult<std::sync::MutexGuard<'_, StepState>> {
@@ -398,9 +393,19 @@ impl Gpu {
             .unwrap_or(false)
     }
 
-    /// Launch kernel `name` on the stream.
+    /// Launch `kernel` on the stream over `grid` blocks with `shared` bytes of dynamic
+    /// shared memory.
+    pub(crate) fn launch<K: Kernel>(
+        &self,
+        grid: (u32, u32, u32),
+        shared: u32,
+        kernel: &K,
+    ) -> BResult<()> {
+        kernel.with_args(|args| self.launch_args(kernel.name(), grid, shared, args))
+    }
+
     #[allow(unsafe_code)]
-    pub(crate) fn launch(
+    fn launch_args(
         &self,
         name: &str,
         grid: (u32, u32, u32),

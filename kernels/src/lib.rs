@@ -13,6 +13,7 @@ pub mod device;
 mod devmem;
 mod graph_mode;
 pub mod graphs;
+mod kernels;
 mod kv_store;
 mod launch;
 mod ops;

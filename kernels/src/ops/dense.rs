@@ -1,9 +1,10 @@
 //! Dense ops: embedding, row gathers, GEMMs (cuBLAS), RMS norm and rope.
 
-use crate::buf::{f32_buf, out_ptr, shape_err};
+use crate::buf::{f32_buf, out_ptr, shape_err, storage};
 use crate::device::Gpu;
 use crate::devmem::DevMem;
-use crate::launch::{dev_err, Arg};
+use crate::kernels::{self, DevPtr};
+use crate::launch::dev_err;
 use crate::ops::tensors::{new_f32, param_f32, to_bf16};
 use crate::tensor::{Buf, GpuTensor};
 use pdserve_engine::backend::{shapes, BResult};
@@ -19,21 +20,18 @@ pub(crate) fn embed(
     let h = table.cols;
     let toks = g.upload(tokens)?;
     let out = new_f32(g, tokens.len(), copies * h)?;
-    let (name, tp) = match &table.buf {
-        Buf::Bf16(s) => ("k_embed_bf16", g.ptr(s)),
-        Buf::F32(s) => ("k_embed_f32", g.ptr(s)),
-    };
+    let (elem, tp) = storage(table);
     g.launch(
-        name,
         (tokens.len() as u32, 1, 1),
         0,
-        &[
-            Arg::Ptr(tp),
-            Arg::Ptr(g.ptr(&toks)),
-            Arg::Ptr(out_ptr(&out)?),
-            Arg::I32(h as i32),
-            Arg::I32(copies as i32),
-        ],
+        &kernels::Embed {
+            elem,
+            table: DevPtr(tp),
+            tokens: DevPtr::of(&toks),
+            out: out_ptr(&out)?,
+            h: h as i32,
+            copies: copies as i32,
+        },
     )?;
     Ok(out)
 }
@@ -46,15 +44,14 @@ pub(crate) fn gather_rows(g: &Gpu, t: &GpuTensor, rows: &[usize]) -> BResult<Gpu
     let idx = g.upload(&idx)?;
     let out = new_f32(g, rows.len(), t.cols)?;
     g.launch(
-        "k_gather_rows",
         (rows.len() as u32, 1, 1),
         0,
-        &[
-            Arg::Ptr(g.ptr(f32_buf(t, "gather_rows")?)),
-            Arg::Ptr(g.ptr(&idx)),
-            Arg::Ptr(out_ptr(&out)?),
-            Arg::I32(t.cols as i32),
-        ],
+        &kernels::GatherRows {
+            x: DevPtr::of(f32_buf(t, "gather_rows")?),
+            idx: DevPtr::of(&idx),
+            out: out_ptr(&out)?,
+            cols: t.cols as i32,
+        },
     )?;
     Ok(out)
 }
@@ -90,11 +87,11 @@ fn matmul_into(g: &Gpu, x: &GpuTensor, w: &GpuTensor, groups: usize) -> BResult<
     match &w.buf {
         Buf::Bf16(wb) => {
             let xb = to_bf16(g, xs)?;
-            let (xp, wp, op) = (g.ptr(&xb), g.ptr(wb), g.ptr(o));
+            let (xp, wp, op) = (xb.ptr(), wb.ptr(), o.ptr());
             g.gemm_nt(xp, wp, op, dims, lds, strides, groups, true)?;
         }
         Buf::F32(wf) => {
-            let (xp, wp, op) = (g.ptr(xs), g.ptr(wf), g.ptr(o));
+            let (xp, wp, op) = (xs.ptr(), wf.ptr(), o.ptr());
             g.gemm_nt(xp, wp, op, dims, lds, strides, groups, false)?;
         }
     }
@@ -112,16 +109,15 @@ pub(crate) fn rms_norm(
     let w = weight.map(|w| param_f32(g, w)).transpose()?;
     let out = new_f32(g, x.rows, x.cols)?;
     g.launch(
-        "k_rms_norm",
         ((x.len() / group) as u32, 1, 1),
         0,
-        &[
-            Arg::Ptr(g.ptr(f32_buf(x, "rms_norm")?)),
-            Arg::Ptr(w.as_ref().map_or(0, |w| g.ptr(w))),
-            Arg::Ptr(out_ptr(&out)?),
-            Arg::I32(group as i32),
-            Arg::F32(eps),
-        ],
+        &kernels::RmsNorm {
+            x: DevPtr::of(f32_buf(x, "rms_norm")?),
+            w: w.as_ref().map_or(DevPtr::NULL, DevPtr::of),
+            out: out_ptr(&out)?,
+            group: group as i32,
+            eps,
+        },
     )?;
     Ok(out)
 }
@@ -137,18 +133,17 @@ pub(crate) fn rope(
     shapes::check_rope((x.rows, x.cols), head_dim, positions.len(), rope.dim())?;
     let (cs, sn) = rope_tables(g, rope, positions.iter().copied())?;
     g.launch(
-        "k_rope",
         (x.rows as u32, 1, 1),
         0,
-        &[
-            Arg::Ptr(out_ptr(x)?),
-            Arg::Ptr(g.ptr(&cs)),
-            Arg::Ptr(g.ptr(&sn)),
-            Arg::I32(x.cols as i32),
-            Arg::I32(head_dim as i32),
-            Arg::I32(rope.dim() as i32),
-            Arg::I32(inverse as i32),
-        ],
+        &kernels::Rope {
+            x: out_ptr(x)?,
+            cs: DevPtr::of(&cs),
+            sn: DevPtr::of(&sn),
+            cols: x.cols as i32,
+            head_dim: head_dim as i32,
+            rd: rope.dim() as i32,
+            inverse: inverse as i32,
+        },
     )
 }
 

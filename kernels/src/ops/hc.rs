@@ -2,7 +2,7 @@
 
 use crate::buf::{f32_buf, out_ptr, shape_err};
 use crate::device::Gpu;
-use crate::launch::Arg;
+use crate::kernels::{self, DevPtr};
 use crate::ops::tensors::{new_f32, param_f32};
 use crate::tensor::GpuTensor;
 use pdserve_engine::backend::{shapes, BResult, HcParams, HcPre};
@@ -43,22 +43,21 @@ pub fn hc_pre(
     let comb = new_f32(g, n, hc * hc)?;
     let collapsed = new_f32(g, n, h)?;
     g.launch(
-        "k_hc_pre",
         (n as u32, 1, 1),
         0,
-        &[
-            Arg::Ptr(g.ptr(f32_buf(streams, "hc_pre")?)),
-            Arg::Ptr(g.ptr(f32_buf(mix, "hc_pre")?)),
-            Arg::Ptr(g.ptr(&base)),
-            Arg::Ptr(g.ptr(&scale)),
-            Arg::Ptr(out_ptr(&post)?),
-            Arg::Ptr(out_ptr(&comb)?),
-            Arg::Ptr(out_ptr(&collapsed)?),
-            Arg::I32(h as i32),
-            Arg::I32(hc as i32),
-            Arg::I32(p.sinkhorn_iters as i32),
-            Arg::F32(p.eps),
-        ],
+        &kernels::HcPre {
+            streams: DevPtr::of(f32_buf(streams, "hc_pre")?),
+            mix: DevPtr::of(f32_buf(mix, "hc_pre")?),
+            base: DevPtr::of(&base),
+            scale: DevPtr::of(&scale),
+            post: out_ptr(&post)?,
+            comb: out_ptr(&comb)?,
+            collapsed: out_ptr(&collapsed)?,
+            h: h as i32,
+            hc: hc as i32,
+            iters: p.sinkhorn_iters as i32,
+            eps: p.eps,
+        },
     )?;
     Ok(HcPre {
         post,
@@ -84,18 +83,17 @@ pub fn hc_post(
     )?;
     let res = new_f32(g, streams.rows, streams.cols)?;
     g.launch(
-        "k_hc_post",
         (streams.rows as u32, 1, 1),
         0,
-        &[
-            Arg::Ptr(g.ptr(f32_buf(streams, "hc_post")?)),
-            Arg::Ptr(g.ptr(f32_buf(out, "hc_post")?)),
-            Arg::Ptr(g.ptr(f32_buf(&pre.post, "hc_post")?)),
-            Arg::Ptr(g.ptr(f32_buf(&pre.comb, "hc_post")?)),
-            Arg::Ptr(out_ptr(&res)?),
-            Arg::I32(h as i32),
-            Arg::I32(hc as i32),
-        ],
+        &kernels::HcPost {
+            streams: DevPtr::of(f32_buf(streams, "hc_post")?),
+            out: DevPtr::of(f32_buf(out, "hc_post")?),
+            post: DevPtr::of(f32_buf(&pre.post, "hc_post")?),
+            comb: DevPtr::of(f32_buf(&pre.comb, "hc_post")?),
+            res: out_ptr(&res)?,
+            h: h as i32,
+            hc: hc as i32,
+        },
     )?;
     Ok(res)
 }
@@ -120,19 +118,18 @@ pub fn hc_head(
     let scale = param_f32(g, p.scale)?;
     let out = new_f32(g, streams.rows, h)?;
     g.launch(
-        "k_hc_head",
         (streams.rows as u32, 1, 1),
         0,
-        &[
-            Arg::Ptr(g.ptr(f32_buf(streams, "hc_head")?)),
-            Arg::Ptr(g.ptr(f32_buf(mix, "hc_head")?)),
-            Arg::Ptr(g.ptr(&base)),
-            Arg::Ptr(g.ptr(&scale)),
-            Arg::Ptr(out_ptr(&out)?),
-            Arg::I32(h as i32),
-            Arg::I32(hc as i32),
-            Arg::F32(p.eps),
-        ],
+        &kernels::HcHead {
+            streams: DevPtr::of(f32_buf(streams, "hc_head")?),
+            mix: DevPtr::of(f32_buf(mix, "hc_head")?),
+            base: DevPtr::of(&base),
+            scale: DevPtr::of(&scale),
+            out: out_ptr(&out)?,
+            h: h as i32,
+            hc: hc as i32,
+            eps: p.eps,
+        },
     )?;
     Ok(out)
 }

@@ -5,9 +5,10 @@ use crate::buf::{f32_buf, out_ptr, shape_err};
 use crate::device::Gpu;
 use crate::device::ATTENTION_SHARED;
 use crate::devmem::DevMem;
+use crate::kernels::{self, DevPtr};
 use crate::kv_store::GpuKv;
 use crate::kv_store::{check_entry_page, dt_code, DevPlan};
-use crate::launch::{Arg, BLOCK};
+use crate::launch::BLOCK;
 use crate::ops::dense::rope_tables;
 use crate::ops::tensors::{new_f32, param_f32};
 use crate::tensor::GpuTensor;
@@ -135,34 +136,33 @@ pub fn compress(
     let bias = param_f32(g, p.position_bias)?;
     let norm = param_f32(g, p.norm_weight)?;
     g.launch(
-        "k_compress",
         (plan.seqs.len() as u32, 1, 1),
         (dim * 4) as u32,
-        &[
-            Arg::Ptr(g.ptr(&kv.pages)),
-            Arg::Ptr(g.ptr(&kv.states)),
-            Arg::I64(kv.page_bytes as i64),
-            Arg::I64(kv.state_bytes as i64),
-            Arg::Ptr(g.ptr(&dp.seq)),
-            Arg::Ptr(g.ptr(&dp.pt)),
-            Arg::Ptr(g.ptr(f32_buf(proj_kv, "compress")?)),
-            Arg::Ptr(g.ptr(f32_buf(proj_gate, "compress")?)),
-            Arg::Ptr(g.ptr(&bias)),
-            Arg::Ptr(g.ptr(&norm)),
-            Arg::Ptr(g.ptr(&cs)),
-            Arg::Ptr(g.ptr(&sn)),
-            Arg::I32(width as i32),
-            Arg::I32(rate as i32),
-            Arg::I32(slots as i32),
-            Arg::I32(overlap as i32),
-            Arg::I64(ring_off as i64),
-            Arg::I64(entry_off as i64),
-            Arg::I32(epp as i32),
-            Arg::I32(layout.page_tokens as i32),
-            Arg::I32(dt_code(dt)?),
-            Arg::I32(p.rope.dim() as i32),
-            Arg::F32(p.eps),
-        ],
+        &kernels::Compress {
+            pages: DevPtr::of(&kv.pages),
+            states: DevPtr::of(&kv.states),
+            page_bytes: kv.page_bytes as i64,
+            state_bytes: kv.state_bytes as i64,
+            seq: DevPtr::of(&dp.seq),
+            pt: DevPtr::of(&dp.pt),
+            proj_kv: DevPtr::of(f32_buf(proj_kv, "compress")?),
+            proj_gate: DevPtr::of(f32_buf(proj_gate, "compress")?),
+            bias: DevPtr::of(&bias),
+            norm_w: DevPtr::of(&norm),
+            cs: DevPtr::of(&cs),
+            sn: DevPtr::of(&sn),
+            width: width as i32,
+            rate: rate as i32,
+            slots: slots as i32,
+            overlap: overlap as i32,
+            ring_off: ring_off as i64,
+            entry_off: entry_off as i64,
+            entries_per_page: epp as i32,
+            page_tokens: layout.page_tokens as i32,
+            dt: dt_code(dt)?,
+            rd: p.rope.dim() as i32,
+            eps: p.eps,
+        },
     )
 }
 
@@ -205,43 +205,41 @@ pub fn index_select(
     let scores = g.zeros::<f32>(rows * max_nv)?;
     let sel = g.zeros::<i32>(rows * topk)?;
     g.launch(
-        "k_index_scores",
         (rows as u32, max_nv.div_ceil(WARPS) as u32, 1),
         0,
-        &[
-            Arg::Ptr(g.ptr(&kv.pages)),
-            Arg::I64(kv.page_bytes as i64),
-            Arg::Ptr(g.ptr(&dp.seq)),
-            Arg::Ptr(g.ptr(&dp.pt)),
-            Arg::Ptr(g.ptr(&dp.row_seq)),
-            Arg::Ptr(g.ptr(&dp.positions)),
-            Arg::Ptr(g.ptr(f32_buf(q, "index_select")?)),
-            Arg::Ptr(g.ptr(f32_buf(weights, "index_select")?)),
-            Arg::Ptr(g.ptr(&scores)),
-            Arg::I32(max_nv as i32),
-            Arg::I32(n_heads as i32),
-            Arg::I32(ihd as i32),
-            Arg::I32(l.rate as i32),
-            Arg::I64(l.index_page_offset as i64),
-            Arg::I32(l.index_entries_per_page as i32),
-            Arg::I32(layout.page_tokens as i32),
-            Arg::I32(dt_code(layout.index_k_dtype)?),
-            Arg::F32((ihd as f32).powf(-0.5)),
-            Arg::F32((n_heads as f32).powf(-0.5)),
-        ],
+        &kernels::IndexScores {
+            pages: DevPtr::of(&kv.pages),
+            page_bytes: kv.page_bytes as i64,
+            seq: DevPtr::of(&dp.seq),
+            pt: DevPtr::of(&dp.pt),
+            row_seq: DevPtr::of(&dp.row_seq),
+            positions: DevPtr::of(&dp.positions),
+            q: DevPtr::of(f32_buf(q, "index_select")?),
+            wts: DevPtr::of(f32_buf(weights, "index_select")?),
+            scores: DevPtr::of(&scores),
+            max_nv: max_nv as i32,
+            n_heads: n_heads as i32,
+            ihd: ihd as i32,
+            rate: l.rate as i32,
+            entry_off: l.index_page_offset as i64,
+            entries_per_page: l.index_entries_per_page as i32,
+            page_tokens: layout.page_tokens as i32,
+            dt: dt_code(layout.index_k_dtype)?,
+            softmax_scale: (ihd as f32).powf(-0.5),
+            weight_scale: (n_heads as f32).powf(-0.5),
+        },
     )?;
     g.launch(
-        "k_topk",
         (rows as u32, 1, 1),
         0,
-        &[
-            Arg::Ptr(g.ptr(&scores)),
-            Arg::Ptr(g.ptr(&dp.positions)),
-            Arg::Ptr(g.ptr(&sel)),
-            Arg::I32(max_nv as i32),
-            Arg::I32(topk as i32),
-            Arg::I32(l.rate as i32),
-        ],
+        &kernels::Topk {
+            scores: DevPtr::of(&scores),
+            positions: DevPtr::of(&dp.positions),
+            sel: DevPtr::of(&sel),
+            max_nv: max_nv as i32,
+            topk: topk as i32,
+            rate: l.rate as i32,
+        },
     )?;
     Ok(GpuSelection { sel, rows, topk })
 }
@@ -293,8 +291,8 @@ pub fn attention(
             .unwrap_or(0),
     );
     let (mode, sel_ptr, topk, max_comp) = match &compressed {
-        CompressedKeys::None => (0, 0, 0, 0),
-        CompressedKeys::AllVisible => (1, 0, 0, max_pos_nv),
+        CompressedKeys::None => (0, DevPtr::NULL, 0, 0),
+        CompressedKeys::AllVisible => (1, DevPtr::NULL, 0, max_pos_nv),
         CompressedKeys::Selected(s) => {
             if s.rows != rows {
                 return Err(shape_err(
@@ -302,7 +300,7 @@ pub fn attention(
                     format!("{} selection rows for {rows}", s.rows),
                 ));
             }
-            (2, g.ptr(&s.sel), s.topk, s.topk.min(max_pos_nv))
+            (2, DevPtr::of(&s.sel), s.topk, s.topk.min(max_pos_nv))
         }
     };
     if mode != 0 {
@@ -337,38 +335,37 @@ pub fn attention(
     let sinks = param_f32(g, sinks)?;
     let out = new_f32(g, rows, n_heads * hd)?;
     g.launch(
-        "k_attention",
         (rows as u32, (n_heads / group) as u32, 1),
         shared as u32,
-        &[
-            Arg::Ptr(g.ptr(&kv.pages)),
-            Arg::Ptr(g.ptr(&kv.states)),
-            Arg::I64(kv.page_bytes as i64),
-            Arg::I64(kv.state_bytes as i64),
-            Arg::Ptr(g.ptr(&dp.seq)),
-            Arg::Ptr(g.ptr(&dp.pt)),
-            Arg::Ptr(g.ptr(&dp.row_seq)),
-            Arg::Ptr(g.ptr(&dp.positions)),
-            Arg::Ptr(g.ptr(f32_buf(q, "attention")?)),
-            Arg::Ptr(g.ptr(f32_buf(kv_new, "attention")?)),
-            Arg::Ptr(g.ptr(&sinks)),
-            Arg::Ptr(sel_ptr),
-            Arg::I32(topk as i32),
-            Arg::Ptr(out_ptr(&out)?),
-            Arg::I32(n_heads as i32),
-            Arg::I32(hd as i32),
-            Arg::I32(window as i32),
-            Arg::I64(l.window_state_offset as i64),
-            Arg::I32(l.rate.max(1) as i32),
-            Arg::I32(mode),
-            Arg::I64(l.comp_page_offset as i64),
-            Arg::I32(l.comp_entries_per_page.max(1) as i32),
-            Arg::I32(layout.page_tokens as i32),
-            Arg::I32(dt_code(layout.kv_dtype)?),
-            Arg::F32((hd as f32).powf(-0.5)),
-            Arg::I32(max_keys as i32),
-            Arg::I32(group as i32),
-        ],
+        &kernels::Attention {
+            pages: DevPtr::of(&kv.pages),
+            states: DevPtr::of(&kv.states),
+            page_bytes: kv.page_bytes as i64,
+            state_bytes: kv.state_bytes as i64,
+            seq: DevPtr::of(&dp.seq),
+            pt: DevPtr::of(&dp.pt),
+            row_seq: DevPtr::of(&dp.row_seq),
+            positions: DevPtr::of(&dp.positions),
+            q: DevPtr::of(f32_buf(q, "attention")?),
+            kv_new: DevPtr::of(f32_buf(kv_new, "attention")?),
+            sinks: DevPtr::of(&sinks),
+            sel: sel_ptr,
+            topk: topk as i32,
+            out: out_ptr(&out)?,
+            n_heads: n_heads as i32,
+            hd: hd as i32,
+            window: window as i32,
+            win_off: l.window_state_offset as i64,
+            rate: l.rate.max(1) as i32,
+            mode,
+            comp_off: l.comp_page_offset as i64,
+            comp_epp: l.comp_entries_per_page.max(1) as i32,
+            page_tokens: layout.page_tokens as i32,
+            dt: dt_code(layout.kv_dtype)?,
+            scale: (hd as f32).powf(-0.5),
+            max_keys: max_keys as i32,
+            g: group as i32,
+        },
     )?;
     Ok(out)
 }
@@ -391,20 +388,19 @@ pub fn window_store(
     }
     let dp = DevPlan::upload(g, kv, plan)?;
     g.launch(
-        "k_window_store",
         (plan.rows() as u32, 1, 1),
         0,
-        &[
-            Arg::Ptr(g.ptr(&kv.states)),
-            Arg::I64(kv.state_bytes as i64),
-            Arg::Ptr(g.ptr(&dp.seq)),
-            Arg::Ptr(g.ptr(&dp.row_seq)),
-            Arg::Ptr(g.ptr(&dp.positions)),
-            Arg::Ptr(g.ptr(f32_buf(kv_new, "window_store")?)),
-            Arg::I32(hd as i32),
-            Arg::I32(layout.sliding_window as i32),
-            Arg::I64(l.window_state_offset as i64),
-            Arg::I32(dt_code(layout.kv_dtype)?),
-        ],
+        &kernels::WindowStore {
+            states: DevPtr::of(&kv.states),
+            state_bytes: kv.state_bytes as i64,
+            seq: DevPtr::of(&dp.seq),
+            row_seq: DevPtr::of(&dp.row_seq),
+            positions: DevPtr::of(&dp.positions),
+            kv_new: DevPtr::of(f32_buf(kv_new, "window_store")?),
+            hd: hd as i32,
+            window: layout.sliding_window as i32,
+            win_off: l.window_state_offset as i64,
+            dt: dt_code(layout.kv_dtype)?,
+        },
     )
 }

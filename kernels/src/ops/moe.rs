@@ -2,28 +2,21 @@
 //! routed experts over bf16 or fp32 weights (one warp per output unit of an expert, run
 //! against all of that expert's picks; fp32 accumulation), shared expert, combine.
 
-use crate::buf::{f32_buf, out_ptr, shape_err};
+use crate::buf::{f32_buf, out_ptr, shape_err, storage};
 use crate::device::Gpu;
 use crate::devmem::DevMem;
-use crate::launch::{Arg, BLOCK};
+use crate::kernels::{self, DevPtr};
+use crate::launch::BLOCK;
 use crate::ops::dense::matmul;
 use crate::ops::moe_gemm;
 use crate::ops::tensors::{new_f32, param_f32};
-use crate::tensor::{Buf, GpuTensor};
+use crate::tensor::GpuTensor;
 use pdserve_engine::backend::{BResult, MoeParams};
 use pdserve_engine::config::ScoringFunc;
 
 const WARPS: usize = BLOCK as usize / 32;
 /// Picks per row the combine kernel orders in shared memory (`order[64]` in moe.cu).
 const MAX_TOP_K: usize = 64;
-
-/// Kernel name suffix and device pointer of an expert weight.
-pub(crate) fn weight(t: &GpuTensor) -> (&'static str, u64) {
-    match &t.buf {
-        Buf::Bf16(s) => ("_bf16", s.ptr()),
-        Buf::F32(s) => ("_f32", s.ptr()),
-    }
-}
 
 pub fn moe(g: &Gpu, x: &GpuTensor, p: &MoeParams<'_, GpuTensor>) -> BResult<GpuTensor> {
     let (n, h) = (x.rows, x.cols);
@@ -70,21 +63,20 @@ pub fn moe(g: &Gpu, x: &GpuTensor, p: &MoeParams<'_, GpuTensor>) -> BResult<GpuT
         ScoringFunc::Softmax => 2,
     };
     g.launch(
-        "k_moe_route",
         (n.div_ceil(BLOCK as usize) as u32, 1, 1),
         0,
-        &[
-            Arg::Ptr(out_ptr(&logits)?),
-            Arg::Ptr(bias.as_ref().map_or(0, |s| g.ptr(s))),
-            Arg::Ptr(hash.as_ref().map_or(0, |s| g.ptr(s))),
-            Arg::Ptr(g.ptr(&ids)),
-            Arg::Ptr(g.ptr(&wts)),
-            Arg::I32(n as i32),
-            Arg::I32(e as i32),
-            Arg::I32(k as i32),
-            Arg::I32(scoring),
-            Arg::F32(p.routed_scaling),
-        ],
+        &kernels::MoeRoute {
+            logits: out_ptr(&logits)?,
+            bias: bias.as_ref().map_or(DevPtr::NULL, DevPtr::of),
+            hash: hash.as_ref().map_or(DevPtr::NULL, DevPtr::of),
+            ids: DevPtr::of(&ids),
+            wts: DevPtr::of(&wts),
+            rows: n as i32,
+            e: e as i32,
+            k: k as i32,
+            scoring,
+            routed_scaling: p.routed_scaling,
+        },
     )?;
     let y = if moe_gemm::worthwhile(g, n, k, e) {
         moe_gemm::routed(g, x, p, &ids)?
@@ -99,32 +91,30 @@ pub fn moe(g: &Gpu, x: &GpuTensor, p: &MoeParams<'_, GpuTensor>) -> BResult<GpuT
     let su = matmul(g, x, p.shared_up)?;
     let sact = new_f32(g, n, p.shared_gate.rows)?;
     g.launch(
-        "k_swiglu",
         crate::launch::grid_1d(sact.len()),
         0,
-        &[
-            Arg::Ptr(g.ptr(f32_buf(&sg, "moe")?)),
-            Arg::Ptr(g.ptr(f32_buf(&su, "moe")?)),
-            Arg::Ptr(out_ptr(&sact)?),
-            Arg::I64(sact.len() as i64),
-            Arg::F32(p.swiglu_limit),
-        ],
+        &kernels::Swiglu {
+            g: DevPtr::of(f32_buf(&sg, "moe")?),
+            u: DevPtr::of(f32_buf(&su, "moe")?),
+            y: out_ptr(&sact)?,
+            n: sact.len() as i64,
+            limit: p.swiglu_limit,
+        },
     )?;
     let shared = matmul(g, &sact, p.shared_down)?;
     let out = new_f32(g, n, h)?;
     g.launch(
-        "k_moe_combine",
         (n as u32, 1, 1),
         0,
-        &[
-            Arg::Ptr(g.ptr(&y)),
-            Arg::Ptr(g.ptr(&ids)),
-            Arg::Ptr(g.ptr(&wts)),
-            Arg::Ptr(g.ptr(f32_buf(&shared, "moe")?)),
-            Arg::Ptr(out_ptr(&out)?),
-            Arg::I32(h as i32),
-            Arg::I32(k as i32),
-        ],
+        &kernels::MoeCombine {
+            y: DevPtr::of(&y),
+            ids: DevPtr::of(&ids),
+            wts: DevPtr::of(&wts),
+            shared: DevPtr::of(f32_buf(&shared, "moe")?),
+            out: out_ptr(&out)?,
+            h: h as i32,
+            k: k as i32,
+        },
     )?;
     Ok(out)
 }
@@ -148,43 +138,43 @@ fn routed_grouped(
     let act = g.uninit::<f32>(n * k * inter)?;
     let y = g.uninit::<f32>(n * k * h)?;
     let xs = f32_buf(x, "moe")?;
-    let (gu_kind, gu_ptr) = weight(p.gate_up);
-    let (down_kind, down_ptr) = weight(p.down);
+    let (gu_elem, gu_ptr) = storage(p.gate_up);
+    let (down_elem, down_ptr) = storage(p.down);
     g.launch(
-        &format!("k_moe_gate_up_grouped{gu_kind}"),
         (slots, inter.div_ceil(WARPS) as u32, 1),
         0,
-        &[
-            Arg::Ptr(g.ptr(xs)),
-            Arg::Ptr(gu_ptr),
-            Arg::Ptr(g.ptr(&list)),
-            Arg::Ptr(g.ptr(&active)),
-            Arg::Ptr(g.ptr(&count)),
-            Arg::Ptr(g.ptr(&act)),
-            Arg::I32(n as i32),
-            Arg::I32(e as i32),
-            Arg::I32(h as i32),
-            Arg::I32(inter as i32),
-            Arg::I32(k as i32),
-            Arg::F32(p.swiglu_limit),
-        ],
+        &kernels::MoeGateUpGrouped {
+            elem: gu_elem,
+            x: DevPtr::of(xs),
+            gu: DevPtr(gu_ptr),
+            list: DevPtr::of(&list),
+            active: DevPtr::of(&active),
+            count: DevPtr::of(&count),
+            act: DevPtr::of(&act),
+            rows: n as i32,
+            e: e as i32,
+            h: h as i32,
+            i: inter as i32,
+            k: k as i32,
+            limit: p.swiglu_limit,
+        },
     )?;
     g.launch(
-        &format!("k_moe_down_grouped{down_kind}"),
         (slots, h.div_ceil(WARPS) as u32, 1),
         0,
-        &[
-            Arg::Ptr(g.ptr(&act)),
-            Arg::Ptr(down_ptr),
-            Arg::Ptr(g.ptr(&list)),
-            Arg::Ptr(g.ptr(&active)),
-            Arg::Ptr(g.ptr(&count)),
-            Arg::Ptr(g.ptr(&y)),
-            Arg::I32(n as i32),
-            Arg::I32(e as i32),
-            Arg::I32(h as i32),
-            Arg::I32(inter as i32),
-        ],
+        &kernels::MoeDownGrouped {
+            elem: down_elem,
+            act: DevPtr::of(&act),
+            down: DevPtr(down_ptr),
+            list: DevPtr::of(&list),
+            active: DevPtr::of(&active),
+            count: DevPtr::of(&count),
+            y: DevPtr::of(&y),
+            rows: n as i32,
+            e: e as i32,
+            h: h as i32,
+            i: inter as i32,
+        },
     )?;
     Ok(y)
 }
@@ -203,18 +193,17 @@ fn expert_lists(
     let count = g.uninit::<i32>(2 * e + 1)?;
     let active = count.view_from(e);
     g.launch(
-        "k_moe_lists",
         (1, 1, 1),
         0,
-        &[
-            Arg::Ptr(g.ptr(ids)),
-            Arg::Ptr(g.ptr(&list)),
-            Arg::Ptr(g.ptr(&count)),
-            Arg::Ptr(g.ptr(&active)),
-            Arg::I32(n as i32),
-            Arg::I32(e as i32),
-            Arg::I32(k as i32),
-        ],
+        &kernels::MoeLists {
+            ids: DevPtr::of(ids),
+            list: DevPtr::of(&list),
+            count: DevPtr::of(&count),
+            active: DevPtr::of(&active),
+            rows: n as i32,
+            e: e as i32,
+            k: k as i32,
+        },
     )?;
     Ok((list, count))
 }

@@ -4,7 +4,8 @@
 use crate::buf::shape_err;
 use crate::device::Gpu;
 use crate::devmem::DevMem;
-use crate::launch::{grid_1d, Arg};
+use crate::kernels::{self, DevPtr};
+use crate::launch::grid_1d;
 use crate::tensor::{Buf, GpuTensor};
 use pdserve_engine::backend::{BResult, HostTensor};
 
@@ -66,14 +67,13 @@ pub(crate) fn param_f32(g: &Gpu, t: &GpuTensor) -> BResult<DevMem<f32>> {
         Buf::Bf16(s) => {
             let out = g.uninit::<f32>(t.len())?;
             g.launch(
-                "k_bf16_to_f32",
                 grid_1d(t.len()),
                 0,
-                &[
-                    Arg::Ptr(g.ptr(s)),
-                    Arg::Ptr(g.ptr(&out)),
-                    Arg::I64(t.len() as i64),
-                ],
+                &kernels::Bf16ToF32 {
+                    x: DevPtr::of(s),
+                    y: DevPtr::of(&out),
+                    n: t.len() as i64,
+                },
             )?;
             Ok(out)
         }
@@ -84,14 +84,13 @@ pub(crate) fn param_f32(g: &Gpu, t: &GpuTensor) -> BResult<DevMem<f32>> {
 pub(crate) fn to_bf16(g: &Gpu, src: &DevMem<f32>) -> BResult<DevMem<u16>> {
     let out = g.uninit::<u16>(src.len())?;
     g.launch(
-        "k_f32_to_bf16",
         grid_1d(src.len()),
         0,
-        &[
-            Arg::Ptr(g.ptr(src)),
-            Arg::Ptr(g.ptr(&out)),
-            Arg::I64(src.len() as i64),
-        ],
+        &kernels::F32ToBf16 {
+            x: DevPtr::of(src),
+            y: DevPtr::of(&out),
+            n: src.len() as i64,
+        },
     )?;
     Ok(out)
 }
