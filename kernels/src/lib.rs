@@ -4,7 +4,6 @@
 //! run time, and [`CudaBackend::new`] says clearly why a device cannot be used.
 
 pub mod backend;
-pub mod bench;
 mod buf;
 pub mod check;
 pub mod check_graphs;
@@ -17,6 +16,7 @@ mod kernels;
 mod kv_store;
 mod launch;
 mod ops;
+pub mod probe;
 mod step;
 pub mod tensor;
 
