@@ -5,8 +5,6 @@
 
 pub mod backend;
 mod buf;
-pub mod check;
-pub mod check_graphs;
 pub mod compile;
 pub mod device;
 mod devmem;

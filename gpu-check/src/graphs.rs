@@ -3,7 +3,7 @@
 //! positions, and the graph speed-up at batch 1 on the embedded model.
 
 use crate::check::CheckRow;
-use crate::{CudaBackend, GraphMode};
+use pdserve_kernels::{CudaBackend, GraphMode};
 use pdserve_engine::generate::prefill;
 use pdserve_engine::tokenizer::Tokenizer;
 use pdserve_engine::{Engine, ForwardItem, Logits, PoolSize, Sequence};

@@ -2,7 +2,7 @@
 //! prefill + decode logits of the CUDA backend against the fp32 CPU engine, per-row
 //! relative error and greedy tokens, plus a prefill-on-GPU / decode-on-CPU KV transfer.
 
-use crate::{CudaBackend, WeightDtype};
+use pdserve_kernels::{CudaBackend, WeightDtype};
 use pdserve_engine::backend::Backend;
 use pdserve_engine::generate::{generate, logits_prefill_decode, prefill, GenerateRequest};
 use pdserve_engine::kv::{EntryDtype, KvLayoutSpec};
