@@ -5,7 +5,8 @@ use crate::compile::{self, CompileError};
 use crate::devmem::DevMem;
 use crate::kernels::{Kernel, REGISTRY};
 use crate::launch::{dev_err, Arg, BLOCK};
-use crate::step::{StepMode, StepRecord, StepState};
+use crate::recorder::{StepMode, StepRecord};
+use crate::step::{StepState, Temp, Upload};
 use cudarc::cublas::{result as blas_result, sys as blas_sys, CudaBlas};
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig,
@@ -185,14 +186,11 @@ impl Gpu {
     /// A zero-filled buffer of `n` values: from the step arena inside a decode step,
     /// else a new allocation.
     pub(crate) fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, n: usize) -> BResult<DevMem<T>> {
-        let mut st = self.step()?;
-        if st.mode == StepMode::Off {
-            drop(st);
-            return self.zeros_owned(n);
-        }
         let bytes = n.max(1) * std::mem::size_of::<T>();
-        let ptr = st.alloc(bytes)?;
-        if st.mode != StepMode::Dry {
+        let Temp::Arena { ptr, fill_now } = self.step()?.temp(bytes)? else {
+            return self.zeros_owned(n);
+        };
+        if fill_now {
             // SAFETY: `ptr` is `bytes` bytes inside the live arena.
             #[allow(unsafe_code)]
             unsafe {
@@ -207,14 +205,12 @@ impl Gpu {
     /// like [`Gpu::zeros`] without the fill (one graph node less per op).
     #[allow(unsafe_code)]
     pub(crate) fn uninit<T: DeviceRepr>(&self, n: usize) -> BResult<DevMem<T>> {
-        let mut st = self.step()?;
-        if st.mode == StepMode::Off {
-            drop(st);
+        let Temp::Arena { ptr, .. } = self.step()?.temp(n.max(1) * std::mem::size_of::<T>())?
+        else {
             // SAFETY: the caller writes every value before reading any.
             let s = unsafe { self.stream.alloc::<T>(n.max(1)) }.map_err(dev_err)?;
             return Ok(DevMem::owned(s, &self.stream, n));
-        }
-        let ptr = st.alloc(n.max(1) * std::mem::size_of::<T>())?;
+        };
         Ok(DevMem::view(ptr, n))
     }
 
@@ -232,8 +228,12 @@ impl Gpu {
     /// allocation.
     #[allow(unsafe_code)]
     pub(crate) fn upload<T: DeviceRepr>(&self, v: &[T]) -> BResult<DevMem<T>> {
+        // SAFETY: plain-old-data values (DeviceRepr) viewed as their bytes.
+        let bytes = unsafe {
+            std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v))
+        };
         let mut st = self.step()?;
-        if st.mode == StepMode::Off {
+        let Upload::Staged { ptr, copy_now } = st.upload(bytes)? else {
             drop(st);
             if v.is_empty() {
                 // A one-element buffer stands in for an empty one (never read).
@@ -243,19 +243,14 @@ impl Gpu {
             }
             let s = self.stream.clone_htod(v).map_err(dev_err)?;
             return Ok(DevMem::owned(s, &self.stream, v.len()));
-        }
-        // SAFETY: plain-old-data values (DeviceRepr) viewed as their bytes.
-        let bytes = unsafe {
-            std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v))
         };
-        let (ptr, off) = st.stage(bytes)?;
-        if st.mode == StepMode::Eager && !bytes.is_empty() {
-            // SAFETY: the staging buffer holds `off + len` bytes (sized by the dry pass);
+        if let Some(range) = copy_now {
+            // SAFETY: the staging buffer holds the range's end (sized by the dry pass);
             // a pageable-memory copy has read its source when the call returns.
             unsafe {
                 cudarc::driver::result::memcpy_htod_async(
                     ptr,
-                    &st.staged()[off..off + bytes.len()],
+                    &st.staged()[range],
                     self.stream.cu_stream(),
                 )
             }
@@ -270,7 +265,7 @@ impl Gpu {
         s: &DevMem<T>,
         n: usize,
     ) -> BResult<Vec<T>> {
-        if self.step()?.mode != StepMode::Off {
+        if self.step()?.in_step() {
             return Err(BackendError::Device(
                 "a device-to-host copy inside a decode step".into(),
             ));
@@ -388,9 +383,7 @@ impl Gpu {
 
     /// Whether a decode step is being recorded (dummy page and state ids are then valid).
     pub(crate) fn in_step(&self) -> bool {
-        self.step()
-            .map(|s| s.mode != StepMode::Off)
-            .unwrap_or(false)
+        self.step().map(|s| s.in_step()).unwrap_or(false)
     }
 
     /// Launch `kernel` on the stream over `grid` blocks with `shared` bytes of dynamic
@@ -419,14 +412,8 @@ impl Gpu {
             .funcs
             .get(name)
             .ok_or_else(|| BackendError::Device(format!("kernel {name} not loaded")))?;
-        {
-            let mut st = self.step()?;
-            if st.mode != StepMode::Off {
-                st.sign_launch(name, grid, shared, args);
-            }
-            if st.mode == StepMode::Dry {
-                return Ok(());
-            }
+        if !self.step()?.launch(name, grid, shared, args) {
+            return Ok(());
         }
         let mut b = self.stream.launch_builder(f);
         for a in args {
@@ -467,35 +454,26 @@ impl Gpu {
         if n == 0 || m == 0 {
             return Ok(());
         }
-        {
-            let mut st = self.step()?;
-            if st.mode != StepMode::Off {
-                let (ldx, ldw, ldc) = lds;
-                st.sign(
-                    b'G',
-                    &[
-                        x,
-                        w,
-                        c,
-                        n as u64,
-                        m as u64,
-                        k as u64,
-                        ldx as u64,
-                        ldw as u64,
-                        ldc as u64,
-                        strides.0 as u64,
-                        strides.1 as u64,
-                        strides.2 as u64,
-                        batch as u64,
-                        ab_bf16 as u64,
-                    ],
-                );
-            }
-            if st.mode == StepMode::Dry {
-                return Ok(());
-            }
-        }
         let (ldx, ldw, ldc) = lds;
+        let words = [
+            x,
+            w,
+            c,
+            n as u64,
+            m as u64,
+            k as u64,
+            ldx as u64,
+            ldw as u64,
+            ldc as u64,
+            strides.0 as u64,
+            strides.1 as u64,
+            strides.2 as u64,
+            batch as u64,
+            ab_bf16 as u64,
+        ];
+        if !self.step()?.gemm(&words) {
+            return Ok(());
+        }
         let dt = if ab_bf16 {
             blas_sys::cudaDataType::CUDA_R_16BF
         } else {

@@ -9,7 +9,7 @@ use crate::buf::f32_buf;
 use crate::devmem::DevMem;
 use crate::kv_store::{DevPlan, GpuKv};
 use crate::launch::dev_err;
-use crate::step::{StepMode, StepRecord};
+use crate::recorder::{StepMode, StepRecord};
 use crate::tensor::GpuTensor;
 use crate::GraphMode;
 use cudarc::driver::{sys, CudaGraph};

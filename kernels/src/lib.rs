@@ -3,6 +3,7 @@
 //! activations and accumulation. Builds with no CUDA installed: every library loads at
 //! run time, and [`CudaBackend::new`] says clearly why a device cannot be used.
 
+mod alloc;
 pub mod backend;
 mod buf;
 pub mod compile;
@@ -15,6 +16,7 @@ mod kv_store;
 mod launch;
 mod ops;
 pub mod probe;
+mod recorder;
 mod step;
 pub mod tensor;
 
