@@ -1,16 +1,15 @@
 //! One CUDA device: context, the single stream every op runs on, cuBLAS, and the loaded
 //! kernels. Every CUDA call's result is checked and returned as a `BackendError::Device`.
 
+use crate::blas::Blas;
 use crate::compile::{self, CompileError};
 use crate::devmem::DevMem;
 use crate::kernels::{Kernel, REGISTRY};
 use crate::launch::{dev_err, Arg, BLOCK};
 use crate::recorder::{StepMode, StepRecord};
 use crate::step::{StepState, Temp, Upload};
-use cudarc::cublas::{result as blas_result, sys as blas_sys, CudaBlas};
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig,
-    PushKernelArg, ValidAsZeroBits,
+    CudaContext, CudaFunction, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
 };
 use cudarc::nvrtc::Ptx;
 use pdserve_engine::backend::{BResult, BackendError};
@@ -23,9 +22,6 @@ pub(crate) const ATTENTION_SHARED: usize = 160 * 1024;
 
 /// Copies to the host at least this large go through the page-locked buffer.
 const PINNED_MIN: usize = 1 << 20;
-
-/// Bytes of cuBLAS workspace (Hopper GEMMs want up to 32 MiB).
-const BLAS_WORKSPACE: usize = 32 << 20;
 
 /// Why a CUDA device cannot be used.
 #[derive(Debug, thiserror::Error)]
@@ -45,9 +41,7 @@ pub enum DeviceError {
 pub struct Gpu {
     pub ctx: Arc<CudaContext>,
     pub stream: Arc<CudaStream>,
-    blas: CudaBlas,
-    /// cuBLAS's workspace, set once so that no GEMM allocates (required under capture).
-    _blas_workspace: CudaSlice<u8>,
+    blas: Blas,
     /// Decode-step arena, staging buffer and signature (see `step`).
     step: Mutex<StepState>,
     /// Page-locked bounce buffer of large device-to-host copies.
@@ -120,24 +114,7 @@ impl Gpu {
             .map_err(|e| DeviceError::Driver(format!("{e:?}")))?;
         let arch = format!("compute_{major}{minor}");
         let device_name = ctx.name().unwrap_or_else(|_| "unknown".into());
-        let blas =
-            CudaBlas::new(stream.clone()).map_err(|e| DeviceError::Driver(format!("{e:?}")))?;
-        let workspace = stream
-            .alloc_zeros::<u8>(BLAS_WORKSPACE)
-            .map_err(|e| DeviceError::Driver(format!("cuBLAS workspace: {e:?}")))?;
-        {
-            let (wp, _sync) = workspace.device_ptr(&stream);
-            // SAFETY: the workspace lives as long as the handle (both in `Gpu`).
-            unsafe {
-                blas_sys::cublasSetWorkspace_v2(
-                    *blas.handle(),
-                    wp as *mut std::ffi::c_void,
-                    BLAS_WORKSPACE,
-                )
-            }
-            .result()
-            .map_err(|e| DeviceError::Driver(format!("cublasSetWorkspace: {e:?}")))?;
-        }
+        let blas = Blas::new(&stream).map_err(DeviceError::Driver)?;
         let dir = cache.unwrap_or_else(compile::default_cache_dir);
         let mut funcs = HashMap::new();
         for (name, src) in compile::MODULES {
@@ -168,7 +145,6 @@ impl Gpu {
             ctx,
             stream,
             blas,
-            _blas_workspace: workspace,
             step: Mutex::new(StepState::default()),
             pinned: Mutex::new(None),
             funcs,
@@ -438,7 +414,7 @@ impl Gpu {
 
     /// `c[n,m] = x[n,k] @ w[m,k]^T` with row-major operands, batched over `batch` groups
     /// at the given element strides. `ab_bf16`: both inputs bf16 (else both f32); fp32 out.
-    #[allow(unsafe_code, clippy::too_many_arguments)]
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn gemm_nt(
         &self,
         x: u64,
@@ -474,44 +450,8 @@ impl Gpu {
         if !self.step()?.gemm(&words) {
             return Ok(());
         }
-        let dt = if ab_bf16 {
-            blas_sys::cudaDataType::CUDA_R_16BF
-        } else {
-            blas_sys::cudaDataType::CUDA_R_32F
-        };
-        let alpha = 1f32;
-        let beta = 0f32;
-        let to_i =
-            |v: usize| i32::try_from(v).map_err(|_| dev_err(format!("gemm dim {v} too large")));
-        // SAFETY: pointers come from live device buffers sized by the caller.
-        unsafe {
-            blas_result::gemm_strided_batched_ex(
-                *self.blas.handle(),
-                blas_sys::cublasOperation_t::CUBLAS_OP_T,
-                blas_sys::cublasOperation_t::CUBLAS_OP_N,
-                to_i(m)?,
-                to_i(n)?,
-                to_i(k)?,
-                (&alpha as *const f32).cast(),
-                w as *const std::ffi::c_void,
-                dt,
-                to_i(ldw)?,
-                strides.1,
-                x as *const std::ffi::c_void,
-                dt,
-                to_i(ldx)?,
-                strides.0,
-                (&beta as *const f32).cast(),
-                c as *mut std::ffi::c_void,
-                blas_sys::cudaDataType::CUDA_R_32F,
-                to_i(ldc)?,
-                strides.2,
-                to_i(batch)?,
-                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-            )
-        }
-        .map_err(|e| BackendError::Device(format!("cublas gemm: {e:?}")))
+        self.blas
+            .gemm_nt(x, w, c, dims, lds, strides, batch, ab_bf16)
     }
 
     pub fn synchronize(&self) -> BResult<()> {

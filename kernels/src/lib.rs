@@ -5,6 +5,7 @@
 
 mod alloc;
 pub mod backend;
+mod blas;
 mod buf;
 pub mod compile;
 pub mod device;
