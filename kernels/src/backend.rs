@@ -6,8 +6,8 @@ use crate::device::{DeviceError, Gpu};
 use crate::graphs::{GraphCache, GraphStats};
 use crate::kv_store::GpuKv;
 use crate::launch::dev_err;
-use crate::ops::kv::{self, GpuSelection};
-use crate::ops::{dense, hc, moe, random, tensors};
+use crate::ops::indexer::{self, GpuSelection};
+use crate::ops::{attention, compress, dense, hc, moe, random, tensors};
 use crate::tensor::{keeps_f32, stores_bf16, GpuTensor, WeightDtype};
 use crate::GraphMode;
 use pdserve_engine::backend::StepForward;
@@ -261,7 +261,7 @@ impl Backend for CudaBackend {
         p: &CompressorParams<'_, GpuTensor>,
         plan: &BatchPlan,
     ) -> BResult<()> {
-        kv::compress(&self.gpu, kv, layout, layer, proj_kv, proj_gate, p, plan)
+        compress::compress(&self.gpu, kv, layout, layer, proj_kv, proj_gate, p, plan)
     }
 
     fn index_select(
@@ -275,7 +275,7 @@ impl Backend for CudaBackend {
         topk: usize,
         plan: &BatchPlan,
     ) -> BResult<GpuSelection> {
-        kv::index_select(
+        indexer::index_select(
             &self.gpu, kv, layout, layer, q, weights, n_heads, topk, plan,
         )
     }
@@ -292,7 +292,7 @@ impl Backend for CudaBackend {
         compressed: CompressedKeys<'_, GpuSelection>,
         plan: &BatchPlan,
     ) -> BResult<GpuTensor> {
-        kv::attention(
+        attention::attention(
             &self.gpu, kv, layout, layer, q, kv_new, sinks, n_heads, compressed, plan,
         )
     }
@@ -305,7 +305,7 @@ impl Backend for CudaBackend {
         kv_new: &GpuTensor,
         plan: &BatchPlan,
     ) -> BResult<()> {
-        kv::window_store(&self.gpu, kv, layout, layer, kv_new, plan)
+        attention::window_store(&self.gpu, kv, layout, layer, kv_new, plan)
     }
 
     fn moe(&self, x: &GpuTensor, p: &MoeParams<'_, GpuTensor>) -> BResult<GpuTensor> {

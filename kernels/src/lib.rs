@@ -28,5 +28,5 @@ pub use devmem::DevMem;
 pub use graph_mode::GraphMode;
 pub use graphs::{GraphStats, StepPhases};
 pub use kv_store::GpuKv;
-pub use ops::kv::GpuSelection;
+pub use ops::indexer::GpuSelection;
 pub use tensor::{GpuTensor, WeightDtype};
