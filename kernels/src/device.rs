@@ -42,7 +42,7 @@ pub struct Gpu {
     pub ctx: Arc<CudaContext>,
     pub stream: Arc<CudaStream>,
     blas: Blas,
-    /// Decode-step arena, staging buffer and signature (see `step`).
+    /// Decode-step recorder and arena (see `step`, `recorder`, `alloc`).
     step: Mutex<StepState>,
     /// Page-locked bounce buffer of large device-to-host copies.
     pinned: Mutex<Option<cudarc::driver::PinnedHostSlice<u8>>>,
