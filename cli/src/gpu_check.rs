@@ -1,9 +1,9 @@
 //! `pdserve gpu-check`: the CUDA backend against the CPU engine on reference fixtures.
 
 use anyhow::{bail, Context, Result};
-use pdserve_kernels::check::{check_embedded, check_fixture, header, CheckRow};
-use pdserve_kernels::check_batched::check_batched;
-use pdserve_kernels::check_graphs::check_graphs;
+use pdserve_gpu_check::check::{check_embedded, check_fixture, header, CheckRow};
+use pdserve_gpu_check::batched::check_batched;
+use pdserve_gpu_check::graphs::check_graphs;
 use std::path::PathBuf;
 
 #[derive(clap::Args, Debug)]

@@ -7,7 +7,7 @@
 //! one above (`tests/layers.rs` checks every import):
 //!
 //! 0. **foundation**: `config`, `rope`, `checkpoint` (checkpoint files), `sampling`,
-//!    `tokenizer`, `embedded`, and the KV layout (`kv::layout`, `kv::layout_table`,
+//!    `embedded`, and the KV layout (`kv::layout`, `kv::layout_table`,
 //!    `kv::sizing`, `kv::fp8`, `kv::peer`, `kv::metrics`): values and plain algorithms.
 //! 1. **backend** (`backend`): the traits a backend implements (tensor ops, KV storage,
 //!    step running) and the CPU backend. It knows the layout, not who allocates pages.
@@ -37,7 +37,6 @@ pub mod kv;
 pub mod model;
 pub mod rope;
 pub mod sampling;
-pub mod tokenizer;
 
 pub use backend::cpu::CpuBackend;
 pub use engine::{

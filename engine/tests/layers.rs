@@ -18,7 +18,6 @@ const LAYERS: &[(&str, usize)] = &[
     ("rope", 0),
     ("checkpoint", 0),
     ("sampling", 0),
-    ("tokenizer", 0),
     ("embedded", 0),
     ("kv::layout", 0),
     ("kv::layout_table", 0),

@@ -1,16 +1,18 @@
-//! [`CudaBackend`]: the dense half of the Backend trait (embedding, GEMMs, norms, rope,
-//! hyper-connections); paged-KV ops live in `kv_ops`, MoE in `moe`.
+//! [`CudaBackend`]: the Backend trait over one CUDA device. Every trait method forwards to
+//! an op module (`ops/`) or the KV store (`kv_store`); `graphs` implements the step runner;
+//! this file holds only the backend's settings and the weight-storage policy.
 
-use crate::device::{dev_err, grid_1d, Arg, DeviceError, Gpu};
-use crate::devmem::DevMem;
-use crate::graphs::{GraphCache, GraphStats};
-use crate::kv_ops::{self, GpuKv, GpuSelection};
-use crate::tensor::{stores_bf16, Buf, GpuTensor, WeightDtype};
+use crate::device::{DeviceError, Gpu};
+use crate::graph_cache::{GraphCache, GraphStats};
+use crate::kv_store::GpuKv;
+use crate::launch::dev_err;
+use crate::ops::indexer::{self, GpuSelection};
+use crate::ops::{attention, compress, dense, hc, moe, random, tensors};
+use crate::tensor::{stores_bf16, GpuTensor, WeightDtype};
 use crate::GraphMode;
-use pdserve_engine::backend::StepForward;
 use pdserve_engine::backend::{
     BResult, BatchPlan, CompressedKeys, CompressorParams, HcParams, HcPre, HostTensor, KvStorage,
-    MoeParams, StepRunner, TensorOps, WeightInit, WeightUse,
+    MoeParams, TensorOps, WeightInit, WeightUse,
 };
 use pdserve_engine::kv::{KvLayout, PageId, StateSlot};
 use pdserve_engine::rope::Rope;
@@ -25,22 +27,6 @@ pub struct CudaBackend {
     graph_mode: GraphMode,
     verify_graphs: bool,
     graphs: Mutex<GraphCache>,
-}
-
-use pdserve_engine::backend::shapes;
-pub(crate) use pdserve_engine::backend::shapes::shape_err;
-
-pub(crate) fn f32_buf<'a>(t: &'a GpuTensor, op: &'static str) -> BResult<&'a DevMem<f32>> {
-    match &t.buf {
-        Buf::F32(s) => Ok(s),
-        Buf::Bf16(_) => Err(shape_err(
-            op,
-            format!(
-                "expects an fp32 activation, got a bf16 [{}x{}] tensor",
-                t.rows, t.cols
-            ),
-        )),
-    }
 }
 
 impl CudaBackend {
@@ -110,129 +96,8 @@ impl CudaBackend {
         self.weights == WeightDtype::Bf16 && usage == WeightUse::Matrix
     }
 
-    fn upload_as(&self, t: HostTensor, bf16: bool) -> BResult<GpuTensor> {
-        if t.data.len() != t.rows * t.cols {
-            return Err(shape_err(
-                "upload",
-                format!("{}x{} with {} values", t.rows, t.cols, t.data.len()),
-            ));
-        }
-        let buf = if bf16 {
-            let bits: Vec<u16> = t
-                .data
-                .iter()
-                .map(|&v| half::bf16::from_f32(v).to_bits())
-                .collect();
-            Buf::Bf16(self.gpu.upload(&bits)?)
-        } else {
-            Buf::F32(self.gpu.upload(&t.data)?)
-        };
-        Ok(GpuTensor {
-            rows: t.rows,
-            cols: t.cols,
-            buf,
-        })
-    }
-
     pub fn gpu(&self) -> &Gpu {
         &self.gpu
-    }
-
-    /// An fp32 output tensor; every caller's kernel writes all of it.
-    pub(crate) fn new_f32(&self, rows: usize, cols: usize) -> BResult<GpuTensor> {
-        Ok(GpuTensor {
-            rows,
-            cols,
-            buf: Buf::F32(self.gpu.uninit::<f32>(rows * cols)?),
-        })
-    }
-
-    /// An fp32 view of a parameter (bf16 parameters are widened into a new buffer).
-    pub(crate) fn param_f32(&self, t: &GpuTensor) -> BResult<DevMem<f32>> {
-        match &t.buf {
-            Buf::F32(s) => Ok(DevMem::view(s.ptr(), s.len())),
-            Buf::Bf16(s) => {
-                let out = self.gpu.uninit::<f32>(t.len())?;
-                self.gpu.launch(
-                    "k_bf16_to_f32",
-                    grid_1d(t.len()),
-                    0,
-                    &[
-                        Arg::Ptr(self.gpu.ptr(s)),
-                        Arg::Ptr(self.gpu.ptr(&out)),
-                        Arg::I64(t.len() as i64),
-                    ],
-                )?;
-                Ok(out)
-            }
-        }
-    }
-
-    /// cos/sin tables `[rows, rope.dim()/2]` at `positions`, computed on the host exactly
-    /// like the CPU backend.
-    pub(crate) fn rope_tables(
-        &self,
-        rope: &Rope,
-        positions: impl Iterator<Item = usize>,
-    ) -> BResult<(DevMem<f32>, DevMem<f32>)> {
-        let half = rope.dim() / 2;
-        let (mut cs, mut sn) = (Vec::new(), Vec::new());
-        let (mut c, mut s) = (vec![0f32; half], vec![0f32; half]);
-        for p in positions {
-            rope.cos_sin(p, &mut c, &mut s);
-            cs.extend_from_slice(&c);
-            sn.extend_from_slice(&s);
-        }
-        Ok((self.gpu.upload(&cs)?, self.gpu.upload(&sn)?))
-    }
-
-    /// `src` rounded to bf16 (a GEMM input next to bf16 weights).
-    pub(crate) fn to_bf16(&self, src: &DevMem<f32>) -> BResult<DevMem<u16>> {
-        let out = self.gpu.uninit::<u16>(src.len())?;
-        self.gpu.launch(
-            "k_f32_to_bf16",
-            grid_1d(src.len()),
-            0,
-            &[
-                Arg::Ptr(self.gpu.ptr(src)),
-                Arg::Ptr(self.gpu.ptr(&out)),
-                Arg::I64(src.len() as i64),
-            ],
-        )?;
-        Ok(out)
-    }
-
-    fn matmul_into(&self, x: &GpuTensor, w: &GpuTensor, groups: usize) -> BResult<GpuTensor> {
-        let xs = f32_buf(x, "matmul")?;
-        let out = self.new_f32(x.rows, w.rows)?;
-        let Buf::F32(o) = &out.buf else {
-            return Err(dev_err("output buffer"));
-        };
-        let (din, dout) = (w.cols, w.rows / groups);
-        let dims = (x.rows, dout, din);
-        let lds = (x.cols, din, w.rows);
-        let strides = (din as i64, (dout * din) as i64, dout as i64);
-        match &w.buf {
-            Buf::Bf16(wb) => {
-                let xb = self.to_bf16(xs)?;
-                let (xp, wp, op) = (self.gpu.ptr(&xb), self.gpu.ptr(wb), self.gpu.ptr(o));
-                self.gpu
-                    .gemm_nt(xp, wp, op, dims, lds, strides, groups, true)?;
-            }
-            Buf::F32(wf) => {
-                let (xp, wp, op) = (self.gpu.ptr(xs), self.gpu.ptr(wf), self.gpu.ptr(o));
-                self.gpu
-                    .gemm_nt(xp, wp, op, dims, lds, strides, groups, false)?;
-            }
-        }
-        Ok(out)
-    }
-}
-
-pub(crate) fn out_ptr(gpu: &Gpu, t: &GpuTensor) -> BResult<u64> {
-    match &t.buf {
-        Buf::F32(s) => Ok(gpu.ptr(s)),
-        Buf::Bf16(_) => Err(dev_err("bf16 output buffer")),
     }
 }
 
@@ -281,12 +146,12 @@ impl TensorOps for CudaBackend {
 
     fn upload(&self, t: HostTensor) -> BResult<GpuTensor> {
         let bf16 = self.weights == WeightDtype::Bf16 && stores_bf16(t.rows, t.cols);
-        self.upload_as(t, bf16)
+        tensors::upload(&self.gpu, t, bf16)
     }
 
     fn upload_weight(&self, t: HostTensor, usage: WeightUse) -> BResult<GpuTensor> {
         let bf16 = self.weight_is_bf16(usage);
-        self.upload_as(t, bf16)
+        tensors::upload(&self.gpu, t, bf16)
     }
 
     fn random_weight(
@@ -298,79 +163,27 @@ impl TensorOps for CudaBackend {
         usage: WeightUse,
     ) -> BResult<GpuTensor> {
         let bf16 = self.weight_is_bf16(usage);
-        crate::random::random_tensor(self, rows, cols, bf16, init, seed)
+        random::random_tensor(&self.gpu, rows, cols, bf16, init, seed)
     }
 
     fn to_host(&self, t: &GpuTensor) -> BResult<HostTensor> {
-        let data = match &t.buf {
-            Buf::F32(s) => self.gpu.download(s, t.len())?,
-            Buf::Bf16(s) => self
-                .gpu
-                .download(s, t.len())?
-                .into_iter()
-                .map(|b| half::bf16::from_bits(b).to_f32())
-                .collect(),
-        };
-        Ok(HostTensor {
-            rows: t.rows,
-            cols: t.cols,
-            data,
-        })
+        tensors::to_host(&self.gpu, t)
     }
 
     fn gather_rows(&self, t: &GpuTensor, rows: &[usize]) -> BResult<GpuTensor> {
-        if let Some(&r) = rows.iter().find(|&&r| r >= t.rows) {
-            return Err(shape_err("gather_rows", format!("row {r} of {}", t.rows)));
-        }
-        let idx: Vec<i32> = rows.iter().map(|&r| r as i32).collect();
-        let idx = self.gpu.upload(&idx)?;
-        let out = self.new_f32(rows.len(), t.cols)?;
-        self.gpu.launch(
-            "k_gather_rows",
-            (rows.len() as u32, 1, 1),
-            0,
-            &[
-                Arg::Ptr(self.gpu.ptr(f32_buf(t, "gather_rows")?)),
-                Arg::Ptr(self.gpu.ptr(&idx)),
-                Arg::Ptr(out_ptr(&self.gpu, &out)?),
-                Arg::I32(t.cols as i32),
-            ],
-        )?;
-        Ok(out)
+        dense::gather_rows(&self.gpu, t, rows)
     }
 
     fn embed(&self, table: &GpuTensor, tokens: &[u32], copies: usize) -> BResult<GpuTensor> {
-        shapes::check_embed(table.rows, tokens)?;
-        let h = table.cols;
-        let toks = self.gpu.upload(tokens)?;
-        let out = self.new_f32(tokens.len(), copies * h)?;
-        let (name, tp) = match &table.buf {
-            Buf::Bf16(s) => ("k_embed_bf16", self.gpu.ptr(s)),
-            Buf::F32(s) => ("k_embed_f32", self.gpu.ptr(s)),
-        };
-        self.gpu.launch(
-            name,
-            (tokens.len() as u32, 1, 1),
-            0,
-            &[
-                Arg::Ptr(tp),
-                Arg::Ptr(self.gpu.ptr(&toks)),
-                Arg::Ptr(out_ptr(&self.gpu, &out)?),
-                Arg::I32(h as i32),
-                Arg::I32(copies as i32),
-            ],
-        )?;
-        Ok(out)
+        dense::embed(&self.gpu, table, tokens, copies)
     }
 
     fn matmul(&self, x: &GpuTensor, w: &GpuTensor) -> BResult<GpuTensor> {
-        shapes::check_matmul((x.rows, x.cols), (w.rows, w.cols))?;
-        self.matmul_into(x, w, 1)
+        dense::matmul(&self.gpu, x, w)
     }
 
     fn grouped_matmul(&self, x: &GpuTensor, w: &GpuTensor, groups: usize) -> BResult<GpuTensor> {
-        shapes::check_grouped_matmul((x.rows, x.cols), (w.rows, w.cols), groups)?;
-        self.matmul_into(x, w, groups)
+        dense::grouped_matmul(&self.gpu, x, w, groups)
     }
 
     fn rms_norm(
@@ -380,22 +193,7 @@ impl TensorOps for CudaBackend {
         group: usize,
         eps: f32,
     ) -> BResult<GpuTensor> {
-        shapes::check_rms_norm(x.cols, weight.map(|w| w.len()), group)?;
-        let w = weight.map(|w| self.param_f32(w)).transpose()?;
-        let out = self.new_f32(x.rows, x.cols)?;
-        self.gpu.launch(
-            "k_rms_norm",
-            ((x.len() / group) as u32, 1, 1),
-            0,
-            &[
-                Arg::Ptr(self.gpu.ptr(f32_buf(x, "rms_norm")?)),
-                Arg::Ptr(w.as_ref().map_or(0, |w| self.gpu.ptr(w))),
-                Arg::Ptr(out_ptr(&self.gpu, &out)?),
-                Arg::I32(group as i32),
-                Arg::F32(eps),
-            ],
-        )?;
-        Ok(out)
+        dense::rms_norm(&self.gpu, x, weight, group, eps)
     }
 
     fn rope(
@@ -406,22 +204,7 @@ impl TensorOps for CudaBackend {
         positions: &[usize],
         inverse: bool,
     ) -> BResult<()> {
-        shapes::check_rope((x.rows, x.cols), head_dim, positions.len(), rope.dim())?;
-        let (cs, sn) = self.rope_tables(rope, positions.iter().copied())?;
-        self.gpu.launch(
-            "k_rope",
-            (x.rows as u32, 1, 1),
-            0,
-            &[
-                Arg::Ptr(out_ptr(&self.gpu, x)?),
-                Arg::Ptr(self.gpu.ptr(&cs)),
-                Arg::Ptr(self.gpu.ptr(&sn)),
-                Arg::I32(x.cols as i32),
-                Arg::I32(head_dim as i32),
-                Arg::I32(rope.dim() as i32),
-                Arg::I32(inverse as i32),
-            ],
-        )
+        dense::rope(&self.gpu, x, head_dim, rope, positions, inverse)
     }
 
     fn hc_pre(
@@ -430,7 +213,7 @@ impl TensorOps for CudaBackend {
         mix: &GpuTensor,
         p: &HcParams<'_, GpuTensor>,
     ) -> BResult<HcPre<GpuTensor>> {
-        crate::hc::hc_pre(self, streams, mix, p)
+        hc::hc_pre(&self.gpu, streams, mix, p)
     }
 
     fn hc_post(
@@ -440,7 +223,7 @@ impl TensorOps for CudaBackend {
         pre: &HcPre<GpuTensor>,
         hc: usize,
     ) -> BResult<GpuTensor> {
-        crate::hc::hc_post(self, streams, out, pre, hc)
+        hc::hc_post(&self.gpu, streams, out, pre, hc)
     }
 
     fn hc_head(
@@ -449,7 +232,7 @@ impl TensorOps for CudaBackend {
         mix: &GpuTensor,
         p: &HcParams<'_, GpuTensor>,
     ) -> BResult<GpuTensor> {
-        crate::hc::hc_head(self, streams, mix, p)
+        hc::hc_head(&self.gpu, streams, mix, p)
     }
 
     fn compress(
@@ -462,7 +245,7 @@ impl TensorOps for CudaBackend {
         p: &CompressorParams<'_, GpuTensor>,
         plan: &BatchPlan,
     ) -> BResult<()> {
-        kv_ops::compress(self, kv, layout, layer, proj_kv, proj_gate, p, plan)
+        compress::compress(&self.gpu, kv, layout, layer, proj_kv, proj_gate, p, plan)
     }
 
     fn index_select(
@@ -476,7 +259,9 @@ impl TensorOps for CudaBackend {
         topk: usize,
         plan: &BatchPlan,
     ) -> BResult<GpuSelection> {
-        kv_ops::index_select(self, kv, layout, layer, q, weights, n_heads, topk, plan)
+        indexer::index_select(
+            &self.gpu, kv, layout, layer, q, weights, n_heads, topk, plan,
+        )
     }
 
     fn attention(
@@ -491,8 +276,8 @@ impl TensorOps for CudaBackend {
         compressed: CompressedKeys<'_, GpuSelection>,
         plan: &BatchPlan,
     ) -> BResult<GpuTensor> {
-        kv_ops::attention(
-            self, kv, layout, layer, q, kv_new, sinks, n_heads, compressed, plan,
+        attention::attention(
+            &self.gpu, kv, layout, layer, q, kv_new, sinks, n_heads, compressed, plan,
         )
     }
 
@@ -504,22 +289,10 @@ impl TensorOps for CudaBackend {
         kv_new: &GpuTensor,
         plan: &BatchPlan,
     ) -> BResult<()> {
-        kv_ops::window_store(self, kv, layout, layer, kv_new, plan)
+        attention::window_store(&self.gpu, kv, layout, layer, kv_new, plan)
     }
 
     fn moe(&self, x: &GpuTensor, p: &MoeParams<'_, GpuTensor>) -> BResult<GpuTensor> {
-        crate::moe::moe(self, x, p)
-    }
-}
-
-/// Decode steps replayed from captured graphs (`--cuda-graph`).
-impl StepRunner for CudaBackend {
-    fn decode_step(
-        &self,
-        kv: &mut GpuKv,
-        plan: &BatchPlan,
-        forward: &mut StepForward<'_, Self>,
-    ) -> BResult<HostTensor> {
-        crate::graphs::decode_step(self, kv, plan, forward)
+        moe::moe(&self.gpu, x, p)
     }
 }

@@ -1,13 +1,15 @@
 //! One CUDA device: context, the single stream every op runs on, cuBLAS, and the loaded
 //! kernels. Every CUDA call's result is checked and returned as a `BackendError::Device`.
 
+use crate::blas::Blas;
 use crate::compile::{self, CompileError};
 use crate::devmem::DevMem;
-use crate::step::{StepMode, StepRecord, StepState};
-use cudarc::cublas::{result as blas_result, sys as blas_sys, CudaBlas};
+use crate::kernels::{Kernel, REGISTRY};
+use crate::launch::{dev_err, Arg, BLOCK};
+use crate::recorder::{StepMode, StepRecord};
+use crate::step::{StepState, Temp, Upload};
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig,
-    PushKernelArg, ValidAsZeroBits,
+    CudaContext, CudaFunction, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
 };
 use cudarc::nvrtc::Ptx;
 use pdserve_engine::backend::{BResult, BackendError};
@@ -20,9 +22,6 @@ pub(crate) const ATTENTION_SHARED: usize = 160 * 1024;
 
 /// Copies to the host at least this large go through the page-locked buffer.
 const PINNED_MIN: usize = 1 << 20;
-
-/// Bytes of cuBLAS workspace (Hopper GEMMs want up to 32 MiB).
-const BLAS_WORKSPACE: usize = 32 << 20;
 
 /// Why a CUDA device cannot be used.
 #[derive(Debug, thiserror::Error)]
@@ -39,32 +38,16 @@ pub enum DeviceError {
     Compile(#[from] CompileError),
 }
 
-pub(crate) fn dev_err(e: impl std::fmt::Debug) -> BackendError {
-    BackendError::Device(format!("{e:?}"))
-}
-
-/// A kernel argument, kept alive until the launch.
-pub(crate) enum Arg {
-    Ptr(u64),
-    I32(i32),
-    I64(i64),
-    F32(f32),
-}
-
-/// Threads per block of every kernel.
-pub(crate) const BLOCK: u32 = 256;
-
 pub struct Gpu {
     pub ctx: Arc<CudaContext>,
     pub stream: Arc<CudaStream>,
-    blas: CudaBlas,
-    /// cuBLAS's workspace, set once so that no GEMM allocates (required under capture).
-    _blas_workspace: CudaSlice<u8>,
-    /// Decode-step arena, staging buffer and signature (see `step`).
+    blas: Blas,
+    /// Decode-step recorder and arena (see `step`, `recorder`, `alloc`).
     step: Mutex<StepState>,
     /// Page-locked bounce buffer of large device-to-host copies.
     pinned: Mutex<Option<cudarc::driver::PinnedHostSlice<u8>>>,
-    funcs: HashMap<String, CudaFunction>,
+    /// Every kernel of [`REGISTRY`] by name.
+    funcs: HashMap<&'static str, CudaFunction>,
     pub arch: String,
     pub device_name: String,
 }
@@ -131,24 +114,7 @@ impl Gpu {
             .map_err(|e| DeviceError::Driver(format!("{e:?}")))?;
         let arch = format!("compute_{major}{minor}");
         let device_name = ctx.name().unwrap_or_else(|_| "unknown".into());
-        let blas =
-            CudaBlas::new(stream.clone()).map_err(|e| DeviceError::Driver(format!("{e:?}")))?;
-        let workspace = stream
-            .alloc_zeros::<u8>(BLAS_WORKSPACE)
-            .map_err(|e| DeviceError::Driver(format!("cuBLAS workspace: {e:?}")))?;
-        {
-            let (wp, _sync) = workspace.device_ptr(&stream);
-            // SAFETY: the workspace lives as long as the handle (both in `Gpu`).
-            unsafe {
-                blas_sys::cublasSetWorkspace_v2(
-                    *blas.handle(),
-                    wp as *mut std::ffi::c_void,
-                    BLAS_WORKSPACE,
-                )
-            }
-            .result()
-            .map_err(|e| DeviceError::Driver(format!("cublasSetWorkspace: {e:?}")))?;
-        }
+        let blas = Blas::new(&stream).map_err(DeviceError::Driver)?;
         let dir = cache.unwrap_or_else(compile::default_cache_dir);
         let mut funcs = HashMap::new();
         for (name, src) in compile::MODULES {
@@ -156,14 +122,11 @@ impl Gpu {
             let module = ctx
                 .load_module(Ptx::from_src(ptx))
                 .map_err(|e| DeviceError::Driver(format!("loading module {name}: {e:?}")))?;
-            for line in src.lines().filter(|l| l.contains("__global__ void ")) {
-                let Some(f) = line
-                    .split("__global__ void ")
-                    .nth(1)
-                    .and_then(|r| r.split('(').next())
-                else {
-                    continue;
-                };
+            let kernels = REGISTRY
+                .iter()
+                .filter(|(m, _)| m == name)
+                .flat_map(|(_, fs)| fs.iter().copied());
+            for f in kernels {
                 let func = module
                     .load_function(f)
                     .map_err(|e| DeviceError::Driver(format!("kernel {f}: {e:?}")))?;
@@ -175,24 +138,19 @@ impl Gpu {
                     )
                     .map_err(|e| DeviceError::Driver(format!("kernel {f}: shared memory: {e:?}")))?;
                 }
-                funcs.insert(f.to_string(), func);
+                funcs.insert(f, func);
             }
         }
         Ok(Gpu {
             ctx,
             stream,
             blas,
-            _blas_workspace: workspace,
             step: Mutex::new(StepState::default()),
             pinned: Mutex::new(None),
             funcs,
             arch,
             device_name,
         })
-    }
-
-    pub(crate) fn ptr<T>(&self, s: &DevMem<T>) -> u64 {
-        s.ptr()
     }
 
     fn step(&self) -> BResult<std::sync::MutexGuard<'_, StepState>> {
@@ -204,14 +162,11 @@ impl Gpu {
     /// A zero-filled buffer of `n` values: from the step arena inside a decode step,
     /// else a new allocation.
     pub(crate) fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, n: usize) -> BResult<DevMem<T>> {
-        let mut st = self.step()?;
-        if st.mode == StepMode::Off {
-            drop(st);
-            return self.zeros_owned(n);
-        }
         let bytes = n.max(1) * std::mem::size_of::<T>();
-        let ptr = st.alloc(bytes)?;
-        if st.mode != StepMode::Dry {
+        let Temp::Arena { ptr, fill_now } = self.step()?.temp(bytes)? else {
+            return self.zeros_owned(n);
+        };
+        if fill_now {
             // SAFETY: `ptr` is `bytes` bytes inside the live arena.
             #[allow(unsafe_code)]
             unsafe {
@@ -226,14 +181,12 @@ impl Gpu {
     /// like [`Gpu::zeros`] without the fill (one graph node less per op).
     #[allow(unsafe_code)]
     pub(crate) fn uninit<T: DeviceRepr>(&self, n: usize) -> BResult<DevMem<T>> {
-        let mut st = self.step()?;
-        if st.mode == StepMode::Off {
-            drop(st);
+        let Temp::Arena { ptr, .. } = self.step()?.temp(n.max(1) * std::mem::size_of::<T>())?
+        else {
             // SAFETY: the caller writes every value before reading any.
             let s = unsafe { self.stream.alloc::<T>(n.max(1)) }.map_err(dev_err)?;
             return Ok(DevMem::owned(s, &self.stream, n));
-        }
-        let ptr = st.alloc(n.max(1) * std::mem::size_of::<T>())?;
+        };
         Ok(DevMem::view(ptr, n))
     }
 
@@ -251,8 +204,12 @@ impl Gpu {
     /// allocation.
     #[allow(unsafe_code)]
     pub(crate) fn upload<T: DeviceRepr>(&self, v: &[T]) -> BResult<DevMem<T>> {
+        // SAFETY: plain-old-data values (DeviceRepr) viewed as their bytes.
+        let bytes = unsafe {
+            std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v))
+        };
         let mut st = self.step()?;
-        if st.mode == StepMode::Off {
+        let Upload::Staged { ptr, copy_now } = st.upload(bytes)? else {
             drop(st);
             if v.is_empty() {
                 // A one-element buffer stands in for an empty one (never read).
@@ -262,19 +219,14 @@ impl Gpu {
             }
             let s = self.stream.clone_htod(v).map_err(dev_err)?;
             return Ok(DevMem::owned(s, &self.stream, v.len()));
-        }
-        // SAFETY: plain-old-data values (DeviceRepr) viewed as their bytes.
-        let bytes = unsafe {
-            std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v))
         };
-        let (ptr, off) = st.stage(bytes)?;
-        if st.mode == StepMode::Eager && !bytes.is_empty() {
-            // SAFETY: the staging buffer holds `off + len` bytes (sized by the dry pass);
+        if let Some(range) = copy_now {
+            // SAFETY: the staging buffer holds the range's end (sized by the dry pass);
             // a pageable-memory copy has read its source when the call returns.
             unsafe {
                 cudarc::driver::result::memcpy_htod_async(
                     ptr,
-                    &st.staged()[off..off + bytes.len()],
+                    &st.staged()[range],
                     self.stream.cu_stream(),
                 )
             }
@@ -289,7 +241,7 @@ impl Gpu {
         s: &DevMem<T>,
         n: usize,
     ) -> BResult<Vec<T>> {
-        if self.step()?.mode != StepMode::Off {
+        if self.step()?.in_step() {
             return Err(BackendError::Device(
                 "a device-to-host copy inside a decode step".into(),
             ));
@@ -407,14 +359,22 @@ impl Gpu {
 
     /// Whether a decode step is being recorded (dummy page and state ids are then valid).
     pub(crate) fn in_step(&self) -> bool {
-        self.step()
-            .map(|s| s.mode != StepMode::Off)
-            .unwrap_or(false)
+        self.step().map(|s| s.in_step()).unwrap_or(false)
     }
 
-    /// Launch kernel `name` on the stream.
+    /// Launch `kernel` on the stream over `grid` blocks with `shared` bytes of dynamic
+    /// shared memory.
+    pub(crate) fn launch<K: Kernel>(
+        &self,
+        grid: (u32, u32, u32),
+        shared: u32,
+        kernel: &K,
+    ) -> BResult<()> {
+        kernel.with_args(|args| self.launch_args(kernel.name(), grid, shared, args))
+    }
+
     #[allow(unsafe_code)]
-    pub(crate) fn launch(
+    fn launch_args(
         &self,
         name: &str,
         grid: (u32, u32, u32),
@@ -428,14 +388,8 @@ impl Gpu {
             .funcs
             .get(name)
             .ok_or_else(|| BackendError::Device(format!("kernel {name} not loaded")))?;
-        {
-            let mut st = self.step()?;
-            if st.mode != StepMode::Off {
-                st.sign_launch(name, grid, shared, args);
-            }
-            if st.mode == StepMode::Dry {
-                return Ok(());
-            }
+        if !self.step()?.launch(name, grid, shared, args) {
+            return Ok(());
         }
         let mut b = self.stream.launch_builder(f);
         for a in args {
@@ -460,7 +414,7 @@ impl Gpu {
 
     /// `c[n,m] = x[n,k] @ w[m,k]^T` with row-major operands, batched over `batch` groups
     /// at the given element strides. `ab_bf16`: both inputs bf16 (else both f32); fp32 out.
-    #[allow(unsafe_code, clippy::too_many_arguments)]
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn gemm_nt(
         &self,
         x: u64,
@@ -476,82 +430,31 @@ impl Gpu {
         if n == 0 || m == 0 {
             return Ok(());
         }
-        {
-            let mut st = self.step()?;
-            if st.mode != StepMode::Off {
-                let (ldx, ldw, ldc) = lds;
-                st.sign(
-                    b'G',
-                    &[
-                        x,
-                        w,
-                        c,
-                        n as u64,
-                        m as u64,
-                        k as u64,
-                        ldx as u64,
-                        ldw as u64,
-                        ldc as u64,
-                        strides.0 as u64,
-                        strides.1 as u64,
-                        strides.2 as u64,
-                        batch as u64,
-                        ab_bf16 as u64,
-                    ],
-                );
-            }
-            if st.mode == StepMode::Dry {
-                return Ok(());
-            }
-        }
         let (ldx, ldw, ldc) = lds;
-        let dt = if ab_bf16 {
-            blas_sys::cudaDataType::CUDA_R_16BF
-        } else {
-            blas_sys::cudaDataType::CUDA_R_32F
-        };
-        let alpha = 1f32;
-        let beta = 0f32;
-        let to_i =
-            |v: usize| i32::try_from(v).map_err(|_| dev_err(format!("gemm dim {v} too large")));
-        // SAFETY: pointers come from live device buffers sized by the caller.
-        unsafe {
-            blas_result::gemm_strided_batched_ex(
-                *self.blas.handle(),
-                blas_sys::cublasOperation_t::CUBLAS_OP_T,
-                blas_sys::cublasOperation_t::CUBLAS_OP_N,
-                to_i(m)?,
-                to_i(n)?,
-                to_i(k)?,
-                (&alpha as *const f32).cast(),
-                w as *const std::ffi::c_void,
-                dt,
-                to_i(ldw)?,
-                strides.1,
-                x as *const std::ffi::c_void,
-                dt,
-                to_i(ldx)?,
-                strides.0,
-                (&beta as *const f32).cast(),
-                c as *mut std::ffi::c_void,
-                blas_sys::cudaDataType::CUDA_R_32F,
-                to_i(ldc)?,
-                strides.2,
-                to_i(batch)?,
-                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-            )
+        let words = [
+            x,
+            w,
+            c,
+            n as u64,
+            m as u64,
+            k as u64,
+            ldx as u64,
+            ldw as u64,
+            ldc as u64,
+            strides.0 as u64,
+            strides.1 as u64,
+            strides.2 as u64,
+            batch as u64,
+            ab_bf16 as u64,
+        ];
+        if !self.step()?.gemm(&words) {
+            return Ok(());
         }
-        .map_err(|e| BackendError::Device(format!("cublas gemm: {e:?}")))
+        self.blas
+            .gemm_nt(x, w, c, dims, lds, strides, batch, ab_bf16)
     }
 
     pub fn synchronize(&self) -> BResult<()> {
         self.stream.synchronize().map_err(dev_err)
     }
-}
-
-/// Grid size for a grid-stride elementwise kernel over `n` values.
-pub(crate) fn grid_1d(n: usize) -> (u32, u32, u32) {
-    let blocks = n.div_ceil(BLOCK as usize).clamp(1, 65_535);
-    (blocks as u32, 1, 1)
 }

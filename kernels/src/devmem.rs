@@ -1,6 +1,6 @@
 //! [`DevMem`]: device memory a kernel argument can point at. Outside a decode step it
 //! owns a `CudaSlice`; inside one it is a view into the step arena or staging buffer
-//! (see `step`), which stay at fixed addresses so a captured graph can replay them.
+//! (see `alloc`), which stay at fixed addresses so a captured graph can replay them.
 
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 

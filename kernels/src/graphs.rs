@@ -4,17 +4,20 @@
 //! that signature. `--verify-graphs` runs every step both ways and requires bitwise-equal
 //! logits, pages and states.
 
-use crate::backend::{f32_buf, CudaBackend};
-use crate::device::dev_err;
+use crate::backend::CudaBackend;
+use crate::buf::f32_buf;
 use crate::devmem::DevMem;
+use crate::graph_cache::Captured;
 use crate::kv_store::{DevPlan, GpuKv};
-use crate::step::{StepMode, StepRecord};
+use crate::launch::dev_err;
+use crate::recorder::{StepMode, StepRecord};
 use crate::tensor::GpuTensor;
 use crate::GraphMode;
 use cudarc::driver::{sys, CudaGraph};
-use pdserve_engine::backend::{BResult, BackendError, BatchPlan, HostTensor, SeqPlan, StepForward};
+use pdserve_engine::backend::{
+    BResult, BackendError, BatchPlan, HostTensor, SeqPlan, StepForward, StepRunner,
+};
 use pdserve_engine::kv::{PageId, StateSlot};
-use std::collections::HashMap;
 use std::time::Instant;
 
 /// Graphs kept at most (least recently used dropped first).
@@ -57,140 +60,6 @@ pub(crate) fn pad_plan(plan: &BatchPlan, rows: usize, page: PageId, state: State
         out.row_seq.push(r);
     }
     out
-}
-
-/// FNV-1a over 8-byte words of a step signature (tens of KB): fast; lookups still
-/// compare every byte.
-fn signature_hash(bytes: &[u8]) -> u64 {
-    let mut hash = 0xcbf2_9ce4_8422_2325u64;
-    for chunk in bytes.chunks(8) {
-        let mut w = [0u8; 8];
-        w[..chunk.len()].copy_from_slice(chunk);
-        hash = (hash ^ u64::from_le_bytes(w)).wrapping_mul(0x0100_0000_01b3);
-    }
-    hash
-}
-
-/// Values keyed by step signature, looked up by slice (a replayed step copies nothing),
-/// with least-recently-used eviction.
-struct SignatureMap<G> {
-    buckets: HashMap<u64, Vec<(Vec<u8>, G, u64)>>,
-    len: usize,
-}
-
-impl<G> Default for SignatureMap<G> {
-    fn default() -> Self {
-        SignatureMap {
-            buckets: HashMap::new(),
-            len: 0,
-        }
-    }
-}
-
-impl<G> SignatureMap<G> {
-    /// The value stored for exactly `sig`, marked used at `tick`.
-    fn get_mut(&mut self, sig: &[u8], tick: u64) -> Option<&mut G> {
-        let (_, g, used) = self
-            .buckets
-            .get_mut(&signature_hash(sig))?
-            .iter_mut()
-            .find(|(k, _, _)| k == sig)?;
-        *used = tick;
-        Some(g)
-    }
-
-    fn insert_hashed(&mut self, hash: u64, sig: &[u8], g: G, tick: u64) {
-        self.buckets
-            .entry(hash)
-            .or_default()
-            .push((sig.to_vec(), g, tick));
-        self.len += 1;
-    }
-
-    fn insert(&mut self, sig: &[u8], g: G, tick: u64) {
-        self.insert_hashed(signature_hash(sig), sig, g, tick);
-    }
-
-    /// Drop the least recently used value.
-    fn evict_oldest(&mut self) {
-        let oldest = self
-            .buckets
-            .iter()
-            .flat_map(|(h, v)| v.iter().enumerate().map(move |(i, e)| (e.2, *h, i)))
-            .min();
-        if let Some((_, h, i)) = oldest {
-            if let Some(v) = self.buckets.get_mut(&h) {
-                v.swap_remove(i);
-                if v.is_empty() {
-                    self.buckets.remove(&h);
-                }
-                self.len -= 1;
-            }
-        }
-    }
-
-    fn clear(&mut self) {
-        self.buckets.clear();
-        self.len = 0;
-    }
-
-    fn len(&self) -> usize {
-        self.len
-    }
-}
-
-/// A captured graph. `CudaGraph` holds raw driver handles and is not `Send`.
-struct Captured(CudaGraph);
-
-// SAFETY: a graph is only touched with the `GraphCache` mutex held, so calls on it are
-// serialised as the driver requires; the handles stay valid on any thread of the process.
-#[allow(unsafe_code)]
-unsafe impl Send for Captured {}
-
-/// Captured graphs by signature.
-#[derive(Default)]
-pub(crate) struct GraphCache {
-    graphs: SignatureMap<Captured>,
-    tick: u64,
-    pub captures: u64,
-    pub replays: u64,
-    pub phases: StepPhases,
-}
-
-/// Host time of decode steps by phase, summed over steps (seconds).
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct StepPhases {
-    pub steps: u64,
-    /// The dry pass: the forward's host code, recording launches and staging inputs.
-    pub dry: f64,
-    /// Eager launches, or the staged-input copy and graph launch.
-    pub submit: f64,
-    /// Waiting for the device and copying the logits back.
-    pub wait: f64,
-}
-
-impl GraphCache {
-    pub fn held(&self) -> usize {
-        self.graphs.len()
-    }
-}
-
-impl std::fmt::Debug for GraphCache {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "GraphCache({} graphs)", self.graphs.len())
-    }
-}
-
-/// Graph statistics of a backend.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct GraphStats {
-    /// Graphs captured so far.
-    pub captures: u64,
-    /// Steps replayed from a graph.
-    pub replays: u64,
-    /// Graphs held now.
-    pub held: usize,
-    pub phases: StepPhases,
 }
 
 /// Leaves step mode on every exit path (errors included).
@@ -420,7 +289,7 @@ pub(crate) fn decode_step(
     let n = plan.seqs.len();
     for (i, s) in plan.seqs.iter().enumerate() {
         if s.len != 1 || s.row0 != i || plan.rows() != n {
-            return Err(crate::backend::shape_err(
+            return Err(crate::buf::shape_err(
                 "decode_step",
                 format!(
                     "sequence {i} has {} rows at row {}; a decode step has one row per sequence",
@@ -525,31 +394,16 @@ mod tests {
         let longer = pad_plan(&plan(&[1], &[5]), 1, 99, 7);
         assert_eq!(longer.seqs[0].pages.len(), 8);
     }
+}
 
-    #[test]
-    fn signatures_compare_every_byte() {
-        let mut m = SignatureMap::default();
-        m.insert(b"kernel-a 1 2 3", 'a', 1);
-        assert_eq!(m.get_mut(b"kernel-a 1 2 3", 2), Some(&mut 'a'));
-        assert_eq!(m.get_mut(b"kernel-a 1 2 4", 2), None);
-        // Equal hashes never make different signatures equal.
-        m.insert_hashed(signature_hash(b"kernel-a 1 2 3"), b"other", 'o', 3);
-        assert_eq!(m.get_mut(b"kernel-a 1 2 3", 4), Some(&mut 'a'));
-        assert_eq!(m.get_mut(b"other", 4), None);
-        assert_eq!(m.len(), 2);
-    }
-
-    #[test]
-    fn the_least_recently_used_signature_is_evicted() {
-        let mut m = SignatureMap::default();
-        m.insert(b"one", 1, 1);
-        m.insert(b"two", 2, 2);
-        m.get_mut(b"one", 3);
-        m.evict_oldest();
-        assert_eq!(m.len(), 1);
-        assert_eq!(m.get_mut(b"two", 4), None);
-        assert_eq!(m.get_mut(b"one", 5), Some(&mut 1));
-        m.clear();
-        assert_eq!(m.len(), 0);
+/// Decode steps replayed from captured graphs (`--cuda-graph`).
+impl StepRunner for CudaBackend {
+    fn decode_step(
+        &self,
+        kv: &mut GpuKv,
+        plan: &BatchPlan,
+        forward: &mut StepForward<'_, Self>,
+    ) -> BResult<HostTensor> {
+        decode_step(self, kv, plan, forward)
     }
 }

@@ -1,8 +1,9 @@
 //! Device storage of a KV pool (pages and state slots as two byte buffers, addressed
 //! through the layout) and the device copy of a batch plan.
 
-use crate::device::{dev_err, Gpu};
+use crate::device::Gpu;
 use crate::devmem::DevMem;
+use crate::launch::dev_err;
 use pdserve_engine::backend::{BResult, BackendError, BatchPlan};
 use pdserve_engine::kv::{EntryDtype, KvLayout, PageId, StateSlot};
 

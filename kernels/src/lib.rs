@@ -3,22 +3,22 @@
 //! activations and accumulation. Builds with no CUDA installed: every library loads at
 //! run time, and [`CudaBackend::new`] says clearly why a device cannot be used.
 
+mod alloc;
 pub mod backend;
-pub mod bench;
-pub mod check;
-pub mod check_batched;
-pub mod check_graphs;
+mod blas;
+mod buf;
 pub mod compile;
 pub mod device;
 mod devmem;
+mod graph_cache;
 mod graph_mode;
 pub mod graphs;
-mod hc;
-pub mod kv_ops;
+mod kernels;
 mod kv_store;
-mod moe;
-mod moe_gemm;
-mod random;
+mod launch;
+mod ops;
+pub mod probe;
+mod recorder;
 mod step;
 pub mod tensor;
 
@@ -26,7 +26,8 @@ pub use backend::CudaBackend;
 pub use compile::{CompileError, MODULES};
 pub use device::DeviceError;
 pub use devmem::DevMem;
+pub use graph_cache::{GraphStats, StepPhases};
 pub use graph_mode::GraphMode;
-pub use graphs::{GraphStats, StepPhases};
-pub use kv_ops::{GpuKv, GpuSelection};
+pub use kv_store::GpuKv;
+pub use ops::indexer::GpuSelection;
 pub use tensor::{GpuTensor, WeightDtype};

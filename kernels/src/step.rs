@@ -1,179 +1,115 @@
-//! The decode-step recorder. Inside a decode step every temporary buffer comes from one
-//! arena and every host upload from one staging buffer, both at fixed device addresses;
-//! every launch and GEMM is appended to a signature (kernel, grid, arguments, sizes; not
-//! the staged data). Two steps with equal signatures run exactly the same work on
-//! different staged data, which is what makes replaying a captured graph correct: the
-//! backend replays a graph only for the signature it was captured with.
+//! A decode step's state: the recorder (mode, signature, staged data) and the arena its
+//! buffers come from, behind one lock because the signature interleaves allocations,
+//! uploads and launches in program order. Every decision that depends on the step mode is
+//! made here; [`crate::device::Gpu`] only carries it out.
 
-use crate::device::{dev_err, Arg};
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
-use pdserve_engine::backend::{BResult, BackendError};
+use crate::alloc::StepArena;
+use crate::launch::Arg;
+use crate::recorder::{Recorder, StepMode, StepRecord};
+use cudarc::driver::CudaStream;
+use pdserve_engine::backend::BResult;
+use std::ops::Range;
+use std::sync::Arc;
 
-/// Alignment of every arena and staging allocation.
-const ALIGN: usize = 256;
-
-/// What the launches of the current step do.
+/// Where a new temporary lives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum StepMode {
-    /// No step: buffers are allocated one by one, uploads are immediate.
-    Off,
-    /// Host pass only: record the signature and staged data, launch nothing.
-    Dry,
-    /// Launch each kernel as the host code reaches it.
-    Eager,
-    /// The stream is capturing: launches become graph nodes, uploads are staged only.
-    Capture,
+pub(crate) enum Temp {
+    /// Its own allocation: no step is being recorded.
+    Own,
+    /// At `ptr` in the step arena; `fill_now`: a zero-filled temporary is cleared on the
+    /// stream now (every pass but a dry one).
+    Arena { ptr: u64, fill_now: bool },
 }
 
-/// A fixed device buffer handed out by bumping an offset.
+/// Where uploaded host data lives.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Upload {
+    /// Its own allocation, copied now: no step is being recorded.
+    Own,
+    /// At `ptr` in the staging buffer; `copy_now`: the range of [`StepState::staged`] to
+    /// copy there now (an eager pass; a graph replay copies all staged data before it
+    /// launches).
+    Staged {
+        ptr: u64,
+        copy_now: Option<Range<usize>>,
+    },
+}
+
 #[derive(Debug, Default)]
-struct Region {
-    _buf: Option<CudaSlice<u8>>,
-    base: u64,
-    cap: usize,
-    used: usize,
-}
-
-impl Region {
-    /// Offset of a new `bytes`-byte allocation; past `cap` only in a dry pass, which
-    /// measures the size the step needs.
-    fn bump(&mut self, bytes: usize, may_overflow: bool) -> BResult<u64> {
-        let off = self.used.next_multiple_of(ALIGN);
-        let end = off + bytes.max(1);
-        if end > self.cap && !may_overflow {
-            return Err(BackendError::Device(format!(
-                "decode step needs more than the {} bytes sized by its dry pass",
-                self.cap
-            )));
-        }
-        self.used = end;
-        Ok(self.base + off as u64)
-    }
-
-    /// Grow to at least `need` bytes (with headroom); returns whether it moved.
-    fn ensure(&mut self, stream: &std::sync::Arc<CudaStream>, need: usize) -> BResult<bool> {
-        if need <= self.cap {
-            return Ok(false);
-        }
-        let cap = (need + need / 4).next_multiple_of(1 << 20);
-        self._buf = None;
-        let buf = stream.alloc_zeros::<u8>(cap).map_err(dev_err)?;
-        self.base = {
-            let (base, _sync) = buf.device_ptr(stream);
-            base
-        };
-        self._buf = Some(buf);
-        self.cap = cap;
-        Ok(true)
-    }
-}
-
-/// Everything one step recorded.
-#[derive(Debug, Default)]
-pub(crate) struct StepRecord {
-    pub signature: Vec<u8>,
-    /// Bytes to copy to the start of the staging buffer before the step runs.
-    pub staged: Vec<u8>,
-    pub arena_bytes: usize,
-}
-
-#[derive(Debug)]
 pub(crate) struct StepState {
-    pub mode: StepMode,
-    arena: Region,
-    staging: Region,
-    rec: StepRecord,
-}
-
-impl Default for StepState {
-    fn default() -> Self {
-        StepState {
-            mode: StepMode::Off,
-            arena: Region::default(),
-            staging: Region::default(),
-            rec: StepRecord::default(),
-        }
-    }
+    recorder: Recorder,
+    arena: StepArena,
 }
 
 impl StepState {
     pub fn begin(&mut self, mode: StepMode) {
-        self.mode = mode;
-        self.arena.used = 0;
-        self.staging.used = 0;
-        self.rec = StepRecord::default();
+        self.recorder.begin(mode);
+        self.arena.reset();
     }
 
     pub fn end(&mut self) -> StepRecord {
-        self.mode = StepMode::Off;
-        let mut rec = std::mem::take(&mut self.rec);
-        rec.arena_bytes = self.arena.used;
-        rec
+        self.recorder.end(self.arena.arena_used())
     }
 
-    /// Make both buffers hold a step that needs `rec`; returns whether either moved (every
-    /// graph captured over the old addresses is then stale).
-    pub fn ensure(
-        &mut self,
-        stream: &std::sync::Arc<CudaStream>,
-        rec: &StepRecord,
-    ) -> BResult<bool> {
-        let a = self.arena.ensure(stream, rec.arena_bytes)?;
-        let s = self.staging.ensure(stream, rec.staged.len())?;
-        Ok(a || s)
+    /// Whether a step is being recorded.
+    pub fn in_step(&self) -> bool {
+        self.recorder.active()
+    }
+
+    fn dry(&self) -> bool {
+        self.recorder.mode() == StepMode::Dry
+    }
+
+    /// A new temporary of `bytes` bytes.
+    pub fn temp(&mut self, bytes: usize) -> BResult<Temp> {
+        if !self.in_step() {
+            return Ok(Temp::Own);
+        }
+        let ptr = self.arena.temp(bytes, self.dry())?;
+        self.recorder.sign(b'Z', &[ptr, bytes as u64]);
+        Ok(Temp::Arena {
+            ptr,
+            fill_now: !self.dry(),
+        })
+    }
+
+    /// Host data `bytes` to upload.
+    pub fn upload(&mut self, bytes: &[u8]) -> BResult<Upload> {
+        if !self.in_step() {
+            return Ok(Upload::Own);
+        }
+        let (ptr, off) = self.arena.stage(bytes.len(), self.dry())?;
+        self.recorder.stage(off, bytes);
+        self.recorder.sign(b'U', &[ptr, bytes.len() as u64]);
+        let eager = self.recorder.mode() == StepMode::Eager && !bytes.is_empty();
+        Ok(Upload::Staged {
+            ptr,
+            copy_now: eager.then_some(off..off + bytes.len()),
+        })
+    }
+
+    /// The staged data so far.
+    pub fn staged(&self) -> &[u8] {
+        self.recorder.staged()
+    }
+
+    /// Record a kernel launch; whether to submit it now.
+    pub fn launch(&mut self, name: &str, grid: (u32, u32, u32), shared: u32, args: &[Arg]) -> bool {
+        self.recorder.launch(name, grid, shared, args)
+    }
+
+    /// Record a GEMM by its parameters; whether to submit it now.
+    pub fn gemm(&mut self, words: &[u64]) -> bool {
+        self.recorder.gemm(words)
+    }
+
+    /// Size the arena and staging buffer for `rec`; true when they moved.
+    pub fn ensure(&mut self, stream: &Arc<CudaStream>, rec: &StepRecord) -> BResult<bool> {
+        self.arena.ensure(stream, rec)
     }
 
     pub fn staging_base(&self) -> u64 {
-        self.staging.base
-    }
-
-    /// A zero-filled temporary of `bytes` bytes; returns its device address.
-    pub fn alloc(&mut self, bytes: usize) -> BResult<u64> {
-        let dry = self.mode == StepMode::Dry;
-        let ptr = self.arena.bump(bytes, dry)?;
-        self.sign(b'Z', &[ptr, bytes as u64]);
-        Ok(ptr)
-    }
-
-    /// Stage `bytes` for upload; returns the device address they will have and their
-    /// offset in the staged data.
-    pub fn stage(&mut self, bytes: &[u8]) -> BResult<(u64, usize)> {
-        let dry = self.mode == StepMode::Dry;
-        let ptr = self.staging.bump(bytes.len(), dry)?;
-        let off = (ptr - self.staging.base) as usize;
-        self.rec.staged.resize(off, 0);
-        self.rec.staged.extend_from_slice(bytes);
-        self.sign(b'U', &[ptr, bytes.len() as u64]);
-        Ok((ptr, off))
-    }
-
-    pub fn staged(&self) -> &[u8] {
-        &self.rec.staged
-    }
-
-    pub fn sign_launch(&mut self, name: &str, grid: (u32, u32, u32), shared: u32, args: &[Arg]) {
-        let sig = &mut self.rec.signature;
-        sig.push(b'K');
-        sig.extend_from_slice(name.as_bytes());
-        sig.push(0);
-        for v in [grid.0, grid.1, grid.2, shared] {
-            sig.extend_from_slice(&v.to_le_bytes());
-        }
-        for a in args {
-            match a {
-                Arg::Ptr(v) => sig.extend_from_slice(&v.to_le_bytes()),
-                Arg::I64(v) => sig.extend_from_slice(&v.to_le_bytes()),
-                Arg::I32(v) => sig.extend_from_slice(&v.to_le_bytes()),
-                Arg::F32(v) => sig.extend_from_slice(&v.to_bits().to_le_bytes()),
-            }
-        }
-    }
-
-    pub fn sign(&mut self, tag: u8, words: &[u64]) {
-        self.rec.signature.push(tag);
-        for w in words {
-            self.rec.signature.extend_from_slice(&w.to_le_bytes());
-        }
+        self.arena.staging_base()
     }
 }
 
@@ -182,24 +118,44 @@ mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::*;
 
+    fn arena_ptr(t: Temp) -> u64 {
+        match t {
+            Temp::Arena { ptr, fill_now } => {
+                assert!(!fill_now, "a dry pass fills nothing");
+                ptr
+            }
+            Temp::Own => panic!("own allocation inside a step"),
+        }
+    }
+
+    fn staged_ptr(u: Upload) -> u64 {
+        match u {
+            Upload::Staged { ptr, copy_now } => {
+                assert_eq!(copy_now, None, "a dry pass copies nothing");
+                ptr
+            }
+            Upload::Own => panic!("own allocation inside a step"),
+        }
+    }
+
     fn dry_step(values: &[u8], rows: u32) -> StepRecord {
         let mut st = StepState::default();
         st.begin(StepMode::Dry);
-        let a = st.alloc(10).unwrap();
-        let b = st.alloc(300).unwrap();
+        let a = arena_ptr(st.temp(10).unwrap());
+        let b = arena_ptr(st.temp(300).unwrap());
         assert_eq!((a, b), (0, 256), "arena allocations are 256-byte aligned");
-        let (p1, o1) = st.stage(values).unwrap();
-        let (p2, o2) = st.stage(&[9, 9]).unwrap();
-        assert_eq!((p1, o1), (0, 0));
-        assert_eq!((p2, o2), (256, 256));
-        st.sign_launch(
+        let p1 = staged_ptr(st.upload(values).unwrap());
+        let p2 = staged_ptr(st.upload(&[9, 9]).unwrap());
+        assert_eq!((p1, p2), (0, 256));
+        let submit = st.launch(
             "k",
             (rows, 1, 1),
             0,
             &[Arg::Ptr(b), Arg::I32(3), Arg::F32(0.5)],
         );
+        assert!(!submit, "a dry pass launches nothing");
         let rec = st.end();
-        assert_eq!(st.mode, StepMode::Off);
+        assert!(!st.in_step());
         assert_eq!(rec.arena_bytes, 556);
         assert_eq!(&rec.staged[..values.len()], values);
         assert_eq!(&rec.staged[256..], &[9, 9]);
@@ -220,9 +176,19 @@ mod tests {
     fn only_a_dry_pass_may_outgrow_the_buffers() {
         let mut st = StepState::default();
         st.begin(StepMode::Eager);
-        let err = st.alloc(16).unwrap_err().to_string();
+        let err = st.temp(16).unwrap_err().to_string();
         assert!(err.contains("sized by its dry pass"), "{err}");
         st.begin(StepMode::Capture);
-        assert!(st.stage(&[1]).is_err());
+        assert!(st.upload(&[1]).is_err());
+    }
+
+    #[test]
+    fn outside_a_step_buffers_are_owned_and_launches_submitted_unrecorded() {
+        let mut st = StepState::default();
+        assert_eq!(st.temp(16).unwrap(), Temp::Own);
+        assert_eq!(st.upload(&[1, 2]).unwrap(), Upload::Own);
+        assert!(st.launch("k", (1, 1, 1), 0, &[Arg::I32(1)]));
+        assert!(st.gemm(&[1, 2]));
+        assert!(st.end().signature.is_empty());
     }
 }

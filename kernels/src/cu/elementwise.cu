@@ -1,4 +1,4 @@
-// Conversions, embedding, row gathers, adds and SwiGLU.
+// Conversions, embedding, row gathers and SwiGLU.
 
 extern "C" __global__ void k_f32_to_bf16(const float* x, bf16_t* y, i64 n) {
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
@@ -8,11 +8,6 @@ extern "C" __global__ void k_f32_to_bf16(const float* x, bf16_t* y, i64 n) {
 extern "C" __global__ void k_bf16_to_f32(const bf16_t* x, float* y, i64 n) {
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
         y[i] = bf16_to_f(x[i]);
-}
-
-extern "C" __global__ void k_add(const float* a, const float* b, float* y, i64 n) {
-    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
-        y[i] = a[i] + b[i];
 }
 
 extern "C" __global__ void k_swiglu(const float* g, const float* u, float* y, i64 n, float limit) {

@@ -2,13 +2,13 @@
 //! prefill + decode logits of the CUDA backend against the fp32 CPU engine, per-row
 //! relative error and greedy tokens, plus a prefill-on-GPU / decode-on-CPU KV transfer.
 
-use crate::{CudaBackend, WeightDtype};
 use pdserve_engine::backend::Backend;
 use pdserve_engine::generate::{generate, logits_prefill_decode, prefill, GenerateRequest};
 use pdserve_engine::kv::{EntryDtype, KvLayoutSpec};
 use pdserve_engine::sampling::SamplingParams;
-use pdserve_engine::tokenizer::Tokenizer;
+use pdserve_tokenizer::Tokenizer;
 use pdserve_engine::{CpuBackend, Engine, ForwardItem, Logits, PoolSize};
+use pdserve_kernels::{CudaBackend, WeightDtype};
 use std::path::{Path, PathBuf};
 
 /// Per-row relative error bound of bf16-weight GPU logits against the fp32 CPU engine.

@@ -3,10 +3,12 @@
 //! over all of its picks (gate+up, then down), with SwiGLU between; rows are scattered
 //! back to pick order. Used outside decode steps only (it synchronises on the routing).
 
-use crate::backend::{f32_buf, CudaBackend};
-use crate::device::{grid_1d, Arg, Gpu};
+use crate::buf::{f32_buf, storage};
+use crate::device::Gpu;
 use crate::devmem::DevMem;
-use crate::moe::weight;
+use crate::kernels::{self, DevPtr, Elem};
+use crate::launch::grid_1d;
+use crate::ops::tensors::to_bf16;
 use crate::tensor::GpuTensor;
 use pdserve_engine::backend::{BResult, MoeParams};
 
@@ -65,14 +67,13 @@ fn span_gemm(
 }
 
 pub(crate) fn routed(
-    b: &CudaBackend,
+    g: &Gpu,
     x: &GpuTensor,
     p: &MoeParams<'_, GpuTensor>,
     ids: &DevMem<i32>,
 ) -> BResult<DevMem<f32>> {
     let (n, h) = (x.rows, x.cols);
     let (e, k, inter) = (p.n_experts, p.top_k, p.intermediate);
-    let g = &b.gpu;
     let host_ids = g.download(ids, n * k)?;
     let (order, spans) = sort_picks(&host_ids, e);
     let rows_of: Vec<i32> = order.iter().map(|&a| a / k as i32).collect();
@@ -80,69 +81,66 @@ pub(crate) fn routed(
     let gather = g.upload(&rows_of)?;
     let xs = g.uninit::<f32>(picks * h)?;
     g.launch(
-        "k_gather_rows",
         (picks as u32, 1, 1),
         0,
-        &[
-            Arg::Ptr(g.ptr(f32_buf(x, "moe")?)),
-            Arg::Ptr(g.ptr(&gather)),
-            Arg::Ptr(g.ptr(&xs)),
-            Arg::I32(h as i32),
-        ],
+        &kernels::GatherRows {
+            x: DevPtr::of(f32_buf(x, "moe")?),
+            idx: DevPtr::of(&gather),
+            out: DevPtr::of(&xs),
+            cols: h as i32,
+        },
     )?;
-    let (gu_kind, gu_ptr) = weight(b, p.gate_up);
-    let (down_kind, down_ptr) = weight(b, p.down);
-    let (gu_bf16, down_bf16) = (gu_kind == "_bf16", down_kind == "_bf16");
+    let (gu_elem, gu_ptr) = storage(p.gate_up);
+    let (down_elem, down_ptr) = storage(p.down);
+    let (gu_bf16, down_bf16) = (gu_elem == Elem::Bf16, down_elem == Elem::Bf16);
     let wsz = |bf16: bool| if bf16 { 2u64 } else { 4 };
     // Gate and up rows of every pick: [picks, 2I].
-    let xin = gu_bf16.then(|| b.to_bf16(&xs)).transpose()?;
-    let a = xin.as_ref().map_or(g.ptr(&xs), |t| g.ptr(t));
+    let xin = gu_bf16.then(|| to_bf16(g, &xs)).transpose()?;
+    let a = xin.as_ref().map_or(xs.ptr(), |t| t.ptr());
     let gu = g.uninit::<f32>(picks * 2 * inter)?;
     for (ex, &(first, count)) in spans.iter().enumerate() {
         if count == 0 {
             continue;
         }
         let w = gu_ptr + (ex * 2 * inter * h) as u64 * wsz(gu_bf16);
-        let c = g.ptr(&gu) + (first * 2 * inter * 4) as u64;
+        let c = gu.ptr() + (first * 2 * inter * 4) as u64;
         span_gemm(g, (a, first * h), w, c, count, 2 * inter, h, gu_bf16)?;
     }
     let act = g.uninit::<f32>(picks * inter)?;
     g.launch(
-        "k_swiglu_halves",
         grid_1d(picks * inter),
         0,
-        &[
-            Arg::Ptr(g.ptr(&gu)),
-            Arg::Ptr(g.ptr(&act)),
-            Arg::I64((picks * inter) as i64),
-            Arg::I32(inter as i32),
-            Arg::F32(p.swiglu_limit),
-        ],
+        &kernels::SwigluHalves {
+            x: DevPtr::of(&gu),
+            y: DevPtr::of(&act),
+            n: (picks * inter) as i64,
+            inter: inter as i32,
+            limit: p.swiglu_limit,
+        },
     )?;
-    let ain = down_bf16.then(|| b.to_bf16(&act)).transpose()?;
-    let a = ain.as_ref().map_or(g.ptr(&act), |t| g.ptr(t));
+    let ain = down_bf16.then(|| to_bf16(g, &act)).transpose()?;
+    let a = ain.as_ref().map_or(act.ptr(), |t| t.ptr());
     let ys = g.uninit::<f32>(picks * h)?;
     for (ex, &(first, count)) in spans.iter().enumerate() {
         if count == 0 {
             continue;
         }
         let w = down_ptr + (ex * h * inter) as u64 * wsz(down_bf16);
-        let c = g.ptr(&ys) + (first * h * 4) as u64;
+        let c = ys.ptr() + (first * h * 4) as u64;
         span_gemm(g, (a, first * inter), w, c, count, h, inter, down_bf16)?;
     }
     // Back to pick order: y[order[j]] = ys[j].
     let scatter = g.upload(&order)?;
     let y = g.uninit::<f32>(picks * h)?;
     g.launch(
-        "k_scatter_rows",
         (picks as u32, 1, 1),
         0,
-        &[
-            Arg::Ptr(g.ptr(&ys)),
-            Arg::Ptr(g.ptr(&scatter)),
-            Arg::Ptr(g.ptr(&y)),
-            Arg::I32(h as i32),
-        ],
+        &kernels::ScatterRows {
+            x: DevPtr::of(&ys),
+            idx: DevPtr::of(&scatter),
+            out: DevPtr::of(&y),
+            cols: h as i32,
+        },
     )?;
     Ok(y)
 }
@@ -163,7 +161,7 @@ pub(crate) fn padded_worthwhile(
 /// runs inside captured decode steps. Reads every expert's weights once; the padding costs
 /// tensor-core time only. Returns `y`: `[rows * k, H]`, one row per pick.
 pub(crate) fn routed_padded(
-    b: &CudaBackend,
+    g: &Gpu,
     x: &GpuTensor,
     p: &MoeParams<'_, GpuTensor>,
     list: &DevMem<i32>,
@@ -171,30 +169,28 @@ pub(crate) fn routed_padded(
 ) -> BResult<DevMem<f32>> {
     let (n, h) = (x.rows, x.cols);
     let (e, k, inter) = (p.n_experts, p.top_k, p.intermediate);
-    let g = &b.gpu;
-    let (_, gu_ptr) = weight(b, p.gate_up);
-    let (_, down_ptr) = weight(b, p.down);
+    let (_, gu_ptr) = storage(p.gate_up);
+    let (_, down_ptr) = storage(p.down);
     let xp = g.uninit::<u16>(e * n * h)?;
     let grid = (e as u32, n as u32, 1);
     g.launch(
-        "k_moe_gather_padded",
         grid,
         0,
-        &[
-            Arg::Ptr(g.ptr(f32_buf(x, "moe")?)),
-            Arg::Ptr(g.ptr(list)),
-            Arg::Ptr(g.ptr(count)),
-            Arg::Ptr(g.ptr(&xp)),
-            Arg::I32(n as i32),
-            Arg::I32(h as i32),
-            Arg::I32(k as i32),
-        ],
+        &kernels::MoeGatherPadded {
+            x: DevPtr::of(f32_buf(x, "moe")?),
+            list: DevPtr::of(list),
+            count: DevPtr::of(count),
+            xp: DevPtr::of(&xp),
+            rows: n as i32,
+            h: h as i32,
+            k: k as i32,
+        },
     )?;
     let gu = g.uninit::<f32>(e * n * 2 * inter)?;
     g.gemm_nt(
-        g.ptr(&xp),
+        xp.ptr(),
         gu_ptr,
-        g.ptr(&gu),
+        gu.ptr(),
         (n, 2 * inter, h),
         (h, h, 2 * inter),
         (
@@ -207,22 +203,21 @@ pub(crate) fn routed_padded(
     )?;
     let act = g.uninit::<u16>(e * n * inter)?;
     g.launch(
-        "k_swiglu_halves_bf16",
         grid_1d(e * n * inter),
         0,
-        &[
-            Arg::Ptr(g.ptr(&gu)),
-            Arg::Ptr(g.ptr(&act)),
-            Arg::I64((e * n * inter) as i64),
-            Arg::I32(inter as i32),
-            Arg::F32(p.swiglu_limit),
-        ],
+        &kernels::SwigluHalvesBf16 {
+            gu: DevPtr::of(&gu),
+            act: DevPtr::of(&act),
+            n: (e * n * inter) as i64,
+            inter: inter as i32,
+            limit: p.swiglu_limit,
+        },
     )?;
     let yp = g.uninit::<f32>(e * n * h)?;
     g.gemm_nt(
-        g.ptr(&act),
+        act.ptr(),
         down_ptr,
-        g.ptr(&yp),
+        yp.ptr(),
         (n, h, inter),
         (inter, inter, h),
         ((n * inter) as i64, (h * inter) as i64, (n * h) as i64),
@@ -231,17 +226,16 @@ pub(crate) fn routed_padded(
     )?;
     let y = g.uninit::<f32>(n * k * h)?;
     g.launch(
-        "k_moe_scatter_padded",
         grid,
         0,
-        &[
-            Arg::Ptr(g.ptr(&yp)),
-            Arg::Ptr(g.ptr(list)),
-            Arg::Ptr(g.ptr(count)),
-            Arg::Ptr(g.ptr(&y)),
-            Arg::I32(n as i32),
-            Arg::I32(h as i32),
-        ],
+        &kernels::MoeScatterPadded {
+            yp: DevPtr::of(&yp),
+            list: DevPtr::of(list),
+            count: DevPtr::of(count),
+            y: DevPtr::of(&y),
+            rows: n as i32,
+            h: h as i32,
+        },
     )?;
     Ok(y)
 }

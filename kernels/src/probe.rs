@@ -5,8 +5,9 @@
 //! a warm-up run.
 
 use crate::backend::CudaBackend;
-use crate::device::{dev_err, Arg, BLOCK};
-use crate::random::random_tensor;
+use crate::kernels::{self, DevPtr};
+use crate::launch::{dev_err, BLOCK};
+use crate::ops::random::random_tensor;
 use crate::tensor::Buf;
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::CudaEvent;
@@ -72,25 +73,24 @@ impl CudaBackend {
     /// Memory bandwidth over a `bytes`-byte buffer (use one far larger than the L2 cache).
     pub fn measure_bandwidth(&self, bytes: usize, iters: usize) -> BResult<Bandwidth> {
         let n = (bytes / 16).max(1) * 4;
-        let src = random_tensor(self, 1, n, false, INIT, 1)?;
+        let src = random_tensor(&self.gpu, 1, n, false, INIT, 1)?;
         let Buf::F32(src) = &src.buf else {
             return Err(dev_err("random f32 buffer"));
         };
         let dst = self.gpu.zeros_owned::<f32>(n)?;
-        let (sp, dp) = (self.gpu.ptr(src), self.gpu.ptr(&dst));
+        let (sp, dp) = (src.ptr(), dst.ptr());
         let copy = self.time_runs(iters, || self.copy_dtod(dp, sp, n * 4))?;
         let blocks = (n / 4).div_ceil(BLOCK as usize).clamp(1, 16 * 1024);
         let sums = self.gpu.zeros_owned::<f32>(blocks)?;
         let read = self.time_runs(iters, || {
             self.gpu.launch(
-                "k_read_probe",
                 (blocks as u32, 1, 1),
                 0,
-                &[
-                    Arg::Ptr(self.gpu.ptr(src)),
-                    Arg::I64((n / 4) as i64),
-                    Arg::Ptr(self.gpu.ptr(&sums)),
-                ],
+                &kernels::ReadProbe {
+                    x: DevPtr::of(src),
+                    n4: (n / 4) as i64,
+                    out: DevPtr::of(&sums),
+                },
             )
         })?;
         let b = (n * 4) as f64;
@@ -103,13 +103,13 @@ impl CudaBackend {
 
     /// FLOP/s of an `n x n x n` bf16 x bf16 -> fp32 cuBLAS GEMM (fp32 accumulation).
     pub fn measure_gemm_bf16(&self, n: usize, iters: usize) -> BResult<f64> {
-        let a = random_tensor(self, n, n, true, INIT, 2)?;
-        let w = random_tensor(self, n, n, true, INIT, 3)?;
+        let a = random_tensor(&self.gpu, n, n, true, INIT, 2)?;
+        let w = random_tensor(&self.gpu, n, n, true, INIT, 3)?;
         let (Buf::Bf16(a), Buf::Bf16(w)) = (&a.buf, &w.buf) else {
             return Err(dev_err("random bf16 buffers"));
         };
         let c = self.gpu.zeros_owned::<f32>(n * n)?;
-        let (ap, wp, cp) = (self.gpu.ptr(a), self.gpu.ptr(w), self.gpu.ptr(&c));
+        let (ap, wp, cp) = (a.ptr(), w.ptr(), c.ptr());
         let runs = self.time_runs(iters, || {
             self.gpu
                 .gemm_nt(ap, wp, cp, (n, n, n), (n, n, n), (0, 0, 0), 1, true)

@@ -1,7 +1,9 @@
 //! Hyper-connection ops of [`CudaBackend`].
 
-use crate::backend::{f32_buf, out_ptr, shape_err, CudaBackend};
-use crate::device::Arg;
+use crate::buf::{f32_buf, out_ptr, shape_err};
+use crate::device::Gpu;
+use crate::kernels::{self, DevPtr};
+use crate::ops::tensors::{new_f32, param_f32};
 use crate::tensor::GpuTensor;
 use pdserve_engine::backend::{shapes, BResult, HcParams, HcPre};
 
@@ -20,7 +22,7 @@ fn check_hc_max(op: &'static str, hc: usize) -> BResult<()> {
 }
 
 pub fn hc_pre(
-    b: &CudaBackend,
+    g: &Gpu,
     streams: &GpuTensor,
     mix: &GpuTensor,
     p: &HcParams<'_, GpuTensor>,
@@ -35,29 +37,27 @@ pub fn hc_pre(
     )?;
     check_hc_max("hc_pre", hc)?;
     let (n, h) = (streams.rows, streams.cols / hc);
-    let base = b.param_f32(p.base)?;
-    let scale = b.param_f32(p.scale)?;
-    let post = b.new_f32(n, hc)?;
-    let comb = b.new_f32(n, hc * hc)?;
-    let collapsed = b.new_f32(n, h)?;
-    let g = &b.gpu;
+    let base = param_f32(g, p.base)?;
+    let scale = param_f32(g, p.scale)?;
+    let post = new_f32(g, n, hc)?;
+    let comb = new_f32(g, n, hc * hc)?;
+    let collapsed = new_f32(g, n, h)?;
     g.launch(
-        "k_hc_pre",
         (n as u32, 1, 1),
         0,
-        &[
-            Arg::Ptr(g.ptr(f32_buf(streams, "hc_pre")?)),
-            Arg::Ptr(g.ptr(f32_buf(mix, "hc_pre")?)),
-            Arg::Ptr(g.ptr(&base)),
-            Arg::Ptr(g.ptr(&scale)),
-            Arg::Ptr(out_ptr(g, &post)?),
-            Arg::Ptr(out_ptr(g, &comb)?),
-            Arg::Ptr(out_ptr(g, &collapsed)?),
-            Arg::I32(h as i32),
-            Arg::I32(hc as i32),
-            Arg::I32(p.sinkhorn_iters as i32),
-            Arg::F32(p.eps),
-        ],
+        &kernels::HcPre {
+            streams: DevPtr::of(f32_buf(streams, "hc_pre")?),
+            mix: DevPtr::of(f32_buf(mix, "hc_pre")?),
+            base: DevPtr::of(&base),
+            scale: DevPtr::of(&scale),
+            post: out_ptr(&post)?,
+            comb: out_ptr(&comb)?,
+            collapsed: out_ptr(&collapsed)?,
+            h: h as i32,
+            hc: hc as i32,
+            iters: p.sinkhorn_iters as i32,
+            eps: p.eps,
+        },
     )?;
     Ok(HcPre {
         post,
@@ -67,7 +67,7 @@ pub fn hc_pre(
 }
 
 pub fn hc_post(
-    b: &CudaBackend,
+    g: &Gpu,
     streams: &GpuTensor,
     out: &GpuTensor,
     pre: &HcPre<GpuTensor>,
@@ -81,27 +81,25 @@ pub fn hc_post(
         pre.comb.len(),
         hc,
     )?;
-    let res = b.new_f32(streams.rows, streams.cols)?;
-    let g = &b.gpu;
+    let res = new_f32(g, streams.rows, streams.cols)?;
     g.launch(
-        "k_hc_post",
         (streams.rows as u32, 1, 1),
         0,
-        &[
-            Arg::Ptr(g.ptr(f32_buf(streams, "hc_post")?)),
-            Arg::Ptr(g.ptr(f32_buf(out, "hc_post")?)),
-            Arg::Ptr(g.ptr(f32_buf(&pre.post, "hc_post")?)),
-            Arg::Ptr(g.ptr(f32_buf(&pre.comb, "hc_post")?)),
-            Arg::Ptr(out_ptr(g, &res)?),
-            Arg::I32(h as i32),
-            Arg::I32(hc as i32),
-        ],
+        &kernels::HcPost {
+            streams: DevPtr::of(f32_buf(streams, "hc_post")?),
+            out: DevPtr::of(f32_buf(out, "hc_post")?),
+            post: DevPtr::of(f32_buf(&pre.post, "hc_post")?),
+            comb: DevPtr::of(f32_buf(&pre.comb, "hc_post")?),
+            res: out_ptr(&res)?,
+            h: h as i32,
+            hc: hc as i32,
+        },
     )?;
     Ok(res)
 }
 
 pub fn hc_head(
-    b: &CudaBackend,
+    g: &Gpu,
     streams: &GpuTensor,
     mix: &GpuTensor,
     p: &HcParams<'_, GpuTensor>,
@@ -116,24 +114,22 @@ pub fn hc_head(
     )?;
     check_hc_max("hc_head", hc)?;
     let h = streams.cols / hc;
-    let base = b.param_f32(p.base)?;
-    let scale = b.param_f32(p.scale)?;
-    let out = b.new_f32(streams.rows, h)?;
-    let g = &b.gpu;
+    let base = param_f32(g, p.base)?;
+    let scale = param_f32(g, p.scale)?;
+    let out = new_f32(g, streams.rows, h)?;
     g.launch(
-        "k_hc_head",
         (streams.rows as u32, 1, 1),
         0,
-        &[
-            Arg::Ptr(g.ptr(f32_buf(streams, "hc_head")?)),
-            Arg::Ptr(g.ptr(f32_buf(mix, "hc_head")?)),
-            Arg::Ptr(g.ptr(&base)),
-            Arg::Ptr(g.ptr(&scale)),
-            Arg::Ptr(out_ptr(g, &out)?),
-            Arg::I32(h as i32),
-            Arg::I32(hc as i32),
-            Arg::F32(p.eps),
-        ],
+        &kernels::HcHead {
+            streams: DevPtr::of(f32_buf(streams, "hc_head")?),
+            mix: DevPtr::of(f32_buf(mix, "hc_head")?),
+            base: DevPtr::of(&base),
+            scale: DevPtr::of(&scale),
+            out: out_ptr(&out)?,
+            h: h as i32,
+            hc: hc as i32,
+            eps: p.eps,
+        },
     )?;
     Ok(out)
 }

@@ -3,10 +3,10 @@
 //! positions, and the graph speed-up at batch 1 on the embedded model.
 
 use crate::check::CheckRow;
-use crate::{CudaBackend, GraphMode};
 use pdserve_engine::generate::prefill;
-use pdserve_engine::tokenizer::Tokenizer;
+use pdserve_tokenizer::Tokenizer;
 use pdserve_engine::{Engine, ForwardItem, Logits, PoolSize, Sequence};
+use pdserve_kernels::{CudaBackend, GraphMode};
 use std::time::Instant;
 
 type AnyResult<T> = Result<T, Box<dyn std::error::Error>>;

@@ -12,11 +12,11 @@
 //! row where the greedy token differs from the CPU's is listed with the CPU's top-2 margin.
 
 use crate::check::{argmax, rel_err, CheckRow, REL_TOL, REL_TOL_F32};
-use crate::{CudaBackend, GraphMode, WeightDtype};
+use pdserve_kernels::{CudaBackend, GraphMode, WeightDtype};
 use pdserve_engine::backend::Backend;
 use pdserve_engine::generate::prefill;
 use pdserve_engine::kv::{EntryDtype, KvLayoutSpec};
-use pdserve_engine::tokenizer::Tokenizer;
+use pdserve_tokenizer::Tokenizer;
 use pdserve_engine::{CpuBackend, Engine, ForwardItem, Logits, PoolSize, Sequence};
 use std::path::Path;
 
@@ -304,8 +304,8 @@ pub fn check_batched(
             index_k_dtype: index_k,
             ..kv_spec(&dir)?
         };
-        if !want_for.contains_key(&index_k) {
-            want_for.insert(index_k, reference(&dir, spec, &cases)?);
+        if let std::collections::hash_map::Entry::Vacant(slot) = want_for.entry(index_k) {
+            slot.insert(reference(&dir, spec, &cases)?);
         }
         let want = want_for.get(&index_k).ok_or("reference rows")?;
         let setup = Setup {

@@ -1,0 +1,418 @@
+//! One typed handle per `__global__` kernel of `cu/*.cu`: a struct whose fields are the
+//! kernel's parameters, in the `.cu` order, written once here. Call sites fill the fields
+//! by name, so an argument cannot be passed in the wrong position, and a pointer cannot go
+//! where an integer is expected; the test below checks every handle against the `.cu`
+//! signature (names, count, kinds) and that every kernel has a handle. [`REGISTRY`] is
+//! the list of functions [`crate::device::Gpu::open`] loads from each module.
+
+use crate::devmem::DevMem;
+use crate::launch::Arg;
+
+/// A device address passed to a kernel (null where the kernel accepts a missing buffer).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct DevPtr(pub(crate) u64);
+
+impl DevPtr {
+    pub(crate) const NULL: DevPtr = DevPtr(0);
+
+    pub(crate) fn of<T>(m: &DevMem<T>) -> DevPtr {
+        DevPtr(m.ptr())
+    }
+}
+
+/// Element type of the kernels compiled once per storage (`_bf16` / `_f32` variants).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Elem {
+    Bf16,
+    F32,
+}
+
+/// Kind of a kernel parameter as the `.cu` signature declares it.
+#[cfg(test)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Param {
+    /// Any pointer.
+    Ptr,
+    /// `int`.
+    I32,
+    /// `i64`.
+    I64,
+    /// `unsigned long long`.
+    U64,
+    /// `float`.
+    F32,
+}
+
+/// A Rust type a kernel parameter can have.
+pub(crate) trait KernelArg: Copy {
+    #[cfg(test)]
+    const PARAM: Param;
+    fn arg(self) -> Arg;
+}
+
+impl KernelArg for DevPtr {
+    #[cfg(test)]
+    const PARAM: Param = Param::Ptr;
+    fn arg(self) -> Arg {
+        Arg::Ptr(self.0)
+    }
+}
+
+impl KernelArg for i32 {
+    #[cfg(test)]
+    const PARAM: Param = Param::I32;
+    fn arg(self) -> Arg {
+        Arg::I32(self)
+    }
+}
+
+impl KernelArg for i64 {
+    #[cfg(test)]
+    const PARAM: Param = Param::I64;
+    fn arg(self) -> Arg {
+        Arg::I64(self)
+    }
+}
+
+impl KernelArg for u64 {
+    #[cfg(test)]
+    const PARAM: Param = Param::U64;
+    /// The kernel reads the same 8 bytes as `unsigned long long`.
+    fn arg(self) -> Arg {
+        Arg::I64(self as i64)
+    }
+}
+
+impl KernelArg for f32 {
+    #[cfg(test)]
+    const PARAM: Param = Param::F32;
+    fn arg(self) -> Arg {
+        Arg::F32(self)
+    }
+}
+
+/// A kernel launch's function name and argument list.
+pub(crate) trait Kernel {
+    fn name(&self) -> &'static str;
+    /// Calls `f` with the arguments in the `.cu` parameter order.
+    fn with_args<R>(&self, f: impl FnOnce(&[Arg]) -> R) -> R;
+}
+
+/// One handle struct; a handle with two names gets an `elem` field choosing the variant.
+macro_rules! kernel_handle {
+    ($(#[$doc:meta])* $ty:ident, [$name:literal], { $($field:ident: $fty:ty),+ }) => {
+        $(#[$doc])*
+        pub(crate) struct $ty {
+            $(pub $field: $fty),+
+        }
+
+        impl Kernel for $ty {
+            fn name(&self) -> &'static str {
+                $name
+            }
+
+            fn with_args<R>(&self, f: impl FnOnce(&[Arg]) -> R) -> R {
+                f(&[$(self.$field.arg()),+])
+            }
+        }
+    };
+    ($(#[$doc:meta])* $ty:ident, [$bf16:literal, $f32:literal], { $($field:ident: $fty:ty),+ }) => {
+        $(#[$doc])*
+        pub(crate) struct $ty {
+            /// Which variant runs.
+            pub elem: Elem,
+            $(pub $field: $fty),+
+        }
+
+        impl Kernel for $ty {
+            fn name(&self) -> &'static str {
+                match self.elem {
+                    Elem::Bf16 => $bf16,
+                    Elem::F32 => $f32,
+                }
+            }
+
+            fn with_args<R>(&self, f: impl FnOnce(&[Arg]) -> R) -> R {
+                f(&[$(self.$field.arg()),+])
+            }
+        }
+    };
+}
+
+/// The handles of every module, plus [`REGISTRY`] and (in tests) `SIGNATURES`.
+macro_rules! kernels {
+    ($(
+        module $module:literal {
+            $(
+                $(#[$doc:meta])*
+                $ty:ident = $($name:literal)|+ { $($field:ident: $fty:ty),+ $(,)? }
+            )+
+        }
+    )+) => {
+        $($(
+            kernel_handle!($(#[$doc])* $ty, [$($name),+], { $($field: $fty),+ });
+        )+)+
+
+        /// Every kernel function by module: what the device loads.
+        pub(crate) const REGISTRY: &[(&str, &[&str])] = &[$(
+            ($module, &[$($($name),+),+]),
+        )+];
+
+        /// Every handle's names and parameters (name, kind), in field order.
+        #[cfg(test)]
+        #[allow(clippy::type_complexity)]
+        pub(crate) const SIGNATURES: &[(&str, &[&str], &[(&str, Param)])] = &[$($(
+            (
+                $module,
+                &[$($name),+],
+                &[$((stringify!($field), <$fty as KernelArg>::PARAM)),+],
+            ),
+        )+)+];
+    };
+}
+
+kernels! {
+    module "elementwise" {
+        /// fp32 values rounded to bf16 (GEMM inputs next to bf16 weights).
+        F32ToBf16 = "k_f32_to_bf16" {
+            x: DevPtr, y: DevPtr, n: i64,
+        }
+        /// bf16 values widened to fp32 (bf16 parameters read as fp32).
+        Bf16ToF32 = "k_bf16_to_f32" {
+            x: DevPtr, y: DevPtr, n: i64,
+        }
+        /// Elementwise clamped SwiGLU of gate `g` and up `u` (the shared expert).
+        Swiglu = "k_swiglu" {
+            g: DevPtr, u: DevPtr, y: DevPtr, n: i64, limit: f32,
+        }
+        /// SwiGLU of rows holding gate columns then up columns (prefill expert GEMMs).
+        SwigluHalves = "k_swiglu_halves" {
+            x: DevPtr, y: DevPtr, n: i64, inter: i32, limit: f32,
+        }
+        /// Embedding rows of `tokens`, `copies` times over; one variant per table storage.
+        Embed = "k_embed_bf16" | "k_embed_f32" {
+            table: DevPtr, tokens: DevPtr, out: DevPtr, h: i32, copies: i32,
+        }
+        /// `out[r] = x[idx[r]]`, one block per row.
+        GatherRows = "k_gather_rows" {
+            x: DevPtr, idx: DevPtr, out: DevPtr, cols: i32,
+        }
+        /// `out[idx[r]] = x[r]`, one block per row.
+        ScatterRows = "k_scatter_rows" {
+            x: DevPtr, idx: DevPtr, out: DevPtr, cols: i32,
+        }
+    }
+    module "norm_rope" {
+        /// RMS norm over groups of `group` values; `w` may be null.
+        RmsNorm = "k_rms_norm" {
+            x: DevPtr, w: DevPtr, out: DevPtr, group: i32, eps: f32,
+        }
+        /// Interleaved partial rope of every head, in place; `inverse` uses -sin.
+        Rope = "k_rope" {
+            x: DevPtr, cs: DevPtr, sn: DevPtr, cols: i32, head_dim: i32, rd: i32, inverse: i32,
+        }
+    }
+    module "hc" {
+        /// Hyper-connection pre-mapping: post and comb (Sinkhorn) maps and the collapsed row.
+        HcPre = "k_hc_pre" {
+            streams: DevPtr, mix: DevPtr, base: DevPtr, scale: DevPtr, post: DevPtr,
+            comb: DevPtr, collapsed: DevPtr, h: i32, hc: i32, iters: i32, eps: f32,
+        }
+        /// Hyper-connection stream update from a block output.
+        HcPost = "k_hc_post" {
+            streams: DevPtr, out: DevPtr, post: DevPtr, comb: DevPtr, res: DevPtr, h: i32,
+            hc: i32,
+        }
+        /// Hyper-connection head: the streams collapsed before the final norm.
+        HcHead = "k_hc_head" {
+            streams: DevPtr, mix: DevPtr, base: DevPtr, scale: DevPtr, out: DevPtr, h: i32,
+            hc: i32, eps: f32,
+        }
+    }
+    module "compress" {
+        /// Compressor: ring update and, at each rate boundary, one pooled, normed, roped entry.
+        Compress = "k_compress" {
+            pages: DevPtr, states: DevPtr, page_bytes: i64, state_bytes: i64, seq: DevPtr,
+            pt: DevPtr, proj_kv: DevPtr, proj_gate: DevPtr, bias: DevPtr, norm_w: DevPtr,
+            cs: DevPtr, sn: DevPtr, width: i32, rate: i32, slots: i32, overlap: i32,
+            ring_off: i64, entry_off: i64, entries_per_page: i32, page_tokens: i32, dt: i32,
+            rd: i32, eps: f32,
+        }
+    }
+    module "indexer" {
+        /// Lightning-indexer scores of every visible compressed entry.
+        IndexScores = "k_index_scores" {
+            pages: DevPtr, page_bytes: i64, seq: DevPtr, pt: DevPtr, row_seq: DevPtr,
+            positions: DevPtr, q: DevPtr, wts: DevPtr, scores: DevPtr, max_nv: i32,
+            n_heads: i32, ihd: i32, rate: i32, entry_off: i64, entries_per_page: i32,
+            page_tokens: i32, dt: i32, softmax_scale: f32, weight_scale: f32,
+        }
+        /// Top-k entry ids of each row's indexer scores, ascending, `-1` padded.
+        Topk = "k_topk" {
+            scores: DevPtr, positions: DevPtr, sel: DevPtr, max_nv: i32, topk: i32, rate: i32,
+        }
+    }
+    module "attention" {
+        /// Sink attention over the sliding window plus none, all or the selected compressed entries.
+        Attention = "k_attention" {
+            pages: DevPtr, states: DevPtr, page_bytes: i64, state_bytes: i64, seq: DevPtr,
+            pt: DevPtr, row_seq: DevPtr, positions: DevPtr, q: DevPtr, kv_new: DevPtr,
+            sinks: DevPtr, sel: DevPtr, topk: i32, out: DevPtr, n_heads: i32, hd: i32,
+            window: i32, win_off: i64, rate: i32, mode: i32, comp_off: i64, comp_epp: i32,
+            page_tokens: i32, dt: i32, scale: f32, max_keys: i32, g: i32,
+        }
+        /// New keys into each sequence's sliding-window ring.
+        WindowStore = "k_window_store" {
+            states: DevPtr, state_bytes: i64, seq: DevPtr, row_seq: DevPtr, positions: DevPtr,
+            kv_new: DevPtr, hd: i32, window: i32, win_off: i64, dt: i32,
+        }
+    }
+    module "moe" {
+        /// MoE routing: scores, top-k expert ids and weights of each row.
+        MoeRoute = "k_moe_route" {
+            logits: DevPtr, bias: DevPtr, hash: DevPtr, ids: DevPtr, wts: DevPtr, rows: i32,
+            e: i32, k: i32, scoring: i32, routed_scaling: f32,
+        }
+        /// Picks grouped by expert, and the used experts in ascending order.
+        MoeLists = "k_moe_lists" {
+            ids: DevPtr, list: DevPtr, count: DevPtr, active: DevPtr, rows: i32, e: i32,
+            k: i32,
+        }
+        /// Routed experts' gate+up and SwiGLU over each expert's picks; one variant per weight storage.
+        MoeGateUpGrouped = "k_moe_gate_up_grouped_bf16" | "k_moe_gate_up_grouped_f32" {
+            x: DevPtr, gu: DevPtr, list: DevPtr, active: DevPtr, count: DevPtr, act: DevPtr,
+            rows: i32, e: i32, h: i32, i: i32, k: i32, limit: f32,
+        }
+        /// Routed experts' down projection over each expert's picks; one variant per weight storage.
+        MoeDownGrouped = "k_moe_down_grouped_bf16" | "k_moe_down_grouped_f32" {
+            act: DevPtr, down: DevPtr, list: DevPtr, active: DevPtr, count: DevPtr, y: DevPtr,
+            rows: i32, e: i32, h: i32, i: i32,
+        }
+        /// Picks of each expert gathered into padded bf16 batches for one batched GEMM.
+        MoeGatherPadded = "k_moe_gather_padded" {
+            x: DevPtr, list: DevPtr, count: DevPtr, xp: DevPtr, rows: i32, h: i32, k: i32,
+        }
+        /// [`SwigluHalves`] with bf16 output (the padded-batch expert path).
+        SwigluHalvesBf16 = "k_swiglu_halves_bf16" {
+            gu: DevPtr, act: DevPtr, n: i64, inter: i32, limit: f32,
+        }
+        /// Padded-batch expert outputs back to pick order.
+        MoeScatterPadded = "k_moe_scatter_padded" {
+            yp: DevPtr, list: DevPtr, count: DevPtr, y: DevPtr, rows: i32, h: i32,
+        }
+        /// Weighted sum of each row's picks plus the shared expert.
+        MoeCombine = "k_moe_combine" {
+            y: DevPtr, ids: DevPtr, wts: DevPtr, shared: DevPtr, out: DevPtr, h: i32, k: i32,
+        }
+    }
+    module "random" {
+        /// Counter-based random values (the host generator's arithmetic); one variant per storage.
+        Random = "k_random_bf16" | "k_random_f32" {
+            out: DevPtr, n: i64, seed: u64, kind: i32, a: f32, b: f32,
+        }
+        /// Read-bandwidth probe: 16-byte loads summed into one value per block.
+        ReadProbe = "k_read_probe" {
+            x: DevPtr, n4: i64, out: DevPtr,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::*;
+    use std::collections::BTreeMap;
+
+    /// `(module, kernel) -> [(parameter name, kind)]` of every `__global__` kernel in the
+    /// `.cu` sources.
+    fn cu_signatures() -> BTreeMap<(String, String), Vec<(String, Param)>> {
+        let mut out = BTreeMap::new();
+        for (module, src) in crate::compile::MODULES {
+            for part in src.split("__global__ void ").skip(1) {
+                let (name, rest) = part.split_once('(').expect("kernel name");
+                let (params, _) = rest.split_once(')').expect("parameter list");
+                let params = params
+                    .split(',')
+                    .map(|p| {
+                        let p = p.split_whitespace().collect::<Vec<_>>().join(" ");
+                        let at = p
+                            .rfind(|c: char| !(c.is_alphanumeric() || c == '_'))
+                            .map_or(0, |i| i + 1);
+                        let (ty, pname) = p.split_at(at);
+                        let ty = ty.trim().trim_start_matches("const ").trim();
+                        let kind = if ty.contains('*') {
+                            Param::Ptr
+                        } else {
+                            match ty {
+                                "int" => Param::I32,
+                                "i64" => Param::I64,
+                                "unsigned long long" => Param::U64,
+                                "float" => Param::F32,
+                                other => panic!("{name}: parameter type `{other}` unknown"),
+                            }
+                        };
+                        (pname.to_lowercase(), kind)
+                    })
+                    .collect();
+                out.insert((module.to_string(), name.trim().to_string()), params);
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn every_handle_matches_its_cu_signature_and_every_kernel_has_one() {
+        let mut cu = cu_signatures();
+        assert!(cu.len() > 20, "parsed only {} kernels", cu.len());
+        for (module, names, params) in SIGNATURES {
+            let want: Vec<(String, Param)> =
+                params.iter().map(|(n, k)| (n.to_string(), *k)).collect();
+            for name in *names {
+                let got = cu
+                    .remove(&(module.to_string(), name.to_string()))
+                    .unwrap_or_else(|| panic!("{name}: no such kernel in {module}.cu"));
+                assert_eq!(want, got, "{name}: handle fields vs {module}.cu parameters");
+            }
+        }
+        assert!(cu.is_empty(), "kernels without a handle: {:?}", cu.keys());
+    }
+
+    #[test]
+    fn the_registry_lists_every_handle_once() {
+        let mut listed: Vec<&str> = REGISTRY
+            .iter()
+            .flat_map(|(_, n)| n.iter().copied())
+            .collect();
+        let total = listed.len();
+        listed.sort_unstable();
+        listed.dedup();
+        assert_eq!(listed.len(), total);
+        let handles: usize = SIGNATURES.iter().map(|(_, n, _)| n.len()).sum();
+        assert_eq!(total, handles);
+    }
+
+    #[test]
+    fn arguments_follow_field_order() {
+        let k = Random {
+            elem: Elem::F32,
+            out: DevPtr(7),
+            n: 3,
+            seed: u64::MAX,
+            kind: 1,
+            a: 0.5,
+            b: 2.0,
+        };
+        assert_eq!(k.name(), "k_random_f32");
+        let words = k.with_args(|args| {
+            args.iter()
+                .map(|a| match a {
+                    Arg::Ptr(v) => format!("p{v}"),
+                    Arg::I32(v) => format!("i{v}"),
+                    Arg::I64(v) => format!("l{v}"),
+                    Arg::F32(v) => format!("f{v}"),
+                })
+                .collect::<Vec<_>>()
+        });
+        assert_eq!(words, ["p7", "l3", "l-1", "i1", "f0.5", "f2"]);
+    }
+}

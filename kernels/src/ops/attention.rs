@@ -1,0 +1,168 @@
+//! Sink attention over the sliding window plus compressed entries, and window stores
+//! (`cu/attention.cu`).
+
+use crate::buf::{f32_buf, out_ptr, shape_err};
+use crate::device::{Gpu, ATTENTION_SHARED};
+use crate::kernels::{self, DevPtr};
+use crate::kv_store::{dt_code, DevPlan, GpuKv};
+use crate::ops::indexer::GpuSelection;
+use crate::ops::kv_reach::{check_visible_reach, entry_bucket, layer_of};
+use crate::ops::tensors::{new_f32, param_f32};
+use crate::tensor::GpuTensor;
+use pdserve_engine::backend::{BResult, BatchPlan, CompressedKeys};
+use pdserve_engine::kv::KvLayout;
+
+/// Channels per lane the attention kernel holds (`ATT_MAXQ` in attention.cu).
+const ATT_MAXQ: usize = 16;
+/// Heads per attention block (`ATT_G` in attention.cu).
+const ATT_G: usize = 4;
+
+#[allow(clippy::too_many_arguments)]
+pub fn attention(
+    g: &Gpu,
+    kv: &GpuKv,
+    layout: &KvLayout,
+    layer: usize,
+    q: &GpuTensor,
+    kv_new: &GpuTensor,
+    sinks: &GpuTensor,
+    n_heads: usize,
+    compressed: CompressedKeys<'_, GpuSelection>,
+    plan: &BatchPlan,
+) -> BResult<GpuTensor> {
+    let l = layer_of(layout, layer)?;
+    let hd = layout.head_dim;
+    let window = layout.sliding_window;
+    let rows = plan.rows();
+    if q.cols != n_heads * hd
+        || kv_new.cols != hd
+        || sinks.len() != n_heads
+        || q.rows != rows
+        || kv_new.rows != rows
+    {
+        return Err(shape_err(
+            "attention",
+            format!("q cols {}, kv cols {}", q.cols, kv_new.cols),
+        ));
+    }
+    let max_pos_nv = entry_bucket(
+        plan.positions
+            .iter()
+            .map(|&p| (p + 1) / l.rate.max(1))
+            .max()
+            .unwrap_or(0),
+    );
+    let (mode, sel_ptr, topk, max_comp) = match &compressed {
+        CompressedKeys::None => (0, DevPtr::NULL, 0, 0),
+        CompressedKeys::AllVisible => (1, DevPtr::NULL, 0, max_pos_nv),
+        CompressedKeys::Selected(s) => {
+            if s.rows != rows {
+                return Err(shape_err(
+                    "attention",
+                    format!("{} selection rows for {rows}", s.rows),
+                ));
+            }
+            (2, DevPtr::of(&s.sel), s.topk, s.topk.min(max_pos_nv))
+        }
+    };
+    if mode != 0 {
+        if l.rate == 0 {
+            return Err(shape_err(
+                "attention",
+                format!("layer {layer} has no compressed entries"),
+            ));
+        }
+        check_visible_reach(layout, l.rate, plan)?;
+    }
+    let max_keys = window + max_comp;
+    let group = if n_heads.is_multiple_of(ATT_G) {
+        ATT_G
+    } else {
+        1
+    };
+    // Queries and scores (fp32) plus one 8-byte key address per key, 8-byte aligned.
+    let floats = group * (hd + max_keys);
+    let shared = (floats + floats % 2) * 4 + max_keys * 8;
+    if shared > ATTENTION_SHARED || !hd.is_multiple_of(32) || hd > 32 * ATT_MAXQ {
+        return Err(shape_err(
+            "attention",
+            format!(
+                "{max_keys} keys per row and head_dim {hd} exceed the kernel (shared memory \
+                 {shared} of {ATTENTION_SHARED} bytes; head_dim a multiple of 32 up to {})",
+                32 * ATT_MAXQ
+            ),
+        ));
+    }
+    let dp = DevPlan::upload(g, kv, plan)?;
+    let sinks = param_f32(g, sinks)?;
+    let out = new_f32(g, rows, n_heads * hd)?;
+    g.launch(
+        (rows as u32, (n_heads / group) as u32, 1),
+        shared as u32,
+        &kernels::Attention {
+            pages: DevPtr::of(&kv.pages),
+            states: DevPtr::of(&kv.states),
+            page_bytes: kv.page_bytes as i64,
+            state_bytes: kv.state_bytes as i64,
+            seq: DevPtr::of(&dp.seq),
+            pt: DevPtr::of(&dp.pt),
+            row_seq: DevPtr::of(&dp.row_seq),
+            positions: DevPtr::of(&dp.positions),
+            q: DevPtr::of(f32_buf(q, "attention")?),
+            kv_new: DevPtr::of(f32_buf(kv_new, "attention")?),
+            sinks: DevPtr::of(&sinks),
+            sel: sel_ptr,
+            topk: topk as i32,
+            out: out_ptr(&out)?,
+            n_heads: n_heads as i32,
+            hd: hd as i32,
+            window: window as i32,
+            win_off: l.window_state_offset as i64,
+            rate: l.rate.max(1) as i32,
+            mode,
+            comp_off: l.comp_page_offset as i64,
+            comp_epp: l.comp_entries_per_page.max(1) as i32,
+            page_tokens: layout.page_tokens as i32,
+            dt: dt_code(layout.kv_dtype)?,
+            scale: (hd as f32).powf(-0.5),
+            max_keys: max_keys as i32,
+            g: group as i32,
+        },
+    )?;
+    Ok(out)
+}
+
+pub fn window_store(
+    g: &Gpu,
+    kv: &mut GpuKv,
+    layout: &KvLayout,
+    layer: usize,
+    kv_new: &GpuTensor,
+    plan: &BatchPlan,
+) -> BResult<()> {
+    let l = layer_of(layout, layer)?;
+    let hd = layout.head_dim;
+    if kv_new.cols != hd || kv_new.rows != plan.rows() {
+        return Err(shape_err(
+            "window_store",
+            format!("kv cols {}", kv_new.cols),
+        ));
+    }
+    let dp = DevPlan::upload(g, kv, plan)?;
+    g.launch(
+        (plan.rows() as u32, 1, 1),
+        0,
+        &kernels::WindowStore {
+            states: DevPtr::of(&kv.states),
+            state_bytes: kv.state_bytes as i64,
+            seq: DevPtr::of(&dp.seq),
+            row_seq: DevPtr::of(&dp.row_seq),
+            positions: DevPtr::of(&dp.positions),
+            kv_new: DevPtr::of(f32_buf(kv_new, "window_store")?),
+            hd: hd as i32,
+            window: layout.sliding_window as i32,
+            win_off: l.window_state_offset as i64,
+            dt: dt_code(layout.kv_dtype)?,
+        },
+    )
+}

@@ -1,0 +1,120 @@
+//! The compressor op: ring update and, at each rate boundary, one pooled, normed, roped
+//! entry stored in the sequence's pages (`cu/compress.cu`).
+
+use crate::buf::{f32_buf, shape_err};
+use crate::device::Gpu;
+use crate::kernels::{self, DevPtr};
+use crate::kv_store::{check_entry_page, dt_code, DevPlan, GpuKv};
+use crate::ops::dense::rope_tables;
+use crate::ops::kv_reach::layer_of;
+use crate::ops::tensors::param_f32;
+use crate::tensor::GpuTensor;
+use pdserve_engine::backend::{BResult, BatchPlan, CompressorParams, CompressorPart};
+use pdserve_engine::config::LayerKind;
+use pdserve_engine::kv::KvLayout;
+
+/// Largest dynamic shared memory a kernel asks for without opting in.
+const SHARED_LIMIT: usize = 48 * 1024;
+
+#[allow(clippy::too_many_arguments)]
+pub fn compress(
+    g: &Gpu,
+    kv: &mut GpuKv,
+    layout: &KvLayout,
+    layer: usize,
+    proj_kv: &GpuTensor,
+    proj_gate: &GpuTensor,
+    p: &CompressorParams<'_, GpuTensor>,
+    plan: &BatchPlan,
+) -> BResult<()> {
+    let l = layer_of(layout, layer)?;
+    let (ring_off, slots, width) = match p.part {
+        CompressorPart::Main => (l.comp_state_offset, l.comp_ring_slots, l.comp_width),
+        CompressorPart::Index => (l.index_state_offset, l.index_ring_slots, l.index_width),
+    };
+    let overlap = l.kind == LayerKind::Csa;
+    let dim = if overlap { width / 2 } else { width };
+    let rate = l.rate;
+    let (entry_off, epp, dt, want_dim) = match p.part {
+        CompressorPart::Main => (
+            l.comp_page_offset,
+            l.comp_entries_per_page,
+            layout.kv_dtype,
+            layout.head_dim,
+        ),
+        CompressorPart::Index => (
+            l.index_page_offset,
+            l.index_entries_per_page,
+            layout.index_k_dtype,
+            layout.index_head_dim,
+        ),
+    };
+    if rate == 0
+        || proj_kv.cols != width
+        || proj_gate.cols != width
+        || proj_kv.rows != plan.rows()
+        || proj_gate.rows != plan.rows()
+        || p.position_bias.len() != rate * width
+        || p.norm_weight.len() != dim
+        || dim != want_dim
+        || p.rope.dim() > dim
+        || dim * 4 > SHARED_LIMIT
+    {
+        return Err(shape_err(
+            "compress",
+            format!(
+                "layer {layer}: rows of {} / {} for width {width}, rate {rate}",
+                proj_kv.cols, proj_gate.cols
+            ),
+        ));
+    }
+    for s in &plan.seqs {
+        let (first, last) = (s.start / rate, (s.start + s.len) / rate);
+        if last > first {
+            check_entry_page(layout, rate, s.pages.len(), last - 1)?;
+        }
+    }
+    let dp = DevPlan::upload(g, kv, plan)?;
+    let (cs, sn) = rope_tables(
+        g,
+        p.rope,
+        plan.positions.iter().map(|&pos| {
+            if (pos + 1).is_multiple_of(rate) {
+                ((pos + 1) / rate - 1) * rate
+            } else {
+                0
+            }
+        }),
+    )?;
+    let bias = param_f32(g, p.position_bias)?;
+    let norm = param_f32(g, p.norm_weight)?;
+    g.launch(
+        (plan.seqs.len() as u32, 1, 1),
+        (dim * 4) as u32,
+        &kernels::Compress {
+            pages: DevPtr::of(&kv.pages),
+            states: DevPtr::of(&kv.states),
+            page_bytes: kv.page_bytes as i64,
+            state_bytes: kv.state_bytes as i64,
+            seq: DevPtr::of(&dp.seq),
+            pt: DevPtr::of(&dp.pt),
+            proj_kv: DevPtr::of(f32_buf(proj_kv, "compress")?),
+            proj_gate: DevPtr::of(f32_buf(proj_gate, "compress")?),
+            bias: DevPtr::of(&bias),
+            norm_w: DevPtr::of(&norm),
+            cs: DevPtr::of(&cs),
+            sn: DevPtr::of(&sn),
+            width: width as i32,
+            rate: rate as i32,
+            slots: slots as i32,
+            overlap: overlap as i32,
+            ring_off: ring_off as i64,
+            entry_off: entry_off as i64,
+            entries_per_page: epp as i32,
+            page_tokens: layout.page_tokens as i32,
+            dt: dt_code(dt)?,
+            rd: p.rope.dim() as i32,
+            eps: p.eps,
+        },
+    )
+}

@@ -1,0 +1,166 @@
+//! Dense ops: embedding, row gathers, GEMMs (cuBLAS), RMS norm and rope.
+
+use crate::buf::{f32_buf, out_ptr, shape_err, storage};
+use crate::device::Gpu;
+use crate::devmem::DevMem;
+use crate::kernels::{self, DevPtr};
+use crate::launch::dev_err;
+use crate::ops::tensors::{new_f32, param_f32, to_bf16};
+use crate::tensor::{Buf, GpuTensor};
+use pdserve_engine::backend::{shapes, BResult};
+use pdserve_engine::rope::Rope;
+
+pub(crate) fn embed(
+    g: &Gpu,
+    table: &GpuTensor,
+    tokens: &[u32],
+    copies: usize,
+) -> BResult<GpuTensor> {
+    shapes::check_embed(table.rows, tokens)?;
+    let h = table.cols;
+    let toks = g.upload(tokens)?;
+    let out = new_f32(g, tokens.len(), copies * h)?;
+    let (elem, tp) = storage(table);
+    g.launch(
+        (tokens.len() as u32, 1, 1),
+        0,
+        &kernels::Embed {
+            elem,
+            table: DevPtr(tp),
+            tokens: DevPtr::of(&toks),
+            out: out_ptr(&out)?,
+            h: h as i32,
+            copies: copies as i32,
+        },
+    )?;
+    Ok(out)
+}
+
+pub(crate) fn gather_rows(g: &Gpu, t: &GpuTensor, rows: &[usize]) -> BResult<GpuTensor> {
+    if let Some(&r) = rows.iter().find(|&&r| r >= t.rows) {
+        return Err(shape_err("gather_rows", format!("row {r} of {}", t.rows)));
+    }
+    let idx: Vec<i32> = rows.iter().map(|&r| r as i32).collect();
+    let idx = g.upload(&idx)?;
+    let out = new_f32(g, rows.len(), t.cols)?;
+    g.launch(
+        (rows.len() as u32, 1, 1),
+        0,
+        &kernels::GatherRows {
+            x: DevPtr::of(f32_buf(t, "gather_rows")?),
+            idx: DevPtr::of(&idx),
+            out: out_ptr(&out)?,
+            cols: t.cols as i32,
+        },
+    )?;
+    Ok(out)
+}
+
+/// `x @ w^T`.
+pub(crate) fn matmul(g: &Gpu, x: &GpuTensor, w: &GpuTensor) -> BResult<GpuTensor> {
+    shapes::check_matmul((x.rows, x.cols), (w.rows, w.cols))?;
+    matmul_into(g, x, w, 1)
+}
+
+/// `x @ w^T` per group of `groups` row blocks of `w` (the grouped output projection).
+pub(crate) fn grouped_matmul(
+    g: &Gpu,
+    x: &GpuTensor,
+    w: &GpuTensor,
+    groups: usize,
+) -> BResult<GpuTensor> {
+    shapes::check_grouped_matmul((x.rows, x.cols), (w.rows, w.cols), groups)?;
+    matmul_into(g, x, w, groups)
+}
+
+/// `x @ w^T` of each group: bf16 weights take a bf16 copy of `x`, fp32 weights fp32.
+fn matmul_into(g: &Gpu, x: &GpuTensor, w: &GpuTensor, groups: usize) -> BResult<GpuTensor> {
+    let xs = f32_buf(x, "matmul")?;
+    let out = new_f32(g, x.rows, w.rows)?;
+    let Buf::F32(o) = &out.buf else {
+        return Err(dev_err("output buffer"));
+    };
+    let (din, dout) = (w.cols, w.rows / groups);
+    let dims = (x.rows, dout, din);
+    let lds = (x.cols, din, w.rows);
+    let strides = (din as i64, (dout * din) as i64, dout as i64);
+    match &w.buf {
+        Buf::Bf16(wb) => {
+            let xb = to_bf16(g, xs)?;
+            let (xp, wp, op) = (xb.ptr(), wb.ptr(), o.ptr());
+            g.gemm_nt(xp, wp, op, dims, lds, strides, groups, true)?;
+        }
+        Buf::F32(wf) => {
+            let (xp, wp, op) = (xs.ptr(), wf.ptr(), o.ptr());
+            g.gemm_nt(xp, wp, op, dims, lds, strides, groups, false)?;
+        }
+    }
+    Ok(out)
+}
+
+pub(crate) fn rms_norm(
+    g: &Gpu,
+    x: &GpuTensor,
+    weight: Option<&GpuTensor>,
+    group: usize,
+    eps: f32,
+) -> BResult<GpuTensor> {
+    shapes::check_rms_norm(x.cols, weight.map(|w| w.len()), group)?;
+    let w = weight.map(|w| param_f32(g, w)).transpose()?;
+    let out = new_f32(g, x.rows, x.cols)?;
+    g.launch(
+        ((x.len() / group) as u32, 1, 1),
+        0,
+        &kernels::RmsNorm {
+            x: DevPtr::of(f32_buf(x, "rms_norm")?),
+            w: w.as_ref().map_or(DevPtr::NULL, DevPtr::of),
+            out: out_ptr(&out)?,
+            group: group as i32,
+            eps,
+        },
+    )?;
+    Ok(out)
+}
+
+pub(crate) fn rope(
+    g: &Gpu,
+    x: &mut GpuTensor,
+    head_dim: usize,
+    rope: &Rope,
+    positions: &[usize],
+    inverse: bool,
+) -> BResult<()> {
+    shapes::check_rope((x.rows, x.cols), head_dim, positions.len(), rope.dim())?;
+    let (cs, sn) = rope_tables(g, rope, positions.iter().copied())?;
+    g.launch(
+        (x.rows as u32, 1, 1),
+        0,
+        &kernels::Rope {
+            x: out_ptr(x)?,
+            cs: DevPtr::of(&cs),
+            sn: DevPtr::of(&sn),
+            cols: x.cols as i32,
+            head_dim: head_dim as i32,
+            rd: rope.dim() as i32,
+            inverse: inverse as i32,
+        },
+    )
+}
+
+/// cos/sin tables `[rows, rope.dim()/2]` at `positions`, computed on the host exactly
+/// like the CPU backend.
+pub(crate) fn rope_tables(
+    g: &Gpu,
+    rope: &Rope,
+    positions: impl Iterator<Item = usize>,
+) -> BResult<(DevMem<f32>, DevMem<f32>)> {
+    let half = rope.dim() / 2;
+    let (mut cs, mut sn) = (Vec::new(), Vec::new());
+    let (mut c, mut s) = (vec![0f32; half], vec![0f32; half]);
+    for p in positions {
+        rope.cos_sin(p, &mut c, &mut s);
+        cs.extend_from_slice(&c);
+        sn.extend_from_slice(&s);
+    }
+    Ok((g.upload(&cs)?, g.upload(&sn)?))
+}

@@ -1,0 +1,14 @@
+//! The backend's ops, one file per family; each takes the device ([`crate::device::Gpu`])
+//! and the tensors, validates shapes, and launches kernels. Nothing here imports
+//! `backend.rs`.
+
+pub(crate) mod attention;
+pub(crate) mod compress;
+pub(crate) mod dense;
+pub(crate) mod hc;
+pub(crate) mod indexer;
+pub(crate) mod kv_reach;
+pub(crate) mod moe;
+pub(crate) mod moe_gemm;
+pub(crate) mod random;
+pub(crate) mod tensors;

@@ -1,0 +1,209 @@
+//! MoE of [`CudaBackend`]: router GEMM (cuBLAS), routing kernel, picks grouped by expert,
+//! routed experts over bf16 or fp32 weights (one warp per output unit of an expert, run
+//! against all of that expert's picks; fp32 accumulation), shared expert, combine.
+
+use crate::buf::{f32_buf, out_ptr, shape_err, storage};
+use crate::device::Gpu;
+use crate::devmem::DevMem;
+use crate::kernels::{self, DevPtr};
+use crate::launch::BLOCK;
+use crate::ops::dense::matmul;
+use crate::ops::moe_gemm;
+use crate::ops::tensors::{new_f32, param_f32};
+use crate::tensor::GpuTensor;
+use pdserve_engine::backend::{BResult, MoeParams};
+use pdserve_engine::config::ScoringFunc;
+
+const WARPS: usize = BLOCK as usize / 32;
+/// Picks per row the combine kernel orders in shared memory (`order[64]` in moe.cu).
+const MAX_TOP_K: usize = 64;
+
+pub fn moe(g: &Gpu, x: &GpuTensor, p: &MoeParams<'_, GpuTensor>) -> BResult<GpuTensor> {
+    let (n, h) = (x.rows, x.cols);
+    let (e, k, inter) = (p.n_experts, p.top_k, p.intermediate);
+    if p.router.rows != e
+        || p.gate_up.rows != e * 2 * inter
+        || p.down.rows != e * h
+        || p.gate_up.cols != h
+        || p.down.cols != inter
+        || k == 0
+        || k > e
+        || k > MAX_TOP_K
+    {
+        return Err(shape_err(
+            "moe",
+            format!(
+                "router {} experts, gate_up rows {}",
+                p.router.rows, p.gate_up.rows
+            ),
+        ));
+    }
+    let hash = match p.hash_experts {
+        Some(hash) => {
+            if hash.len() != n * k {
+                return Err(shape_err(
+                    "moe",
+                    format!("{} hash ids for {n} rows", hash.len()),
+                ));
+            }
+            if let Some(&bad) = hash.iter().find(|&&i| i as usize >= e) {
+                return Err(shape_err("moe", format!("expert id {bad} >= {e}")));
+            }
+            Some(g.upload(hash)?)
+        }
+        None => None,
+    };
+    let logits = matmul(g, x, p.router)?;
+    let bias = p.correction_bias.map(|t| param_f32(g, t)).transpose()?;
+    let ids = g.zeros::<i32>(n * k)?;
+    let wts = g.zeros::<f32>(n * k)?;
+    let scoring = match p.scoring {
+        ScoringFunc::SqrtSoftplus => 0,
+        ScoringFunc::Sigmoid => 1,
+        ScoringFunc::Softmax => 2,
+    };
+    g.launch(
+        (n.div_ceil(BLOCK as usize) as u32, 1, 1),
+        0,
+        &kernels::MoeRoute {
+            logits: out_ptr(&logits)?,
+            bias: bias.as_ref().map_or(DevPtr::NULL, DevPtr::of),
+            hash: hash.as_ref().map_or(DevPtr::NULL, DevPtr::of),
+            ids: DevPtr::of(&ids),
+            wts: DevPtr::of(&wts),
+            rows: n as i32,
+            e: e as i32,
+            k: k as i32,
+            scoring,
+            routed_scaling: p.routed_scaling,
+        },
+    )?;
+    let y = if moe_gemm::worthwhile(g, n, k, e) {
+        moe_gemm::routed(g, x, p, &ids)?
+    } else if moe_gemm::padded_worthwhile(p, n, k, e) {
+        let (list, count) = expert_lists(g, &ids, n, e, k)?;
+        moe_gemm::routed_padded(g, x, p, &list, &count)?
+    } else {
+        routed_grouped(g, x, p, &ids)?
+    };
+    // Shared expert.
+    let sg = matmul(g, x, p.shared_gate)?;
+    let su = matmul(g, x, p.shared_up)?;
+    let sact = new_f32(g, n, p.shared_gate.rows)?;
+    g.launch(
+        crate::launch::grid_1d(sact.len()),
+        0,
+        &kernels::Swiglu {
+            g: DevPtr::of(f32_buf(&sg, "moe")?),
+            u: DevPtr::of(f32_buf(&su, "moe")?),
+            y: out_ptr(&sact)?,
+            n: sact.len() as i64,
+            limit: p.swiglu_limit,
+        },
+    )?;
+    let shared = matmul(g, &sact, p.shared_down)?;
+    let out = new_f32(g, n, h)?;
+    g.launch(
+        (n as u32, 1, 1),
+        0,
+        &kernels::MoeCombine {
+            y: DevPtr::of(&y),
+            ids: DevPtr::of(&ids),
+            wts: DevPtr::of(&wts),
+            shared: DevPtr::of(f32_buf(&shared, "moe")?),
+            out: out_ptr(&out)?,
+            h: h as i32,
+            k: k as i32,
+        },
+    )?;
+    Ok(out)
+}
+
+/// Routed experts on CUDA cores, picks grouped by expert on the device (no host
+/// synchronisation: the decode-step path). Returns `y`: `[rows * k, H]`, one row per pick.
+fn routed_grouped(
+    g: &Gpu,
+    x: &GpuTensor,
+    p: &MoeParams<'_, GpuTensor>,
+    ids: &DevMem<i32>,
+) -> BResult<DevMem<f32>> {
+    let (n, h) = (x.rows, x.cols);
+    let (e, k, inter) = (p.n_experts, p.top_k, p.intermediate);
+    // Picks grouped by expert, so each expert's weights are read once per MOE_TILE picks
+    // instead of once per pick.
+    let (list, count) = expert_lists(g, ids, n, e, k)?;
+    let active = count.view_from(e);
+    // One block column per expert that may be used: at most one per pick.
+    let slots = e.min(n * k) as u32;
+    let act = g.uninit::<f32>(n * k * inter)?;
+    let y = g.uninit::<f32>(n * k * h)?;
+    let xs = f32_buf(x, "moe")?;
+    let (gu_elem, gu_ptr) = storage(p.gate_up);
+    let (down_elem, down_ptr) = storage(p.down);
+    g.launch(
+        (slots, inter.div_ceil(WARPS) as u32, 1),
+        0,
+        &kernels::MoeGateUpGrouped {
+            elem: gu_elem,
+            x: DevPtr::of(xs),
+            gu: DevPtr(gu_ptr),
+            list: DevPtr::of(&list),
+            active: DevPtr::of(&active),
+            count: DevPtr::of(&count),
+            act: DevPtr::of(&act),
+            rows: n as i32,
+            e: e as i32,
+            h: h as i32,
+            i: inter as i32,
+            k: k as i32,
+            limit: p.swiglu_limit,
+        },
+    )?;
+    g.launch(
+        (slots, h.div_ceil(WARPS) as u32, 1),
+        0,
+        &kernels::MoeDownGrouped {
+            elem: down_elem,
+            act: DevPtr::of(&act),
+            down: DevPtr(down_ptr),
+            list: DevPtr::of(&list),
+            active: DevPtr::of(&active),
+            count: DevPtr::of(&count),
+            y: DevPtr::of(&y),
+            rows: n as i32,
+            e: e as i32,
+            h: h as i32,
+            i: inter as i32,
+        },
+    )?;
+    Ok(y)
+}
+
+/// Picks by expert on the device: `list[e * rows + j]` is the j-th pick (row * k + slot) of
+/// expert e; `count` holds `E` counts, then the used experts in ascending order, then how
+/// many are used (see `k_moe_lists`).
+fn expert_lists(
+    g: &Gpu,
+    ids: &DevMem<i32>,
+    n: usize,
+    e: usize,
+    k: usize,
+) -> BResult<(DevMem<i32>, DevMem<i32>)> {
+    let list = g.uninit::<i32>(e * n)?;
+    let count = g.uninit::<i32>(2 * e + 1)?;
+    let active = count.view_from(e);
+    g.launch(
+        (1, 1, 1),
+        0,
+        &kernels::MoeLists {
+            ids: DevPtr::of(ids),
+            list: DevPtr::of(&list),
+            count: DevPtr::of(&count),
+            active: DevPtr::of(&active),
+            rows: n as i32,
+            e: e as i32,
+            k: k as i32,
+        },
+    )?;
+    Ok((list, count))
+}

@@ -1,0 +1,96 @@
+//! Device tensors in and out: host uploads and downloads, fp32 outputs, fp32 views of
+//! parameters and the bf16 rounding of GEMM inputs.
+
+use crate::buf::shape_err;
+use crate::device::Gpu;
+use crate::devmem::DevMem;
+use crate::kernels::{self, DevPtr};
+use crate::launch::grid_1d;
+use crate::tensor::{Buf, GpuTensor};
+use pdserve_engine::backend::{BResult, HostTensor};
+
+/// `t` on the device, stored bf16 when `bf16` (else fp32).
+pub(crate) fn upload(g: &Gpu, t: HostTensor, bf16: bool) -> BResult<GpuTensor> {
+    if t.data.len() != t.rows * t.cols {
+        return Err(shape_err(
+            "upload",
+            format!("{}x{} with {} values", t.rows, t.cols, t.data.len()),
+        ));
+    }
+    let buf = if bf16 {
+        let bits: Vec<u16> = t
+            .data
+            .iter()
+            .map(|&v| half::bf16::from_f32(v).to_bits())
+            .collect();
+        Buf::Bf16(g.upload(&bits)?)
+    } else {
+        Buf::F32(g.upload(&t.data)?)
+    };
+    Ok(GpuTensor {
+        rows: t.rows,
+        cols: t.cols,
+        buf,
+    })
+}
+
+/// `t` copied to the host as fp32 values.
+pub(crate) fn to_host(g: &Gpu, t: &GpuTensor) -> BResult<HostTensor> {
+    let data = match &t.buf {
+        Buf::F32(s) => g.download(s, t.len())?,
+        Buf::Bf16(s) => g
+            .download(s, t.len())?
+            .into_iter()
+            .map(|b| half::bf16::from_bits(b).to_f32())
+            .collect(),
+    };
+    Ok(HostTensor {
+        rows: t.rows,
+        cols: t.cols,
+        data,
+    })
+}
+
+/// An fp32 output tensor; every caller's kernel writes all of it.
+pub(crate) fn new_f32(g: &Gpu, rows: usize, cols: usize) -> BResult<GpuTensor> {
+    Ok(GpuTensor {
+        rows,
+        cols,
+        buf: Buf::F32(g.uninit::<f32>(rows * cols)?),
+    })
+}
+
+/// An fp32 view of a parameter (bf16 parameters are widened into a new buffer).
+pub(crate) fn param_f32(g: &Gpu, t: &GpuTensor) -> BResult<DevMem<f32>> {
+    match &t.buf {
+        Buf::F32(s) => Ok(DevMem::view(s.ptr(), s.len())),
+        Buf::Bf16(s) => {
+            let out = g.uninit::<f32>(t.len())?;
+            g.launch(
+                grid_1d(t.len()),
+                0,
+                &kernels::Bf16ToF32 {
+                    x: DevPtr::of(s),
+                    y: DevPtr::of(&out),
+                    n: t.len() as i64,
+                },
+            )?;
+            Ok(out)
+        }
+    }
+}
+
+/// `src` rounded to bf16 (a GEMM input next to bf16 weights).
+pub(crate) fn to_bf16(g: &Gpu, src: &DevMem<f32>) -> BResult<DevMem<u16>> {
+    let out = g.uninit::<u16>(src.len())?;
+    g.launch(
+        grid_1d(src.len()),
+        0,
+        &kernels::F32ToBf16 {
+            x: DevPtr::of(src),
+            y: DevPtr::of(&out),
+            n: src.len() as i64,
+        },
+    )?;
+    Ok(out)
+}
