@@ -1,8 +1,8 @@
 //! `pdserve gpu-check`: the CUDA backend against the CPU engine on reference fixtures.
 
 use anyhow::{bail, Context, Result};
-use pdserve_gpu_check::check::{check_embedded, check_fixture, header, CheckRow};
 use pdserve_gpu_check::batched::check_batched;
+use pdserve_gpu_check::check::{check_embedded, check_fixture, header, CheckRow};
 use pdserve_gpu_check::graphs::check_graphs;
 use std::path::PathBuf;
 

@@ -240,8 +240,8 @@ fn use_statements(text: &str) -> Vec<(bool, String)> {
     let mut out = Vec::new();
     let mut rest = text;
     while let Some(pos) = find_use(rest) {
-        let is_pub = rest[..pos].trim_end().ends_with("pub")
-            || rest[..pos].trim_end().ends_with(')');
+        let is_pub =
+            rest[..pos].trim_end().ends_with("pub") || rest[..pos].trim_end().ends_with(')');
         let after = &rest[pos + 4..];
         let end = after.find(';').unwrap_or(after.len());
         out.push((is_pub, after[..end].to_string()));
@@ -491,7 +491,8 @@ fn the_checker_sees_circles_and_resolves_reexports() {
             "crate::kv::pool::PageId"
         ]
     );
-    let stripped = strip("use crate::a;\n#[cfg(test)]\nmod tests {\n    use super::*; { }\n}\nuse crate::b;");
+    let stripped =
+        strip("use crate::a;\n#[cfg(test)]\nmod tests {\n    use super::*; { }\n}\nuse crate::b;");
     assert!(!stripped.contains("super"), "{stripped}");
     assert!(stripped.contains("crate::a") && stripped.contains("crate::b"));
     assert_eq!(

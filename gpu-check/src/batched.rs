@@ -12,12 +12,12 @@
 //! row where the greedy token differs from the CPU's is listed with the CPU's top-2 margin.
 
 use crate::check::{argmax, rel_err, CheckRow, REL_TOL, REL_TOL_F32};
-use pdserve_kernels::{CudaBackend, GraphMode, WeightDtype};
 use pdserve_engine::backend::Backend;
 use pdserve_engine::generate::prefill;
 use pdserve_engine::kv::{EntryDtype, KvLayoutSpec};
-use pdserve_tokenizer::Tokenizer;
 use pdserve_engine::{CpuBackend, Engine, ForwardItem, Logits, PoolSize, Sequence};
+use pdserve_kernels::{CudaBackend, GraphMode, WeightDtype};
+use pdserve_tokenizer::Tokenizer;
 use std::path::Path;
 
 type AnyResult<T> = Result<T, Box<dyn std::error::Error>>;
@@ -125,7 +125,11 @@ fn decode_group<B: Backend>(
         seqs.push(seq);
         rows.push(last?);
     }
-    let steps = group.iter().map(|c| c.tokens.len() - c.prompt).min().unwrap_or(0);
+    let steps = group
+        .iter()
+        .map(|c| c.tokens.len() - c.prompt)
+        .min()
+        .unwrap_or(0);
     for s in 0..steps {
         let toks: Vec<u32> = group.iter().map(|c| c.tokens[c.prompt + s]).collect();
         let mut items: Vec<ForwardItem<'_>> = seqs
@@ -156,7 +160,10 @@ fn errors(got: &[Vec<Vec<f32>>], want: &[Vec<Vec<f32>>]) -> Vec<f64> {
 fn quantiles(v: &[f64]) -> [f64; 4] {
     let mut s = v.to_vec();
     s.sort_by(f64::total_cmp);
-    let q = |p: f64| s.get(((s.len() as f64 - 1.0) * p).round() as usize).copied();
+    let q = |p: f64| {
+        s.get(((s.len() as f64 - 1.0) * p).round() as usize)
+            .copied()
+    };
     [q(0.5), q(0.9), q(0.99), q(1.0)].map(|x| x.unwrap_or(0.0))
 }
 
@@ -175,7 +182,13 @@ fn flips(got: &[Vec<Vec<f32>>], want: &[Vec<Vec<f32>>]) -> Vec<(usize, usize, f3
     out
 }
 
-fn row(name: String, got: &[Vec<Vec<f32>>], want: &[Vec<Vec<f32>>], tol: f64, gate: bool) -> CheckRow {
+fn row(
+    name: String,
+    got: &[Vec<Vec<f32>>],
+    want: &[Vec<Vec<f32>>],
+    tol: f64,
+    gate: bool,
+) -> CheckRow {
     let errs = errors(got, want);
     let (worst_row, max_rel_err) = errs
         .iter()
@@ -237,7 +250,13 @@ fn check_setup(
     let all = decode_in_batches(&mut e, cases, cases.len())?;
     let n = cases.len();
     let mut rows = vec![
-        row(format!("batched {label}, 1 x {n} seqs"), &one, want, tol, exact),
+        row(
+            format!("batched {label}, 1 x {n} seqs"),
+            &one,
+            want,
+            tol,
+            exact,
+        ),
         row(
             format!("batched {label}, {SMALL_BATCH} per batch"),
             &small,
@@ -245,12 +264,23 @@ fn check_setup(
             tol,
             exact,
         ),
-        row(format!("batched {label}, {n} per batch"), &all, want, tol, exact),
+        row(
+            format!("batched {label}, {n} per batch"),
+            &all,
+            want,
+            tol,
+            exact,
+        ),
     ];
     let (e1, es, ea) = (errors(&one, want), errors(&small, want), errors(&all, want));
     let mut figures = vec![
         describe(&label, "batch 1", &e1, &flips(&one, want)),
-        describe(&label, &format!("batch {SMALL_BATCH}"), &es, &flips(&small, want)),
+        describe(
+            &label,
+            &format!("batch {SMALL_BATCH}"),
+            &es,
+            &flips(&small, want),
+        ),
         describe(&label, &format!("batch {n}"), &ea, &flips(&all, want)),
     ];
     if !exact {
@@ -268,7 +298,12 @@ fn check_setup(
             pass: same,
             gate: true,
         });
-        figures.push(describe(&label, "GPU b1 vs b48", &errors(&all, &one), &flips(&all, &one)));
+        figures.push(describe(
+            &label,
+            "GPU b1 vs b48",
+            &errors(&all, &one),
+            &flips(&all, &one),
+        ));
     }
     Ok((rows, figures))
 }
@@ -334,7 +369,10 @@ mod tests {
         let corpus = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/tokenizer_corpus.txt");
         let text = std::fs::read_to_string(corpus).unwrap();
         let cases = cases(&tok, &text, 5, 4).unwrap();
-        assert!(cases.iter().any(|c| c.prompt > 256), "some prompt spans pages");
+        assert!(
+            cases.iter().any(|c| c.prompt > 256),
+            "some prompt spans pages"
+        );
         let spec = kv_spec(&dir).unwrap();
         let want = reference(&dir, spec, &cases).unwrap();
         assert!(want.iter().all(|r| r.len() == 5));

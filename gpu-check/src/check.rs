@@ -6,9 +6,9 @@ use pdserve_engine::backend::Backend;
 use pdserve_engine::generate::{generate, logits_prefill_decode, prefill, GenerateRequest};
 use pdserve_engine::kv::{EntryDtype, KvLayoutSpec};
 use pdserve_engine::sampling::SamplingParams;
-use pdserve_tokenizer::Tokenizer;
 use pdserve_engine::{CpuBackend, Engine, ForwardItem, Logits, PoolSize};
 use pdserve_kernels::{CudaBackend, WeightDtype};
+use pdserve_tokenizer::Tokenizer;
 use std::path::{Path, PathBuf};
 
 /// Per-row relative error bound of bf16-weight GPU logits against the fp32 CPU engine.

@@ -4,9 +4,9 @@
 
 use crate::check::CheckRow;
 use pdserve_engine::generate::prefill;
-use pdserve_tokenizer::Tokenizer;
 use pdserve_engine::{Engine, ForwardItem, Logits, PoolSize, Sequence};
 use pdserve_kernels::{CudaBackend, GraphMode};
+use pdserve_tokenizer::Tokenizer;
 use std::time::Instant;
 
 type AnyResult<T> = Result<T, Box<dyn std::error::Error>>;

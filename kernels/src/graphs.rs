@@ -335,6 +335,18 @@ pub(crate) fn decode_step(
     }
 }
 
+/// Decode steps replayed from captured graphs (`--cuda-graph`).
+impl StepRunner for CudaBackend {
+    fn decode_step(
+        &self,
+        kv: &mut GpuKv,
+        plan: &BatchPlan,
+        forward: &mut StepForward<'_, Self>,
+    ) -> BResult<HostTensor> {
+        decode_step(self, kv, plan, forward)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -393,17 +405,5 @@ mod tests {
         assert!(padded.seqs.iter().all(|s| s.pages.len() == 4));
         let longer = pad_plan(&plan(&[1], &[5]), 1, 99, 7);
         assert_eq!(longer.seqs[0].pages.len(), 8);
-    }
-}
-
-/// Decode steps replayed from captured graphs (`--cuda-graph`).
-impl StepRunner for CudaBackend {
-    fn decode_step(
-        &self,
-        kv: &mut GpuKv,
-        plan: &BatchPlan,
-        forward: &mut StepForward<'_, Self>,
-    ) -> BResult<HostTensor> {
-        decode_step(self, kv, plan, forward)
     }
 }

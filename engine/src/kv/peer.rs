@@ -21,7 +21,10 @@ impl KvLayout {
 }
 
 fn pairs(fields: &[(String, String)]) -> Vec<(&str, &str)> {
-    fields.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect()
+    fields
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect()
 }
 
 #[cfg(test)]
