@@ -512,7 +512,7 @@ fn error_paths_name_their_field() {
     assert_err(json!({ "norm_topk_prob": "yes" }), "norm_topk_prob");
     // unknown keys are fine
     parse_ok(
-        json!({ "architectures": ["DeepseekV4ForCausalLM"], "torch_dtype": "bfloat16", "quantization_config": {} }),
+        json!({ "architectures": ["DeepseekV4ForCausalLM"], "torch_dtype": "bfloat16" }),
     );
 }
 
