@@ -87,7 +87,10 @@ fn check_part(part: &StoredPart<'_>, format: WeightFormat, report: &mut Validati
             return usable;
         }
         (WeightFormat::Fp8Block, &[rows, cols]) => {
-            vec![rows.div_ceil(WEIGHT_BLOCK[0]), cols.div_ceil(WEIGHT_BLOCK[1])]
+            vec![
+                rows.div_ceil(WEIGHT_BLOCK[0]),
+                cols.div_ceil(WEIGHT_BLOCK[1]),
+            ]
         }
         (WeightFormat::Fp4Packed, &[rows, half_cols]) => {
             vec![rows, (2 * half_cols).div_ceil(FP4_GROUP)]

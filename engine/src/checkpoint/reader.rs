@@ -84,7 +84,8 @@ pub struct StoredScale<'a> {
 
 /// Disk name of the scale that belongs to weight `disk`: `X.weight` -> `X.scale`.
 pub fn scale_name(disk: &str) -> Option<String> {
-    disk.strip_suffix(".weight").map(|stem| format!("{stem}.scale"))
+    disk.strip_suffix(".weight")
+        .map(|stem| format!("{stem}.scale"))
 }
 
 /// Weight disk name -> scale disk name, for every stored `X.scale` next to an `X.weight`.
@@ -168,7 +169,7 @@ impl Checkpoint {
             }
             ckpt.shards.push(Shard { path: single, map });
             ckpt.scales = pair_scales(&ckpt.disk);
-        ckpt.canon = build_canonical(&ckpt.disk, &ckpt.scales)?;
+            ckpt.canon = build_canonical(&ckpt.disk, &ckpt.scales)?;
             return Ok(ckpt);
         }
         if !index.is_file() {
@@ -430,10 +431,15 @@ impl Checkpoint {
 
     /// A quantized 2-D weight (`F8_E4M3` block-scaled, or `I8`-packed FP4) decoded with its
     /// paired `F8_E8M0` scale (see [`super::dequant`]).
-    fn dequantized(&self, name: &str, raw: RawTensor<'_>) -> Result<CheckpointTensor, CheckpointError> {
-        let scale_disk = self.scales.get(name).ok_or_else(|| {
-            corrupt(name, format!("{:?} weight without its .scale", raw.dtype))
-        })?;
+    fn dequantized(
+        &self,
+        name: &str,
+        raw: RawTensor<'_>,
+    ) -> Result<CheckpointTensor, CheckpointError> {
+        let scale_disk = self
+            .scales
+            .get(name)
+            .ok_or_else(|| corrupt(name, format!("{:?} weight without its .scale", raw.dtype)))?;
         let scale = self.raw_disk(scale_disk)?;
         if scale.dtype != DiskDtype::F8_E8M0 {
             return Err(CheckpointError::Dtype {
@@ -443,10 +449,16 @@ impl Checkpoint {
             });
         }
         let &[rows, stored_cols] = raw.shape else {
-            return Err(corrupt(name, format!("quantized weight of shape {:?} is not 2-D", raw.shape)));
+            return Err(corrupt(
+                name,
+                format!("quantized weight of shape {:?} is not 2-D", raw.shape),
+            ));
         };
         let (cols, data) = if raw.dtype == DiskDtype::F8_E4M3 {
-            (stored_cols, fp8_block_scaled(raw.bytes, rows, stored_cols, scale.bytes))
+            (
+                stored_cols,
+                fp8_block_scaled(raw.bytes, rows, stored_cols, scale.bytes),
+            )
         } else {
             let cols = 2 * stored_cols;
             (cols, fp4_group_scaled(raw.bytes, rows, cols, scale.bytes))

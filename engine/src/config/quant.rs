@@ -82,7 +82,10 @@ fn choice<T: Copy>(q: &Obj, key: &str, choices: &[(&str, T)], default: Option<&s
             let known: Vec<String> = choices.iter().map(|(n, _)| format!("\"{n}\"")).collect();
             field_err(
                 q.name(key),
-                format!("unsupported value \"{value}\" (supported: {})", known.join(", ")),
+                format!(
+                    "unsupported value \"{value}\" (supported: {})",
+                    known.join(", ")
+                ),
             )
         })
 }
@@ -101,7 +104,10 @@ pub(super) fn parse_quantization(f: &Obj) -> Res<Option<Quantization>> {
     let block_field = q.name("weight_block_size");
     let block = match q.get("weight_block_size") {
         None => return Err(field_err(block_field, "missing")),
-        Some(Value::Array(items)) => items.iter().map(super::as_usize).collect::<Option<Vec<_>>>(),
+        Some(Value::Array(items)) => items
+            .iter()
+            .map(super::as_usize)
+            .collect::<Option<Vec<_>>>(),
         Some(_) => None,
     };
     let weight_block_size = match block.as_deref() {
