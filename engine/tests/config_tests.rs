@@ -511,9 +511,7 @@ fn error_paths_name_their_field() {
     assert_err(json!({ "num_hash_layers": -1 }), "num_hash_layers");
     assert_err(json!({ "norm_topk_prob": "yes" }), "norm_topk_prob");
     // unknown keys are fine
-    parse_ok(
-        json!({ "architectures": ["DeepseekV4ForCausalLM"], "torch_dtype": "bfloat16" }),
-    );
+    parse_ok(json!({ "architectures": ["DeepseekV4ForCausalLM"], "torch_dtype": "bfloat16" }));
 }
 
 #[test]
@@ -566,7 +564,10 @@ fn quantization_config_parses_the_released_values() {
     let fp4 = parse_ok(json!({ "quantization_config": released_quant(), "expert_dtype": "fp4" }));
     assert_eq!(fp4.quantization.unwrap().expert_dtype, ExpertDtype::Fp4);
     // Without quantization_config nothing is quantized, whatever expert_dtype says.
-    assert_eq!(parse_ok(json!({ "expert_dtype": "fp4" })).quantization, None);
+    assert_eq!(
+        parse_ok(json!({ "expert_dtype": "fp4" })).quantization,
+        None
+    );
 }
 
 #[test]
@@ -594,10 +595,16 @@ fn quantization_config_refuses_unknown_values_by_field() {
     }
     let mut no_method = released_quant();
     no_method.as_object_mut().unwrap().remove("quant_method");
-    assert_err(json!({ "quantization_config": no_method }), "quantization_config.quant_method");
+    assert_err(
+        json!({ "quantization_config": no_method }),
+        "quantization_config.quant_method",
+    );
     let mut no_scale_fmt = released_quant();
     no_scale_fmt.as_object_mut().unwrap().remove("scale_fmt");
-    assert_err(json!({ "quantization_config": no_scale_fmt }), "quantization_config.scale_fmt");
+    assert_err(
+        json!({ "quantization_config": no_scale_fmt }),
+        "quantization_config.scale_fmt",
+    );
     assert_err(
         json!({ "quantization_config": released_quant(), "expert_dtype": "int4" }),
         "expert_dtype",

@@ -45,7 +45,10 @@ fn e2m1_every_nibble() {
     for n in 0..16u8 {
         let want = minifloat(u32::from(n), 2, 1, 1);
         assert_eq!(f64::from(e2m1_to_f32(n)), want, "{n:#x}");
-        assert_eq!(f64::from(e2m1_to_f32(n)).abs(), magnitudes[usize::from(n & 7)]);
+        assert_eq!(
+            f64::from(e2m1_to_f32(n)).abs(),
+            magnitudes[usize::from(n & 7)]
+        );
     }
 }
 
