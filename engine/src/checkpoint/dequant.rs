@@ -122,7 +122,10 @@ pub fn fp4_group_scaled(
     scale: &[u8],
 ) -> Result<Vec<f32>, String> {
     let scale_cols = cols.div_ceil(FP4_GROUP);
-    if !cols.is_multiple_of(2) || packed.len() * 2 != rows * cols || scale.len() != rows * scale_cols {
+    if !cols.is_multiple_of(2)
+        || packed.len() * 2 != rows * cols
+        || scale.len() != rows * scale_cols
+    {
         return Err(format!(
             "{} packed bytes and {} scale bytes for a {rows}x{cols} FP4 weight",
             packed.len(),
