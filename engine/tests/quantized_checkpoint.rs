@@ -10,7 +10,7 @@ mod common;
 use common::*;
 use half::bf16;
 use pdserve_engine::checkpoint::{expected_tensors, validate, Checkpoint, DiskDtype};
-use pdserve_engine::config::ModelConfig;
+use pdserve_engine::config::{ExpertDtype, ModelConfig};
 use pdserve_engine::generate::logits_prefill_decode;
 use pdserve_engine::kv::EntryDtype;
 use safetensors::tensor::TensorView;
@@ -152,8 +152,19 @@ fn fp4_weight(rng: &mut Rng, rows: usize, cols: usize) -> (Tensor, Tensor, Vec<f
     )
 }
 
+/// How the tiny checkpoint stores its weights.
+#[derive(Clone, Copy, PartialEq)]
+enum Stored {
+    /// Everything F32 (the reference).
+    F32,
+    /// Released instruct layout: FP8 attention / shared experts, FP4 routed experts.
+    Fp8Fp4,
+    /// Base layout: FP8 routed experts too.
+    Fp8,
+}
+
 /// config.json of the tiny model: the `mixed` fixture's, resized past one 128-block.
-fn config_json(quantized: bool) -> Value {
+fn config_json(stored: Stored) -> Value {
     let fx = fixtures_dir().join("mixed/config.json");
     let mut c: Value = serde_json::from_str(&std::fs::read_to_string(fx).unwrap()).unwrap();
     for (k, v) in [
@@ -181,12 +192,16 @@ fn config_json(quantized: bool) -> Value {
     ] {
         c[k] = v;
     }
-    if quantized {
+    if stored != Stored::F32 {
         c["quantization_config"] = json!({
             "quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
             "weight_block_size": [128, 128], "activation_scheme": "dynamic"
         });
-        c["expert_dtype"] = json!("fp4");
+        c["expert_dtype"] = json!(if stored == Stored::Fp8Fp4 {
+            "fp4"
+        } else {
+            "fp8"
+        });
     }
     c
 }
@@ -199,6 +214,7 @@ struct Tiny {
 }
 
 fn build(cfg: &ModelConfig) -> Tiny {
+    let fp4_experts = cfg.quantization.unwrap().expert_dtype == ExpertDtype::Fp4;
     let mut rng = Rng(11);
     let mut tiny = Tiny {
         quantized: Vec::new(),
@@ -240,7 +256,11 @@ fn build(cfg: &ModelConfig) -> Tiny {
             let mut values = Vec::new();
             for e in 0..t.shape[0] {
                 for part in parts {
-                    let (w, s, v) = fp4_weight(&mut rng, part_rows, cols);
+                    let (w, s, v) = if fp4_experts {
+                        fp4_weight(&mut rng, part_rows, cols)
+                    } else {
+                        fp8_weight(&mut rng, part_rows, cols)
+                    };
                     let stem = format!("{layer}.ffn.experts.{e}.{part}");
                     tiny.quantized.push((format!("{stem}.weight"), w));
                     tiny.quantized.push((format!("{stem}.scale"), s));
@@ -284,18 +304,58 @@ fn write(dir: &Path, config: &Value, tensors: &[(String, Tensor)]) {
     .unwrap();
 }
 
-fn tiny_cfg() -> ModelConfig {
-    ModelConfig::from_json_str(&config_json(true).to_string()).unwrap()
+/// Write `tensors` as two shards with an index, alternating, so that a weight and its
+/// scale (adjacent in `tensors`) land in different files.
+fn write_sharded(dir: &Path, config: &Value, tensors: &[(String, Tensor)]) {
+    std::fs::create_dir_all(dir).unwrap();
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    let mut weight_map = serde_json::Map::new();
+    for shard in 0..2 {
+        let file = format!("model-0000{}-of-00002.safetensors", shard + 1);
+        let views: Vec<(String, TensorView<'_>)> = tensors
+            .iter()
+            .skip(shard)
+            .step_by(2)
+            .map(|(n, (d, s, b))| {
+                weight_map.insert(n.clone(), json!(file));
+                (n.clone(), TensorView::new(*d, s.clone(), b).unwrap())
+            })
+            .collect();
+        std::fs::write(
+            dir.join(&file),
+            safetensors::serialize(views, None).unwrap(),
+        )
+        .unwrap();
+    }
+    let index = json!({ "metadata": {}, "weight_map": weight_map });
+    std::fs::write(dir.join("model.safetensors.index.json"), index.to_string()).unwrap();
+}
+
+fn tiny_cfg(stored: Stored) -> ModelConfig {
+    ModelConfig::from_json_str(&config_json(stored).to_string()).unwrap()
 }
 
 #[test]
 fn released_layout_loads_exactly_and_runs_like_its_f32_dequantization() {
-    let cfg = tiny_cfg();
+    loads_exactly(Stored::Fp8Fp4, false);
+}
+
+#[test]
+fn sharded_base_layout_with_fp8_experts_loads_exactly() {
+    loads_exactly(Stored::Fp8, true);
+}
+
+fn loads_exactly(stored: Stored, sharded: bool) {
+    let cfg = tiny_cfg(stored);
     let tiny = build(&cfg);
     let tmp = tempfile::tempdir().unwrap();
-    let (qdir, fdir) = (tmp.path().join("fp8-fp4"), tmp.path().join("f32"));
-    write(&qdir, &config_json(true), &tiny.quantized);
-    write(&fdir, &config_json(false), &tiny.reference);
+    let (qdir, fdir) = (tmp.path().join("quantized"), tmp.path().join("f32"));
+    if sharded {
+        write_sharded(&qdir, &config_json(stored), &tiny.quantized);
+    } else {
+        write(&qdir, &config_json(stored), &tiny.quantized);
+    }
+    write(&fdir, &config_json(Stored::F32), &tiny.reference);
 
     let q = Checkpoint::open(&qdir).unwrap();
     let f = Checkpoint::open(&fdir).unwrap();
@@ -315,9 +375,14 @@ fn released_layout_loads_exactly_and_runs_like_its_f32_dequantization() {
         q.dtype("model.layers.1.self_attn.q_a_proj.weight"),
         Some(DiskDtype::F8_E4M3)
     );
+    let expert_dtype = if stored == Stored::Fp8Fp4 {
+        DiskDtype::I8
+    } else {
+        DiskDtype::F8_E4M3
+    };
     assert_eq!(
         q.dtype("model.layers.1.mlp.experts.gate_up_proj"),
-        Some(DiskDtype::I8)
+        Some(expert_dtype)
     );
 
     let tokens: Vec<u32> = (0..40).map(|i| (i * 7 + 3) % 97).collect();
@@ -341,7 +406,7 @@ fn released_layout_loads_exactly_and_runs_like_its_f32_dequantization() {
 
 #[test]
 fn bad_scales_and_dtypes_fail_in_one_error_naming_each() {
-    let cfg = tiny_cfg();
+    let cfg = tiny_cfg(Stored::Fp8Fp4);
     let mut tensors = build(&cfg).quantized;
     let missing = "layers.0.attn.wq_a.scale";
     let misshapen = "layers.1.ffn.shared_experts.w2.scale";
@@ -362,7 +427,7 @@ fn bad_scales_and_dtypes_fail_in_one_error_naming_each() {
         }
     }
     let tmp = tempfile::tempdir().unwrap();
-    write(tmp.path(), &config_json(true), &tensors);
+    write(tmp.path(), &config_json(Stored::Fp8Fp4), &tensors);
     let ckpt = Checkpoint::open(tmp.path()).unwrap();
     let err = validate(&ckpt, &cfg).unwrap_err().to_string();
     for name in [missing, misshapen, mistyped, wrong_weight] {
@@ -389,9 +454,13 @@ fn bad_scales_and_dtypes_fail_in_one_error_naming_each() {
 #[test]
 fn a_float_checkpoint_under_a_quantization_config_is_refused() {
     // f32 weights where the config prescribes FP8/FP4: every quantized tensor is named.
-    let cfg = tiny_cfg();
+    let cfg = tiny_cfg(Stored::Fp8Fp4);
     let tmp = tempfile::tempdir().unwrap();
-    write(tmp.path(), &config_json(true), &build(&cfg).reference);
+    write(
+        tmp.path(),
+        &config_json(Stored::Fp8Fp4),
+        &build(&cfg).reference,
+    );
     let ckpt = Checkpoint::open(tmp.path()).unwrap();
     let err = validate(&ckpt, &cfg).unwrap_err().to_string();
     assert!(
@@ -402,4 +471,29 @@ fn a_float_checkpoint_under_a_quantization_config_is_refused() {
     // CSA layer's indexer wq_b; the BF16-by-design tensors (norms, compressors) are fine.
     assert!(err.contains("unsupported dtypes (31)"), "{err}");
     assert!(!err.contains("kv_norm"), "{err}");
+}
+
+#[test]
+fn a_nan_scale_fails_loading_naming_its_weight() {
+    let cfg = tiny_cfg(Stored::Fp8Fp4);
+    let mut tensors = build(&cfg).quantized;
+    let scale = "layers.1.ffn.experts.0.w2.scale";
+    let (_, (_, _, bytes)) = tensors.iter_mut().find(|(n, _)| n == scale).unwrap();
+    bytes[5] = 0xff;
+    let tmp = tempfile::tempdir().unwrap();
+    write(tmp.path(), &config_json(Stored::Fp8Fp4), &tensors);
+    let err = pdserve_engine::Engine::load(
+        tmp.path(),
+        pdserve_engine::CpuBackend,
+        None,
+        pdserve_engine::PoolSize {
+            pages: 16,
+            states: 2,
+        },
+    )
+    .err()
+    .expect("a NaN scale must fail loading")
+    .to_string();
+    assert!(err.contains("layers.1.ffn.experts.0.w2.weight"), "{err}");
+    assert!(err.contains("scale element 5 is NaN"), "{err}");
 }
