@@ -3,6 +3,7 @@
 
 use crate::config::{ExpertDtype, ModelConfig, FP4_GROUP, WEIGHT_BLOCK};
 
+use super::names::{canonical, Canonical};
 use super::{Checkpoint, DiskDtype, ShapeMismatch, StoredPart, ValidationReport};
 
 /// How one float tensor is stored on disk.
@@ -53,50 +54,77 @@ fn float_dtype(d: DiskDtype) -> bool {
     matches!(d, DiskDtype::F32 | DiskDtype::BF16 | DiskDtype::F16)
 }
 
-/// Check every stored part of canonical `name` (several for per-expert tensors) and its
-/// scale against `format`, adding each problem to `report` under the disk name at fault.
-/// Returns whether the tensor is usable.
+/// Check the float tensor with canonical `name` against `format`, adding each problem to
+/// `report`. A float tensor is reported under its canonical name, as before quantized
+/// formats existed (a scale next to it is unexpected); a quantized one part by part (several
+/// for per-expert tensors) under the disk name at fault. Returns whether it is usable.
 pub(super) fn check_stored(
     ckpt: &Checkpoint,
     name: &str,
     format: WeightFormat,
     report: &mut ValidationReport,
 ) -> bool {
+    let parts = ckpt.stored_parts(name);
+    let (weight_dtype, scale_shape): (DiskDtype, ScaleShape) = match format {
+        WeightFormat::Fp8Block => (DiskDtype::F8_E4M3, fp8_scale_shape),
+        WeightFormat::Fp4Packed => (DiskDtype::I8, fp4_scale_shape),
+        WeightFormat::Float => {
+            for scale in parts.iter().filter_map(|p| p.scale) {
+                report.unexpected.push(match canonical(scale.name) {
+                    Canonical::Whole(c) => c,
+                    _ => scale.name.to_string(),
+                });
+            }
+            return match parts.first() {
+                Some(p) if !float_dtype(p.dtype) => {
+                    report.bad_dtype.push((name.to_string(), p.dtype));
+                    false
+                }
+                _ => true,
+            };
+        }
+    };
     let mut usable = true;
-    for part in ckpt.stored_parts(name) {
-        usable &= check_part(&part, format, report);
+    for part in parts {
+        usable &= check_quantized_part(&part, weight_dtype, scale_shape, report);
     }
     usable
 }
 
-fn check_part(part: &StoredPart<'_>, format: WeightFormat, report: &mut ValidationReport) -> bool {
-    let weight_dtype = match format {
-        WeightFormat::Float => float_dtype(part.dtype),
-        WeightFormat::Fp8Block => part.dtype == DiskDtype::F8_E4M3,
-        WeightFormat::Fp4Packed => part.dtype == DiskDtype::I8,
-    };
-    let mut usable = weight_dtype;
-    if !weight_dtype {
+/// The scale shape a quantized weight of stored shape `shape` needs (`None`: not 2-D).
+type ScaleShape = fn(&[usize]) -> Option<Vec<usize>>;
+
+fn fp8_scale_shape(shape: &[usize]) -> Option<Vec<usize>> {
+    match *shape {
+        [rows, cols] => Some(vec![
+            rows.div_ceil(WEIGHT_BLOCK[0]),
+            cols.div_ceil(WEIGHT_BLOCK[1]),
+        ]),
+        _ => None,
+    }
+}
+
+/// FP4 stores half the columns: `[out, in/2]` -> `[out, ceil(in/32)]`.
+fn fp4_scale_shape(shape: &[usize]) -> Option<Vec<usize>> {
+    match *shape {
+        [rows, half_cols] => Some(vec![rows, (2 * half_cols).div_ceil(FP4_GROUP)]),
+        _ => None,
+    }
+}
+
+fn check_quantized_part(
+    part: &StoredPart<'_>,
+    weight_dtype: DiskDtype,
+    scale_shape: ScaleShape,
+    report: &mut ValidationReport,
+) -> bool {
+    let mut usable = part.dtype == weight_dtype;
+    if !usable {
         report.bad_dtype.push((part.name.to_string(), part.dtype));
     }
-    let want_scale = match (format, part.shape) {
-        (WeightFormat::Float, _) => {
-            if let Some(s) = part.scale {
-                report.unexpected.push(s.name.to_string());
-            }
-            return usable;
-        }
-        (WeightFormat::Fp8Block, &[rows, cols]) => {
-            vec![
-                rows.div_ceil(WEIGHT_BLOCK[0]),
-                cols.div_ceil(WEIGHT_BLOCK[1]),
-            ]
-        }
-        (WeightFormat::Fp4Packed, &[rows, half_cols]) => {
-            vec![rows, (2 * half_cols).div_ceil(FP4_GROUP)]
-        }
-        // Not 2-D: the logical shape check reports it; no scale shape to derive.
-        _ => return false,
+    // Not 2-D: the logical shape check reports it; there is no scale shape to derive.
+    let Some(want_scale) = scale_shape(part.shape) else {
+        return false;
     };
     let Some(scale) = part.scale else {
         report
