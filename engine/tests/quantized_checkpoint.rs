@@ -497,3 +497,21 @@ fn a_nan_scale_fails_loading_naming_its_weight() {
     assert!(err.contains("layers.1.ffn.experts.0.w2.weight"), "{err}");
     assert!(err.contains("scale element 5 is NaN"), "{err}");
 }
+
+#[test]
+fn a_scale_next_to_a_float_weight_is_unexpected() {
+    let mut tensors = build(&tiny_cfg(Stored::Fp8Fp4)).reference;
+    let scale = "model.layers.0.self_attn.q_a_proj.scale";
+    tensors.push((scale.into(), (DiskDtype::F8_E8M0, vec![2, 2], vec![127; 4])));
+    let tmp = tempfile::tempdir().unwrap();
+    write(tmp.path(), &config_json(Stored::F32), &tensors);
+    let ckpt = Checkpoint::open(tmp.path()).unwrap();
+    let err = validate(&ckpt, &tiny_cfg(Stored::F32))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains(&format!("unexpected tensors (1):\n  {scale}")),
+        "{err}"
+    );
+    assert!(!err.contains("unsupported"), "{err}");
+}
