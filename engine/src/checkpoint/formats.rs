@@ -122,8 +122,12 @@ fn check_quantized_part(
     if !usable {
         report.bad_dtype.push((part.name.to_string(), part.dtype));
     }
-    // Not 2-D: the logical shape check reports it; there is no scale shape to derive.
+    // Scales are defined for 2-D weights only (experts stored one tensor per expert).
     let Some(want_scale) = scale_shape(part.shape) else {
+        report.bad_values.push(format!(
+            "{}: a quantized weight is stored 2-D (per expert), found shape {:?}",
+            part.name, part.shape
+        ));
         return false;
     };
     let Some(scale) = part.scale else {
