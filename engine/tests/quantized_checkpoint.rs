@@ -515,3 +515,22 @@ fn a_scale_next_to_a_float_weight_is_unexpected() {
     );
     assert!(!err.contains("unsupported"), "{err}");
 }
+
+#[test]
+fn a_packed_3d_quantized_expert_tensor_is_refused() {
+    let cfg = tiny_cfg(Stored::Fp8);
+    let mut tensors = build(&cfg).quantized;
+    tensors.retain(|(n, _)| !(n.starts_with("layers.0.ffn.experts.") && n.contains(".w2.")));
+    let packed = "model.layers.0.mlp.experts.down_proj";
+    let shape = vec![4, 160, 96];
+    let bytes = vec![0x38; shape.iter().product()];
+    tensors.push((packed.into(), (DiskDtype::F8_E4M3, shape, bytes)));
+    let tmp = tempfile::tempdir().unwrap();
+    write(tmp.path(), &config_json(Stored::Fp8), &tensors);
+    let ckpt = Checkpoint::open(tmp.path()).unwrap();
+    let err = validate(&ckpt, &cfg).unwrap_err().to_string();
+    assert!(
+        err.contains(&format!("{packed}: a quantized weight is stored 2-D")),
+        "{err}"
+    );
+}
