@@ -6,7 +6,8 @@
 //! The modules form six layers; a module uses its own layer and the ones below it, never
 //! one above (`tests/layers.rs` checks every import):
 //!
-//! 0. **foundation**: `config`, `rope`, `checkpoint` (checkpoint files), `sampling`,
+//! 0. **foundation**: `config` (with `config::quant`, the stored weight formats), `rope`,
+//!    `checkpoint` (checkpoint files and their exact FP8/FP4 dequantization), `sampling`,
 //!    `embedded`, and the KV layout (`kv::layout`, `kv::layout_table`,
 //!    `kv::sizing`, `kv::fp8`, `kv::peer`, `kv::metrics`): values and plain algorithms.
 //! 1. **backend** (`backend`): the traits a backend implements (tensor ops, KV storage,

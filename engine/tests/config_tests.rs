@@ -511,9 +511,7 @@ fn error_paths_name_their_field() {
     assert_err(json!({ "num_hash_layers": -1 }), "num_hash_layers");
     assert_err(json!({ "norm_topk_prob": "yes" }), "norm_topk_prob");
     // unknown keys are fine
-    parse_ok(
-        json!({ "architectures": ["DeepseekV4ForCausalLM"], "torch_dtype": "bfloat16", "quantization_config": {} }),
-    );
+    parse_ok(json!({ "architectures": ["DeepseekV4ForCausalLM"], "torch_dtype": "bfloat16" }));
 }
 
 #[test]
@@ -545,4 +543,70 @@ fn io_and_json_errors() {
     std::fs::write(dir.path().join("config.json"), "{not json").unwrap();
     let err = ModelConfig::from_model_dir(dir.path()).unwrap_err();
     assert!(err.to_string().contains("config.json"), "{err}");
+}
+
+fn released_quant() -> Value {
+    json!({
+        "quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
+        "weight_block_size": [128, 128], "activation_scheme": "dynamic"
+    })
+}
+
+#[test]
+fn quantization_config_parses_the_released_values() {
+    use pdserve_engine::config::{ExpertDtype, Quantization, WEIGHT_BLOCK};
+    assert_eq!(parse_ok(json!({})).quantization, None);
+    let q: Quantization = parse_ok(json!({ "quantization_config": released_quant() }))
+        .quantization
+        .unwrap();
+    assert_eq!(q.weight_block_size, WEIGHT_BLOCK);
+    assert_eq!(q.expert_dtype, ExpertDtype::Fp8);
+    let fp4 = parse_ok(json!({ "quantization_config": released_quant(), "expert_dtype": "fp4" }));
+    assert_eq!(fp4.quantization.unwrap().expert_dtype, ExpertDtype::Fp4);
+    // Without quantization_config nothing is quantized, whatever expert_dtype says.
+    assert_eq!(
+        parse_ok(json!({ "expert_dtype": "fp4" })).quantization,
+        None
+    );
+}
+
+#[test]
+fn quantization_config_refuses_unknown_values_by_field() {
+    let with = |key: &str, v: Value| {
+        let mut q = released_quant();
+        q[key] = v;
+        json!({ "quantization_config": q })
+    };
+    let cases = [
+        ("quant_method", json!("gptq")),
+        ("fmt", json!("e5m2")),
+        ("scale_fmt", json!("float32")),
+        ("activation_scheme", json!("static")),
+        ("weight_block_size", json!([64, 64])),
+        ("weight_block_size", json!([128])),
+        ("weight_block_size", json!("128x128")),
+    ];
+    for (key, v) in cases {
+        let bad = v.to_string();
+        let value = bad.trim_matches('"').to_string();
+        let err = parse(with(key, v)).unwrap_err().to_string();
+        assert!(err.contains(&format!("quantization_config.{key}")), "{err}");
+        assert!(err.contains(&value), "{err} should name {value}");
+    }
+    let mut no_method = released_quant();
+    no_method.as_object_mut().unwrap().remove("quant_method");
+    assert_err(
+        json!({ "quantization_config": no_method }),
+        "quantization_config.quant_method",
+    );
+    let mut no_scale_fmt = released_quant();
+    no_scale_fmt.as_object_mut().unwrap().remove("scale_fmt");
+    assert_err(
+        json!({ "quantization_config": no_scale_fmt }),
+        "quantization_config.scale_fmt",
+    );
+    assert_err(
+        json!({ "quantization_config": released_quant(), "expert_dtype": "int4" }),
+        "expert_dtype",
+    );
 }

@@ -2,6 +2,8 @@
 //! inventory transformers' `DeepseekV4ForCausalLM.state_dict()` saves, and validation of one
 //! against the other.
 
+pub mod dequant;
+mod formats;
 pub mod names;
 mod reader;
 
@@ -12,9 +14,11 @@ use std::path::PathBuf;
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
-pub use reader::{Checkpoint, CheckpointTensor, RawTensor};
+pub use reader::{scale_name, Checkpoint, CheckpointTensor, RawTensor, StoredPart, StoredScale};
 
 use crate::config::{LayerKind, MlpKind, ModelConfig};
+
+pub use formats::{weight_format, WeightFormat};
 
 /// Element type of a tensor as stored on disk.
 pub use safetensors::Dtype as DiskDtype;
@@ -201,7 +205,8 @@ pub struct ValidationReport {
     pub missing: Vec<String>,
     pub unexpected: Vec<String>,
     pub wrong_shape: Vec<ShapeMismatch>,
-    /// Tensors whose dtype is unsupported for their role (float: F32/BF16/F16; int: I64/I32).
+    /// Tensors whose dtype is unsupported for their role (float: F32/BF16/F16 or the quantized
+    /// format the config prescribes, with F8_E8M0 scales; int: I64/I32).
     pub bad_dtype: Vec<(String, DiskDtype)>,
     /// Tensors whose values cannot be used (e.g. `tid2eid` expert ids out of range).
     pub bad_values: Vec<String>,
@@ -250,16 +255,14 @@ impl fmt::Display for ValidationReport {
     }
 }
 
-fn float_dtype(d: DiskDtype) -> bool {
-    matches!(d, DiskDtype::F32 | DiskDtype::BF16 | DiskDtype::F16)
-}
-
 fn int_dtype(d: DiskDtype) -> bool {
     matches!(d, DiskDtype::I64 | DiskDtype::I32)
 }
 
-/// Check `ckpt` against `cfg`: missing, unexpected, wrongly shaped and wrongly typed tensors and
-/// out-of-range `tid2eid` entries, all reported together in one [`CheckpointError::Invalid`].
+/// Check `ckpt` against `cfg`: missing, unexpected, wrongly shaped and wrongly typed tensors
+/// (quantized weights: the dtype the config's `quantization_config` prescribes, and a scale
+/// of the right dtype and shape) and out-of-range `tid2eid` entries, all reported together
+/// in one [`CheckpointError::Invalid`].
 /// `mtp.*` tensors are ignored; with tied embeddings `lm_head.weight` may be absent.
 pub fn validate(ckpt: &Checkpoint, cfg: &ModelConfig) -> Result<(), CheckpointError> {
     let mut expected = expected_tensors(cfg);
@@ -290,24 +293,25 @@ pub fn validate(ckpt: &Checkpoint, cfg: &ModelConfig) -> Result<(), CheckpointEr
             });
             usable = false;
         }
-        if !(if t.int {
-            int_dtype(dtype)
+        if t.int {
+            if !int_dtype(dtype) {
+                report.bad_dtype.push((t.name.clone(), dtype));
+                usable = false;
+            }
         } else {
-            float_dtype(dtype)
-        }) {
-            report.bad_dtype.push((t.name.clone(), dtype));
-            usable = false;
+            let format = weight_format(cfg, &t.name);
+            usable &= formats::check_stored(ckpt, &t.name, format, &mut report);
         }
         if t.int && usable {
             check_expert_ids(ckpt, &t.name, cfg.n_routed_experts, &mut report);
         }
     }
     let known: BTreeSet<&str> = expected.iter().map(|t| t.name.as_str()).collect();
-    report.unexpected = ckpt
-        .names()
-        .into_iter()
-        .filter(|n| !known.contains(n.as_str()))
-        .collect();
+    report.unexpected.extend(
+        ckpt.names()
+            .into_iter()
+            .filter(|n| !known.contains(n.as_str())),
+    );
     if report.is_empty() {
         Ok(())
     } else {

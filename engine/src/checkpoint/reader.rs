@@ -2,6 +2,9 @@
 //! canonical tensor names ([`names::canonical`]): upstream DeepSeek names, the names
 //! transformers' `save_pretrained` writes, and transformers' module names all load, and
 //! per-expert tensors are presented as the packed `experts.gate_up_proj` / `down_proj`.
+//! A quantized weight `X.weight` (FP8 e4m3, or FP4 packed in `I8`) is paired with its
+//! ue8m0 `X.scale` on disk; the pair reads as one f32 tensor in the weight's logical shape,
+//! and the scale has no canonical name of its own.
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
@@ -11,6 +14,7 @@ use memmap2::Mmap;
 use rayon::prelude::*;
 use safetensors::SafeTensors;
 
+use super::dequant::{fp4_group_scaled, fp8_block_scaled};
 use super::names::{canonical, Canonical, ExpertPart};
 use super::{CheckpointError, DiskDtype, CONVERT_CHUNK, INDEX_FILE, SINGLE_FILE};
 
@@ -54,6 +58,44 @@ pub struct Checkpoint {
     disk: BTreeMap<String, Entry>,
     /// Canonical name -> where its data comes from.
     canon: BTreeMap<String, Source>,
+    /// Disk name of a quantized weight -> disk name of its `.scale`.
+    scales: BTreeMap<String, String>,
+}
+
+/// One stored tensor behind a canonical name (several for per-expert tensors).
+#[derive(Debug, Clone, Copy)]
+pub struct StoredPart<'a> {
+    /// Disk name.
+    pub name: &'a str,
+    pub dtype: DiskDtype,
+    /// Shape as stored (an FP4 weight stores half its columns).
+    pub shape: &'a [usize],
+    /// The `.scale` tensor stored next to it, if any.
+    pub scale: Option<StoredScale<'a>>,
+}
+
+/// A stored `.scale` tensor.
+#[derive(Debug, Clone, Copy)]
+pub struct StoredScale<'a> {
+    pub name: &'a str,
+    pub dtype: DiskDtype,
+    pub shape: &'a [usize],
+}
+
+/// Disk name of the scale that belongs to weight `disk`: `X.weight` -> `X.scale`.
+pub fn scale_name(disk: &str) -> Option<String> {
+    disk.strip_suffix(".weight")
+        .map(|stem| format!("{stem}.scale"))
+}
+
+/// Weight disk name -> scale disk name, for every stored `X.scale` next to an `X.weight`.
+fn pair_scales(disk: &BTreeMap<String, Entry>) -> BTreeMap<String, String> {
+    disk.keys()
+        .filter_map(|w| {
+            let s = scale_name(w)?;
+            disk.contains_key(&s).then(|| (w.clone(), s))
+        })
+        .collect()
 }
 
 /// Where a canonical tensor's data lives.
@@ -109,6 +151,7 @@ impl Checkpoint {
             shards: Vec::new(),
             disk: BTreeMap::new(),
             canon: BTreeMap::new(),
+            scales: BTreeMap::new(),
         };
         if single.is_file() {
             let map = map_file(&single)?;
@@ -125,7 +168,8 @@ impl Checkpoint {
                 );
             }
             ckpt.shards.push(Shard { path: single, map });
-            ckpt.canon = build_canonical(&ckpt.disk)?;
+            ckpt.scales = pair_scales(&ckpt.disk);
+            ckpt.canon = build_canonical(&ckpt.disk, &ckpt.scales)?;
             return Ok(ckpt);
         }
         if !index.is_file() {
@@ -180,7 +224,8 @@ impl Checkpoint {
             }
             ckpt.shards.push(Shard { path, map });
         }
-        ckpt.canon = build_canonical(&ckpt.disk)?;
+        ckpt.scales = pair_scales(&ckpt.disk);
+        ckpt.canon = build_canonical(&ckpt.disk, &ckpt.scales)?;
         Ok(ckpt)
     }
 
@@ -203,30 +248,68 @@ impl Checkpoint {
         self.canon.contains_key(name)
     }
 
-    /// Disk entries behind a canonical name, in data order.
-    fn parts(&self, name: &str) -> Vec<&Entry> {
+    /// Disk names behind a canonical name, in data order.
+    fn part_names(&self, name: &str) -> Vec<&String> {
         match self.canon.get(name) {
-            Some(Source::Disk(d)) => self.disk.get(d).into_iter().collect(),
-            Some(Source::Stacked(experts)) => experts
-                .iter()
-                .flatten()
-                .filter_map(|d| self.disk.get(d))
-                .collect(),
+            Some(Source::Disk(d)) => vec![d],
+            Some(Source::Stacked(experts)) => experts.iter().flatten().collect(),
             None => Vec::new(),
         }
     }
 
+    /// Disk entries behind a canonical name, in data order.
+    fn parts(&self, name: &str) -> Vec<&Entry> {
+        self.part_names(name)
+            .into_iter()
+            .filter_map(|d| self.disk.get(d))
+            .collect()
+    }
+
+    /// The stored tensors behind canonical `name`, each with its paired scale.
+    pub fn stored_parts(&self, name: &str) -> Vec<StoredPart<'_>> {
+        self.part_names(name)
+            .into_iter()
+            .filter_map(|d| {
+                let e = self.disk.get(d)?;
+                let scale = self.scales.get(d).and_then(|s| {
+                    let se = self.disk.get(s)?;
+                    Some(StoredScale {
+                        name: s,
+                        dtype: se.dtype,
+                        shape: &se.shape,
+                    })
+                });
+                Some(StoredPart {
+                    name: d,
+                    dtype: e.dtype,
+                    shape: &e.shape,
+                    scale,
+                })
+            })
+            .collect()
+    }
+
+    /// The shape a disk tensor has once decoded: an FP4 weight (`I8` with a scale) holds
+    /// two elements per stored byte.
+    fn logical_shape(&self, disk: &str) -> Option<Vec<usize>> {
+        let e = self.disk.get(disk)?;
+        let mut shape = e.shape.clone();
+        if e.dtype == DiskDtype::I8 && self.scales.contains_key(disk) {
+            if let Some(cols) = shape.last_mut() {
+                *cols *= 2;
+            }
+        }
+        Some(shape)
+    }
+
+    /// Shape of canonical `name` as [`Checkpoint::tensor_f32`] returns it.
     pub fn shape(&self, name: &str) -> Option<Vec<usize>> {
         match self.canon.get(name)? {
-            Source::Disk(d) => self.disk.get(d).map(|e| e.shape.clone()),
+            Source::Disk(d) => self.logical_shape(d),
             Source::Stacked(experts) => {
-                let first = self.disk.get(experts.first()?.first()?)?;
+                let first = self.logical_shape(experts.first()?.first()?)?;
                 let per_expert = experts[0].len();
-                Some(vec![
-                    experts.len(),
-                    per_expert * first.shape[0],
-                    first.shape[1],
-                ])
+                Some(vec![experts.len(), per_expert * first[0], first[1]])
             }
         }
     }
@@ -235,10 +318,12 @@ impl Checkpoint {
         self.parts(name).first().map(|e| e.dtype)
     }
 
-    /// Stored size of one tensor in bytes (0 when absent).
+    /// Stored size of one tensor in bytes, its scales included (0 when absent).
     pub fn tensor_bytes(&self, name: &str) -> u64 {
-        self.parts(name)
-            .iter()
+        self.part_names(name)
+            .into_iter()
+            .flat_map(|d| std::iter::once(d).chain(self.scales.get(d)))
+            .filter_map(|d| self.disk.get(d))
             .map(|e| (e.end - e.start) as u64)
             .sum()
     }
@@ -291,7 +376,8 @@ impl Checkpoint {
         })
     }
 
-    /// A float tensor (F32, BF16 or F16 on disk) converted to f32.
+    /// A float tensor (F32, BF16 or F16 on disk, or a quantized weight with its scale)
+    /// converted to f32.
     pub fn tensor_f32(&self, name: &str) -> Result<CheckpointTensor, CheckpointError> {
         match self.canon.get(name) {
             Some(Source::Stacked(experts)) => {
@@ -317,11 +403,14 @@ impl Checkpoint {
             DiskDtype::F32 => |b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
             DiskDtype::BF16 => |b| half::bf16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32(),
             DiskDtype::F16 => |b| half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32(),
+            DiskDtype::F8_E4M3 | DiskDtype::I8 if self.scales.contains_key(name) => {
+                return self.dequantized(name, raw);
+            }
             dtype => {
                 return Err(CheckpointError::Dtype {
                     name: name.to_string(),
                     dtype,
-                    expected: "F32, BF16 or F16",
+                    expected: "F32, BF16 or F16 (or F8_E4M3 / I8 with a .scale)",
                 })
             }
         };
@@ -337,6 +426,46 @@ impl Checkpoint {
         Ok(CheckpointTensor {
             shape: raw.shape.to_vec(),
             data,
+        })
+    }
+
+    /// A quantized 2-D weight (`F8_E4M3` block-scaled, or `I8`-packed FP4) decoded with its
+    /// paired `F8_E8M0` scale (see [`super::dequant`]).
+    fn dequantized(
+        &self,
+        name: &str,
+        raw: RawTensor<'_>,
+    ) -> Result<CheckpointTensor, CheckpointError> {
+        let scale_disk = self
+            .scales
+            .get(name)
+            .ok_or_else(|| corrupt(name, format!("{:?} weight without its .scale", raw.dtype)))?;
+        let scale = self.raw_disk(scale_disk)?;
+        if scale.dtype != DiskDtype::F8_E8M0 {
+            return Err(CheckpointError::Dtype {
+                name: scale_disk.clone(),
+                dtype: scale.dtype,
+                expected: "F8_E8M0",
+            });
+        }
+        let &[rows, stored_cols] = raw.shape else {
+            return Err(corrupt(
+                name,
+                format!("quantized weight of shape {:?} is not 2-D", raw.shape),
+            ));
+        };
+        let (cols, data) = if raw.dtype == DiskDtype::F8_E4M3 {
+            (
+                stored_cols,
+                fp8_block_scaled(raw.bytes, rows, stored_cols, scale.bytes),
+            )
+        } else {
+            let cols = 2 * stored_cols;
+            (cols, fp4_group_scaled(raw.bytes, rows, cols, scale.bytes))
+        };
+        Ok(CheckpointTensor {
+            shape: vec![rows, cols],
+            data: data.map_err(|reason| corrupt(name, reason))?,
         })
     }
 
@@ -374,15 +503,19 @@ fn corrupt(name: &str, reason: String) -> CheckpointError {
 }
 
 /// Group disk names by canonical name; per-expert tensors must form complete, uniform sets.
+/// Scales paired with a weight (`scales`' values) belong to that weight and are skipped.
 fn build_canonical(
     disk: &BTreeMap<String, Entry>,
+    scales: &BTreeMap<String, String>,
 ) -> Result<BTreeMap<String, Source>, CheckpointError> {
     let mut canon = BTreeMap::new();
+    let paired: std::collections::BTreeSet<&String> = scales.values().collect();
     // packed name -> expert -> [gate/down, up] disk names
     let mut packed: BTreeMap<String, BTreeMap<usize, [Option<String>; 2]>> = BTreeMap::new();
-    for name in disk.keys() {
+    let mut ignored = 0usize;
+    for name in disk.keys().filter(|n| !paired.contains(n)) {
         match canonical(name) {
-            Canonical::Ignored => {}
+            Canonical::Ignored => ignored += 1,
             Canonical::Whole(c) => {
                 if let Some(Source::Disk(other)) =
                     canon.insert(c.clone(), Source::Disk(name.clone()))
@@ -408,6 +541,9 @@ fn build_canonical(
                 }
             }
         }
+    }
+    if ignored > 0 {
+        tracing::info!("ignoring {ignored} multi-token-prediction (mtp.*) tensors");
     }
     for (p, experts) in packed {
         if canon.contains_key(&p) {

@@ -91,6 +91,9 @@ struct CheckpointSource<'a> {
 
 impl<B: Backend> TensorSource<B> for CheckpointSource<'_> {
     fn float(&mut self, backend: &B, name: &str) -> Result<B::Tensor, LoadError> {
+        // FP8/FP4 weights are dequantized exactly to f32 here (checkpoint::dequant). A backend
+        // that keeps them as stored (the CUDA FP8/FP4 GEMMs) will take the raw weight and
+        // scale bytes (`Checkpoint::stored_parts` / `raw`) at this point instead.
         let t = self.ckpt.tensor_f32(name)?;
         self.progress.advance(self.ckpt.tensor_bytes(name));
         let (rows, cols) = rows_cols(&t.shape);

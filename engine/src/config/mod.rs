@@ -5,6 +5,13 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{Map, Value};
 
+mod quant;
+
+pub use quant::{
+    ActivationScheme, ExpertDtype, Fp8Format, QuantMethod, Quantization, ScaleFormat, FP4_GROUP,
+    WEIGHT_BLOCK,
+};
+
 /// Attention flavour of one decoder layer (`layer_types[i]`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
 pub enum LayerKind {
@@ -97,6 +104,8 @@ pub struct ModelConfig {
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
     pub tie_word_embeddings: bool,
+    /// `quantization_config` + `expert_dtype`: `None` for a float (f32/bf16/f16) checkpoint.
+    pub quantization: Option<Quantization>,
 }
 
 /// Why a `config.json` could not be turned into a [`ModelConfig`].
@@ -298,6 +307,7 @@ impl ModelConfig {
             bos_token_id,
             eos_token_ids,
             tie_word_embeddings: f.bool_or("tie_word_embeddings", false)?,
+            quantization: quant::parse_quantization(&f)?,
         };
         check_other_fields(&f)?;
         cfg.validate()?;
