@@ -1,6 +1,7 @@
 //! The project's structure, drawn from its imports (docs/architecture.md): inside every
-//! crate of the workspace no files import each other in a circle, and the crates depend on
-//! each other only downwards (the router needs no engine).
+//! crate of the workspace no files import each other in a circle, the engine's modules
+//! import only their own layer or lower ones, and the crates depend on each other only
+//! downwards (the router needs no engine).
 //!
 //! Each `src/**/*.rs` file is a module; every `use crate::...`, `use super::...`,
 //! `use self::...` and inline `crate::...` path is resolved to the file that defines the
@@ -143,8 +144,9 @@ fn strip_comments(src: &str) -> String {
     out
 }
 
-/// `use` trees expanded to full paths: `a::{b, c::d}` -> `a::b`, `a::c::d`.
-fn expand(tree: &str) -> Vec<String> {
+/// `use` trees expanded to full paths, each with the name it binds: `a::{b, c::d as e}` ->
+/// (`a::b`, `b`), (`a::c::d`, `e`).
+fn expand(tree: &str) -> Vec<(String, String)> {
     let tree = tree.split_whitespace().collect::<Vec<_>>().join(" ");
     let tree: String = tree
         .replace(" as ", "@")
@@ -156,18 +158,27 @@ fn expand(tree: &str) -> Vec<String> {
     out
 }
 
-fn expand_into(prefix: &str, tree: &str, out: &mut Vec<String>) {
+fn expand_into(prefix: &str, tree: &str, out: &mut Vec<(String, String)>) {
     for part in split_top(tree) {
         if let Some(open) = part.find('{') {
             let head = part[..open].trim_end_matches("::");
             let inner = &part[open + 1..part.len() - 1];
             expand_into(&join(prefix, head), inner, out);
         } else {
-            let name = part.split('@').next().unwrap_or(part);
-            if name != "self" && !name.is_empty() {
-                out.push(join(prefix, name));
-            } else if name == "self" {
-                out.push(prefix.to_string());
+            let mut words = part.split('@');
+            let name = words.next().unwrap_or(part);
+            let path = if name == "self" {
+                prefix.to_string()
+            } else {
+                join(prefix, name)
+            };
+            let bound = words
+                .next()
+                .or_else(|| path.rsplit("::").next())
+                .unwrap_or_default()
+                .to_string();
+            if !path.is_empty() {
+                out.push((path, bound));
             }
         }
     }
@@ -236,18 +247,23 @@ struct Crate {
     uses: HashMap<String, Vec<Vec<String>>>,
 }
 
-fn use_statements(text: &str) -> Vec<(bool, String)> {
+/// Every `use` statement of `text` (whether it is `pub`, and its tree), and the text
+/// without them (where inline `crate::` paths are looked for).
+fn use_statements(text: &str) -> (Vec<(bool, String)>, String) {
     let mut out = Vec::new();
+    let mut other = String::with_capacity(text.len());
     let mut rest = text;
     while let Some(pos) = find_use(rest) {
         let is_pub =
             rest[..pos].trim_end().ends_with("pub") || rest[..pos].trim_end().ends_with(')');
+        other.push_str(&rest[..pos]);
         let after = &rest[pos + 4..];
         let end = after.find(';').unwrap_or(after.len());
         out.push((is_pub, after[..end].to_string()));
         rest = &after[end..];
     }
-    out
+    other.push_str(rest);
+    (out, other)
 }
 
 /// Position of the next `use ` keyword that starts a statement.
@@ -299,39 +315,20 @@ fn load(dir: &Path) -> Crate {
         let text = strip(&std::fs::read_to_string(&f).unwrap());
         let mut uses = Vec::new();
         let mut re = HashMap::new();
-        for (is_pub, tree) in use_statements(&text) {
-            for p in expand(&tree) {
-                if let Some(abs) = absolute(&module, &p) {
-                    if is_pub {
-                        if let Some(name) = abs.last() {
-                            re.insert(name.clone(), abs.clone());
-                        }
-                    } else {
-                        uses.push(abs);
-                    }
-                } else if is_pub && !p.contains("::") {
+        let (statements, rest) = use_statements(&text);
+        for (is_pub, tree) in statements {
+            for (p, bound) in expand(&tree) {
+                let Some(abs) = written_path(&src, &module, &p) else {
                     continue;
-                } else if let Some(first) = p.split("::").next() {
-                    // `use device::X` inside a module whose child is `device`.
-                    let child = join(&module, first);
-                    if krate_has_child(&src, &child) {
-                        let abs: Vec<String> = child
-                            .split("::")
-                            .map(String::from)
-                            .chain(p.split("::").skip(1).map(String::from))
-                            .collect();
-                        if is_pub {
-                            if let Some(name) = abs.last() {
-                                re.insert(name.clone(), abs.clone());
-                            }
-                        } else {
-                            uses.push(abs);
-                        }
-                    }
+                };
+                if is_pub {
+                    re.insert(bound, abs);
+                } else {
+                    uses.push(abs);
                 }
             }
         }
-        for p in inline_paths(&text) {
+        for p in inline_paths(&rest) {
             if let Some(abs) = absolute(&module, &p) {
                 uses.push(abs);
             }
@@ -341,6 +338,23 @@ fn load(dir: &Path) -> Crate {
         krate.files.insert(module, f);
     }
     krate
+}
+
+/// A path as written in `module` (`crate::`, `self::`, `super::`, or a child module's
+/// name as in `use device::X`) -> an absolute path inside the crate; None for other crates.
+fn written_path(src: &Path, module: &str, path: &str) -> Option<Vec<String>> {
+    if let Some(abs) = absolute(module, path) {
+        return Some(abs);
+    }
+    let first = path.split("::").next()?;
+    let child = join(module, first);
+    krate_has_child(src, &child).then(|| {
+        child
+            .split("::")
+            .map(String::from)
+            .chain(path.split("::").skip(1).map(String::from))
+            .collect()
+    })
 }
 
 fn krate_has_child(src: &Path, module: &str) -> bool {
@@ -453,6 +467,84 @@ fn circles(g: &BTreeMap<String, BTreeSet<String>>) -> Vec<Vec<String>> {
     t.out
 }
 
+// The engine's layers (documented at the top of engine/src/lib.rs): a module may use its
+// own layer and the ones below, never one above.
+
+/// Module path prefix -> layer, lowest first. The longest matching prefix decides; a new
+/// module goes in the lowest layer whose modules it needs (see `src/lib.rs`).
+const LAYERS: &[(&str, usize)] = &[
+    // 0. foundation: config, checkpoint files, KV layout, plain algorithms.
+    ("config", 0),
+    ("rope", 0),
+    ("checkpoint", 0),
+    ("sampling", 0),
+    ("embedded", 0),
+    ("kv::layout", 0),
+    ("kv::layout_table", 0),
+    ("kv::sizing", 0),
+    ("kv::fp8", 0),
+    ("kv::peer", 0),
+    ("kv::metrics", 0),
+    // 1. backend: the traits of numeric ops, KV storage and step running; the CPU backend.
+    ("backend", 1),
+    // 2. pools: page/state allocation, device and host pools, the step audit.
+    ("kv::allocator", 2),
+    ("kv::device", 2),
+    ("kv::host", 2),
+    ("kv::audit", 2),
+    // 3. model: parameters and the forward pass.
+    ("model", 3),
+    // 4. engine: sequences, batched forward, single-request drivers.
+    ("engine", 4),
+    ("generate", 4),
+    // 5. prefix cache.
+    ("kv::prefix", 5),
+];
+
+/// Modules that only declare and re-export (facades): not checked as importers.
+const HUBS: &[&str] = &["", "kv"];
+
+fn layer_of(module: &str) -> Option<usize> {
+    LAYERS
+        .iter()
+        .filter(|(m, _)| module == *m || module.starts_with(&format!("{m}::")))
+        .max_by_key(|(m, _)| m.len())
+        .map(|&(_, l)| l)
+}
+
+/// Every import of `graph` that runs to a higher layer, or from or to a module with no layer.
+fn layer_violations(graph: &BTreeMap<String, BTreeSet<String>>) -> Vec<String> {
+    let mut errors = Vec::new();
+    for (m, targets) in graph {
+        if HUBS.contains(&m.as_str()) {
+            continue;
+        }
+        let Some(own) = layer_of(m) else {
+            errors.push(format!("module `{m}` has no layer in LAYERS"));
+            continue;
+        };
+        for t in targets {
+            match layer_of(t) {
+                Some(l) if l <= own => {}
+                Some(l) => errors.push(format!("`{m}` (layer {own}) imports `{t}` (layer {l})")),
+                None => errors.push(format!("`{m}` imports `{t}`, which has no layer in LAYERS")),
+            }
+        }
+    }
+    errors
+}
+
+#[test]
+fn no_engine_module_imports_a_higher_layer() {
+    let k = load(&root().join("engine"));
+    let errors = layer_violations(&edges(&k));
+    assert!(
+        errors.is_empty(),
+        "layer violations:\n{}",
+        errors.join("\n")
+    );
+}
+
 #[test]
 fn no_crate_has_files_that_import_each_other_in_a_circle() {
     let root = root();
@@ -483,13 +575,31 @@ fn the_checker_sees_circles_and_resolves_reexports() {
     g.insert("b".to_string(), BTreeSet::from(["a".to_string()]));
     g.insert("c".to_string(), BTreeSet::from(["a".to_string()]));
     assert_eq!(circles(&g), vec![vec!["a".to_string(), "b".to_string()]]);
+    let mut up = BTreeMap::new();
+    up.insert(
+        "backend::shapes".to_string(),
+        BTreeSet::from(["engine".to_string()]),
+    );
+    up.insert(
+        "engine".to_string(),
+        BTreeSet::from(["backend".to_string()]),
+    );
+    up.insert("nowhere".to_string(), BTreeSet::new());
+    assert_eq!(
+        layer_violations(&up),
+        vec![
+            "`backend::shapes` (layer 1) imports `engine` (layer 4)".to_string(),
+            "module `nowhere` has no layer in LAYERS".to_string(),
+        ]
+    );
     assert_eq!(
         expand("crate::kv::{device::DevicePool, pool::{self, PageId as P}}"),
-        vec![
-            "crate::kv::device::DevicePool",
-            "crate::kv::pool",
-            "crate::kv::pool::PageId"
+        [
+            ("crate::kv::device::DevicePool", "DevicePool"),
+            ("crate::kv::pool", "pool"),
+            ("crate::kv::pool::PageId", "P"),
         ]
+        .map(|(p, n)| (p.to_string(), n.to_string()))
     );
     let stripped =
         strip("use crate::a;\n#[cfg(test)]\nmod tests {\n    use super::*; { }\n}\nuse crate::b;");

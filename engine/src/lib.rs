@@ -4,7 +4,7 @@
 //! # Layers
 //!
 //! The modules form six layers; a module uses its own layer and the ones below it, never
-//! one above (`tests/layers.rs` checks every import):
+//! one above (`cli/tests/structure.rs` checks every import):
 //!
 //! 0. **foundation**: `config` (with `config::quant`, the stored weight formats), `rope`,
 //!    `checkpoint` (checkpoint files and their exact FP8/FP4 dequantization), `sampling`,
@@ -26,7 +26,7 @@
 //! `lib.rs` and `kv/mod.rs` only declare modules and re-export. New code goes in the
 //! lowest layer whose modules it needs; a module that would need a higher layer takes
 //! what it needs as a parameter or a small trait instead. A new module gets its line in
-//! `tests/layers.rs`.
+//! `LAYERS` of `cli/tests/structure.rs`.
 
 pub mod backend;
 pub mod checkpoint;
