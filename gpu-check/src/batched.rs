@@ -11,11 +11,11 @@
 //! noise at every batch size; with bf16 weights the distributions are compared, and each
 //! row where the greedy token differs from the CPU's is listed with the CPU's top-2 margin.
 
-use crate::check::{argmax, rel_err, CheckRow, REL_TOL, REL_TOL_F32};
+use crate::check::{argmax, decode_logits, rel_err, CheckRow, REL_TOL, REL_TOL_F32};
 use pdserve_engine::backend::Backend;
 use pdserve_engine::generate::prefill;
 use pdserve_engine::kv::{EntryDtype, KvLayoutSpec};
-use pdserve_engine::{CpuBackend, Engine, ForwardItem, Logits, PoolSize, Sequence};
+use pdserve_engine::{CpuBackend, Engine, Logits, PoolSize, Sequence};
 use pdserve_kernels::{CudaBackend, GraphMode, WeightDtype};
 use pdserve_tokenizer::Tokenizer;
 use std::path::Path;
@@ -132,17 +132,11 @@ fn decode_group<B: Backend>(
         .unwrap_or(0);
     for s in 0..steps {
         let toks: Vec<u32> = group.iter().map(|c| c.tokens[c.prompt + s]).collect();
-        let mut items: Vec<ForwardItem<'_>> = seqs
+        for (r, o) in rows
             .iter_mut()
-            .zip(&toks)
-            .map(|(seq, t)| ForwardItem {
-                seq,
-                tokens: std::slice::from_ref(t),
-                logits: Logits::Last,
-            })
-            .collect();
-        for (r, o) in rows.iter_mut().zip(e.forward(&mut items)?) {
-            r.push(o.data);
+            .zip(decode_logits(e, seqs.iter_mut(), &toks)?)
+        {
+            r.push(o);
         }
     }
     Ok(rows)

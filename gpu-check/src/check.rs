@@ -6,7 +6,7 @@ use pdserve_engine::backend::Backend;
 use pdserve_engine::generate::{generate, logits_prefill_decode, prefill, GenerateRequest};
 use pdserve_engine::kv::{EntryDtype, KvLayoutSpec};
 use pdserve_engine::sampling::SamplingParams;
-use pdserve_engine::{CpuBackend, Engine, ForwardItem, Logits, PoolSize};
+use pdserve_engine::{CpuBackend, Engine, ForwardItem, Logits, PoolSize, Sequence};
 use pdserve_kernels::{CudaBackend, WeightDtype};
 use pdserve_tokenizer::Tokenizer;
 use std::path::{Path, PathBuf};
@@ -368,19 +368,10 @@ fn audit_batched<B: Backend>(gpu: &mut Engine<B>, tok: &Tokenizer) -> AnyResult<
     let mut result = Ok(());
     for _ in 0..steps {
         let toks = next.clone();
-        let mut items: Vec<ForwardItem<'_>> = seqs
-            .iter_mut()
-            .zip(&toks)
-            .map(|(seq, t)| ForwardItem {
-                seq,
-                tokens: std::slice::from_ref(t),
-                logits: Logits::Last,
-            })
-            .collect();
-        match gpu.forward(&mut items) {
+        match decode_logits(gpu, &mut seqs, &toks) {
             Ok(outs) => {
                 for (n, o) in next.iter_mut().zip(outs) {
-                    *n = argmax(&o.data) as u32;
+                    *n = argmax(&o) as u32;
                 }
             }
             Err(e) => {
@@ -406,4 +397,22 @@ fn audit_batched<B: Backend>(gpu: &mut Engine<B>, tok: &Tokenizer) -> AnyResult<
         pass: result.is_ok(),
         gate: true,
     })
+}
+
+/// One decode step of every sequence in `seqs`, feeding `toks`; each row's logits.
+pub(crate) fn decode_logits<'a, B: Backend>(
+    e: &mut Engine<B>,
+    seqs: impl IntoIterator<Item = &'a mut Sequence>,
+    toks: &[u32],
+) -> AnyResult<Vec<Vec<f32>>> {
+    let mut items: Vec<ForwardItem<'_>> = seqs
+        .into_iter()
+        .zip(toks)
+        .map(|(seq, t)| ForwardItem {
+            seq,
+            tokens: std::slice::from_ref(t),
+            logits: Logits::Last,
+        })
+        .collect();
+    Ok(e.forward(&mut items)?.into_iter().map(|t| t.data).collect())
 }

@@ -2,9 +2,9 @@
 //! the same steps run eagerly (bitwise), over random batches of sequences at different
 //! positions, and the graph speed-up at batch 1 on the embedded model.
 
-use crate::check::CheckRow;
+use crate::check::{decode_logits, CheckRow};
 use pdserve_engine::generate::prefill;
-use pdserve_engine::{Engine, ForwardItem, Logits, PoolSize, Sequence};
+use pdserve_engine::{Engine, Logits, PoolSize, Sequence};
 use pdserve_kernels::{CudaBackend, GraphMode};
 use pdserve_tokenizer::Tokenizer;
 use std::time::Instant;
@@ -133,24 +133,6 @@ fn verify_random(ordinal: usize, tok: &Tokenizer, steps: usize) -> AnyResult<Che
         pass: result.is_ok() && stats.replays >= steps as u64,
         gate: true,
     })
-}
-
-/// One decode step of every sequence in `seqs`, feeding `toks`; each row's logits.
-fn decode_logits<'a, B: pdserve_engine::backend::Backend>(
-    e: &mut Engine<B>,
-    seqs: impl IntoIterator<Item = &'a mut Sequence>,
-    toks: &[u32],
-) -> AnyResult<Vec<Vec<f32>>> {
-    let mut items: Vec<ForwardItem<'_>> = seqs
-        .into_iter()
-        .zip(toks)
-        .map(|(seq, t)| ForwardItem {
-            seq,
-            tokens: std::slice::from_ref(t),
-            logits: Logits::Last,
-        })
-        .collect();
-    Ok(e.forward(&mut items)?.into_iter().map(|t| t.data).collect())
 }
 
 /// Batched decode steps (every prompt twice: 12 sequences, so the MoE runs its
