@@ -127,6 +127,14 @@ impl KvStorage for CudaBackend {
     fn write_state(&self, kv: &mut GpuKv, slot: StateSlot, bytes: &[u8]) -> BResult<()> {
         kv.write_state(&self.gpu, slot, bytes)
     }
+
+    fn page_checksums(&self, kv: &GpuKv) -> BResult<Vec<u64>> {
+        kv.page_checksums(&self.gpu)
+    }
+
+    fn state_checksums(&self, kv: &GpuKv) -> BResult<Vec<u64>> {
+        kv.state_checksums(&self.gpu)
+    }
 }
 
 impl TensorOps for CudaBackend {

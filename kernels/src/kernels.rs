@@ -315,6 +315,12 @@ kernels! {
             x: DevPtr, n4: i64, out: DevPtr,
         }
     }
+    module "audit" {
+        /// The KV canary's checksum of each of `gridDim.x` regions of `words` 8-byte words.
+        RegionChecksums = "k_region_checksums" {
+            base: DevPtr, words: i64, out: DevPtr,
+        }
+    }
 }
 
 #[cfg(test)]
