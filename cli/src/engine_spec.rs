@@ -118,8 +118,8 @@ pub struct EngineSpec {
     pub dir: PathBuf,
     pub layout: KvLayoutSpec,
     pub pool: PoolSize,
-    /// Checksum KV pages and state slots around every step (`--kv-audit`).
-    pub kv_audit: bool,
+    /// KV canary: check pages every N steps, state slots every step (0: off).
+    pub kv_audit_every: u32,
 }
 
 /// Load the model of `spec` onto `backend`: THE way every command builds its engine.
@@ -128,7 +128,7 @@ pub struct EngineSpec {
 pub fn open_engine<B: Backend>(spec: &EngineSpec, backend: B) -> Result<Engine<B>, EngineError> {
     let t0 = std::time::Instant::now();
     let mut engine = Engine::load(&spec.dir, backend, Some(spec.layout), spec.pool)?;
-    engine.set_kv_audit(spec.kv_audit);
+    engine.set_kv_audit_every(spec.kv_audit_every);
     tracing::info!(
         model = %spec.dir.display(),
         backend = %engine.backend().name(),

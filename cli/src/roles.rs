@@ -41,6 +41,10 @@ pub struct WorkerConfig {
     pub hicache_size: Option<f64>,
     pub cuda_graph: String,
     pub request_timeout_s: f64,
+    /// KV canary: check pages every N steps, state slots every step (0: off).
+    pub kv_audit_every: u32,
+    /// Decode on CUDA: replay every graphed step eagerly too and compare bitwise.
+    pub verify_graphs: bool,
 }
 
 pub const WORKER_KEYS: &[&str] = &[
@@ -58,6 +62,8 @@ pub const WORKER_KEYS: &[&str] = &[
     "hicache_size",
     "cuda_graph",
     "request_timeout_s",
+    "kv_audit_every",
+    "verify_graphs",
 ];
 
 impl WorkerConfig {
@@ -80,6 +86,8 @@ impl WorkerConfig {
             hicache_size: None,
             cuda_graph: "auto".into(),
             request_timeout_s: 120.0,
+            kv_audit_every: 0,
+            verify_graphs: false,
         }
     }
 
@@ -154,6 +162,9 @@ impl WorkerConfig {
         if !(self.request_timeout_s.is_finite() && self.request_timeout_s > 0.0) {
             bail!("--request-timeout-s must be a positive number of seconds");
         }
+        if self.verify_graphs && !(cuda && role == WorkerRole::Decode) {
+            bail!("--verify-graphs checks CUDA decode graphs: it needs a decode server with --device cuda:N");
+        }
         Ok(())
     }
 }
@@ -210,6 +221,23 @@ pub struct WorkerFlags {
     /// Deadline for one request's prefill or KV transfer, in seconds.
     #[arg(long)]
     pub request_timeout_s: Option<f64>,
+    /// KV canary at every step: checksums of every page and state slot (computed on the
+    /// device) fail exactly the requests whose KV changed outside the expected writes.
+    /// Same as --kv-audit-every 1.
+    #[arg(long, conflicts_with = "kv_audit_every")]
+    pub kv_audit: bool,
+    /// KV canary checking pages every N steps (state slots every step); 0: off.
+    /// See docs/kv-canary.md for what it costs.
+    #[arg(long)]
+    pub kv_audit_every: Option<u32>,
+    /// Decode on CUDA: replay every graphed step eagerly too and compare bitwise; a
+    /// mismatch fails the step's requests and recaptures the bucket's graph (slow).
+    #[arg(long)]
+    pub verify_graphs: bool,
+    /// Test only: KIND@STEP (page, index-k or state) writes garbage into the oldest
+    /// running request's KV after decode step STEP, past every writer the canary knows.
+    #[arg(long, hide = true)]
+    pub debug_kv_scribble: Option<String>,
 }
 
 impl WorkerFlags {
@@ -229,6 +257,9 @@ impl WorkerFlags {
         flag(&mut f, "hicache_size", &self.hicache_size);
         flag(&mut f, "cuda_graph", &self.cuda_graph);
         flag(&mut f, "request_timeout_s", &self.request_timeout_s);
+        let audit_every = self.kv_audit_every.or(self.kv_audit.then_some(1));
+        flag(&mut f, "kv_audit_every", &audit_every);
+        flag(&mut f, "verify_graphs", &self.verify_graphs.then_some(true));
         let (cfg, entries) = layered::extract(
             &WorkerConfig::defaults(role),
             self.config.as_deref(),

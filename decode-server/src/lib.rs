@@ -31,7 +31,11 @@ pub struct DecodeSettings {
     pub load_timeout: Duration,
     /// Effective configuration, reported by the info RPC.
     pub config: Vec<pb::ConfigEntry>,
+    /// Test-only KV scribble (`--debug-kv-scribble`).
+    pub debug_kv_scribble: Option<DebugScribble>,
 }
+
+pub use batch::{DebugScribble, ScribbleKind};
 
 pub use pdserve_worker::ServeError;
 
@@ -48,7 +52,7 @@ where
     F: FnOnce() -> Result<Engine<B>, EngineError> + Send + 'static,
 {
     let load = Arc::new(Load::default());
-    let (admits, ready) = batch::spawn(make_engine, load.clone())?;
+    let (admits, ready) = batch::spawn(make_engine, load.clone(), settings.debug_kv_scribble)?;
     let ready = pdserve_worker::engine_ready(ready, settings.load_timeout).await?;
     load.total_pages
         .store(ready.total_pages as u64, Ordering::Relaxed);

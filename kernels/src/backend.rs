@@ -80,6 +80,7 @@ impl CudaBackend {
             .map(|c| GraphStats {
                 captures: c.captures,
                 replays: c.replays,
+                verify_mismatches: c.verify_mismatches,
                 held: c.held(),
                 phases: c.phases,
             })
