@@ -88,7 +88,9 @@ fn canary_on_every_server_under_concurrent_multi_turn_sessions() {
 fn one_scribble(kind: &str) {
     let scribble = format!("{kind}@4");
     let c = cluster(&[], &["--kv-audit", "--debug-kv-scribble", &scribble]);
-    let prompts: Vec<Vec<u32>> = (0..6).map(|i| prompt(50 + i, 20 + 3 * i as usize)).collect();
+    let prompts: Vec<Vec<u32>> = (0..6)
+        .map(|i| prompt(50 + i, 20 + 3 * i as usize))
+        .collect();
     let results: Vec<Result<(Vec<u32>, String), String>> = std::thread::scope(|s| {
         let handles: Vec<_> = prompts
             .iter()
@@ -107,16 +109,27 @@ fn one_scribble(kind: &str) {
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     });
     let failed: Vec<&String> = results.iter().filter_map(|r| r.as_ref().err()).collect();
-    assert_eq!(failed.len(), 1, "{kind}: exactly the scribbled request fails: {results:?}");
+    assert_eq!(
+        failed.len(),
+        1,
+        "{kind}: exactly the scribbled request fails: {results:?}"
+    );
     assert!(failed[0].contains("KV"), "{kind}: {}", failed[0]);
     let mut e = engine();
     for (p, r) in prompts.iter().zip(&results) {
         if let Ok((got, _)) = r {
-            assert_eq!(got, &reference(&mut e, p, 40, SamplingParams::default()), "{kind}");
+            assert_eq!(
+                got,
+                &reference(&mut e, p, 40, SamplingParams::default()),
+                "{kind}"
+            );
         }
     }
     let v = violations(&c.decode_log);
-    assert!(!v.is_empty(), "{kind}: the decode server logged the violation");
+    assert!(
+        !v.is_empty(),
+        "{kind}: the decode server logged the violation"
+    );
 }
 
 #[test]

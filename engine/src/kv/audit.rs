@@ -1,12 +1,13 @@
 //! The KV canary (`--kv-audit`, `--kv-audit-every N`): checksums of every page and state
-//! slot, computed where the pool lives ([`KvStorage::checksums`]), compared around the
-//! audited steps. Two checks per audited step:
+//! slot, computed where the pool lives ([`KvStorage::page_checksums`]), compared against
+//! the writes everyone announced:
 //!
-//! - **between steps**: against the checksums the last audited step left, everything that
-//!   changed must be in the pool's [`Written`] set (imports, host-tier loads, state resets,
-//!   and the announced writes of the unaudited steps since);
-//! - **in the step**: everything the step changed must be among the pages covering each
-//!   sequence's new positions and its own state slot.
+//! - **pages**, after every `every`-th step: since the last page check, only pages in
+//!   the pool's [`Written`] set (imports, host-tier loads) or covering a step's new
+//!   positions may have changed (one pass over the pages per check);
+//! - **state slots**, around every step (a step rewrites its sequences' whole slots, so a
+//!   slot can only be checked right before and after): between steps only slots written
+//!   through the pool (resets, imports) may change, in a step only its sequences' own.
 //!
 //! What changed outside those sets is logged, counted (`pdserve_kv_audit_violations_total`)
 //! and stays marked corrupt while someone holds it, so exactly its owners fail: a step's own
@@ -61,7 +62,7 @@ pub struct StepAudit {
     every: u32,
     /// Steps run since the pages were last checked.
     since: u32,
-    /// Page checksums after the last page check, and the pages written since.
+    /// Page checksums at the last page check, and the pages written since.
     page_base: Option<Vec<u64>>,
     pages_written: BTreeSet<PageId>,
     /// State-slot checksums after the last step.
@@ -72,9 +73,8 @@ pub struct StepAudit {
     scribble: Option<Scribble>,
 }
 
-/// The checksums a step's audit took before the step (pages only when it checks them).
+/// The state-slot checksums a step's audit took before the step.
 pub struct BeforeStep {
-    pages: Option<Vec<u64>>,
     states: Option<Vec<u64>>,
 }
 
@@ -135,18 +135,15 @@ impl StepAudit {
         Some(AuditError::Corrupt { pages, states })
     }
 
-    /// Before a step: the between-steps checks (state slots always, pages when this step
-    /// checks them) and the checksums the in-step checks start from.
+    /// Before a step: the state slots' between-steps check, and their checksums the
+    /// in-step check starts from.
     pub fn before_step<B: KvStorage>(
         &mut self,
         backend: &B,
         pool: &mut DevicePool<B>,
     ) -> BResult<BeforeStep> {
         if self.every == 0 {
-            return Ok(BeforeStep {
-                pages: None,
-                states: None,
-            });
+            return Ok(BeforeStep { states: None });
         }
         let written = pool.take_written();
         self.pages_written.extend(&written.pages);
@@ -155,26 +152,14 @@ impl StepAudit {
             let bad = changed_outside(&base, &states, &written.states);
             self.record(pool, BTreeSet::new(), bad, "between steps");
         }
-        let pages = match self.since + 1 >= self.every {
-            false => None,
-            true => {
-                let now = backend.page_checksums(pool.store())?;
-                if let Some(base) = self.page_base.take() {
-                    let bad = changed_outside(&base, &now, &self.pages_written);
-                    self.record(pool, bad, BTreeSet::new(), "between steps");
-                }
-                self.pages_written.clear();
-                Some(now)
-            }
-        };
         Ok(BeforeStep {
-            pages,
             states: Some(states),
         })
     }
 
-    /// After the step of `plan`: the in-step checks; what the step wrote is expected
-    /// until the next page check.
+    /// After the step of `plan`: the state slots' in-step check, and at every
+    /// `every`-th step the page check: since the last one, only pages written through
+    /// the pool or announced by a step may have changed.
     pub fn after_step<B: KvStorage>(
         &mut self,
         backend: &B,
@@ -196,16 +181,17 @@ impl StepAudit {
             self.record(pool, BTreeSet::new(), bad, "in the step");
             self.state_base = Some(now);
         }
+        self.pages_written.extend(&expected.pages);
         self.since += 1;
-        match before.pages {
-            None => self.pages_written.extend(&expected.pages),
-            Some(start) => {
-                let now = backend.page_checksums(pool.store())?;
-                let bad = changed_outside(&start, &now, &expected.pages);
-                self.record(pool, bad, BTreeSet::new(), "in the step");
-                self.page_base = Some(now);
-                self.since = 0;
+        if self.since >= self.every {
+            let now = backend.page_checksums(pool.store())?;
+            if let Some(base) = self.page_base.take() {
+                let bad = changed_outside(&base, &now, &self.pages_written);
+                self.record(pool, bad, BTreeSet::new(), "since the last page check");
             }
+            self.page_base = Some(now);
+            self.pages_written.clear();
+            self.since = 0;
         }
         if let Some(s) = scribble.filter(|s| !s.in_step) {
             write_garbage(backend, pool, s.target)?;
