@@ -138,7 +138,7 @@ fn multi_turn_sessions_complete_and_match_the_reference() {
 }
 
 #[test]
-fn open_loop_ignore_eos_returns_every_asked_token_and_bad_shapes_are_refused() {
+fn open_loop_ignore_eos_returns_every_asked_token_and_failures_exit_1() {
     let c = cluster();
     let (out, r) = bench_serve(
         &c.addr,
@@ -180,4 +180,28 @@ fn open_loop_ignore_eos_returns_every_asked_token_and_bad_shapes_are_refused() {
     let (out, _) = bench_serve(&c.addr, &["--temperature", "0.7"]);
     assert!(!out.status.success());
     assert!(stderr(&out).contains("--no-reference"), "{}", stderr(&out));
+
+    // A reference that is not the served model (a randomised fixture of 97 tokens, so
+    // its prompt ids are valid for the embedded model too): the outputs differ, each
+    // difference is located and measured, and the run fails after printing the report.
+    let other = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures/mixed");
+    let (out, r) = bench_serve(
+        &c.addr,
+        &["--model", other, "--sessions", "4", "--prompt-len", "10", "--output-len", "6", "--ignore-eos"],
+    );
+    assert!(!out.status.success(), "{r:#}");
+    assert!(stderr(&out).contains("outputs differ from the reference"), "{}", stderr(&out));
+    let check = &r["reference"];
+    assert_eq!(count(&check["checked"]), 4, "{r:#}");
+    assert_eq!(count(&check["matched"]) + count(&check["mismatched"]), 4);
+    let mismatches = check["mismatches"].as_array().unwrap();
+    assert!(!mismatches.is_empty(), "{check:#}");
+    assert_eq!(mismatches.len() as u64, count(&check["mismatched"]));
+    for m in mismatches {
+        let p = count(&m["position"]);
+        assert!(p < 6, "{m}");
+        assert_ne!(m["served_token"], m["reference_token"], "{m}");
+        assert_eq!(count(&m["served_tokens"]), 6);
+        assert!(num(&m["top2_margin"]) >= 0.0, "{m}");
+    }
 }
