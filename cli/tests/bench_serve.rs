@@ -187,10 +187,24 @@ fn open_loop_ignore_eos_returns_every_asked_token_and_failures_exit_1() {
     let other = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures/mixed");
     let (out, r) = bench_serve(
         &c.addr,
-        &["--model", other, "--sessions", "4", "--prompt-len", "10", "--output-len", "6", "--ignore-eos"],
+        &[
+            "--model",
+            other,
+            "--sessions",
+            "4",
+            "--prompt-len",
+            "10",
+            "--output-len",
+            "6",
+            "--ignore-eos",
+        ],
     );
     assert!(!out.status.success(), "{r:#}");
-    assert!(stderr(&out).contains("outputs differ from the reference"), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("outputs differ from the reference"),
+        "{}",
+        stderr(&out)
+    );
     let check = &r["reference"];
     assert_eq!(count(&check["checked"]), 4, "{r:#}");
     assert_eq!(count(&check["matched"]) + count(&check["mismatched"]), 4);

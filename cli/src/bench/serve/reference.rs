@@ -13,7 +13,7 @@ use indicatif::ProgressBar;
 use pdserve_engine::backend::Backend;
 use pdserve_engine::generate::{generate, prefill, FinishReason, GenerateRequest};
 use pdserve_engine::sampling::SamplingParams;
-use pdserve_engine::{Engine, EngineError, ForwardItem, Logits};
+use pdserve_engine::{Engine, ForwardItem, Logits, Sequence};
 
 /// One served answer that differs from the reference.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
@@ -76,24 +76,32 @@ fn logits_after<B: Backend>(
     prompt: &[u32],
     answer: &[u32],
     chunk: usize,
-) -> Result<Vec<f32>, EngineError> {
+) -> Result<Vec<f32>> {
     let mut seq = engine.new_sequence()?;
-    let rows = (|| {
-        let mut row = prefill(engine, &mut seq, prompt, chunk, Logits::Last)?
-            .pop()
-            .unwrap_or_default();
-        for t in answer {
-            let out = engine.forward(&mut [ForwardItem {
-                seq: &mut seq,
-                tokens: std::slice::from_ref(t),
-                logits: Logits::Last,
-            }])?;
-            row = out.into_iter().next().map(|o| o.data).unwrap_or_default();
-        }
-        Ok(row)
-    })();
+    let row = feed(engine, &mut seq, prompt, answer, chunk);
     engine.release(seq)?;
-    rows
+    row
+}
+
+fn feed<B: Backend>(
+    engine: &mut Engine<B>,
+    seq: &mut Sequence,
+    prompt: &[u32],
+    answer: &[u32],
+    chunk: usize,
+) -> Result<Vec<f32>> {
+    let mut row = prefill(engine, seq, prompt, chunk, Logits::Last)?
+        .pop()
+        .unwrap_or_default();
+    for t in answer {
+        let out = engine.forward(&mut [ForwardItem {
+            seq: &mut *seq,
+            tokens: std::slice::from_ref(t),
+            logits: Logits::Last,
+        }])?;
+        row = out.into_iter().next().map(|o| o.data).unwrap_or_default();
+    }
+    Ok(row)
 }
 
 /// Runs the check on whichever backend the model flags select.
