@@ -28,7 +28,7 @@ pub struct ServeArgs {
     #[arg(long, default_value = "http://127.0.0.1:8000")]
     url: String,
     /// Sent as `Authorization: Bearer KEY` (for a router that requires a key).
-    #[arg(long, env = "OPENAI_API_KEY", hide_env_values = true)]
+    #[arg(long, env = "PDSERVE_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
     /// Closed loop: this many sessions at once, the next starting when one ends (default
     /// 8). With --request-rate: at most this many sessions in flight (default: no limit).
