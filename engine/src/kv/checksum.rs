@@ -36,6 +36,7 @@ pub fn checksum(bytes: &[u8]) -> u64 {
 
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::unwrap_used)]
     use super::*;
 
     #[test]
