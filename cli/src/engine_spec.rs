@@ -76,6 +76,8 @@ pub struct CudaSpec {
     pub graphs: GraphMode,
     /// Replay every graphed decode step eagerly too and fail it unless bitwise equal.
     pub verify_graphs: bool,
+    /// Batch-invariant kernels only (`--deterministic`).
+    pub deterministic: bool,
 }
 
 impl CudaSpec {
@@ -85,6 +87,7 @@ impl CudaSpec {
             .map_err(|e| BackendError::Device(format!("--device cuda:{ordinal}: {e}")))?;
         b.set_graph_mode(self.graphs);
         b.set_verify_graphs(self.verify_graphs);
+        b.set_deterministic(self.deterministic);
         Ok(b)
     }
 }

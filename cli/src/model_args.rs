@@ -33,6 +33,12 @@ pub struct ModelArgs {
     /// logits, pages and states are bitwise equal (slow; for checking).
     #[arg(long)]
     pub verify_graphs: bool,
+    /// Batch-invariant numerics: a request's logits bitwise independent of what else is in
+    /// its batch and of bucket padding (CUDA: a fixed-order GEMM kernel instead of cuBLAS,
+    /// routed experts always by the grouped kernels; slower). The CPU backend is
+    /// batch-invariant always.
+    #[arg(long)]
+    pub deterministic: bool,
     /// Storage dtype of the indexer's index-K entries: f32 (exact top-k picks), bf16 (half
     /// the bytes) or fp8 (e4m3 + one fp32 scale per entry: 132 B per 128-dim entry).
     /// Below f32, near-ties in indexer scores can pick different entries.
@@ -130,6 +136,7 @@ impl ModelArgs {
             weights: weight_dtype(&self.cuda_weights)?,
             graphs: graphs.mode(true),
             verify_graphs: self.verify_graphs,
+            deterministic: self.deterministic,
         };
         match device {
             Device::Cpu => cmd.run(self.load(CpuBackend)?),

@@ -45,6 +45,8 @@ pub struct WorkerConfig {
     pub kv_audit_every: u32,
     /// Decode on CUDA: replay every graphed step eagerly too and compare bitwise.
     pub verify_graphs: bool,
+    /// Batch-invariant numerics (CUDA kernels with fixed reduction orders).
+    pub deterministic: bool,
 }
 
 pub const WORKER_KEYS: &[&str] = &[
@@ -64,6 +66,7 @@ pub const WORKER_KEYS: &[&str] = &[
     "request_timeout_s",
     "kv_audit_every",
     "verify_graphs",
+    "deterministic",
 ];
 
 impl WorkerConfig {
@@ -88,6 +91,7 @@ impl WorkerConfig {
             request_timeout_s: 120.0,
             kv_audit_every: 0,
             verify_graphs: false,
+            deterministic: false,
         }
     }
 
@@ -234,6 +238,11 @@ pub struct WorkerFlags {
     /// mismatch fails the step's requests and recaptures the bucket's graph (slow).
     #[arg(long)]
     pub verify_graphs: bool,
+    /// Batch-invariant numerics: a request's logits bitwise independent of its batch and of
+    /// bucket padding (CUDA: fixed-order GEMMs instead of cuBLAS, grouped routed experts;
+    /// slower). Give it to prefill and decode servers alike. The CPU is batch-invariant always.
+    #[arg(long)]
+    pub deterministic: bool,
     /// Test only: KIND@STEP (page, index-k or state) writes garbage into the oldest
     /// running request's KV after decode step STEP, past every writer the canary knows.
     #[arg(long, hide = true)]
@@ -260,6 +269,7 @@ impl WorkerFlags {
         let audit_every = self.kv_audit_every.or(self.kv_audit.then_some(1));
         flag(&mut f, "kv_audit_every", &audit_every);
         flag(&mut f, "verify_graphs", &self.verify_graphs.then_some(true));
+        flag(&mut f, "deterministic", &self.deterministic.then_some(true));
         let (cfg, entries) = layered::extract(
             &WorkerConfig::defaults(role),
             self.config.as_deref(),

@@ -143,6 +143,7 @@ pub fn worker(role: WorkerRole, flags: WorkerFlags) -> Result<()> {
                 weights: WeightDtype::Bf16,
                 graphs: cfg.graphs()?.mode(role == WorkerRole::Decode),
                 verify_graphs: cfg.verify_graphs,
+                deterministic: cfg.deterministic,
             };
             let factory = engine_factory(&cfg, dir, move || cuda.open(n))?;
             serve_worker(role, cfg, entries, model_name, scribble, factory)

@@ -68,6 +68,19 @@ impl CudaBackend {
         self.verify_graphs
     }
 
+    /// `--deterministic`: every row's result independent of its batch, of bucket padding
+    /// and of prefill chunking: GEMMs by a kernel with one fixed reduction order per output
+    /// instead of cuBLAS (whose algorithm, split-K and tiles follow the shape), routed
+    /// experts always by the grouped kernels (the padded cuBLAS path rounds activations to
+    /// bf16 and is taken only at larger batches). Slower; see docs/performance.md.
+    pub fn set_deterministic(&mut self, on: bool) {
+        self.gpu.deterministic = on;
+    }
+
+    pub fn deterministic(&self) -> bool {
+        self.gpu.deterministic
+    }
+
     pub(crate) fn graph_cache(&self) -> BResult<std::sync::MutexGuard<'_, GraphCache>> {
         self.graphs
             .lock()

@@ -80,6 +80,7 @@ fn on_device(
                 weights: weight_dtype(&m.cuda_weights)?,
                 graphs: GraphMode::default(),
                 verify_graphs: false,
+                deterministic: m.deterministic,
             };
             cuda(spec.open(n).context("CUDA backend unavailable")?)
         }
