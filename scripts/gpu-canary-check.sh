@@ -113,8 +113,44 @@ scribble() {  # scribble KIND
   fi
 }
 
+# serve MODE_FLAG GATE: `pdserve bench serve` (48 sessions x 3 turns at once, 256-token
+# shared prefix) with its own single-process reference; prints errors and mismatches
+# with the reference's top-2 margins. GATE=1: 0 errors and 0 mismatches required.
+serve() {
+  local mode=$1 gate=$2 P D R rc
+  P=$(start prefill "$BIN" prefill --device "$DEV" --index-k-dtype bf16 --kv-audit $mode --listen 127.0.0.1:0) || return 1
+  D=$(start decode "$BIN" decode --device "$DEV" --index-k-dtype bf16 --cuda-graph "$GRAPH" --kv-audit $mode --listen 127.0.0.1:0) || return 1
+  R=$(start router "$BIN" router --prefill "$P" --decode "$D" --listen 127.0.0.1:0) || return 1
+  "$BIN" bench serve --url "http://$R" --concurrency 48 --sessions 48 --turns 3 --prompt-len 32:256 \
+    --output-len 32 --shared-prefix-len 256 --ignore-eos --device "$DEV" --index-k-dtype bf16 $mode \
+    --json >"$work/serve.json" 2>"$work/serve.err"
+  cleanup
+  local summary
+  summary=$(python3 - "$work/serve.json" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+ref = r["reference"]; ms = sorted(m["top2_margin"] for m in ref["mismatches"])
+q = lambda p: ms[min(len(ms) - 1, int(p * len(ms)))] if ms else 0
+print(f"errors={len(r['errors'])} mismatches={ref['mismatched']}/{ref['checked']}"
+      + (f" top-2 margin p50 {q(.5):.3f} p90 {q(.9):.3f} max {ms[-1]:.3f}" if ms else ""))
+PY
+) || summary="no report ($(tail -2 "$work/serve.err"))"
+  local label=${mode:-default}
+  if [ "$gate" = 1 ]; then
+    if [[ "$summary" == "errors=0 mismatches=0/"* ]]; then
+      echo "cluster == single-process reference, $label, 48 x 3 turns: PASS ($summary)"
+    else
+      echo "cluster == single-process reference, $label, 48 x 3 turns: FAIL ($summary)"; fail=1
+    fi
+  else
+    echo "cluster vs single-process reference, $label, 48 x 3 turns: info ($summary)"
+  fi
+}
+
 [ "$GRAPH" = capture ] && row "index-K bf16, graphs + --verify-graphs, 48 x 3 turns" bf16 capture
 row "index-K bf16, eager, 48 x 3 turns" bf16 eager
 [ "$GRAPH" = capture ] && row "index-K f32, graphs + --verify-graphs, 48 x 3 turns" f32 capture
 for k in page index-k state; do scribble "$k"; done
+serve --deterministic 1
+serve "" 0
 exit $fail

@@ -1,4 +1,5 @@
-//! The KV canary in the servers: with `--kv-audit` on every prefill and decode server,
+//! The KV canary in the servers: with `--kv-audit` (and `--deterministic`) on every
+//! prefill and decode server,
 //! concurrent multi-turn sessions through the router see no violation and outputs equal
 //! single-process generation; a test-only scribble into one running request's page,
 //! index-K entry or state slot fails exactly that request, within one audited step.
@@ -43,8 +44,15 @@ fn violations(log: &Log) -> Vec<String> {
 #[test]
 fn canary_on_every_server_under_concurrent_multi_turn_sessions() {
     let c = cluster(
-        &["--kv-audit", "--kv-pages", "256", "--hicache-ratio", "2"],
-        &["--kv-audit", "--kv-pages", "256"],
+        &[
+            "--kv-audit",
+            "--deterministic",
+            "--kv-pages",
+            "256",
+            "--hicache-ratio",
+            "2",
+        ],
+        &["--kv-audit", "--deterministic", "--kv-pages", "256"],
     );
     const SESSIONS: u64 = 64;
     const TURNS: usize = 3;

@@ -210,6 +210,45 @@ fn batch1_rate(
     Ok((rate, tokens, phases))
 }
 
+/// A write planted inside a captured decode graph (test only) over a page of a sequence
+/// the step does not run: the KV canary (`--kv-audit`) must mark exactly that sequence
+/// corrupt after the step, and the step's own sequences none.
+fn planted_write_in_graph(ordinal: usize, tok: &Tokenizer) -> AnyResult<CheckRow> {
+    let mut e = engine(ordinal, GraphMode::Capture, false)?;
+    e.set_kv_audit(true);
+    let (mut seqs, mut next) = start(&mut e, tok, 1)?;
+    let all: Vec<usize> = (0..seqs.len()).collect();
+    let others: Vec<usize> = (1..seqs.len()).collect();
+    let mut clean = true;
+    for _ in 0..3 {
+        clean &= step(&mut e, &mut seqs, &mut next, &all).is_ok();
+    }
+    let victim = seqs[0].kv().pages[0];
+    e.backend().debug_plant_write_in_next_graph(Some(victim))?;
+    let replays = e.backend().graph_stats().replays;
+    let stepped = step(&mut e, &mut seqs, &mut next, &others);
+    let replayed = e.backend().graph_stats().replays > replays;
+    e.backend().debug_plant_write_in_next_graph(None)?;
+    let caught = e.kv_fault(&seqs[0]).is_some();
+    let spared = seqs[1..].iter().all(|s| e.kv_fault(s).is_none());
+    if let Err(err) = &stepped {
+        eprintln!("planted write: the step itself failed: {err}");
+    }
+    for s in seqs {
+        e.release(s)?;
+    }
+    Ok(CheckRow {
+        name: "--kv-audit catches a write planted inside a captured graph".into(),
+        rows: 1,
+        max_rel_err: 0.0,
+        worst_row: 0,
+        greedy_same: 0,
+        near_ties: 0,
+        pass: clean && stepped.is_ok() && replayed && caught && spared,
+        gate: true,
+    })
+}
+
 /// The graph rows of the table, plus lines of figures to print under it.
 pub fn check_graphs(ordinal: usize) -> AnyResult<(Vec<CheckRow>, Vec<String>)> {
     let dir = pdserve_engine::embedded::model_dir()?;
@@ -217,6 +256,7 @@ pub fn check_graphs(ordinal: usize) -> AnyResult<(Vec<CheckRow>, Vec<String>)> {
     let mut rows = vec![
         verify_random(ordinal, &tok, 200)?,
         batched_vs_cpu(ordinal, &tok, 30)?,
+        planted_write_in_graph(ordinal, &tok)?,
     ];
     let steps = 200;
     let (eager, eager_toks, eager_phases) = batch1_rate(ordinal, &tok, GraphMode::Eager, steps)?;

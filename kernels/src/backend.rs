@@ -27,6 +27,8 @@ pub struct CudaBackend {
     graph_mode: GraphMode,
     verify_graphs: bool,
     graphs: Mutex<GraphCache>,
+    /// Test only: a page the next captured decode graph writes garbage into.
+    planted: Mutex<Option<PageId>>,
 }
 
 impl CudaBackend {
@@ -46,6 +48,7 @@ impl CudaBackend {
             graph_mode: GraphMode::default(),
             verify_graphs: false,
             graphs: Mutex::new(GraphCache::default()),
+            planted: Mutex::new(None),
         })
     }
 
@@ -79,6 +82,27 @@ impl CudaBackend {
 
     pub fn deterministic(&self) -> bool {
         self.gpu.deterministic
+    }
+
+    /// Test only: drop every captured graph and plant, in the next one captured, a write
+    /// over `page` (what the KV canary must catch inside a graph). `None` drops the graphs
+    /// again, so the next capture is clean.
+    #[doc(hidden)]
+    pub fn debug_plant_write_in_next_graph(&self, page: Option<PageId>) -> BResult<()> {
+        self.graph_cache()?.graphs.clear();
+        *self
+            .planted
+            .lock()
+            .map_err(|_| dev_err("planted write poisoned by a panic"))? = page;
+        Ok(())
+    }
+
+    pub(crate) fn take_planted_write(&self) -> BResult<Option<PageId>> {
+        Ok(self
+            .planted
+            .lock()
+            .map_err(|_| dev_err("planted write poisoned by a panic"))?
+            .take())
     }
 
     pub(crate) fn graph_cache(&self) -> BResult<std::sync::MutexGuard<'_, GraphCache>> {

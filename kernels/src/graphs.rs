@@ -195,15 +195,38 @@ fn capture(
         .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
         .map_err(dev_err)?;
     let traced = pass(b, kv, plan, forward, StepMode::Capture);
+    let planted = plant_write(b, kv);
     // End the capture whatever happened, so the stream is usable again.
     let ended = stream.end_capture(sys::CUgraphInstantiate_flags(0));
     let (rec, _) = traced?;
+    planted?;
     same_work(dry, &rec, "captured")?;
     let graph = ended
         .map_err(dev_err)?
         .ok_or_else(|| BackendError::Device("stream capture produced no graph".into()))?;
     graph.upload().map_err(dev_err)?;
     Ok(graph)
+}
+
+/// Test only: a write of 0xA5 over the planted page, recorded into the graph being captured
+/// (every replay then repeats it), as a kernel of the step writing out of bounds would.
+#[allow(unsafe_code)]
+fn plant_write(b: &CudaBackend, kv: &GpuKv) -> BResult<()> {
+    let Some(page) = b.take_planted_write()? else {
+        return Ok(());
+    };
+    let r = kv.page_range_of(page)?;
+    // SAFETY: `r` lies inside the page buffer (checked by page_range_of); the memset is
+    // recorded into the capture on this stream.
+    unsafe {
+        cudarc::driver::result::memset_d8_async(
+            kv.pages.ptr() + r.start as u64,
+            0xA5,
+            r.len(),
+            b.gpu.stream.cu_stream(),
+        )
+    }
+    .map_err(dev_err)
 }
 
 /// Pages and state slots a plan's sequences own.

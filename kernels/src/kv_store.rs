@@ -63,6 +63,11 @@ impl GpuKv {
         Ok(s * self.state_bytes..(s + 1) * self.state_bytes)
     }
 
+    /// The byte range of `page` in the page buffer.
+    pub(crate) fn page_range_of(&self, page: PageId) -> BResult<std::ops::Range<usize>> {
+        self.page_range(page)
+    }
+
     /// The page padded decode rows point at (never handed to the engine).
     pub(crate) fn dummy_page(&self) -> PageId {
         self.n_pages as PageId
