@@ -2,9 +2,11 @@
 //! slot, computed where the pool lives ([`KvStorage::page_checksums`]), compared against
 //! the writes everyone announced:
 //!
-//! - **pages**, after every `every`-th step: since the last page check, only pages in
-//!   the pool's [`Written`] set (imports, host-tier loads) or covering a step's new
-//!   positions may have changed (one pass over the pages per check);
+//! - **pages**, around every `every`-th step: before it, since the last check only pages
+//!   in the pool's [`Written`] set (imports, host-tier loads) or covering an unchecked
+//!   step's new positions may have changed; in it, only the pages covering its sequences'
+//!   new positions (two passes over the pages per check: one pass could not tell a stray
+//!   write between steps into a page the next step writes from that step's own write);
 //! - **state slots**, around every step (a step rewrites its sequences' whole slots, so a
 //!   slot can only be checked right before and after): between steps only slots written
 //!   through the pool (resets, imports) may change, in a step only its sequences' own.
@@ -73,8 +75,9 @@ pub struct StepAudit {
     scribble: Option<Scribble>,
 }
 
-/// The state-slot checksums a step's audit took before the step.
+/// The checksums a step's audit took before the step (pages only at a page check).
 pub struct BeforeStep {
+    pages: Option<Vec<u64>>,
     states: Option<Vec<u64>>,
 }
 
@@ -135,15 +138,18 @@ impl StepAudit {
         Some(AuditError::Corrupt { pages, states })
     }
 
-    /// Before a step: the state slots' between-steps check, and their checksums the
-    /// in-step check starts from.
+    /// Before a step: the between-steps checks (state slots always, pages when this step
+    /// is a page check), and the checksums the in-step checks start from.
     pub fn before_step<B: KvStorage>(
         &mut self,
         backend: &B,
         pool: &mut DevicePool<B>,
     ) -> BResult<BeforeStep> {
         if self.every == 0 {
-            return Ok(BeforeStep { states: None });
+            return Ok(BeforeStep {
+                pages: None,
+                states: None,
+            });
         }
         let written = pool.take_written();
         self.pages_written.extend(&written.pages);
@@ -152,14 +158,27 @@ impl StepAudit {
             let bad = changed_outside(&base, &states, &written.states);
             self.record(pool, BTreeSet::new(), bad, "between steps");
         }
+        let pages = match self.since + 1 >= self.every {
+            false => None,
+            true => {
+                let now = backend.page_checksums(pool.store())?;
+                if let Some(base) = self.page_base.take() {
+                    let bad = changed_outside(&base, &now, &self.pages_written);
+                    self.record(pool, bad, BTreeSet::new(), "since the last page check");
+                }
+                self.pages_written.clear();
+                Some(now)
+            }
+        };
         Ok(BeforeStep {
+            pages,
             states: Some(states),
         })
     }
 
-    /// After the step of `plan`: the state slots' in-step check, and at every
-    /// `every`-th step the page check: since the last one, only pages written through
-    /// the pool or announced by a step may have changed.
+    /// After the step of `plan`: the in-step checks (only its sequences' slots and the
+    /// pages covering their new positions may have changed); an unchecked step's writes
+    /// are allowed at the next page check.
     pub fn after_step<B: KvStorage>(
         &mut self,
         backend: &B,
@@ -181,17 +200,16 @@ impl StepAudit {
             self.record(pool, BTreeSet::new(), bad, "in the step");
             self.state_base = Some(now);
         }
-        self.pages_written.extend(&expected.pages);
         self.since += 1;
-        if self.since >= self.every {
-            let now = backend.page_checksums(pool.store())?;
-            if let Some(base) = self.page_base.take() {
-                let bad = changed_outside(&base, &now, &self.pages_written);
-                self.record(pool, bad, BTreeSet::new(), "since the last page check");
+        match before.pages {
+            None => self.pages_written.extend(&expected.pages),
+            Some(start) => {
+                let now = backend.page_checksums(pool.store())?;
+                let bad = changed_outside(&start, &now, &expected.pages);
+                self.record(pool, bad, BTreeSet::new(), "in the step");
+                self.page_base = Some(now);
+                self.since = 0;
             }
-            self.page_base = Some(now);
-            self.pages_written.clear();
-            self.since = 0;
         }
         if let Some(s) = scribble.filter(|s| !s.in_step) {
             write_garbage(backend, pool, s.target)?;
