@@ -237,7 +237,7 @@ pub struct CanaryCost {
 impl CanaryCost {
     fn describe(&self) -> String {
         format!(
-            "KV canary on this pool: page pass {:.3} ms over {} ({:.0} GB/s, {:.0}% of the bandwidth), state pass {:.3} ms over {}.\n  Per step: 2 state passes + 1 page pass every N steps (--kv-audit-every N); the page pass scales with the pool, not the batch.",
+            "KV canary on this pool: page pass {:.3} ms over {} ({:.0} GB/s, {:.0}% of the bandwidth), state pass {:.3} ms over {}.\n  Per step: 2 state passes + 2 page passes every N steps (--kv-audit-every N); the page pass scales with the pool, not the batch.",
             self.pages_ms,
             super::table::size(self.page_bytes),
             self.pages_rate / 1e9,
