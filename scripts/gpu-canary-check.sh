@@ -121,6 +121,7 @@ serve() {
   P=$(start prefill "$BIN" prefill --device "$DEV" --index-k-dtype bf16 --kv-audit $mode --listen 127.0.0.1:0) || return 1
   D=$(start decode "$BIN" decode --device "$DEV" --index-k-dtype bf16 --cuda-graph "$GRAPH" --kv-audit $mode --listen 127.0.0.1:0) || return 1
   R=$(start router "$BIN" router --prefill "$P" --decode "$D" --listen 127.0.0.1:0) || return 1
+  load "$R" 0 1 0 >/dev/null  # waits until the router answers
   "$BIN" bench serve --url "http://$R" --concurrency 48 --sessions 48 --turns 3 --prompt-len 32:256 \
     --output-len 32 --shared-prefix-len 256 --ignore-eos --device "$DEV" --index-k-dtype bf16 $mode \
     --json >"$work/serve.json" 2>"$work/serve.err"
