@@ -74,8 +74,8 @@ impl GraphChoice {
 pub struct CudaSpec {
     pub weights: WeightDtype,
     pub graphs: GraphMode,
-    /// Replay every graphed decode step eagerly too and fail it unless bitwise equal.
-    pub verify_graphs: bool,
+    /// Run every N-th graphed decode step eagerly too and compare bitwise (0: never).
+    pub verify_graphs_every: u32,
     /// Batch-invariant kernels only (`--deterministic`).
     pub deterministic: bool,
 }
@@ -86,7 +86,7 @@ impl CudaSpec {
         let mut b = CudaBackend::with_weights(ordinal, None, self.weights)
             .map_err(|e| BackendError::Device(format!("--device cuda:{ordinal}: {e}")))?;
         b.set_graph_mode(self.graphs);
-        b.set_verify_graphs(self.verify_graphs);
+        b.set_verify_graphs_every(self.verify_graphs_every);
         b.set_deterministic(self.deterministic);
         Ok(b)
     }

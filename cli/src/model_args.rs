@@ -135,7 +135,7 @@ impl ModelArgs {
         let cuda = CudaSpec {
             weights: weight_dtype(&self.cuda_weights)?,
             graphs: graphs.mode(true),
-            verify_graphs: self.verify_graphs,
+            verify_graphs_every: u32::from(self.verify_graphs),
             deterministic: self.deterministic,
         };
         match device {

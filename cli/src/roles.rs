@@ -43,8 +43,8 @@ pub struct WorkerConfig {
     pub request_timeout_s: f64,
     /// KV canary: check pages every N steps, state slots every step (0: off).
     pub kv_audit_every: u32,
-    /// Decode on CUDA: replay every graphed step eagerly too and compare bitwise.
-    pub verify_graphs: bool,
+    /// Decode on CUDA: run every N-th graphed step eagerly too and compare bitwise (0: off).
+    pub verify_graphs_every: u32,
     /// Batch-invariant numerics (CUDA kernels with fixed reduction orders).
     pub deterministic: bool,
 }
@@ -65,7 +65,7 @@ pub const WORKER_KEYS: &[&str] = &[
     "cuda_graph",
     "request_timeout_s",
     "kv_audit_every",
-    "verify_graphs",
+    "verify_graphs_every",
     "deterministic",
 ];
 
@@ -90,7 +90,7 @@ impl WorkerConfig {
             cuda_graph: "auto".into(),
             request_timeout_s: 120.0,
             kv_audit_every: 0,
-            verify_graphs: false,
+            verify_graphs_every: 0,
             deterministic: false,
         }
     }
@@ -166,8 +166,8 @@ impl WorkerConfig {
         if !(self.request_timeout_s.is_finite() && self.request_timeout_s > 0.0) {
             bail!("--request-timeout-s must be a positive number of seconds");
         }
-        if self.verify_graphs && !(cuda && role == WorkerRole::Decode) {
-            bail!("--verify-graphs checks CUDA decode graphs: it needs a decode server with --device cuda:N");
+        if self.verify_graphs_every > 0 && !(cuda && role == WorkerRole::Decode) {
+            bail!("--verify-graphs / --verify-graphs-every check CUDA decode graphs: they need a decode server with --device cuda:N");
         }
         Ok(())
     }
@@ -235,9 +235,14 @@ pub struct WorkerFlags {
     #[arg(long)]
     pub kv_audit_every: Option<u32>,
     /// Decode on CUDA: replay every graphed step eagerly too and compare bitwise; a
-    /// mismatch fails the step's requests and recaptures the bucket's graph (slow).
-    #[arg(long)]
+    /// mismatch keeps the eager result, drops the bucket's graph (recaptured at its next
+    /// step) and counts pdserve_graph_verify_mismatches_total. Doubles step time. Same as
+    /// --verify-graphs-every 1.
+    #[arg(long, conflicts_with = "verify_graphs_every")]
     pub verify_graphs: bool,
+    /// Decode on CUDA: the --verify-graphs check on every N-th step only (0: off).
+    #[arg(long)]
+    pub verify_graphs_every: Option<u32>,
     /// Batch-invariant numerics: a request's logits bitwise independent of its batch and of
     /// bucket padding (CUDA: fixed-order GEMMs instead of cuBLAS, grouped routed experts;
     /// slower). Give it to prefill and decode servers alike. The CPU is batch-invariant always.
@@ -268,7 +273,8 @@ impl WorkerFlags {
         flag(&mut f, "request_timeout_s", &self.request_timeout_s);
         let audit_every = self.kv_audit_every.or(self.kv_audit.then_some(1));
         flag(&mut f, "kv_audit_every", &audit_every);
-        flag(&mut f, "verify_graphs", &self.verify_graphs.then_some(true));
+        let verify_every = self.verify_graphs_every.or(self.verify_graphs.then_some(1));
+        flag(&mut f, "verify_graphs_every", &verify_every);
         flag(&mut f, "deterministic", &self.deterministic.then_some(true));
         let (cfg, entries) = layered::extract(
             &WorkerConfig::defaults(role),

@@ -142,7 +142,7 @@ pub fn worker(role: WorkerRole, flags: WorkerFlags) -> Result<()> {
             let cuda = CudaSpec {
                 weights: WeightDtype::Bf16,
                 graphs: cfg.graphs()?.mode(role == WorkerRole::Decode),
-                verify_graphs: cfg.verify_graphs,
+                verify_graphs_every: cfg.verify_graphs_every,
                 deterministic: cfg.deterministic,
             };
             let factory = engine_factory(&cfg, dir, move || cuda.open(n))?;

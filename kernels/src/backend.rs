@@ -25,7 +25,8 @@ pub struct CudaBackend {
     pub(crate) gpu: Gpu,
     weights: WeightDtype,
     graph_mode: GraphMode,
-    verify_graphs: bool,
+    /// Verify every N-th graphed decode step (0: never).
+    verify_every: u32,
     graphs: Mutex<GraphCache>,
     /// Test only: a page the next captured decode graph writes garbage into.
     planted: Mutex<Option<PageId>>,
@@ -46,7 +47,7 @@ impl CudaBackend {
             gpu: Gpu::open(ordinal, cache)?,
             weights,
             graph_mode: GraphMode::default(),
-            verify_graphs: false,
+            verify_every: 0,
             graphs: Mutex::new(GraphCache::default()),
             planted: Mutex::new(None),
         })
@@ -64,11 +65,22 @@ impl CudaBackend {
     /// Run every decode step eagerly and as a graph replay and fail it unless logits,
     /// pages and states are bitwise equal (`--verify-graphs`; graph mode only).
     pub fn set_verify_graphs(&mut self, on: bool) {
-        self.verify_graphs = on;
+        self.set_verify_graphs_every(u32::from(on));
+    }
+
+    /// Verify only every `n`-th decode step (`--verify-graphs-every`; 0: never), so the
+    /// check can stay on in serving at 1/n of its cost.
+    pub fn set_verify_graphs_every(&mut self, n: u32) {
+        self.verify_every = n;
     }
 
     pub fn verify_graphs(&self) -> bool {
-        self.verify_graphs
+        self.verify_every > 0
+    }
+
+    /// Whether decode step number `step` (counted from 1) is verified.
+    pub(crate) fn verifies_step(&self, step: u64) -> bool {
+        self.verify_every > 0 && step % u64::from(self.verify_every) == 0
     }
 
     /// `--deterministic`: every row's result independent of its batch, of bucket padding

@@ -335,12 +335,13 @@ pub(crate) fn decode_step(
     let t0 = Instant::now();
     let padded = pad_plan(plan, bucket(n), kv.dummy_page(), kv.dummy_state());
     let (dry, out) = dry_pass(b, kv, &padded, forward)?;
-    {
+    let step = {
         let mut c = b.graph_cache()?;
         c.phases.steps += 1;
         c.phases.dry += t0.elapsed().as_secs_f64();
-    }
-    match (b.graph_mode(), b.verify_graphs()) {
+        c.phases.steps
+    };
+    match (b.graph_mode(), b.verifies_step(step)) {
         (GraphMode::Eager, _) => eager(b, kv, &padded, forward, &dry, n),
         (GraphMode::Capture, false) => replay(b, kv, &padded, forward, &dry, out, n),
         (GraphMode::Capture, true) => {

@@ -79,7 +79,7 @@ fn on_device(
             let spec = CudaSpec {
                 weights: weight_dtype(&m.cuda_weights)?,
                 graphs: GraphMode::default(),
-                verify_graphs: false,
+                verify_graphs_every: 0,
                 deterministic: m.deterministic,
             };
             cuda(spec.open(n).context("CUDA backend unavailable")?)
