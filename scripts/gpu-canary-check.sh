@@ -12,26 +12,9 @@ DEVICE=${DEVICE:-0}
 # DEVICE=cpu runs the eager rows on the CPU (a smoke test of this script).
 if [ "$DEVICE" = cpu ]; then DEV=cpu; GRAPH=eager; else DEV="cuda:$DEVICE"; GRAPH=capture; fi
 work=$(mktemp -d)
-pids=()
+source "$(dirname "$0")/cluster-lib.sh"
 fail=0
-cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; pids=(); }
-trap cleanup EXIT
-
-start() {
-  local name=$1; shift
-  "$@" >"$work/$name.out" 2>"$work/$name.err" &
-  pids+=($!)
-  for _ in $(seq 1200); do
-    local addr
-    addr=$(sed -n 's/.*listening on //p' "$work/$name.out" | head -n1)
-    if [ -n "$addr" ]; then echo "$addr"; return; fi
-    if ! kill -0 "${pids[-1]}" 2>/dev/null; then
-      echo "gpu-canary-check: $name exited:" >&2; tail -5 "$work/$name.err" >&2; return 1
-    fi
-    sleep 0.1
-  done
-  echo "gpu-canary-check: $name did not start in 120 s" >&2; return 1
-}
+trap stop_all EXIT
 
 # load ROUTER SESSIONS TURNS STREAMS: prints "ok=N errors=M" (greedy, 8 new tokens a turn).
 load() {
@@ -91,7 +74,7 @@ row() {  # row NAME INDEX_K GRAPH
   out=$(load "$R" 48 3 0)
   v=$(grep -c "KV canary" "$work/prefill.err" "$work/decode.err" | awk -F: '{s+=$2} END {print s}')
   m=$(grep -c "verify-graphs: graph replay and eager run" "$work/decode.err")
-  cleanup
+  stop_all
   if [[ "$out" == *"errors=0"* ]] && [ "$v" = 0 ] && [ "$m" = 0 ]; then
     echo "canary under load, $name: PASS ($(head -1 <<<"$out"), violations=$v, graph mismatches=$m)"
   else
@@ -105,7 +88,7 @@ scribble() {  # scribble KIND
   D=$(start decode "$BIN" decode --device "$DEV" --index-k-dtype bf16 --cuda-graph "$GRAPH" --kv-audit --debug-kv-scribble "$kind@4" --listen 127.0.0.1:0) || return 1
   R=$(start router "$BIN" router --prefill "$P" --decode "$D" --listen 127.0.0.1:0) || return 1
   out=$(load "$R" 6 1 1)
-  cleanup
+  stop_all
   if [[ "$out" == *"errors=1"* ]]; then
     echo "planted $kind scribble ($GRAPH decode) fails exactly its request: PASS ($(head -1 <<<"$out"))"
   else
@@ -125,7 +108,7 @@ serve() {
   "$BIN" bench serve --url "http://$R" --concurrency 48 --sessions 48 --turns 3 --prompt-len 32:256 \
     --output-len 32 --shared-prefix-len 256 --ignore-eos --device "$DEV" --index-k-dtype bf16 $mode \
     --json >"$work/serve.json" 2>"$work/serve.err"
-  cleanup
+  stop_all
   local summary
   summary=$(python3 - "$work/serve.json" <<'PY'
 import json, sys

@@ -9,26 +9,8 @@ DEVICE=${DEVICE:-0}
 PROMPT="Once upon a time, in a small village by the sea, there lived"
 TOKENS=24
 work=$(mktemp -d)
-pids=()
-cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
-trap cleanup EXIT
-
-# Start "$@" with stdout in $work/$name.out; echo the address it listens on (60 s deadline).
-start() {
-  local name=$1; shift
-  "$@" >"$work/$name.out" 2>"$work/$name.err" &
-  pids+=($!)
-  for _ in $(seq 600); do
-    local addr
-    addr=$(sed -n 's/.*listening on //p' "$work/$name.out" | head -n1)
-    if [ -n "$addr" ]; then echo "$addr"; return; fi
-    if ! kill -0 "${pids[-1]}" 2>/dev/null; then
-      echo "gpu-cluster-check: $name exited:" >&2; cat "$work/$name.err" >&2; return 1
-    fi
-    sleep 0.1
-  done
-  echo "gpu-cluster-check: $name did not start in 60 s" >&2; return 1
-}
+source "$(dirname "$0")/cluster-lib.sh"
+trap stop_all EXIT
 
 P=$(start prefill "$BIN" prefill --device "cuda:$DEVICE" --listen 127.0.0.1:0)
 D=$(start decode "$BIN" decode --device "cuda:$DEVICE" --cuda-graph capture --listen 127.0.0.1:0)
