@@ -254,6 +254,50 @@ pub struct RouterConfig {
     pub health_interval_s: f64,
     pub max_body_bytes: usize,
     pub max_model_len: Option<usize>,
+    /// Keys for the OpenAI endpoints (`PDSERVE_API_KEY` may hold one, or several
+    /// comma-separated).
+    #[serde(deserialize_with = "one_or_many")]
+    pub api_key: Vec<String>,
+    pub api_key_file: Option<PathBuf>,
+    /// Keys for `/workers` and `/config`.
+    #[serde(deserialize_with = "one_or_many")]
+    pub admin_key: Vec<String>,
+    pub admin_key_file: Option<PathBuf>,
+    pub allow_unauthenticated: bool,
+}
+
+/// Config keys whose values are secrets: `--print-config`, `GET /config` and the logs
+/// show only how many were given.
+pub const SECRET_KEYS: &[&str] = &["api_key", "admin_key"];
+
+/// Replace secret values by a count, keeping their source.
+pub fn redact(entries: &mut [Entry]) {
+    for e in entries.iter_mut() {
+        if SECRET_KEYS.contains(&e.key.as_str()) {
+            let n = serde_json::from_str::<Vec<String>>(&e.value)
+                .map(|v| v.len())
+                .unwrap_or(usize::from(e.value != "(none)"));
+            e.value = format!("({n} redacted)");
+        }
+    }
+}
+
+/// A list from a TOML/flag array, or from one string (an environment variable), split on
+/// commas.
+fn one_or_many<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum OneOrMany {
+        One(String),
+        // The environment layer reads an all-digit value as a number.
+        Digits(u64),
+        Many(Vec<String>),
+    }
+    Ok(match OneOrMany::deserialize(d)? {
+        OneOrMany::One(s) => s.split(',').map(str::to_string).collect(),
+        OneOrMany::Digits(n) => vec![n.to_string()],
+        OneOrMany::Many(v) => v,
+    })
 }
 
 pub const ROUTER_KEYS: &[&str] = &[
@@ -269,6 +313,11 @@ pub const ROUTER_KEYS: &[&str] = &[
     "health_interval_s",
     "max_body_bytes",
     "max_model_len",
+    "api_key",
+    "api_key_file",
+    "admin_key",
+    "admin_key_file",
+    "allow_unauthenticated",
 ];
 
 #[derive(clap::Args, Debug, Clone, Default)]
@@ -317,6 +366,23 @@ pub struct RouterFlags {
     /// upper bound: the model's max_position_embeddings.
     #[arg(long)]
     pub max_model_len: Option<usize>,
+    /// API key clients must send as `Authorization: Bearer <key>` on /v1/... (repeat for
+    /// several; also PDSERVE_API_KEY). Prefer --api-key-file: flags show in `ps`.
+    #[arg(long)]
+    pub api_key: Option<Vec<String>>,
+    /// File with API keys, one per line (`#` comments); re-read on SIGHUP.
+    #[arg(long)]
+    pub api_key_file: Option<PathBuf>,
+    /// Key for /workers and /config (repeatable; also PDSERVE_ADMIN_KEY). With API keys
+    /// but no admin key those endpoints are closed.
+    #[arg(long)]
+    pub admin_key: Option<Vec<String>>,
+    /// File with admin keys, one per line; re-read on SIGHUP.
+    #[arg(long)]
+    pub admin_key_file: Option<PathBuf>,
+    /// Serve without an API key on a non-loopback address (refused otherwise).
+    #[arg(long)]
+    pub allow_unauthenticated: bool,
 }
 
 impl RouterConfig {
@@ -356,6 +422,15 @@ impl RouterFlags {
         flag(&mut f, "health_interval_s", &self.health_interval_s);
         flag(&mut f, "max_body_bytes", &self.max_body_bytes);
         flag(&mut f, "max_model_len", &self.max_model_len);
+        flag(&mut f, "api_key", &self.api_key);
+        flag(&mut f, "api_key_file", &self.api_key_file);
+        flag(&mut f, "admin_key", &self.admin_key);
+        flag(&mut f, "admin_key_file", &self.admin_key_file);
+        flag(
+            &mut f,
+            "allow_unauthenticated",
+            &self.allow_unauthenticated.then_some(true),
+        );
         let defaults = RouterConfig {
             model: None,
             listen: "127.0.0.1:8000".into(),
@@ -369,7 +444,15 @@ impl RouterFlags {
             health_interval_s: 0.5,
             max_body_bytes: 2 << 20,
             max_model_len: None,
+            api_key: Vec::new(),
+            api_key_file: None,
+            admin_key: Vec::new(),
+            admin_key_file: None,
+            allow_unauthenticated: false,
         };
-        layered::extract(&defaults, self.config.as_deref(), ROUTER_KEYS, f)
+        let (cfg, mut entries) =
+            layered::extract(&defaults, self.config.as_deref(), ROUTER_KEYS, f)?;
+        redact(&mut entries);
+        Ok((cfg, entries))
     }
 }

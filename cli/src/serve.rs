@@ -233,6 +233,13 @@ pub fn router(flags: RouterFlags) -> Result<()> {
         vocab_size: mcfg.vocab_size,
         max_body_bytes: cfg.max_body_bytes,
         chat_template: chat_template.map(std::sync::Arc::new),
+        keys: pdserve_router::auth::KeySource {
+            api_keys: cfg.api_key.clone(),
+            api_key_file: cfg.api_key_file.clone(),
+            admin_keys: cfg.admin_key.clone(),
+            admin_key_file: cfg.admin_key_file.clone(),
+        },
+        allow_unauthenticated: cfg.allow_unauthenticated,
     };
     runtime()?.block_on(async move {
         let listener = bind(&cfg.listen, "router").await?;

@@ -10,6 +10,7 @@
 //! worker's `Worker.Info` and drives its circuit breaker.
 
 mod admin;
+pub mod auth;
 pub mod chat;
 pub mod circuit;
 mod completions;
@@ -67,6 +68,10 @@ pub struct RouterSettings {
     pub max_body_bytes: usize,
     /// The model's chat template; None: the default `role: content` lines.
     pub chat_template: Option<Arc<chat::ChatTemplate>>,
+    /// API and admin keys (see [`auth`]).
+    pub keys: auth::KeySource,
+    /// Serve without an API key on a non-loopback address (otherwise refused at start).
+    pub allow_unauthenticated: bool,
 }
 
 pub struct AppState {
@@ -75,6 +80,7 @@ pub struct AppState {
     pub workers: Arc<Workers>,
     pub prefill_policy: Box<dyn policy::RoutingPolicy>,
     pub decode_policy: Box<dyn policy::RoutingPolicy>,
+    pub auth: Arc<auth::Auth>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -85,6 +91,12 @@ pub enum ServeError {
     Io(#[from] std::io::Error),
     #[error(transparent)]
     Policy(#[from] policy::UnknownPolicy),
+    #[error(transparent)]
+    Keys(#[from] auth::KeyError),
+    #[error(
+        "no API key is configured and {0} is not a loopback address: anyone who can reach it could use the model and see every prompt; set --api-key / --api-key-file (or PDSERVE_API_KEY), listen on 127.0.0.1, or pass --allow-unauthenticated"
+    )]
+    Unauthenticated(std::net::SocketAddr),
 }
 
 /// The axum application (routes and state), for embedding and tests.
@@ -107,6 +119,10 @@ pub fn app(state: Arc<AppState>) -> axum::Router {
         .fallback(completions::not_found)
         .method_not_allowed_fallback(completions::method_not_allowed)
         .layer(limit)
+        .layer(axum::middleware::from_fn_with_state(
+            state.auth.clone(),
+            auth::require_key,
+        ))
         .layer(axum::middleware::from_fn(trace::request_context))
         .with_state(state)
 }
@@ -122,6 +138,12 @@ pub async fn serve(
     if let Err(e) = metrics::handle() {
         tracing::warn!(error = e, "GET /metrics is unavailable");
     }
+    let auth = Arc::new(auth::Auth::new(settings.keys.clone())?);
+    let local = listener.local_addr()?;
+    if !auth.has_api_keys() && !settings.allow_unauthenticated && !local.ip().is_loopback() {
+        return Err(ServeError::Unauthenticated(local));
+    }
+    let reload = tokio::spawn(auth::reload_on_sighup(auth.clone()));
     let workers = Arc::new(Workers::new(
         &settings.prefill,
         &settings.decode,
@@ -139,13 +161,15 @@ pub async fn serve(
         workers,
         prefill_policy,
         decode_policy,
+        auth,
         settings,
     });
-    tracing::info!(addr = ?listener.local_addr().ok(), prefill = ?state.settings.prefill, decode = ?state.settings.decode, prefill_policy = state.prefill_policy.name(), decode_policy = state.decode_policy.name(), "router ready");
+    tracing::info!(addr = ?listener.local_addr().ok(), api_keys = state.auth.has_api_keys(), admin_keys = state.auth.has_admin_keys(), prefill = ?state.settings.prefill, decode = ?state.settings.decode, prefill_policy = state.prefill_policy.name(), decode_policy = state.decode_policy.name(), "router ready");
     let res = axum::serve(listener, app(state))
         .with_graceful_shutdown(shutdown)
         .await;
     health.abort();
     upkeep.abort();
+    reload.abort();
     Ok(res?)
 }
