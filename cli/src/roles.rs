@@ -41,6 +41,7 @@ pub struct WorkerConfig {
     pub hicache_size: Option<f64>,
     pub cuda_graph: String,
     pub request_timeout_s: f64,
+    pub transfer_progress_timeout_s: f64,
 }
 
 pub const WORKER_KEYS: &[&str] = &[
@@ -58,6 +59,7 @@ pub const WORKER_KEYS: &[&str] = &[
     "hicache_size",
     "cuda_graph",
     "request_timeout_s",
+    "transfer_progress_timeout_s",
 ];
 
 impl WorkerConfig {
@@ -80,6 +82,7 @@ impl WorkerConfig {
             hicache_size: None,
             cuda_graph: "auto".into(),
             request_timeout_s: 120.0,
+            transfer_progress_timeout_s: 10.0,
         }
     }
 
@@ -154,6 +157,14 @@ impl WorkerConfig {
         if !(self.request_timeout_s.is_finite() && self.request_timeout_s > 0.0) {
             bail!("--request-timeout-s must be a positive number of seconds");
         }
+        let beat = pdserve_kv_transfer::HEARTBEAT.as_secs_f64();
+        let progress = self.transfer_progress_timeout_s;
+        if !(progress.is_finite() && progress >= 2.0 * beat) {
+            bail!(
+                "--transfer-progress-timeout-s must be at least {} s (twice the prefill servers' {beat} s heartbeat), got {progress}",
+                2.0 * beat
+            );
+        }
         Ok(())
     }
 }
@@ -207,9 +218,13 @@ pub struct WorkerFlags {
     /// Decode CUDA graphs: auto, capture or eager.
     #[arg(long)]
     pub cuda_graph: Option<String>,
-    /// Deadline for one request's prefill or KV transfer, in seconds.
+    /// Deadline for one request's prefill (queueing and compute), in seconds.
     #[arg(long)]
     pub request_timeout_s: Option<f64>,
+    /// Decode only: a KV transfer fails when its prefill server sends nothing (not even
+    /// its heartbeat) for this many seconds, freeing the request's slot and pages.
+    #[arg(long)]
+    pub transfer_progress_timeout_s: Option<f64>,
 }
 
 impl WorkerFlags {
@@ -229,6 +244,11 @@ impl WorkerFlags {
         flag(&mut f, "hicache_size", &self.hicache_size);
         flag(&mut f, "cuda_graph", &self.cuda_graph);
         flag(&mut f, "request_timeout_s", &self.request_timeout_s);
+        flag(
+            &mut f,
+            "transfer_progress_timeout_s",
+            &self.transfer_progress_timeout_s,
+        );
         let (cfg, entries) = layered::extract(
             &WorkerConfig::defaults(role),
             self.config.as_deref(),

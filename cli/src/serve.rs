@@ -175,6 +175,9 @@ fn serve_worker<B: Backend + 'static>(
                     max_batch: cfg.max_batch,
                     admit_timeout: timeout,
                     transfer_timeout: timeout,
+                    transfer_progress_timeout: Duration::from_secs_f64(
+                        cfg.transfer_progress_timeout_s,
+                    ),
                     connect_timeout: Duration::from_secs(2),
                     load_timeout: Duration::from_secs(600),
                     config: config_pb(&entries),

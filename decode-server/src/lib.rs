@@ -23,8 +23,12 @@ pub struct DecodeSettings {
     pub max_batch: usize,
     /// Deadline for a request waiting for pages and a batch slot.
     pub admit_timeout: Duration,
-    /// Deadline for pulling a prompt's KV from the prefill server (prefill compute included).
+    /// Deadline for the prefill server to finish a prompt (queueing and compute, up to
+    /// the transfer's header).
     pub transfer_timeout: Duration,
+    /// Deadline for each next message of a transfer (heartbeats while the prefill
+    /// computes, then the KV): a silent peer frees the request's slot and pages this soon.
+    pub transfer_progress_timeout: Duration,
     /// Deadline for connecting to a prefill server.
     pub connect_timeout: Duration,
     /// Deadline for loading the model.
@@ -69,6 +73,7 @@ where
         admits,
         layout: Arc::new(ready.layout),
         max_positions: ready.max_positions,
+        vocab_size: ready.vocab_size,
         admission: Arc::new(admission),
         settings: settings.clone(),
         status: status.clone(),

@@ -4,9 +4,12 @@
 //!
 //! - `auth`: API and admin keys on the router (401s, constant-time checks, key rotation
 //!   on SIGHUP, no key in logs or /config, no unauthenticated non-loopback listener).
+//! - `rogue_prefill`: a lying or silent prefill peer against a decode server serving
+//!   real traffic fails only its own requests, within its deadlines, in bounded memory.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 #[path = "../support/mod.rs"]
 mod support;
 
 mod auth;
+mod rogue_prefill;
