@@ -42,6 +42,8 @@ pub struct WorkerConfig {
     pub cuda_graph: String,
     pub request_timeout_s: f64,
     pub transfer_progress_timeout_s: f64,
+    pub cluster_token: Option<String>,
+    pub cluster_token_file: Option<PathBuf>,
 }
 
 pub const WORKER_KEYS: &[&str] = &[
@@ -60,6 +62,8 @@ pub const WORKER_KEYS: &[&str] = &[
     "cuda_graph",
     "request_timeout_s",
     "transfer_progress_timeout_s",
+    "cluster_token",
+    "cluster_token_file",
 ];
 
 impl WorkerConfig {
@@ -83,6 +87,8 @@ impl WorkerConfig {
             cuda_graph: "auto".into(),
             request_timeout_s: 120.0,
             transfer_progress_timeout_s: 10.0,
+            cluster_token: None,
+            cluster_token_file: None,
         }
     }
 
@@ -225,6 +231,50 @@ pub struct WorkerFlags {
     /// its heartbeat) for this many seconds, freeing the request's slot and pages.
     #[arg(long)]
     pub transfer_progress_timeout_s: Option<f64>,
+    #[command(flatten)]
+    pub cluster: ClusterTokenFlags,
+}
+
+/// The cluster token flags every role takes.
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct ClusterTokenFlags {
+    /// Shared secret of this cluster's processes (also PDSERVE_CLUSTER_TOKEN): workers
+    /// refuse Prefill/Generate calls without it and prove it to the router. Prefer
+    /// --cluster-token-file: flags show in `ps`.
+    #[arg(long)]
+    pub cluster_token: Option<String>,
+    /// File holding the cluster token (its first line).
+    #[arg(long)]
+    pub cluster_token_file: Option<PathBuf>,
+}
+
+impl ClusterTokenFlags {
+    fn put(&self, f: &mut Flags) {
+        flag(f, "cluster_token", &self.cluster_token);
+        flag(f, "cluster_token_file", &self.cluster_token_file);
+    }
+}
+
+/// The effective cluster token from its value or its file (not both).
+pub fn cluster_token(
+    value: &Option<String>,
+    file: &Option<PathBuf>,
+) -> Result<Option<pdserve_proto::cluster::ClusterToken>> {
+    let secret = match (value, file) {
+        (Some(_), Some(_)) => bail!("give --cluster-token or --cluster-token-file, not both"),
+        (Some(v), None) => v.clone(),
+        (None, Some(p)) => std::fs::read_to_string(p)
+            .map_err(|e| anyhow::anyhow!("--cluster-token-file {}: {e}", p.display()))?
+            .lines()
+            .next()
+            .unwrap_or_default()
+            .to_string(),
+        (None, None) => return Ok(None),
+    };
+    Ok(Some(
+        pdserve_proto::cluster::ClusterToken::new(&secret)
+            .map_err(|e| anyhow::anyhow!("cluster token: {e}"))?,
+    ))
 }
 
 impl WorkerFlags {
@@ -249,12 +299,14 @@ impl WorkerFlags {
             "transfer_progress_timeout_s",
             &self.transfer_progress_timeout_s,
         );
-        let (cfg, entries) = layered::extract(
+        self.cluster.put(&mut f);
+        let (cfg, mut entries) = layered::extract(
             &WorkerConfig::defaults(role),
             self.config.as_deref(),
             WORKER_KEYS,
             f,
         )?;
+        redact(&mut entries);
         Ok((cfg, entries))
     }
 }
@@ -284,11 +336,13 @@ pub struct RouterConfig {
     pub admin_key: Vec<String>,
     pub admin_key_file: Option<PathBuf>,
     pub allow_unauthenticated: bool,
+    pub cluster_token: Option<String>,
+    pub cluster_token_file: Option<PathBuf>,
 }
 
 /// Config keys whose values are secrets: `--print-config`, `GET /config` and the logs
 /// show only how many were given.
-pub const SECRET_KEYS: &[&str] = &["api_key", "admin_key"];
+pub const SECRET_KEYS: &[&str] = &["api_key", "admin_key", "cluster_token"];
 
 /// Replace secret values by a count, keeping their source.
 pub fn redact(entries: &mut [Entry]) {
@@ -338,6 +392,8 @@ pub const ROUTER_KEYS: &[&str] = &[
     "admin_key",
     "admin_key_file",
     "allow_unauthenticated",
+    "cluster_token",
+    "cluster_token_file",
 ];
 
 #[derive(clap::Args, Debug, Clone, Default)]
@@ -403,6 +459,8 @@ pub struct RouterFlags {
     /// Serve without an API key on a non-loopback address (refused otherwise).
     #[arg(long)]
     pub allow_unauthenticated: bool,
+    #[command(flatten)]
+    pub cluster: ClusterTokenFlags,
 }
 
 impl RouterConfig {
@@ -451,6 +509,7 @@ impl RouterFlags {
             "allow_unauthenticated",
             &self.allow_unauthenticated.then_some(true),
         );
+        self.cluster.put(&mut f);
         let defaults = RouterConfig {
             model: None,
             listen: "127.0.0.1:8000".into(),
@@ -469,6 +528,8 @@ impl RouterFlags {
             admin_key: Vec::new(),
             admin_key_file: None,
             allow_unauthenticated: false,
+            cluster_token: None,
+            cluster_token_file: None,
         };
         let (cfg, mut entries) =
             layered::extract(&defaults, self.config.as_deref(), ROUTER_KEYS, f)?;

@@ -153,6 +153,7 @@ fn serve_worker<B: Backend + 'static>(
     (make_engine, host_pages): (EngineFactory<B>, usize),
 ) -> Result<()> {
     let timeout = Duration::from_secs_f64(cfg.request_timeout_s);
+    let cluster_token = crate::roles::cluster_token(&cfg.cluster_token, &cfg.cluster_token_file)?;
     runtime()?.block_on(async move {
         let listener = bind(&cfg.listen, role.name()).await?;
         match role {
@@ -165,6 +166,7 @@ fn serve_worker<B: Backend + 'static>(
                     request_timeout: timeout,
                     load_timeout: Duration::from_secs(600),
                     config: config_pb(&entries),
+                    cluster_token,
                 };
                 pdserve_prefill_server::serve(settings, make_engine, listener, shutdown_signal())
                     .await?;
@@ -181,6 +183,7 @@ fn serve_worker<B: Backend + 'static>(
                     connect_timeout: Duration::from_secs(2),
                     load_timeout: Duration::from_secs(600),
                     config: config_pb(&entries),
+                    cluster_token,
                 };
                 pdserve_decode_server::serve(settings, make_engine, listener, shutdown_signal())
                     .await?;
@@ -243,6 +246,7 @@ pub fn router(flags: RouterFlags) -> Result<()> {
             admin_key_file: cfg.admin_key_file.clone(),
         },
         allow_unauthenticated: cfg.allow_unauthenticated,
+        cluster_token: crate::roles::cluster_token(&cfg.cluster_token, &cfg.cluster_token_file)?,
     };
     runtime()?.block_on(async move {
         let listener = bind(&cfg.listen, "router").await?;

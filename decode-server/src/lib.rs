@@ -9,7 +9,9 @@ mod service;
 
 use pdserve_engine::backend::Backend;
 use pdserve_engine::{Engine, EngineError};
+use pdserve_proto::cluster::{ClusterToken, RequireToken};
 use pdserve_proto::pb;
+use tonic::service::interceptor::InterceptedService;
 use pdserve_worker::{Load, WorkerStatus};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -35,6 +37,8 @@ pub struct DecodeSettings {
     pub load_timeout: Duration,
     /// Effective configuration, reported by the info RPC.
     pub config: Vec<pb::ConfigEntry>,
+    /// Required on every `Generate` call when set, and sent on every pull.
+    pub cluster_token: Option<ClusterToken>,
 }
 
 pub use pdserve_worker::ServeError;
@@ -79,6 +83,10 @@ where
         status: status.clone(),
     };
     tracing::info!(addr = ?listener.local_addr().ok(), layout = %status.layout.fingerprint, max_batch = settings.max_batch, "decode server ready");
-    let role = tonic::service::Routes::new(pb::decode_server::DecodeServer::new(svc));
-    pdserve_worker::serve_grpc(role, status, listener, shutdown).await
+    let token = settings.cluster_token.clone();
+    let role = tonic::service::Routes::new(InterceptedService::new(
+        pb::decode_server::DecodeServer::new(svc),
+        RequireToken(token.clone()),
+    ));
+    pdserve_worker::serve_grpc(role, status, token, listener, shutdown).await
 }

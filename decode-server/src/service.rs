@@ -91,6 +91,7 @@ impl pb::decode_server::Decode for DecodeService {
             connect_timeout: self.settings.connect_timeout,
             prefill_timeout: self.settings.transfer_timeout,
             progress_timeout: self.settings.transfer_progress_timeout,
+            cluster_token: self.settings.cluster_token.clone(),
         };
         let expected = Expected {
             positions: r.prompt.len(),

@@ -2,6 +2,7 @@
 
 use crate::{layout_info, max_message_bytes, Assembler, Expected, Prefilled, TransferError};
 use pdserve_engine::kv::KvLayout;
+use pdserve_proto::cluster::ClusterToken;
 use pdserve_proto::pb;
 use pdserve_proto::pb::prefill_client::PrefillClient;
 use std::time::{Duration, Instant};
@@ -11,7 +12,7 @@ use tonic::transport::Endpoint;
 /// receiver's progress deadline must be well above it.
 pub const HEARTBEAT: Duration = Duration::from_secs(1);
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct PullOptions {
     /// Deadline for the TCP/HTTP2 connection.
     pub connect_timeout: Duration,
@@ -20,6 +21,8 @@ pub struct PullOptions {
     /// Deadline for each next message: a peer that sends nothing (not even its
     /// heartbeat) for this long fails the transfer, however long the transfer is.
     pub progress_timeout: Duration,
+    /// Sent to the prefill server (which refuses calls without it when it has one).
+    pub cluster_token: Option<ClusterToken>,
 }
 
 impl Default for PullOptions {
@@ -28,6 +31,7 @@ impl Default for PullOptions {
             connect_timeout: Duration::from_secs(2),
             prefill_timeout: Duration::from_secs(120),
             progress_timeout: Duration::from_secs(10),
+            cluster_token: None,
         }
     }
 }
@@ -91,9 +95,13 @@ pub async fn pull_prefill(
         }
     };
     let prefill_left = || opts.prefill_timeout.saturating_sub(t0.elapsed());
+    let mut call = pdserve_proto::with_request_id(req, request_id);
+    if let Some(t) = &opts.cluster_token {
+        t.attach(&mut call);
+    }
     let mut stream = tokio::time::timeout(
         opts.progress_timeout.min(prefill_left()),
-        client.prefill(pdserve_proto::with_request_id(req, request_id)),
+        client.prefill(call),
     )
     .await
     .map_err(|_| timeout("the prefill to start"))?

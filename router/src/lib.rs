@@ -72,6 +72,8 @@ pub struct RouterSettings {
     pub keys: auth::KeySource,
     /// Serve without an API key on a non-loopback address (otherwise refused at start).
     pub allow_unauthenticated: bool,
+    /// The cluster token (see [`pdserve_proto::cluster`]): workers must prove it.
+    pub cluster_token: Option<pdserve_proto::cluster::ClusterToken>,
 }
 
 pub struct AppState {
@@ -148,6 +150,7 @@ pub async fn serve(
         &settings.prefill,
         &settings.decode,
         settings.connect_timeout,
+        settings.cluster_token.clone(),
     )?);
     let prefill_policy = policy::by_name(&settings.prefill_policy)?;
     let decode_policy = policy::by_name(&settings.decode_policy)?;

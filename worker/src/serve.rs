@@ -2,6 +2,7 @@
 //! gRPC service next to the `Worker` service until shutdown.
 
 use crate::{WorkerService, WorkerStatus};
+use pdserve_proto::cluster::ClusterToken;
 use pdserve_proto::pb;
 use std::sync::Arc;
 use std::time::Duration;
@@ -46,13 +47,19 @@ where
 /// [`MAX_STREAMS_PER_CONNECTION`] concurrent calls (the router multiplexes all its requests
 /// to a worker over one connection, so this bounds one peer, not the cluster), and a
 /// message of any service is bounded by its server's decoding limit.
+///
+/// `token` answers identity challenges on `Worker.Info`; the role's own service checks
+/// it on every call (see [`pdserve_proto::cluster`]), wrapped by the role.
 pub async fn serve_grpc(
     role: tonic::service::Routes,
     status: Arc<WorkerStatus>,
+    token: Option<ClusterToken>,
     listener: tokio::net::TcpListener,
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> Result<(), ServeError> {
-    let routes = role.add_service(pb::worker_server::WorkerServer::new(WorkerService(status)));
+    let routes = role.add_service(pb::worker_server::WorkerServer::new(WorkerService(
+        status, token,
+    )));
     tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(Duration::from_secs(1)))
         .http2_keepalive_timeout(Some(Duration::from_secs(2)))

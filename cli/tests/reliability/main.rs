@@ -6,10 +6,13 @@
 //!   on SIGHUP, no key in logs or /config, no unauthenticated non-loopback listener).
 //! - `rogue_prefill`: a lying or silent prefill peer against a decode server serving
 //!   real traffic fails only its own requests, within its deadlines, in bounded memory.
+//! - `cluster_token`: rogue gRPC clients and rogue workers without the cluster token are
+//!   refused; members serve.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 #[path = "../support/mod.rs"]
 mod support;
 
 mod auth;
+mod cluster_token;
 mod rogue_prefill;
