@@ -338,6 +338,10 @@ pub struct RouterConfig {
     pub allow_unauthenticated: bool,
     pub cluster_token: Option<String>,
     pub cluster_token_file: Option<PathBuf>,
+    pub max_concurrent_requests: usize,
+    pub header_timeout_s: f64,
+    pub body_timeout_s: f64,
+    pub max_connections: usize,
 }
 
 /// Config keys whose values are secrets: `--print-config`, `GET /config` and the logs
@@ -394,6 +398,10 @@ pub const ROUTER_KEYS: &[&str] = &[
     "allow_unauthenticated",
     "cluster_token",
     "cluster_token_file",
+    "max_concurrent_requests",
+    "header_timeout_s",
+    "body_timeout_s",
+    "max_connections",
 ];
 
 #[derive(clap::Args, Debug, Clone, Default)]
@@ -461,6 +469,19 @@ pub struct RouterFlags {
     pub allow_unauthenticated: bool,
     #[command(flatten)]
     pub cluster: ClusterTokenFlags,
+    /// Most completion requests in flight at once; past it a 429 with Retry-After.
+    #[arg(long)]
+    pub max_concurrent_requests: Option<usize>,
+    /// Seconds a client has to send a request's headers; also how long an idle
+    /// keep-alive connection stays open.
+    #[arg(long)]
+    pub header_timeout_s: Option<f64>,
+    /// Seconds a request body may go without a byte arriving (then 408).
+    #[arg(long)]
+    pub body_timeout_s: Option<f64>,
+    /// Most open client connections; more wait in the kernel's accept queue.
+    #[arg(long)]
+    pub max_connections: Option<usize>,
 }
 
 impl RouterConfig {
@@ -476,10 +497,15 @@ impl RouterConfig {
             ("--first-token-timeout-s", self.first_token_timeout_s),
             ("--token-timeout-s", self.token_timeout_s),
             ("--health-interval-s", self.health_interval_s),
+            ("--header-timeout-s", self.header_timeout_s),
+            ("--body-timeout-s", self.body_timeout_s),
         ] {
             if !(t.is_finite() && t > 0.0) {
                 bail!("{flag} must be a positive number of seconds, got {t}");
             }
+        }
+        if self.max_concurrent_requests == 0 || self.max_connections == 0 {
+            bail!("--max-concurrent-requests and --max-connections must be at least 1");
         }
         Ok(())
     }
@@ -510,6 +536,10 @@ impl RouterFlags {
             &self.allow_unauthenticated.then_some(true),
         );
         self.cluster.put(&mut f);
+        flag(&mut f, "max_concurrent_requests", &self.max_concurrent_requests);
+        flag(&mut f, "header_timeout_s", &self.header_timeout_s);
+        flag(&mut f, "body_timeout_s", &self.body_timeout_s);
+        flag(&mut f, "max_connections", &self.max_connections);
         let defaults = RouterConfig {
             model: None,
             listen: "127.0.0.1:8000".into(),
@@ -530,6 +560,10 @@ impl RouterFlags {
             allow_unauthenticated: false,
             cluster_token: None,
             cluster_token_file: None,
+            max_concurrent_requests: 1024,
+            header_timeout_s: 10.0,
+            body_timeout_s: 10.0,
+            max_connections: 4096,
         };
         let (cfg, mut entries) =
             layered::extract(&defaults, self.config.as_deref(), ROUTER_KEYS, f)?;

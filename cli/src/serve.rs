@@ -247,6 +247,12 @@ pub fn router(flags: RouterFlags) -> Result<()> {
         },
         allow_unauthenticated: cfg.allow_unauthenticated,
         cluster_token: crate::roles::cluster_token(&cfg.cluster_token, &cfg.cluster_token_file)?,
+        max_concurrent_requests: cfg.max_concurrent_requests,
+        http: pdserve_router::http::HttpLimits {
+            header_timeout: Duration::from_secs_f64(cfg.header_timeout_s),
+            body_timeout: Duration::from_secs_f64(cfg.body_timeout_s),
+            max_connections: cfg.max_connections,
+        },
     };
     runtime()?.block_on(async move {
         let listener = bind(&cfg.listen, "router").await?;

@@ -23,11 +23,19 @@ pub async fn check_all(workers: &Workers, deadline: Duration) {
     futures::future::join_all(checks).await;
 }
 
-/// Check every worker's health, forever.
+/// Deadline of one health poll: a worker that does not answer `Info` this fast (stopped,
+/// hung, partitioned) leaves rotation.
+pub const POLL_DEADLINE: Duration = Duration::from_millis(500);
+
+/// Check every worker's health, forever, a round starting every `interval` (a slow round
+/// does not push the next one back by its own length): a worker that stops answering is
+/// out of rotation within `interval` + [`POLL_DEADLINE`], 1 s at the default interval.
 pub async fn health_loop(workers: Arc<Workers>, interval: Duration) {
+    let mut tick = tokio::time::interval(interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
-        check_all(&workers, interval.max(Duration::from_millis(500))).await;
-        tokio::time::sleep(interval).await;
+        tick.tick().await;
+        check_all(&workers, POLL_DEADLINE).await;
     }
 }
 

@@ -19,6 +19,8 @@ mod driver;
 mod error;
 pub mod extract;
 mod generation;
+pub mod http;
+pub mod limits;
 pub mod health;
 pub mod metrics;
 mod params;
@@ -72,6 +74,10 @@ pub struct RouterSettings {
     pub keys: auth::KeySource,
     /// Serve without an API key on a non-loopback address (otherwise refused at start).
     pub allow_unauthenticated: bool,
+    /// Most completion requests in flight (429 past it).
+    pub max_concurrent_requests: usize,
+    /// Header/body deadlines and the connection limit.
+    pub http: http::HttpLimits,
     /// The cluster token (see [`pdserve_proto::cluster`]): workers must prove it.
     pub cluster_token: Option<pdserve_proto::cluster::ClusterToken>,
 }
@@ -83,6 +89,10 @@ pub struct AppState {
     pub prefill_policy: Box<dyn policy::RoutingPolicy>,
     pub decode_policy: Box<dyn policy::RoutingPolicy>,
     pub auth: Arc<auth::Auth>,
+    pub concurrency: Arc<limits::ConcurrencyLimit>,
+    pub tokenizers: limits::Tokenizers,
+    /// Longest text prompt in bytes (see [`limits::prompt_bytes_limit`]).
+    pub prompt_bytes_limit: usize,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -108,9 +118,19 @@ pub fn app(state: Arc<AppState>) -> axum::Router {
         tracing::warn!(error = e, "GET /metrics is unavailable");
     }
     let limit = axum::extract::DefaultBodyLimit::max(state.settings.max_body_bytes);
+    let concurrency = state.concurrency.clone();
+    let limited = || {
+        axum::middleware::from_fn_with_state(concurrency.clone(), limits::limit_concurrency)
+    };
     axum::Router::new()
-        .route("/v1/completions", post(completions::completions))
-        .route("/v1/chat/completions", post(completions::chat_completions))
+        .route(
+            "/v1/completions",
+            post(completions::completions).layer(limited()),
+        )
+        .route(
+            "/v1/chat/completions",
+            post(completions::chat_completions).layer(limited()),
+        )
         .route("/v1/models", get(completions::models))
         .route("/v1/models/{model}", get(completions::model))
         .route("/health", get(completions::health))
@@ -159,7 +179,15 @@ pub async fn serve(
         settings.health_interval,
     ));
     let upkeep = tokio::spawn(metrics::upkeep(Duration::from_secs(5)));
+    let prompt_bytes_limit = tokenizer.as_ref().map_or(usize::MAX, |t| {
+        limits::prompt_bytes_limit(settings.context_length, t.max_token_bytes())
+    });
     let state = Arc::new(AppState {
+        concurrency: Arc::new(limits::ConcurrencyLimit::new(
+            settings.max_concurrent_requests,
+        )),
+        tokenizers: limits::Tokenizers::per_core(settings.first_token_timeout),
+        prompt_bytes_limit,
         tokenizer: tokenizer.map(Arc::new),
         workers,
         prefill_policy,
@@ -168,9 +196,8 @@ pub async fn serve(
         settings,
     });
     tracing::info!(addr = ?listener.local_addr().ok(), api_keys = state.auth.has_api_keys(), admin_keys = state.auth.has_admin_keys(), prefill = ?state.settings.prefill, decode = ?state.settings.decode, prefill_policy = state.prefill_policy.name(), decode_policy = state.decode_policy.name(), "router ready");
-    let res = axum::serve(listener, app(state))
-        .with_graceful_shutdown(shutdown)
-        .await;
+    let limits = state.settings.http;
+    let res = http::serve(listener, app(state), limits, shutdown).await;
     health.abort();
     upkeep.abort();
     reload.abort();

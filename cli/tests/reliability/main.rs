@@ -8,6 +8,8 @@
 //!   real traffic fails only its own requests, within its deadlines, in bounded memory.
 //! - `cluster_token`: rogue gRPC clients and rogue workers without the cluster token are
 //!   refused; members serve.
+//! - `slow_clients`: slowloris headers, idle keep-alives, stalled bodies, 429s past
+//!   `--max-concurrent-requests`, refused fields, 2 MB prompts beside normal traffic.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 #[path = "../support/mod.rs"]
@@ -16,3 +18,4 @@ mod support;
 mod auth;
 mod cluster_token;
 mod rogue_prefill;
+mod slow_clients;
