@@ -14,7 +14,6 @@ use axum::extract::{Request, State};
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
-use futures::StreamExt;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::Semaphore;
@@ -59,13 +58,40 @@ pub async fn limit_concurrency(
             .insert(header::RETRY_AFTER, HeaderValue::from(RETRY_AFTER_S));
         return resp;
     };
-    let (parts, body) = next.run(req).await.into_parts();
     // The slot is released when the body (a whole SSE stream) is done or dropped.
-    let body = Body::from_stream(body.into_data_stream().map(move |chunk| {
-        let _held = &permit;
-        chunk
-    }));
-    Response::from_parts(parts, body)
+    next.run(req).await.map(|inner| {
+        Body::new(Held {
+            inner,
+            _permit: permit,
+        })
+    })
+}
+
+/// A response body holding a request slot until it is dropped; frames, size hint and
+/// end of stream pass through unchanged (so `Content-Length` is kept).
+struct Held {
+    inner: Body,
+    _permit: tokio::sync::OwnedSemaphorePermit,
+}
+
+impl http_body::Body for Held {
+    type Data = axum::body::Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        std::pin::Pin::new(&mut self.get_mut().inner).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
 }
 
 /// The blocking-thread pool for prompt preparation, bounded by a semaphore.
