@@ -188,6 +188,12 @@ impl Auth {
     }
 }
 
+/// Whether a router may serve on `ip`: always with API keys; without them only on a
+/// loopback address, unless the operator said `--allow-unauthenticated`.
+pub fn may_serve(ip: std::net::IpAddr, has_api_keys: bool, allow_unauthenticated: bool) -> bool {
+    has_api_keys || allow_unauthenticated || ip.is_loopback()
+}
+
 /// Re-read the key files on every SIGHUP (rotation without a restart); a bad file is
 /// logged and the keys in force stay.
 pub async fn reload_on_sighup(auth: Arc<Auth>) {
@@ -333,6 +339,18 @@ mod tests {
         std::fs::write(&f, "\n").unwrap();
         assert!(matches!(a.reload(), Err(KeyError::NoKeyInFile(_))));
         assert_eq!(a.check(Scope::Api, Some(b"new")), Ok(()), "a failed reload keeps the keys");
+    }
+
+    #[test]
+    fn without_keys_only_loopback_serves_unless_allowed() {
+        let any: std::net::IpAddr = "0.0.0.0".parse().unwrap();
+        let lo6: std::net::IpAddr = "::1".parse().unwrap();
+        assert!(may_serve("127.0.0.1".parse().unwrap(), false, false));
+        assert!(may_serve(lo6, false, false));
+        assert!(!may_serve(any, false, false));
+        assert!(!may_serve("10.0.0.5".parse().unwrap(), false, false));
+        assert!(may_serve(any, true, false));
+        assert!(may_serve(any, false, true));
     }
 
     #[test]

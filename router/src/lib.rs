@@ -162,7 +162,7 @@ pub async fn serve(
     }
     let auth = Arc::new(auth::Auth::new(settings.keys.clone())?);
     let local = listener.local_addr()?;
-    if !auth.has_api_keys() && !settings.allow_unauthenticated && !local.ip().is_loopback() {
+    if !auth::may_serve(local.ip(), auth.has_api_keys(), settings.allow_unauthenticated) {
         return Err(ServeError::Unauthenticated(local));
     }
     let reload = tokio::spawn(auth::reload_on_sighup(auth.clone()));

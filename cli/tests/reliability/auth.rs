@@ -156,8 +156,8 @@ fn no_key_means_loopback_only() {
         err.contains("no API key is configured") && err.contains("--allow-unauthenticated"),
         "{err}"
     );
-    let (_p, addr) = on_all_interfaces(&["--allow-unauthenticated"]);
-    assert_eq!(get(&addr, "/workers", None).0, 200, "explicitly unauthenticated: open");
+    // (`--allow-unauthenticated` is covered by auth::tests: serving unauthenticated on
+    // every interface would expose the test machine.)
     let (_p, addr) = on_all_interfaces(&["--api-key", API]);
     assert_401(post_completion(&addr, None), "keyed on 0.0.0.0");
 }
