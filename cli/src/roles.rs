@@ -47,6 +47,9 @@ pub struct WorkerConfig {
     pub verify_graphs_every: u32,
     /// Batch-invariant numerics (CUDA kernels with fixed reduction orders).
     pub deterministic: bool,
+    pub transfer_progress_timeout_s: f64,
+    pub cluster_token: Option<String>,
+    pub cluster_token_file: Option<PathBuf>,
 }
 
 pub const WORKER_KEYS: &[&str] = &[
@@ -67,6 +70,9 @@ pub const WORKER_KEYS: &[&str] = &[
     "kv_audit_every",
     "verify_graphs_every",
     "deterministic",
+    "transfer_progress_timeout_s",
+    "cluster_token",
+    "cluster_token_file",
 ];
 
 impl WorkerConfig {
@@ -92,6 +98,9 @@ impl WorkerConfig {
             kv_audit_every: 0,
             verify_graphs_every: 0,
             deterministic: false,
+            transfer_progress_timeout_s: 10.0,
+            cluster_token: None,
+            cluster_token_file: None,
         }
     }
 
@@ -169,6 +178,14 @@ impl WorkerConfig {
         if self.verify_graphs_every > 0 && !(cuda && role == WorkerRole::Decode) {
             bail!("--verify-graphs / --verify-graphs-every check CUDA decode graphs: they need a decode server with --device cuda:N");
         }
+        let beat = pdserve_kv_transfer::HEARTBEAT.as_secs_f64();
+        let progress = self.transfer_progress_timeout_s;
+        if !(progress.is_finite() && progress >= 2.0 * beat) {
+            bail!(
+                "--transfer-progress-timeout-s must be at least {} s (twice the prefill servers' {beat} s heartbeat), got {progress}",
+                2.0 * beat
+            );
+        }
         Ok(())
     }
 }
@@ -222,7 +239,7 @@ pub struct WorkerFlags {
     /// Decode CUDA graphs: auto, capture or eager.
     #[arg(long)]
     pub cuda_graph: Option<String>,
-    /// Deadline for one request's prefill or KV transfer, in seconds.
+    /// Deadline for one request's prefill (queueing and compute), in seconds.
     #[arg(long)]
     pub request_timeout_s: Option<f64>,
     /// KV canary at every step: checksums of every page and state slot (computed on the
@@ -252,6 +269,54 @@ pub struct WorkerFlags {
     /// running request's KV after decode step STEP, past every writer the canary knows.
     #[arg(long, hide = true)]
     pub debug_kv_scribble: Option<String>,
+    /// Decode only: a KV transfer fails when its prefill server sends nothing (not even
+    /// its heartbeat) for this many seconds, freeing the request's slot and pages.
+    #[arg(long)]
+    pub transfer_progress_timeout_s: Option<f64>,
+    #[command(flatten)]
+    pub cluster: ClusterTokenFlags,
+}
+
+/// The cluster token flags every role takes.
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct ClusterTokenFlags {
+    /// Shared secret of this cluster's processes (also PDSERVE_CLUSTER_TOKEN): workers
+    /// refuse Prefill/Generate calls without it and prove it to the router. Prefer
+    /// --cluster-token-file: flags show in `ps`.
+    #[arg(long)]
+    pub cluster_token: Option<String>,
+    /// File holding the cluster token (its first line).
+    #[arg(long)]
+    pub cluster_token_file: Option<PathBuf>,
+}
+
+impl ClusterTokenFlags {
+    fn put(&self, f: &mut Flags) {
+        flag(f, "cluster_token", &self.cluster_token);
+        flag(f, "cluster_token_file", &self.cluster_token_file);
+    }
+}
+
+/// The effective cluster token from its value or its file (not both).
+pub fn cluster_token(
+    value: &Option<String>,
+    file: &Option<PathBuf>,
+) -> Result<Option<pdserve_proto::cluster::ClusterToken>> {
+    let secret = match (value, file) {
+        (Some(_), Some(_)) => bail!("give --cluster-token or --cluster-token-file, not both"),
+        (Some(v), None) => v.clone(),
+        (None, Some(p)) => std::fs::read_to_string(p)
+            .map_err(|e| anyhow::anyhow!("--cluster-token-file {}: {e}", p.display()))?
+            .lines()
+            .next()
+            .unwrap_or_default()
+            .to_string(),
+        (None, None) => return Ok(None),
+    };
+    Ok(Some(
+        pdserve_proto::cluster::ClusterToken::new(&secret)
+            .map_err(|e| anyhow::anyhow!("cluster token: {e}"))?,
+    ))
 }
 
 impl WorkerFlags {
@@ -276,12 +341,19 @@ impl WorkerFlags {
         let verify_every = self.verify_graphs_every.or(self.verify_graphs.then_some(1));
         flag(&mut f, "verify_graphs_every", &verify_every);
         flag(&mut f, "deterministic", &self.deterministic.then_some(true));
-        let (cfg, entries) = layered::extract(
+        flag(
+            &mut f,
+            "transfer_progress_timeout_s",
+            &self.transfer_progress_timeout_s,
+        );
+        self.cluster.put(&mut f);
+        let (cfg, mut entries) = layered::extract(
             &WorkerConfig::defaults(role),
             self.config.as_deref(),
             WORKER_KEYS,
             f,
         )?;
+        redact(&mut entries);
         Ok((cfg, entries))
     }
 }
@@ -301,6 +373,56 @@ pub struct RouterConfig {
     pub health_interval_s: f64,
     pub max_body_bytes: usize,
     pub max_model_len: Option<usize>,
+    /// Keys for the OpenAI endpoints (`PDSERVE_API_KEY` may hold one, or several
+    /// comma-separated).
+    #[serde(deserialize_with = "one_or_many")]
+    pub api_key: Vec<String>,
+    pub api_key_file: Option<PathBuf>,
+    /// Keys for `/workers` and `/config`.
+    #[serde(deserialize_with = "one_or_many")]
+    pub admin_key: Vec<String>,
+    pub admin_key_file: Option<PathBuf>,
+    pub allow_unauthenticated: bool,
+    pub cluster_token: Option<String>,
+    pub cluster_token_file: Option<PathBuf>,
+    pub max_concurrent_requests: usize,
+    pub header_timeout_s: f64,
+    pub body_timeout_s: f64,
+    pub max_connections: usize,
+}
+
+/// Config keys whose values are secrets: `--print-config`, `GET /config` and the logs
+/// show only how many were given.
+pub const SECRET_KEYS: &[&str] = &["api_key", "admin_key", "cluster_token"];
+
+/// Replace secret values by a count, keeping their source.
+pub fn redact(entries: &mut [Entry]) {
+    for e in entries.iter_mut() {
+        if SECRET_KEYS.contains(&e.key.as_str()) {
+            let n = serde_json::from_str::<Vec<String>>(&e.value)
+                .map(|v| v.len())
+                .unwrap_or(usize::from(e.value != "(none)"));
+            e.value = format!("({n} redacted)");
+        }
+    }
+}
+
+/// A list from a TOML/flag array, or from one string (an environment variable), split on
+/// commas.
+fn one_or_many<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum OneOrMany {
+        One(String),
+        // The environment layer reads an all-digit value as a number.
+        Digits(u64),
+        Many(Vec<String>),
+    }
+    Ok(match OneOrMany::deserialize(d)? {
+        OneOrMany::One(s) => s.split(',').map(str::to_string).collect(),
+        OneOrMany::Digits(n) => vec![n.to_string()],
+        OneOrMany::Many(v) => v,
+    })
 }
 
 pub const ROUTER_KEYS: &[&str] = &[
@@ -316,6 +438,17 @@ pub const ROUTER_KEYS: &[&str] = &[
     "health_interval_s",
     "max_body_bytes",
     "max_model_len",
+    "api_key",
+    "api_key_file",
+    "admin_key",
+    "admin_key_file",
+    "allow_unauthenticated",
+    "cluster_token",
+    "cluster_token_file",
+    "max_concurrent_requests",
+    "header_timeout_s",
+    "body_timeout_s",
+    "max_connections",
 ];
 
 #[derive(clap::Args, Debug, Clone, Default)]
@@ -364,6 +497,38 @@ pub struct RouterFlags {
     /// upper bound: the model's max_position_embeddings.
     #[arg(long)]
     pub max_model_len: Option<usize>,
+    /// API key clients must send as `Authorization: Bearer <key>` on /v1/... (repeat for
+    /// several; also PDSERVE_API_KEY). Prefer --api-key-file: flags show in `ps`.
+    #[arg(long)]
+    pub api_key: Option<Vec<String>>,
+    /// File with API keys, one per line (`#` comments); re-read on SIGHUP.
+    #[arg(long)]
+    pub api_key_file: Option<PathBuf>,
+    /// Key for /workers and /config (repeatable; also PDSERVE_ADMIN_KEY). With API keys
+    /// but no admin key those endpoints are closed.
+    #[arg(long)]
+    pub admin_key: Option<Vec<String>>,
+    /// File with admin keys, one per line; re-read on SIGHUP.
+    #[arg(long)]
+    pub admin_key_file: Option<PathBuf>,
+    /// Serve without an API key on a non-loopback address (refused otherwise).
+    #[arg(long)]
+    pub allow_unauthenticated: bool,
+    #[command(flatten)]
+    pub cluster: ClusterTokenFlags,
+    /// Most completion requests in flight at once; past it a 429 with Retry-After.
+    #[arg(long)]
+    pub max_concurrent_requests: Option<usize>,
+    /// Seconds a client has to send a request's headers; also how long an idle
+    /// keep-alive connection stays open.
+    #[arg(long)]
+    pub header_timeout_s: Option<f64>,
+    /// Seconds a request body may go without a byte arriving (then 408).
+    #[arg(long)]
+    pub body_timeout_s: Option<f64>,
+    /// Most open client connections; more wait in the kernel's accept queue.
+    #[arg(long)]
+    pub max_connections: Option<usize>,
 }
 
 impl RouterConfig {
@@ -379,10 +544,15 @@ impl RouterConfig {
             ("--first-token-timeout-s", self.first_token_timeout_s),
             ("--token-timeout-s", self.token_timeout_s),
             ("--health-interval-s", self.health_interval_s),
+            ("--header-timeout-s", self.header_timeout_s),
+            ("--body-timeout-s", self.body_timeout_s),
         ] {
             if !(t.is_finite() && t > 0.0) {
                 bail!("{flag} must be a positive number of seconds, got {t}");
             }
+        }
+        if self.max_concurrent_requests == 0 || self.max_connections == 0 {
+            bail!("--max-concurrent-requests and --max-connections must be at least 1");
         }
         Ok(())
     }
@@ -403,6 +573,20 @@ impl RouterFlags {
         flag(&mut f, "health_interval_s", &self.health_interval_s);
         flag(&mut f, "max_body_bytes", &self.max_body_bytes);
         flag(&mut f, "max_model_len", &self.max_model_len);
+        flag(&mut f, "api_key", &self.api_key);
+        flag(&mut f, "api_key_file", &self.api_key_file);
+        flag(&mut f, "admin_key", &self.admin_key);
+        flag(&mut f, "admin_key_file", &self.admin_key_file);
+        flag(
+            &mut f,
+            "allow_unauthenticated",
+            &self.allow_unauthenticated.then_some(true),
+        );
+        self.cluster.put(&mut f);
+        flag(&mut f, "max_concurrent_requests", &self.max_concurrent_requests);
+        flag(&mut f, "header_timeout_s", &self.header_timeout_s);
+        flag(&mut f, "body_timeout_s", &self.body_timeout_s);
+        flag(&mut f, "max_connections", &self.max_connections);
         let defaults = RouterConfig {
             model: None,
             listen: "127.0.0.1:8000".into(),
@@ -416,7 +600,21 @@ impl RouterFlags {
             health_interval_s: 0.5,
             max_body_bytes: 2 << 20,
             max_model_len: None,
+            api_key: Vec::new(),
+            api_key_file: None,
+            admin_key: Vec::new(),
+            admin_key_file: None,
+            allow_unauthenticated: false,
+            cluster_token: None,
+            cluster_token_file: None,
+            max_concurrent_requests: 1024,
+            header_timeout_s: 10.0,
+            body_timeout_s: 10.0,
+            max_connections: 4096,
         };
-        layered::extract(&defaults, self.config.as_deref(), ROUTER_KEYS, f)
+        let (cfg, mut entries) =
+            layered::extract(&defaults, self.config.as_deref(), ROUTER_KEYS, f)?;
+        redact(&mut entries);
+        Ok((cfg, entries))
     }
 }

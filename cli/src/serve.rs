@@ -164,6 +164,7 @@ fn serve_worker<B: Backend + 'static>(
     (make_engine, host_pages): (EngineFactory<B>, usize),
 ) -> Result<()> {
     let timeout = Duration::from_secs_f64(cfg.request_timeout_s);
+    let cluster_token = crate::roles::cluster_token(&cfg.cluster_token, &cfg.cluster_token_file)?;
     runtime()?.block_on(async move {
         let listener = bind(&cfg.listen, role.name()).await?;
         match role {
@@ -176,6 +177,7 @@ fn serve_worker<B: Backend + 'static>(
                     request_timeout: timeout,
                     load_timeout: Duration::from_secs(600),
                     config: config_pb(&entries),
+                    cluster_token,
                 };
                 pdserve_prefill_server::serve(settings, make_engine, listener, shutdown_signal())
                     .await?;
@@ -186,10 +188,14 @@ fn serve_worker<B: Backend + 'static>(
                     max_batch: cfg.max_batch,
                     admit_timeout: timeout,
                     transfer_timeout: timeout,
+                    transfer_progress_timeout: Duration::from_secs_f64(
+                        cfg.transfer_progress_timeout_s,
+                    ),
                     connect_timeout: Duration::from_secs(2),
                     load_timeout: Duration::from_secs(600),
                     config: config_pb(&entries),
                     debug_kv_scribble: scribble,
+                    cluster_token,
                 };
                 pdserve_decode_server::serve(settings, make_engine, listener, shutdown_signal())
                     .await?;
@@ -262,6 +268,20 @@ pub fn router(flags: RouterFlags) -> Result<()> {
         vocab_size: mcfg.vocab_size,
         max_body_bytes: cfg.max_body_bytes,
         chat_template: chat_template.map(std::sync::Arc::new),
+        keys: pdserve_router::auth::KeySource {
+            api_keys: cfg.api_key.clone(),
+            api_key_file: cfg.api_key_file.clone(),
+            admin_keys: cfg.admin_key.clone(),
+            admin_key_file: cfg.admin_key_file.clone(),
+        },
+        allow_unauthenticated: cfg.allow_unauthenticated,
+        cluster_token: crate::roles::cluster_token(&cfg.cluster_token, &cfg.cluster_token_file)?,
+        max_concurrent_requests: cfg.max_concurrent_requests,
+        http: pdserve_router::http::HttpLimits {
+            header_timeout: Duration::from_secs_f64(cfg.header_timeout_s),
+            body_timeout: Duration::from_secs_f64(cfg.body_timeout_s),
+            max_connections: cfg.max_connections,
+        },
     };
     runtime()?.block_on(async move {
         let listener = bind(&cfg.listen, "router").await?;

@@ -191,9 +191,18 @@ pub fn up(a: UpArgs, log_json: bool) -> Result<()> {
 async fn run(a: UpArgs, log_json: bool) -> Result<()> {
     let exe = std::env::current_exe().context("locating the pdserve binary")?;
     let deadline = Instant::now() + Duration::from_secs_f64(a.ready_timeout_s);
+    // Every gRPC hop of the local cluster is authenticated: a fresh cluster token (or the
+    // operator's PDSERVE_CLUSTER_TOKEN) reaches the children through their environment,
+    // which other users cannot read, never through their command lines.
+    let token = match std::env::var("PDSERVE_CLUSTER_TOKEN") {
+        Ok(t) if !t.trim().is_empty() => t,
+        _ => pdserve_proto::cluster::ClusterToken::random()
+            .secret()
+            .to_string(),
+    };
     let base = |role: &str| {
         let mut c = Command::new(&exe);
-        c.arg(role);
+        c.arg(role).env("PDSERVE_CLUSTER_TOKEN", &token);
         if log_json {
             c.args(["--log-format", "json"]);
         }
@@ -256,6 +265,7 @@ async fn run(a: UpArgs, log_json: bool) -> Result<()> {
             }
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
+        println!("pdserve up: gRPC hops authenticated with a fresh cluster token");
         println!("pdserve up: ready at {url}");
         match first_answer(&raddr).await {
             Ok(answer) => {

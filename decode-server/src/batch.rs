@@ -35,6 +35,7 @@ pub struct Ready {
     pub total_pages: usize,
     pub total_states: usize,
     pub max_positions: usize,
+    pub vocab_size: usize,
 }
 
 type ReadyRx = oneshot::Receiver<Result<Ready, EngineError>>;
@@ -84,6 +85,7 @@ where
                 total_pages: engine.allocator().total_pages(),
                 total_states: engine.allocator().total_states(),
                 max_positions: engine.config().max_position_embeddings,
+                vocab_size: engine.config().vocab_size,
             }));
             Batch {
                 engine,

@@ -9,7 +9,9 @@ mod service;
 
 use pdserve_engine::backend::Backend;
 use pdserve_engine::{Engine, EngineError};
+use pdserve_proto::cluster::{ClusterToken, RequireToken};
 use pdserve_proto::pb;
+use tonic::service::interceptor::InterceptedService;
 use pdserve_worker::{Load, WorkerStatus};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -23,8 +25,12 @@ pub struct DecodeSettings {
     pub max_batch: usize,
     /// Deadline for a request waiting for pages and a batch slot.
     pub admit_timeout: Duration,
-    /// Deadline for pulling a prompt's KV from the prefill server (prefill compute included).
+    /// Deadline for the prefill server to finish a prompt (queueing and compute, up to
+    /// the transfer's header).
     pub transfer_timeout: Duration,
+    /// Deadline for each next message of a transfer (heartbeats while the prefill
+    /// computes, then the KV): a silent peer frees the request's slot and pages this soon.
+    pub transfer_progress_timeout: Duration,
     /// Deadline for connecting to a prefill server.
     pub connect_timeout: Duration,
     /// Deadline for loading the model.
@@ -33,6 +39,8 @@ pub struct DecodeSettings {
     pub config: Vec<pb::ConfigEntry>,
     /// Test-only KV scribble (`--debug-kv-scribble`).
     pub debug_kv_scribble: Option<DebugScribble>,
+    /// Required on every `Generate` call when set, and sent on every pull.
+    pub cluster_token: Option<ClusterToken>,
 }
 
 pub use batch::{DebugScribble, ScribbleKind};
@@ -73,11 +81,16 @@ where
         admits,
         layout: Arc::new(ready.layout),
         max_positions: ready.max_positions,
+        vocab_size: ready.vocab_size,
         admission: Arc::new(admission),
         settings: settings.clone(),
         status: status.clone(),
     };
     tracing::info!(addr = ?listener.local_addr().ok(), layout = %status.layout.fingerprint, max_batch = settings.max_batch, "decode server ready");
-    let role = tonic::service::Routes::new(pb::decode_server::DecodeServer::new(svc));
-    pdserve_worker::serve_grpc(role, status, listener, shutdown).await
+    let token = settings.cluster_token.clone();
+    let role = tonic::service::Routes::new(InterceptedService::new(
+        pb::decode_server::DecodeServer::new(svc),
+        RequireToken(token.clone()),
+    ));
+    pdserve_worker::serve_grpc(role, status, token, listener, shutdown).await
 }

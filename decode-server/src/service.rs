@@ -6,7 +6,7 @@ use crate::batch::Admit;
 use crate::events::Events;
 use crate::DecodeSettings;
 use pdserve_engine::kv::KvLayout;
-use pdserve_kv_transfer::{pull_prefill, PullOptions, TransferError};
+use pdserve_kv_transfer::{pull_prefill, Expected, PullOptions, TransferError};
 use pdserve_proto::pb;
 use pdserve_worker::WorkerStatus;
 use std::sync::atomic::Ordering;
@@ -20,6 +20,7 @@ pub struct DecodeService {
     pub admits: mpsc::Sender<Admit>,
     pub layout: Arc<KvLayout>,
     pub max_positions: usize,
+    pub vocab_size: usize,
     pub admission: Arc<Admission>,
     pub settings: DecodeSettings,
     pub status: Arc<WorkerStatus>,
@@ -88,7 +89,14 @@ impl pb::decode_server::Decode for DecodeService {
         let layout = self.layout.clone();
         let opts = PullOptions {
             connect_timeout: self.settings.connect_timeout,
-            total_timeout: self.settings.transfer_timeout,
+            prefill_timeout: self.settings.transfer_timeout,
+            progress_timeout: self.settings.transfer_progress_timeout,
+            cluster_token: self.settings.cluster_token.clone(),
+        };
+        let expected = Expected {
+            positions: r.prompt.len(),
+            reserved_pages: need,
+            vocab_size: self.vocab_size,
         };
         let prompt_tokens = r.prompt.len() as u32;
         let wire_sampling = pdserve_worker::sampling_to_pb(&params);
@@ -97,7 +105,7 @@ impl pb::decode_server::Decode for DecodeService {
         tokio::spawn(async move {
             let t0 = std::time::Instant::now();
             let pulled = tokio::select! {
-                p = pull_prefill(&r.prefill_addr, &layout, r.prompt, wire_sampling, &request_id, opts) => p,
+                p = pull_prefill(&r.prefill_addr, &layout, expected, r.prompt, wire_sampling, &request_id, opts) => p,
                 _ = tx.closed() => {
                     tracing::info!(%request_id, "client went away during prefill; cancelled");
                     return;

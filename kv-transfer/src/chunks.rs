@@ -33,13 +33,40 @@ fn f32s_to_bytes(v: &[f32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
 
+/// The largest page chunk a sender builds (whatever it is asked for), so that the
+/// receiver can bound every message it accepts: see [`max_message_bytes`].
+pub const MAX_CHUNK_BYTES: usize = 4 << 20;
+
+/// Room for a message's framing and the header's layout fields.
+const MESSAGE_SLACK: usize = 64 << 10;
+
+/// The largest prefill message a receiver with `layout` and `vocab_size` accepts: a page
+/// chunk (at most [`MAX_CHUNK_BYTES`], or one page when a page is larger), the state slot,
+/// or the header with one f32 logit per vocabulary entry. gRPC refuses anything bigger
+/// before buffering it.
+pub fn max_message_bytes(layout: &KvLayout, vocab_size: usize) -> usize {
+    MAX_CHUNK_BYTES
+        .max(layout.page_bytes)
+        .max(layout.state_bytes)
+        .max(4 * vocab_size)
+        + MESSAGE_SLACK
+}
+
+/// The heartbeat a prefill server sends while it is queued or computing.
+pub fn progress_message() -> pb::PrefillMessage {
+    pb::PrefillMessage {
+        kind: Some(Kind::Progress(pb::PrefillProgress {})),
+    }
+}
+
 /// Split a prefilled sequence into messages; page chunks hold at most `chunk_bytes`
-/// (at least one page each).
+/// (capped at [`MAX_CHUNK_BYTES`], at least one page each).
 pub fn encode_prefill(
     layout: &KvLayout,
     p: &Prefilled,
     chunk_bytes: usize,
 ) -> Vec<pb::PrefillMessage> {
+    let chunk_bytes = chunk_bytes.min(MAX_CHUNK_BYTES);
     let logits = f32s_to_bytes(&p.last_logits);
     let mut out = vec![pb::PrefillMessage {
         kind: Some(Kind::Header(pb::PrefillHeader {
@@ -95,22 +122,41 @@ struct Header {
     logits: Vec<f32>,
 }
 
-/// Reassembles one prefill stream against the receiver's own layout.
+/// What the receiver's own request says the transfer must be: a header that disagrees
+/// in any field is refused before anything it announces is accepted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Expected {
+    /// The prompt's length: the positions the KV state must cover.
+    pub positions: usize,
+    /// Pages reserved for the request (prompt + every token it may generate).
+    pub reserved_pages: usize,
+    /// One logit per vocabulary entry.
+    pub vocab_size: usize,
+}
+
+/// Reassembles one prefill stream against the receiver's own layout and request.
 pub struct Assembler<'a> {
     layout: &'a KvLayout,
+    expected: Expected,
     header: Option<Header>,
     pages: Vec<Vec<u8>>,
     state: Option<Vec<u8>>,
 }
 
 impl<'a> Assembler<'a> {
-    pub fn new(layout: &'a KvLayout) -> Self {
+    pub fn new(layout: &'a KvLayout, expected: Expected) -> Self {
         Assembler {
             layout,
+            expected,
             header: None,
             pages: Vec::new(),
             state: None,
         }
+    }
+
+    /// Whether the header has arrived (from then on the data must flow).
+    pub fn has_header(&self) -> bool {
+        self.header.is_some()
     }
 
     /// Take one message; errors on a layout mismatch, a bad checksum or an out-of-order part.
@@ -120,6 +166,8 @@ impl<'a> Assembler<'a> {
             Some(Kind::Header(h)) => self.on_header(h),
             Some(Kind::Pages(c)) => self.on_pages(c),
             Some(Kind::State(s)) => self.on_state(s),
+            Some(Kind::Progress(_)) if self.header.is_none() => Ok(()),
+            Some(Kind::Progress(_)) => Err(protocol("progress message after the header")),
         }
     }
 
@@ -131,14 +179,14 @@ impl<'a> Assembler<'a> {
             .layout
             .ok_or_else(|| protocol("prefill header without a layout"))?;
         check_peer(self.layout, &theirs)?;
-        verify(|| "last logits".into(), &h.last_logits, h.last_logits_crc32)?;
-        if !h.last_logits.len().is_multiple_of(4) {
+        let want = self.expected;
+        if h.len != want.positions as u64 {
             return Err(protocol(format!(
-                "last logits of {} bytes is not a whole number of f32",
-                h.last_logits.len()
+                "header announces {} positions for a prompt of {}",
+                h.len, want.positions
             )));
         }
-        let len = h.len as usize;
+        let len = want.positions;
         let num_pages = h.num_pages as usize;
         if num_pages != self.layout.pages_for(len) {
             return Err(protocol(format!(
@@ -146,11 +194,33 @@ impl<'a> Assembler<'a> {
                 self.layout.pages_for(len)
             )));
         }
+        if num_pages > want.reserved_pages {
+            return Err(protocol(format!(
+                "{num_pages} pages announced; the request reserved {}",
+                want.reserved_pages
+            )));
+        }
+        if h.last_logits.len() != 4 * want.vocab_size {
+            return Err(protocol(format!(
+                "last logits of {} bytes; the vocabulary needs {} f32 ({} bytes)",
+                h.last_logits.len(),
+                want.vocab_size,
+                4 * want.vocab_size
+            )));
+        }
+        if h.first_token as usize >= want.vocab_size {
+            return Err(protocol(format!(
+                "first token {} is outside the vocabulary of {}",
+                h.first_token, want.vocab_size
+            )));
+        }
+        verify(|| "last logits".into(), &h.last_logits, h.last_logits_crc32)?;
         let logits = h
             .last_logits
             .chunks_exact(4)
             .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
             .collect();
+        self.pages = Vec::with_capacity(num_pages);
         self.header = Some(Header {
             len,
             num_pages,

@@ -7,9 +7,12 @@ mod chunks;
 mod layout;
 mod pull;
 
-pub use chunks::{encode_prefill, Assembler, Prefilled};
+pub use chunks::{
+    encode_prefill, max_message_bytes, progress_message, Assembler, Expected, Prefilled,
+    MAX_CHUNK_BYTES,
+};
 pub use layout::{check_peer, layout_info};
-pub use pull::{pull_prefill, PullOptions};
+pub use pull::{pull_prefill, PullOptions, HEARTBEAT};
 
 use pdserve_engine::kv::LayoutError;
 

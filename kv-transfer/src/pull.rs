@@ -1,34 +1,49 @@
 //! The decode side of a transfer: ask a prefill server to run a prompt and receive its KV.
 
-use crate::{layout_info, Assembler, Prefilled, TransferError};
+use crate::{layout_info, max_message_bytes, Assembler, Expected, Prefilled, TransferError};
 use pdserve_engine::kv::KvLayout;
+use pdserve_proto::cluster::ClusterToken;
 use pdserve_proto::pb;
 use pdserve_proto::pb::prefill_client::PrefillClient;
 use std::time::{Duration, Instant};
 use tonic::transport::Endpoint;
 
-#[derive(Debug, Clone, Copy)]
+/// How often a prefill server sends [`crate::progress_message`] while it computes; a
+/// receiver's progress deadline must be well above it.
+pub const HEARTBEAT: Duration = Duration::from_secs(1);
+
+#[derive(Debug, Clone)]
 pub struct PullOptions {
     /// Deadline for the TCP/HTTP2 connection.
     pub connect_timeout: Duration,
-    /// Deadline for the whole transfer, prefill compute included.
-    pub total_timeout: Duration,
+    /// Deadline for the prefill to finish (queueing and compute, up to the header).
+    pub prefill_timeout: Duration,
+    /// Deadline for each next message: a peer that sends nothing (not even its
+    /// heartbeat) for this long fails the transfer, however long the transfer is.
+    pub progress_timeout: Duration,
+    /// Sent to the prefill server (which refuses calls without it when it has one).
+    pub cluster_token: Option<ClusterToken>,
 }
 
 impl Default for PullOptions {
     fn default() -> Self {
         PullOptions {
             connect_timeout: Duration::from_secs(2),
-            total_timeout: Duration::from_secs(120),
+            prefill_timeout: Duration::from_secs(120),
+            progress_timeout: Duration::from_secs(10),
+            cluster_token: None,
         }
     }
 }
 
-/// Prefill `prompt` on the server at `addr` (host:port) and receive its verified KV state.
-/// Dropping the returned future cancels the prefill on the server.
+/// Prefill `prompt` on the server at `addr` (host:port) and receive its verified KV state,
+/// which must be what `expected` says (checked at the header, before any page is kept).
+/// No message may exceed [`max_message_bytes`]. Dropping the returned future cancels the
+/// prefill on the server.
 pub async fn pull_prefill(
     addr: &str,
     layout: &KvLayout,
+    expected: Expected,
     prompt: Vec<u32>,
     sampling: pb::SamplingParams,
     request_id: &str,
@@ -42,7 +57,6 @@ pub async fn pull_prefill(
     let endpoint = Endpoint::from_shared(format!("http://{addr}"))
         .map_err(|e| unreachable(e.to_string()))?
         .connect_timeout(opts.connect_timeout)
-        .timeout(opts.total_timeout)
         .http2_keep_alive_interval(Duration::from_secs(1))
         .keep_alive_timeout(Duration::from_secs(2));
     let channel = endpoint
@@ -50,7 +64,7 @@ pub async fn pull_prefill(
         .await
         .map_err(|e| unreachable(format!("{e}: {}", source_chain(&e))))?;
     let mut client = PrefillClient::new(channel)
-        .max_decoding_message_size(usize::MAX)
+        .max_decoding_message_size(max_message_bytes(layout, expected.vocab_size))
         .max_encoding_message_size(usize::MAX);
     let req = pb::PrefillRequest {
         prompt,
@@ -69,6 +83,10 @@ pub async fn pull_prefill(
             tonic::Code::Unavailable | tonic::Code::Unknown
         ) {
             unreachable(status.message().to_string())
+        } else if status.code() == tonic::Code::OutOfRange {
+            // Our own decoder's verdict on a message over max_message_bytes: the peer's
+            // fault, never the client's.
+            TransferError::Protocol(format!("from {addr}: {}", status.message()))
         } else {
             TransferError::Peer {
                 addr: addr.to_string(),
@@ -76,20 +94,33 @@ pub async fn pull_prefill(
             }
         }
     };
-    let remaining = || opts.total_timeout.saturating_sub(t0.elapsed());
+    let prefill_left = || opts.prefill_timeout.saturating_sub(t0.elapsed());
+    let mut call = pdserve_proto::with_request_id(req, request_id);
+    if let Some(t) = &opts.cluster_token {
+        t.attach(&mut call);
+    }
     let mut stream = tokio::time::timeout(
-        remaining(),
-        client.prefill(pdserve_proto::with_request_id(req, request_id)),
+        opts.progress_timeout.min(prefill_left()),
+        client.prefill(call),
     )
     .await
     .map_err(|_| timeout("the prefill to start"))?
     .map_err(peer)?
     .into_inner();
-    let mut asm = Assembler::new(layout);
+    let mut asm = Assembler::new(layout, expected);
     loop {
-        let msg = tokio::time::timeout(remaining(), stream.message())
+        // Before the header the prefill's own deadline also applies; after it only
+        // progress counts (the header has bounded what may still come).
+        let (wait, what) = match asm.has_header() {
+            false if prefill_left() < opts.progress_timeout => {
+                (prefill_left(), "the prefill to finish")
+            }
+            false => (opts.progress_timeout, "progress (no message, not even a heartbeat)"),
+            true => (opts.progress_timeout, "the next KV message"),
+        };
+        let msg = tokio::time::timeout(wait, stream.message())
             .await
-            .map_err(|_| timeout("KV pages"))?
+            .map_err(|_| timeout(what))?
             .map_err(peer)?;
         match msg {
             Some(m) => asm.push(m)?,

@@ -4,7 +4,7 @@
 use pdserve_engine::config::ModelConfig;
 use pdserve_engine::kv::{EntryDtype, KvLayout, KvLayoutSpec};
 use pdserve_engine::SeqSnapshot;
-use pdserve_kv_transfer::{encode_prefill, Assembler, Prefilled, TransferError};
+use pdserve_kv_transfer::{encode_prefill, Assembler, Expected, Prefilled, TransferError};
 use pdserve_proto::pb::prefill_message::Kind;
 
 fn layout(index_k: EntryDtype, page_tokens: usize) -> KvLayout {
@@ -27,8 +27,21 @@ fn sample(l: &KvLayout, len: usize) -> Prefilled {
                 .collect(),
             state: (0..l.state_bytes).map(|i| (i % 251) as u8).collect(),
         },
-        last_logits: vec![0.5, -1.25, 3.0],
+        last_logits: vec![0.5, -1.25, 3.0, 0.0],
         first_token: 2,
+    }
+}
+
+/// The sample's vocabulary (one logit each).
+const VOCAB: usize = 4;
+
+/// What a receiver expects of `sample(l, len)`: its positions, a reservation of 2 more
+/// pages than the prompt needs, the sample's vocabulary.
+fn expected(l: &KvLayout, len: usize) -> Expected {
+    Expected {
+        positions: len,
+        reserved_pages: l.pages_for(len) + 2,
+        vocab_size: VOCAB,
     }
 }
 
@@ -36,7 +49,22 @@ fn assemble(
     l: &KvLayout,
     msgs: Vec<pdserve_proto::pb::PrefillMessage>,
 ) -> Result<Prefilled, TransferError> {
-    let mut a = Assembler::new(l);
+    let len = msgs
+        .iter()
+        .find_map(|m| match &m.kind {
+            Some(Kind::Header(h)) => Some(h.len as usize),
+            _ => None,
+        })
+        .unwrap_or(0);
+    assemble_against(l, expected(l, len), msgs)
+}
+
+fn assemble_against(
+    l: &KvLayout,
+    want: Expected,
+    msgs: Vec<pdserve_proto::pb::PrefillMessage>,
+) -> Result<Prefilled, TransferError> {
+    let mut a = Assembler::new(l, want);
     for m in msgs {
         a.push(m)?;
     }
@@ -103,4 +131,91 @@ fn mismatched_index_k_dtype_is_named() {
         panic!()
     };
     assert_eq!(field, "index_k_dtype");
+}
+
+fn header_mut(msgs: &mut [pdserve_proto::pb::PrefillMessage]) -> &mut pdserve_proto::pb::PrefillHeader {
+    match msgs[0].kind.as_mut() {
+        Some(Kind::Header(h)) => h,
+        _ => panic!("the first message is the header"),
+    }
+}
+
+fn protocol_error(e: TransferError) -> String {
+    match e {
+        TransferError::Protocol(m) => m,
+        other => panic!("expected a protocol error, got {other}"),
+    }
+}
+
+#[test]
+fn header_fields_are_checked_against_the_request() {
+    let l = layout(EntryDtype::F32, 32);
+    let p = sample(&l, 3);
+    let want = expected(&l, 3);
+    // A header claiming 4090 positions (pages consistent with that claim) for 3 tokens.
+    let mut msgs = encode_prefill(&l, &p, 1 << 20);
+    let h = header_mut(&mut msgs);
+    h.len = 4090;
+    h.num_pages = l.pages_for(4090) as u32;
+    let e = protocol_error(assemble_against(&l, want, msgs).unwrap_err());
+    assert_eq!(e, "header announces 4090 positions for a prompt of 3");
+    // 10^9 positions.
+    let mut msgs = encode_prefill(&l, &p, 1 << 20);
+    header_mut(&mut msgs).len = 1_000_000_000;
+    let e = protocol_error(assemble_against(&l, want, msgs).unwrap_err());
+    assert!(e.contains("1000000000 positions for a prompt of 3"), "{e}");
+    // Pages that do not match the positions.
+    let mut msgs = encode_prefill(&l, &p, 1 << 20);
+    header_mut(&mut msgs).num_pages = 16;
+    let e = protocol_error(assemble_against(&l, want, msgs).unwrap_err());
+    assert_eq!(e, "16 pages announced for 3 positions; the layout needs 1");
+    // A reservation smaller than the prompt's pages.
+    let tight = Expected { reserved_pages: 0, ..want };
+    let e = protocol_error(assemble_against(&l, tight, encode_prefill(&l, &p, 1 << 20)).unwrap_err());
+    assert_eq!(e, "1 pages announced; the request reserved 0");
+    // Short logits (with a valid checksum over them).
+    let mut msgs = encode_prefill(&l, &p, 1 << 20);
+    let h = header_mut(&mut msgs);
+    h.last_logits.truncate(3 * 4);
+    h.last_logits_crc32 = crc32fast::hash(&h.last_logits);
+    let e = protocol_error(assemble_against(&l, want, msgs).unwrap_err());
+    assert_eq!(e, "last logits of 12 bytes; the vocabulary needs 4 f32 (16 bytes)");
+    // A first token outside the vocabulary.
+    let mut msgs = encode_prefill(&l, &p, 1 << 20);
+    header_mut(&mut msgs).first_token = VOCAB as u32;
+    let e = protocol_error(assemble_against(&l, want, msgs).unwrap_err());
+    assert_eq!(e, "first token 4 is outside the vocabulary of 4");
+    // The honest stream passes.
+    assert_eq!(assemble_against(&l, want, encode_prefill(&l, &p, 1 << 20)).unwrap(), p);
+}
+
+#[test]
+fn progress_messages_come_only_before_the_header() {
+    let l = layout(EntryDtype::F32, 32);
+    let p = sample(&l, 40);
+    let mut msgs = encode_prefill(&l, &p, 1 << 20);
+    msgs.insert(0, pdserve_kv_transfer::progress_message());
+    msgs.insert(0, pdserve_kv_transfer::progress_message());
+    assert_eq!(assemble(&l, msgs).unwrap(), p);
+    let mut msgs = encode_prefill(&l, &p, 1 << 20);
+    msgs.insert(1, pdserve_kv_transfer::progress_message());
+    let e = protocol_error(assemble(&l, msgs).unwrap_err());
+    assert_eq!(e, "progress message after the header");
+}
+
+#[test]
+fn message_bound_covers_every_message_a_sender_builds() {
+    use pdserve_kv_transfer::MAX_CHUNK_BYTES;
+    use prost::Message;
+    let l = layout(EntryDtype::F32, 32);
+    // Pages for a little over two capped chunks.
+    let pages = 2 * MAX_CHUNK_BYTES / l.page_bytes + 1;
+    let p = sample(&l, 32 * pages);
+    let bound = pdserve_kv_transfer::max_message_bytes(&l, VOCAB);
+    // Asked for 1 GiB chunks, the sender still stays under the receiver's bound.
+    let msgs = encode_prefill(&l, &p, 1 << 30);
+    assert_eq!(msgs.len(), 1 + 3 + 1, "header, three capped page chunks, state");
+    for m in &msgs {
+        assert!(m.encoded_len() <= bound, "{} > {bound}", m.encoded_len());
+    }
 }

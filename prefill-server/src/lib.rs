@@ -10,7 +10,9 @@ mod service;
 
 use pdserve_engine::backend::Backend;
 use pdserve_engine::{Engine, EngineError};
+use pdserve_proto::cluster::{ClusterToken, RequireToken};
 use pdserve_proto::pb;
+use tonic::service::interceptor::InterceptedService;
 use pdserve_worker::{Load, WorkerStatus};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -33,6 +35,8 @@ pub struct PrefillSettings {
     pub load_timeout: Duration,
     /// Effective configuration, reported by the info RPC.
     pub config: Vec<pb::ConfigEntry>,
+    /// Required on every `Prefill` call when set.
+    pub cluster_token: Option<ClusterToken>,
 }
 
 pub use pdserve_worker::ServeError;
@@ -73,10 +77,12 @@ where
         status: status.clone(),
     };
     tracing::info!(addr = ?listener.local_addr().ok(), layout = %status.layout.fingerprint, "prefill server ready");
-    let role = tonic::service::Routes::new(
+    let token = settings.cluster_token.clone();
+    let role = tonic::service::Routes::new(InterceptedService::new(
         pb::prefill_server::PrefillServer::new(svc)
             .max_encoding_message_size(usize::MAX)
             .max_decoding_message_size(64 << 20),
-    );
-    pdserve_worker::serve_grpc(role, status, listener, shutdown).await
+        RequireToken(token.clone()),
+    ));
+    pdserve_worker::serve_grpc(role, status, token, listener, shutdown).await
 }

@@ -3,7 +3,7 @@
 use crate::engine_thread::Job;
 use crate::PrefillSettings;
 use pdserve_engine::kv::KvLayout;
-use pdserve_kv_transfer::{check_peer, encode_prefill};
+use pdserve_kv_transfer::{check_peer, encode_prefill, progress_message, HEARTBEAT};
 use pdserve_proto::pb;
 use pdserve_worker::WorkerStatus;
 use std::sync::atomic::Ordering;
@@ -58,11 +58,26 @@ impl pb::prefill_server::Prefill for PrefillService {
         let chunk_bytes = self.settings.transfer_chunk_bytes;
         let span = tracing::info_span!("prefill", request_id = %request_id);
         tokio::spawn(async move {
-            let res = tokio::select! {
-                r = tokio::time::timeout(timeout, done) => r,
-                _ = tx.closed() => {
-                    tracing::info!(%request_id, "decode server went away; cancelling the prefill");
-                    return;
+            // While queued and computing, a heartbeat every HEARTBEAT: the receiver's
+            // progress deadline then measures a live peer, not the prompt's length.
+            let mut finished = std::pin::pin!(tokio::time::timeout(timeout, done));
+            let mut beat = tokio::time::interval_at(
+                tokio::time::Instant::now() + HEARTBEAT,
+                HEARTBEAT,
+            );
+            let res = loop {
+                tokio::select! {
+                    r = &mut finished => break r,
+                    _ = beat.tick() => {
+                        if tx.send(Ok(progress_message())).await.is_err() {
+                            tracing::info!(%request_id, "decode server went away; cancelling the prefill");
+                            return;
+                        }
+                    }
+                    _ = tx.closed() => {
+                        tracing::info!(%request_id, "decode server went away; cancelling the prefill");
+                        return;
+                    }
                 }
             };
             let prefilled = match res {

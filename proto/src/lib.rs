@@ -31,3 +31,5 @@ pub fn with_request_id<T>(msg: T, id: &str) -> tonic::Request<T> {
     }
     req
 }
+
+pub mod cluster;

@@ -73,6 +73,7 @@ fn add_error(e: AddError) -> ApiError {
             (StatusCode::BAD_REQUEST, "invalid_request_error")
         }
         AddError::Duplicate(_) => (StatusCode::CONFLICT, "conflict"),
+        AddError::Identity { .. } => (StatusCode::FORBIDDEN, "worker_unauthenticated"),
         AddError::Mismatch { .. } => (StatusCode::CONFLICT, "worker_mismatch"),
         AddError::Unreachable { .. } => (StatusCode::BAD_GATEWAY, "worker_unreachable"),
     };

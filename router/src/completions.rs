@@ -71,7 +71,12 @@ pub async fn completions(
     ApiJson(body): ApiJson<Value>,
 ) -> Response {
     let t0 = Instant::now();
-    match prepare_completion(&state, &body, rid.0.clone()) {
+    let (st, r) = (state.clone(), rid.0.clone());
+    match state
+        .tokenizers
+        .run(move || prepare_completion(&st, &body, r))
+        .await
+    {
         Ok(plan) => run(state, plan, Api::Completion, rid.0, t0).await,
         Err(e) => refused(e),
     }
@@ -83,7 +88,8 @@ pub async fn chat_completions(
     ApiJson(body): ApiJson<Value>,
 ) -> Response {
     let t0 = Instant::now();
-    match prepare_chat(&state, &body, rid.0.clone()) {
+    let (st, r) = (state.clone(), rid.0.clone());
+    match state.tokenizers.run(move || prepare_chat(&st, &body, r)).await {
         Ok(plan) => run(state, plan, Api::Chat, rid.0, t0).await,
         Err(e) => refused(e),
     }

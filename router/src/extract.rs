@@ -106,6 +106,18 @@ fn classify(e: serde_path_to_error::Error<serde_json::Error>) -> ApiError {
     }
 }
 
+/// Whether reading the body failed on the server's body deadline ([`crate::http`]).
+fn body_timed_out(e: &axum::extract::rejection::BytesRejection) -> bool {
+    let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(err) = cur {
+        if err.is::<tower_http::timeout::TimeoutError>() {
+            return true;
+        }
+        cur = err.source();
+    }
+    false
+}
+
 impl<S: Send + Sync> FromRequest<S> for ApiJson<serde_json::Value> {
     type Rejection = ApiError;
 
@@ -124,6 +136,12 @@ impl<S: Send + Sync> FromRequest<S> for ApiJson<serde_json::Value> {
                     "the request body is larger than this router accepts (setting max_body_bytes)",
                 )
                 .code("request_too_large")
+            } else if body_timed_out(&e) {
+                ApiError::with_status(
+                    StatusCode::REQUEST_TIMEOUT,
+                    "the request body stalled: no byte arrived within the router's body timeout (setting body_timeout_s)",
+                )
+                .code("request_timeout")
             } else {
                 ApiError::bad_request(format!("reading the request body: {}", e.body_text()))
                     .code("invalid_body")

@@ -124,8 +124,12 @@ pub async fn start(state: Arc<AppState>, job: &Job) -> Result<Started, ApiError>
         };
         let mut client = pb::decode_client::DecodeClient::new(d.channel.clone());
         let first = tokio::time::timeout(remaining, async {
+            let mut call = pdserve_proto::with_request_id(req, &job.request_id);
+            if let Some(t) = &d.token {
+                t.attach(&mut call);
+            }
             let mut stream = client
-                .generate(pdserve_proto::with_request_id(req, &job.request_id))
+                .generate(call)
                 .await?
                 .into_inner();
             let first = stream.message().await?;

@@ -23,11 +23,19 @@ pub async fn check_all(workers: &Workers, deadline: Duration) {
     futures::future::join_all(checks).await;
 }
 
-/// Check every worker's health, forever.
+/// Deadline of one health poll: a worker that does not answer `Info` this fast (stopped,
+/// hung, partitioned) leaves rotation.
+pub const POLL_DEADLINE: Duration = Duration::from_millis(500);
+
+/// Check every worker's health, forever, a round starting every `interval` (a slow round
+/// does not push the next one back by its own length): a worker that stops answering is
+/// out of rotation within `interval` + [`POLL_DEADLINE`], 1 s at the default interval.
 pub async fn health_loop(workers: Arc<Workers>, interval: Duration) {
+    let mut tick = tokio::time::interval(interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
-        check_all(&workers, interval.max(Duration::from_millis(500))).await;
-        tokio::time::sleep(interval).await;
+        tick.tick().await;
+        check_all(&workers, POLL_DEADLINE).await;
     }
 }
 
@@ -113,7 +121,7 @@ mod tests {
                 .add_service(pb::worker_server::WorkerServer::new(FixedInfo(info)))
                 .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
         );
-        let ws = Workers::new(std::slice::from_ref(&addr), &[], Duration::from_secs(1)).unwrap();
+        let ws = Workers::new(std::slice::from_ref(&addr), &[], Duration::from_secs(1), None).unwrap();
         check_all(&ws, Duration::from_secs(2)).await;
         let w = ws.find(&addr).unwrap();
         assert_eq!(w.circuit(), Circuit::Closed, "{}", w.last_error());
@@ -163,7 +171,7 @@ mod tests {
         // Accepts TCP connections (the kernel's backlog) but never speaks HTTP/2.
         let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = silent.local_addr().unwrap().to_string();
-        let ws = Workers::new(std::slice::from_ref(&addr), &[], Duration::from_secs(1)).unwrap();
+        let ws = Workers::new(std::slice::from_ref(&addr), &[], Duration::from_secs(1), None).unwrap();
         assert_eq!(ws.prefill()[0].circuit(), Circuit::Unknown);
         let t0 = std::time::Instant::now();
         check_all(&ws, Duration::from_millis(300)).await;

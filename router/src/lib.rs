@@ -10,6 +10,7 @@
 //! worker's `Worker.Info` and drives its circuit breaker.
 
 mod admin;
+pub mod auth;
 pub mod chat;
 pub mod circuit;
 mod completions;
@@ -18,6 +19,8 @@ mod driver;
 mod error;
 pub mod extract;
 mod generation;
+pub mod http;
+pub mod limits;
 pub mod health;
 pub mod metrics;
 mod params;
@@ -67,6 +70,16 @@ pub struct RouterSettings {
     pub max_body_bytes: usize,
     /// The model's chat template; None: the default `role: content` lines.
     pub chat_template: Option<Arc<chat::ChatTemplate>>,
+    /// API and admin keys (see [`auth`]).
+    pub keys: auth::KeySource,
+    /// Serve without an API key on a non-loopback address (otherwise refused at start).
+    pub allow_unauthenticated: bool,
+    /// Most completion requests in flight (429 past it).
+    pub max_concurrent_requests: usize,
+    /// Header/body deadlines and the connection limit.
+    pub http: http::HttpLimits,
+    /// The cluster token (see [`pdserve_proto::cluster`]): workers must prove it.
+    pub cluster_token: Option<pdserve_proto::cluster::ClusterToken>,
 }
 
 pub struct AppState {
@@ -75,6 +88,11 @@ pub struct AppState {
     pub workers: Arc<Workers>,
     pub prefill_policy: Box<dyn policy::RoutingPolicy>,
     pub decode_policy: Box<dyn policy::RoutingPolicy>,
+    pub auth: Arc<auth::Auth>,
+    pub concurrency: Arc<limits::ConcurrencyLimit>,
+    pub tokenizers: limits::Tokenizers,
+    /// Longest text prompt in bytes (see [`limits::prompt_bytes_limit`]).
+    pub prompt_bytes_limit: usize,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -85,6 +103,12 @@ pub enum ServeError {
     Io(#[from] std::io::Error),
     #[error(transparent)]
     Policy(#[from] policy::UnknownPolicy),
+    #[error(transparent)]
+    Keys(#[from] auth::KeyError),
+    #[error(
+        "no API key is configured and {0} is not a loopback address: anyone who can reach it could use the model and see every prompt; set --api-key / --api-key-file (or PDSERVE_API_KEY), listen on 127.0.0.1, or pass --allow-unauthenticated"
+    )]
+    Unauthenticated(std::net::SocketAddr),
 }
 
 /// The axum application (routes and state), for embedding and tests.
@@ -94,9 +118,19 @@ pub fn app(state: Arc<AppState>) -> axum::Router {
         tracing::warn!(error = e, "GET /metrics is unavailable");
     }
     let limit = axum::extract::DefaultBodyLimit::max(state.settings.max_body_bytes);
+    let concurrency = state.concurrency.clone();
+    let limited = || {
+        axum::middleware::from_fn_with_state(concurrency.clone(), limits::limit_concurrency)
+    };
     axum::Router::new()
-        .route("/v1/completions", post(completions::completions))
-        .route("/v1/chat/completions", post(completions::chat_completions))
+        .route(
+            "/v1/completions",
+            post(completions::completions).layer(limited()),
+        )
+        .route(
+            "/v1/chat/completions",
+            post(completions::chat_completions).layer(limited()),
+        )
         .route("/v1/models", get(completions::models))
         .route("/v1/models/{model}", get(completions::model))
         .route("/health", get(completions::health))
@@ -107,6 +141,10 @@ pub fn app(state: Arc<AppState>) -> axum::Router {
         .fallback(completions::not_found)
         .method_not_allowed_fallback(completions::method_not_allowed)
         .layer(limit)
+        .layer(axum::middleware::from_fn_with_state(
+            state.auth.clone(),
+            auth::require_key,
+        ))
         .layer(axum::middleware::from_fn(trace::request_context))
         .with_state(state)
 }
@@ -122,10 +160,17 @@ pub async fn serve(
     if let Err(e) = metrics::handle() {
         tracing::warn!(error = e, "GET /metrics is unavailable");
     }
+    let auth = Arc::new(auth::Auth::new(settings.keys.clone())?);
+    let local = listener.local_addr()?;
+    if !auth::may_serve(local.ip(), auth.has_api_keys(), settings.allow_unauthenticated) {
+        return Err(ServeError::Unauthenticated(local));
+    }
+    let reload = tokio::spawn(auth::reload_on_sighup(auth.clone()));
     let workers = Arc::new(Workers::new(
         &settings.prefill,
         &settings.decode,
         settings.connect_timeout,
+        settings.cluster_token.clone(),
     )?);
     let prefill_policy = policy::by_name(&settings.prefill_policy)?;
     let decode_policy = policy::by_name(&settings.decode_policy)?;
@@ -134,18 +179,27 @@ pub async fn serve(
         settings.health_interval,
     ));
     let upkeep = tokio::spawn(metrics::upkeep(Duration::from_secs(5)));
+    let prompt_bytes_limit = tokenizer.as_ref().map_or(usize::MAX, |t| {
+        limits::prompt_bytes_limit(settings.context_length, t.max_token_bytes())
+    });
     let state = Arc::new(AppState {
+        concurrency: Arc::new(limits::ConcurrencyLimit::new(
+            settings.max_concurrent_requests,
+        )),
+        tokenizers: limits::Tokenizers::per_core(settings.first_token_timeout),
+        prompt_bytes_limit,
         tokenizer: tokenizer.map(Arc::new),
         workers,
         prefill_policy,
         decode_policy,
+        auth,
         settings,
     });
-    tracing::info!(addr = ?listener.local_addr().ok(), prefill = ?state.settings.prefill, decode = ?state.settings.decode, prefill_policy = state.prefill_policy.name(), decode_policy = state.decode_policy.name(), "router ready");
-    let res = axum::serve(listener, app(state))
-        .with_graceful_shutdown(shutdown)
-        .await;
+    tracing::info!(addr = ?listener.local_addr().ok(), api_keys = state.auth.has_api_keys(), admin_keys = state.auth.has_admin_keys(), prefill = ?state.settings.prefill, decode = ?state.settings.decode, prefill_policy = state.prefill_policy.name(), decode_policy = state.decode_policy.name(), "router ready");
+    let limits = state.settings.http;
+    let res = http::serve(listener, app(state), limits, shutdown).await;
     health.abort();
     upkeep.abort();
+    reload.abort();
     Ok(res?)
 }

@@ -49,6 +49,9 @@ pub struct CompletionOnly {
     pub echo: Option<bool>,
     pub suffix: Option<Value>,
     pub best_of: Option<i64>,
+    /// Chat-only fields, refused here rather than ignored.
+    pub tools: Option<Value>,
+    pub response_format: Option<Value>,
 }
 
 /// Fields only `/v1/chat/completions` has.
@@ -58,6 +61,10 @@ pub struct ChatOnly {
     pub max_completion_tokens: Option<i64>,
     pub tools: Option<Value>,
     pub response_format: Option<Value>,
+    /// The legacy function-calling fields and parallel tool calls: refused.
+    pub functions: Option<Value>,
+    pub function_call: Option<Value>,
+    pub parallel_tool_calls: Option<Value>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -137,6 +144,14 @@ pub fn refuse_unsupported_completion(c: &CompletionOnly) -> Result<(), ApiError>
     if c.best_of.is_some_and(|b| b != 1) {
         return Err(unsupported("best_of", "only best_of = 1"));
     }
+    for (p, v) in [("tools", &c.tools), ("response_format", &c.response_format)] {
+        if is_set(v) {
+            return Err(unsupported(
+                p,
+                "it belongs to /v1/chat/completions, not /v1/completions",
+            ));
+        }
+    }
     Ok(())
 }
 
@@ -150,6 +165,15 @@ pub fn refuse_unsupported_chat(c: &ChatOnly) -> Result<(), ApiError> {
     if let Some(f) = &c.response_format {
         if !f.is_null() && f.get("type").and_then(Value::as_str) != Some("text") {
             return Err(unsupported("response_format", "only {\"type\": \"text\"}"));
+        }
+    }
+    for (p, v) in [
+        ("functions", &c.functions),
+        ("function_call", &c.function_call),
+        ("parallel_tool_calls", &c.parallel_tool_calls),
+    ] {
+        if is_set(v) {
+            return Err(unsupported(p, "function calling is not implemented"));
         }
     }
     Ok(())
@@ -203,6 +227,18 @@ fn stops(v: &Option<Value>) -> Result<Vec<String>, ApiError> {
 }
 
 fn tokenize(state: &AppState, text: &str, param: &str) -> Result<Vec<u32>, ApiError> {
+    if text.len() > state.prompt_bytes_limit {
+        return Err(ApiError::invalid(
+            param,
+            "context_length_exceeded",
+            format!(
+                "the prompt has {} bytes; no tokenization of more than {} bytes fits the context of {} tokens",
+                text.len(),
+                state.prompt_bytes_limit,
+                state.settings.context_length
+            ),
+        ));
+    }
     match &state.tokenizer {
         Some(t) => t
             .encode(text)

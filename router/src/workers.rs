@@ -9,6 +9,7 @@ use pdserve_proto::pb;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::Duration;
+use pdserve_proto::cluster::{self, ClusterToken};
 use tonic::transport::{Channel, Endpoint};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -36,6 +37,8 @@ pub struct Worker {
     pub addr: String,
     pub role: Role,
     pub channel: Channel,
+    /// The cluster token: challenges on every `Info`, sent on calls that do work.
+    pub token: Option<ClusterToken>,
     breaker: Mutex<Breaker>,
     /// The last `Worker.Info` answer (model, layout, load).
     info: Mutex<Option<pb::WorkerInfo>>,
@@ -54,7 +57,12 @@ impl Drop for InFlight {
 }
 
 impl Worker {
-    pub fn new(addr: &str, role: Role, connect_timeout: Duration) -> Result<Arc<Self>, ServeError> {
+    pub fn new(
+        addr: &str,
+        role: Role,
+        connect_timeout: Duration,
+        token: Option<ClusterToken>,
+    ) -> Result<Arc<Self>, ServeError> {
         let channel = Endpoint::from_shared(format!("http://{addr}"))
             .map_err(|e| ServeError::Address {
                 addr: addr.to_string(),
@@ -69,6 +77,7 @@ impl Worker {
             addr: addr.to_string(),
             role,
             channel,
+            token,
             breaker: Mutex::new(Breaker::default()),
             info: Mutex::new(None),
             inflight: AtomicU32::new(0),
@@ -238,6 +247,8 @@ pub enum AddError {
     Address(#[from] ServeError),
     #[error("worker {0} is already in the set")]
     Duplicate(String),
+    #[error("refusing worker {addr}: {reason}")]
+    Identity { addr: String, reason: InfoError },
     #[error("worker {addr} did not answer Worker.Info within {secs:.1} s: {reason}")]
     Unreachable {
         addr: String,
@@ -259,6 +270,7 @@ pub struct Workers {
     prefill: RwLock<Vec<Arc<Worker>>>,
     decode: RwLock<Vec<Arc<Worker>>>,
     connect_timeout: Duration,
+    token: Option<ClusterToken>,
 }
 
 fn read(l: &RwLock<Vec<Arc<Worker>>>) -> Vec<Arc<Worker>> {
@@ -270,17 +282,19 @@ impl Workers {
         prefill: &[String],
         decode: &[String],
         connect_timeout: Duration,
+        token: Option<ClusterToken>,
     ) -> Result<Self, ServeError> {
         let make = |addrs: &[String], role| {
             addrs
                 .iter()
-                .map(|a| Worker::new(a, role, connect_timeout))
+                .map(|a| Worker::new(a, role, connect_timeout, token.clone()))
                 .collect::<Result<Vec<_>, _>>()
         };
         Ok(Workers {
             prefill: RwLock::new(make(prefill, Role::Prefill)?),
             decode: RwLock::new(make(decode, Role::Decode)?),
             connect_timeout,
+            token,
         })
     }
 
@@ -322,16 +336,22 @@ impl Workers {
         if self.find(addr).is_some() {
             return Err(AddError::Duplicate(addr.to_string()));
         }
-        let w = Worker::new(addr, role, self.connect_timeout)?;
+        let w = Worker::new(addr, role, self.connect_timeout, self.token.clone())?;
         let info = fetch_info(&w, self.connect_timeout.max(Duration::from_secs(1)))
             .await
-            .map_err(|reason| AddError::Unreachable {
-                addr: addr.to_string(),
-                secs: self
-                    .connect_timeout
-                    .max(Duration::from_secs(1))
-                    .as_secs_f64(),
-                reason,
+            .map_err(|e| match e {
+                InfoError::Unreachable(reason) => AddError::Unreachable {
+                    addr: addr.to_string(),
+                    secs: self
+                        .connect_timeout
+                        .max(Duration::from_secs(1))
+                        .as_secs_f64(),
+                    reason,
+                },
+                identity => AddError::Identity {
+                    addr: addr.to_string(),
+                    reason: identity,
+                },
             })?;
         if info.role != role.name() {
             return Err(AddError::WrongRole {
@@ -374,14 +394,46 @@ impl Workers {
     }
 }
 
-/// `Worker.Info` with a deadline.
-pub async fn fetch_info(w: &Worker, deadline: Duration) -> Result<pb::WorkerInfo, String> {
+/// Why `Worker.Info` gave no usable answer.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum InfoError {
+    #[error("{0}")]
+    Unreachable(String),
+    /// It answered, but is not a member of this cluster.
+    #[error("{0}: not a member of this cluster (wrong or missing --cluster-token)")]
+    Identity(&'static str),
+}
+
+/// `Worker.Info` with a deadline. With a cluster token, the call carries a fresh
+/// challenge (never the token) and the answer counts only when the worker's proof
+/// verifies: a worker that cannot prove it holds the token is never admitted, and one
+/// replaced by an impostor at the same address leaves rotation at its next poll.
+pub async fn fetch_info(w: &Worker, deadline: Duration) -> Result<pb::WorkerInfo, InfoError> {
     let mut c = pb::worker_client::WorkerClient::new(w.channel.clone());
-    match tokio::time::timeout(deadline, c.info(pb::Empty {})).await {
-        Ok(Ok(r)) => Ok(r.into_inner()),
-        Ok(Err(s)) => Err(s.message().to_string()),
-        Err(_) => Err(format!("no answer within {deadline:?}")),
+    let mut req = tonic::Request::new(pb::Empty {});
+    let challenge = w.token.as_ref().map(|_| ClusterToken::challenge());
+    if let Some(ch) = &challenge {
+        if let Ok(v) = ch.parse() {
+            req.metadata_mut().insert(cluster::CHALLENGE, v);
+        }
     }
+    let resp = match tokio::time::timeout(deadline, c.info(req)).await {
+        Ok(Ok(r)) => r,
+        Ok(Err(s)) => return Err(InfoError::Unreachable(s.message().to_string())),
+        Err(_) => return Err(InfoError::Unreachable(format!("no answer within {deadline:?}"))),
+    };
+    if let (Some(t), Some(ch)) = (&w.token, &challenge) {
+        let proof = resp
+            .metadata()
+            .get(cluster::PROOF)
+            .and_then(|v| v.to_str().ok());
+        match proof {
+            Some(p) if t.verify(ch, p) => {}
+            Some(_) => return Err(InfoError::Identity("its cluster-token proof is wrong")),
+            None => return Err(InfoError::Identity("it sent no cluster-token proof")),
+        }
+    }
+    Ok(resp.into_inner())
 }
 
 #[cfg(test)]
@@ -407,8 +459,8 @@ mod tests {
 
     #[tokio::test]
     async fn comparisons_name_the_differing_field() {
-        let a = Worker::new("a:1", Role::Prefill, Duration::from_secs(1)).unwrap();
-        let b = Worker::new("b:1", Role::Decode, Duration::from_secs(1)).unwrap();
+        let a = Worker::new("a:1", Role::Prefill, Duration::from_secs(1), None).unwrap();
+        let b = Worker::new("b:1", Role::Decode, Duration::from_secs(1), None).unwrap();
         assert_eq!(compare(&a, &info("m", "f32"), &b, &info("m", "f32")), None);
         let m = compare(&a, &info("m", "f32"), &b, &info("m", "bf16")).unwrap();
         assert_eq!(m.field, "index_k_dtype");
@@ -435,6 +487,7 @@ mod tests {
             &["p:1".into()],
             &["d:1".into(), "d:2".into()],
             Duration::from_secs(1),
+            None,
         )
         .unwrap();
         assert_eq!(ws.all().len(), 3);

@@ -47,4 +47,18 @@ impl Tokenizer {
     pub fn token_id(&self, token: &str) -> Option<u32> {
         self.inner.token_to_id(token)
     }
+
+    /// The longest vocabulary entry, in UTF-8 bytes of its stored form (which is never
+    /// shorter than the text it stands for: byte-level and byte-fallback forms are longer).
+    /// A prompt of B bytes needs at least about B / this many tokens, so a router can
+    /// refuse a prompt that cannot fit its context before paying for tokenizing it.
+    pub fn max_token_bytes(&self) -> usize {
+        self.inner
+            .get_vocab(true)
+            .keys()
+            .map(String::len)
+            .max()
+            .unwrap_or(1)
+            .max(1)
+    }
 }

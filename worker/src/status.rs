@@ -1,5 +1,6 @@
 //! The `Worker` service every prefill and decode server exposes: info and health.
 
+use pdserve_proto::cluster::{self, ClusterToken};
 use pdserve_proto::pb;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -67,15 +68,28 @@ impl WorkerStatus {
     }
 }
 
-pub struct WorkerService(pub Arc<WorkerStatus>);
+/// The `Worker` service, with the cluster token (if any) to answer identity challenges.
+pub struct WorkerService(pub Arc<WorkerStatus>, pub Option<ClusterToken>);
 
 #[tonic::async_trait]
 impl pb::worker_server::Worker for WorkerService {
+    /// Open to any caller; a caller's challenge is answered with the token's proof.
     async fn info(
         &self,
-        _req: tonic::Request<pb::Empty>,
+        req: tonic::Request<pb::Empty>,
     ) -> Result<tonic::Response<pb::WorkerInfo>, tonic::Status> {
-        Ok(tonic::Response::new(self.0.info()))
+        let challenge = req
+            .metadata()
+            .get(cluster::CHALLENGE)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string);
+        let mut resp = tonic::Response::new(self.0.info());
+        if let (Some(t), Some(c)) = (&self.1, challenge) {
+            if let Ok(v) = t.prove(&c).parse() {
+                resp.metadata_mut().insert(cluster::PROOF, v);
+            }
+        }
+        Ok(resp)
     }
 
     async fn health(

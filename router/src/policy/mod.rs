@@ -58,7 +58,7 @@ pub(crate) mod test_support {
 
     /// A worker (never connected) that reports this load, with 64-token pages.
     pub fn worker(addr: &str, running: u32, waiting: u32, free: u64) -> Arc<Worker> {
-        let w = Worker::new(addr, Role::Prefill, Duration::from_secs(1)).unwrap();
+        let w = Worker::new(addr, Role::Prefill, Duration::from_secs(1), None).unwrap();
         w.set_info(pb::WorkerInfo {
             running,
             waiting,
