@@ -134,6 +134,7 @@ PY
 [ "$GRAPH" = capture ] && row "index-K bf16, graphs + --verify-graphs, 48 x 3 turns" bf16 capture
 row "index-K bf16, eager, 48 x 3 turns" bf16 eager
 [ "$GRAPH" = capture ] && row "index-K f32, graphs + --verify-graphs, 48 x 3 turns" f32 capture
+[ "$GRAPH" = capture ] && row "index-K fp8, graphs + --verify-graphs, 48 x 3 turns" fp8 capture
 for k in page index-k state; do scribble "$k"; done
 serve --deterministic 1
 serve "" 0

@@ -583,7 +583,11 @@ impl RouterFlags {
             &self.allow_unauthenticated.then_some(true),
         );
         self.cluster.put(&mut f);
-        flag(&mut f, "max_concurrent_requests", &self.max_concurrent_requests);
+        flag(
+            &mut f,
+            "max_concurrent_requests",
+            &self.max_concurrent_requests,
+        );
         flag(&mut f, "header_timeout_s", &self.header_timeout_s);
         flag(&mut f, "body_timeout_s", &self.body_timeout_s);
         flag(&mut f, "max_connections", &self.max_connections);

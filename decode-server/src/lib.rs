@@ -11,11 +11,11 @@ use pdserve_engine::backend::Backend;
 use pdserve_engine::{Engine, EngineError};
 use pdserve_proto::cluster::{ClusterToken, RequireToken};
 use pdserve_proto::pb;
-use tonic::service::interceptor::InterceptedService;
 use pdserve_worker::{Load, WorkerStatus};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
+use tonic::service::interceptor::InterceptedService;
 
 #[derive(Debug, Clone)]
 pub struct DecodeSettings {

@@ -356,6 +356,7 @@ pub fn check_batched(
         (WeightDtype::Bf16, EntryDtype::F32, GraphMode::Capture),
         (WeightDtype::Bf16, EntryDtype::Bf16, GraphMode::Capture),
         (WeightDtype::Bf16, EntryDtype::Bf16, GraphMode::Eager),
+        (WeightDtype::Bf16, EntryDtype::Fp8E4m3, GraphMode::Capture),
     ]
     .map(|(w, ik, m)| (w, ik, m, false))
     .into_iter()

@@ -274,6 +274,45 @@ pub fn check_fixture(
             ));
         }
     }
+    out.extend(fp8_index_k_rows(dir, &fname, &fx, ordinal)?);
+    Ok(out)
+}
+
+/// fp8 index-K (e4m3 + one f32 scale per entry) on the GPU against the CPU engine with the
+/// same layout: both quantize the same pooled entries the same way (`kv::fp8`), so with
+/// fp32 weights only summation order differs; pages move between the two unchanged.
+fn fp8_index_k_rows(
+    dir: &Path,
+    fname: &str,
+    fx: &Fixture,
+    ordinal: usize,
+) -> Result<Vec<CheckRow>, Box<dyn std::error::Error>> {
+    let mut s = spec(dir, EntryDtype::F32)?;
+    s.index_k_dtype = EntryDtype::Fp8E4m3;
+    let mut cpu = Engine::load(dir, CpuBackend, Some(s), POOL)?;
+    let gpu_b = CudaBackend::with_weights(ordinal, None, WeightDtype::F32)?;
+    let mut gpu = Engine::load(dir, gpu_b, Some(s), POOL)?;
+    let tag = format!("{fname} w=f32 kv=f32 ik=fp8");
+    let mut out = Vec::new();
+    for &k in &fx.prefill_lens[..2.min(fx.prefill_lens.len())] {
+        let want = logits_prefill_decode(&mut cpu, &fx.tokens, k, 0)?;
+        let got = logits_prefill_decode(&mut gpu, &fx.tokens, k, 0)?;
+        out.push(compare(
+            format!("{tag} prefill {k} + decode"),
+            &got,
+            &want,
+            REL_TOL,
+        ));
+    }
+    let k = fx.prefill_lens[fx.prefill_lens.len() / 2];
+    let want = logits_prefill_decode(&mut cpu, &fx.tokens, k, 0)?;
+    let moved = transfer_logits(&mut gpu, &mut cpu, &fx.tokens, k)?;
+    out.push(compare(
+        format!("{tag} prefill {k} GPU, decode CPU"),
+        &moved,
+        &want,
+        REL_TOL,
+    ));
     Ok(out)
 }
 

@@ -239,8 +239,8 @@ kernels! {
             pages: DevPtr, states: DevPtr, page_bytes: i64, state_bytes: i64, seq: DevPtr,
             pt: DevPtr, proj_kv: DevPtr, proj_gate: DevPtr, bias: DevPtr, norm_w: DevPtr,
             cs: DevPtr, sn: DevPtr, width: i32, rate: i32, slots: i32, overlap: i32,
-            ring_off: i64, entry_off: i64, entries_per_page: i32, page_tokens: i32, dt: i32,
-            rd: i32, eps: f32,
+            ring_off: i64, entry_off: i64, scale_off: i64, entries_per_page: i32,
+            page_tokens: i32, dt: i32, rd: i32, eps: f32,
         }
     }
     module "indexer" {
@@ -248,8 +248,9 @@ kernels! {
         IndexScores = "k_index_scores" {
             pages: DevPtr, page_bytes: i64, seq: DevPtr, pt: DevPtr, row_seq: DevPtr,
             positions: DevPtr, q: DevPtr, wts: DevPtr, scores: DevPtr, max_nv: i32,
-            n_heads: i32, ihd: i32, rate: i32, entry_off: i64, entries_per_page: i32,
-            page_tokens: i32, dt: i32, softmax_scale: f32, weight_scale: f32,
+            n_heads: i32, ihd: i32, rate: i32, entry_off: i64, scale_off: i64,
+            entries_per_page: i32, page_tokens: i32, dt: i32, softmax_scale: f32,
+            weight_scale: f32,
         }
         /// Top-k entry ids of each row's indexer scores, ascending, `-1` padded.
         Topk = "k_topk" {

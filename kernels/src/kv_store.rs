@@ -27,7 +27,14 @@ fn kv_err(msg: String) -> BackendError {
 
 impl GpuKv {
     pub(crate) fn new(gpu: &Gpu, layout: &KvLayout, pages: usize, states: usize) -> BResult<Self> {
-        // Refuse layouts the kernels cannot address before any memory is taken.
+        // Refuse layouts the kernels cannot address before any memory is taken: fp8 (with
+        // its per-entry scale) is an index-K storage only.
+        if layout.kv_dtype == EntryDtype::Fp8E4m3 {
+            return Err(kv_err(
+                "fp8 compressed-KV entries are not supported by the CUDA backend: use --kv-dtype f32 or bf16"
+                    .into(),
+            ));
+        }
         dt_code(layout.kv_dtype)?;
         dt_code(layout.index_k_dtype)?;
         Ok(GpuKv {
@@ -167,11 +174,7 @@ pub(crate) fn dt_code(d: EntryDtype) -> BResult<i32> {
     match d {
         EntryDtype::F32 => Ok(0),
         EntryDtype::Bf16 => Ok(1),
-        EntryDtype::Fp8E4m3 => Err(kv_err(
-            "fp8 index-K is not implemented by the CUDA backend yet: use --index-k-dtype \
-             f32 or bf16"
-                .into(),
-        )),
+        EntryDtype::Fp8E4m3 => Ok(2),
     }
 }
 

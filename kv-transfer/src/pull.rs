@@ -115,7 +115,10 @@ pub async fn pull_prefill(
             false if prefill_left() < opts.progress_timeout => {
                 (prefill_left(), "the prefill to finish")
             }
-            false => (opts.progress_timeout, "progress (no message, not even a heartbeat)"),
+            false => (
+                opts.progress_timeout,
+                "progress (no message, not even a heartbeat)",
+            ),
             true => (opts.progress_timeout, "the next KV message"),
         };
         let msg = tokio::time::timeout(wait, stream.message())

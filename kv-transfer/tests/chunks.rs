@@ -133,7 +133,9 @@ fn mismatched_index_k_dtype_is_named() {
     assert_eq!(field, "index_k_dtype");
 }
 
-fn header_mut(msgs: &mut [pdserve_proto::pb::PrefillMessage]) -> &mut pdserve_proto::pb::PrefillHeader {
+fn header_mut(
+    msgs: &mut [pdserve_proto::pb::PrefillMessage],
+) -> &mut pdserve_proto::pb::PrefillHeader {
     match msgs[0].kind.as_mut() {
         Some(Kind::Header(h)) => h,
         _ => panic!("the first message is the header"),
@@ -170,8 +172,12 @@ fn header_fields_are_checked_against_the_request() {
     let e = protocol_error(assemble_against(&l, want, msgs).unwrap_err());
     assert_eq!(e, "16 pages announced for 3 positions; the layout needs 1");
     // A reservation smaller than the prompt's pages.
-    let tight = Expected { reserved_pages: 0, ..want };
-    let e = protocol_error(assemble_against(&l, tight, encode_prefill(&l, &p, 1 << 20)).unwrap_err());
+    let tight = Expected {
+        reserved_pages: 0,
+        ..want
+    };
+    let e =
+        protocol_error(assemble_against(&l, tight, encode_prefill(&l, &p, 1 << 20)).unwrap_err());
     assert_eq!(e, "1 pages announced; the request reserved 0");
     // Short logits (with a valid checksum over them).
     let mut msgs = encode_prefill(&l, &p, 1 << 20);
@@ -179,14 +185,20 @@ fn header_fields_are_checked_against_the_request() {
     h.last_logits.truncate(3 * 4);
     h.last_logits_crc32 = crc32fast::hash(&h.last_logits);
     let e = protocol_error(assemble_against(&l, want, msgs).unwrap_err());
-    assert_eq!(e, "last logits of 12 bytes; the vocabulary needs 4 f32 (16 bytes)");
+    assert_eq!(
+        e,
+        "last logits of 12 bytes; the vocabulary needs 4 f32 (16 bytes)"
+    );
     // A first token outside the vocabulary.
     let mut msgs = encode_prefill(&l, &p, 1 << 20);
     header_mut(&mut msgs).first_token = VOCAB as u32;
     let e = protocol_error(assemble_against(&l, want, msgs).unwrap_err());
     assert_eq!(e, "first token 4 is outside the vocabulary of 4");
     // The honest stream passes.
-    assert_eq!(assemble_against(&l, want, encode_prefill(&l, &p, 1 << 20)).unwrap(), p);
+    assert_eq!(
+        assemble_against(&l, want, encode_prefill(&l, &p, 1 << 20)).unwrap(),
+        p
+    );
 }
 
 #[test]
@@ -214,7 +226,11 @@ fn message_bound_covers_every_message_a_sender_builds() {
     let bound = pdserve_kv_transfer::max_message_bytes(&l, VOCAB);
     // Asked for 1 GiB chunks, the sender still stays under the receiver's bound.
     let msgs = encode_prefill(&l, &p, 1 << 30);
-    assert_eq!(msgs.len(), 1 + 3 + 1, "header, three capped page chunks, state");
+    assert_eq!(
+        msgs.len(),
+        1 + 3 + 1,
+        "header, three capped page chunks, state"
+    );
     for m in &msgs {
         assert!(m.encoded_len() <= bound, "{} > {bound}", m.encoded_len());
     }

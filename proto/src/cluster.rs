@@ -148,9 +148,15 @@ mod tests {
         let other = ClusterToken::new("other").unwrap();
         assert!(!t.verify(&c, &other.prove(&c)));
         assert!(matches!(ClusterToken::new("  "), Err(TokenError::Empty)));
-        assert!(matches!(ClusterToken::new("a b"), Err(TokenError::NotAscii)));
+        assert!(matches!(
+            ClusterToken::new("a b"),
+            Err(TokenError::NotAscii)
+        ));
         assert!(!format!("{t:?}").contains("s3cret"));
-        assert_ne!(ClusterToken::random().secret(), ClusterToken::random().secret());
+        assert_ne!(
+            ClusterToken::random().secret(),
+            ClusterToken::random().secret()
+        );
     }
 
     #[test]
@@ -161,7 +167,10 @@ mod tests {
         assert_eq!(e.code(), tonic::Code::Unauthenticated);
         let mut wrong = tonic::Request::new(());
         ClusterToken::new("nope").unwrap().attach(&mut wrong);
-        assert_eq!(require.call(wrong).unwrap_err().message(), "wrong cluster token");
+        assert_eq!(
+            require.call(wrong).unwrap_err().message(),
+            "wrong cluster token"
+        );
         let mut right = tonic::Request::new(());
         t.attach(&mut right);
         assert!(require.call(right).is_ok());

@@ -338,7 +338,11 @@ mod tests {
         assert_eq!(a.check(Scope::Api, Some(b"new")), Ok(()));
         std::fs::write(&f, "\n").unwrap();
         assert!(matches!(a.reload(), Err(KeyError::NoKeyInFile(_))));
-        assert_eq!(a.check(Scope::Api, Some(b"new")), Ok(()), "a failed reload keeps the keys");
+        assert_eq!(
+            a.check(Scope::Api, Some(b"new")),
+            Ok(()),
+            "a failed reload keeps the keys"
+        );
     }
 
     #[test]

@@ -89,7 +89,11 @@ pub async fn chat_completions(
 ) -> Response {
     let t0 = Instant::now();
     let (st, r) = (state.clone(), rid.0.clone());
-    match state.tokenizers.run(move || prepare_chat(&st, &body, r)).await {
+    match state
+        .tokenizers
+        .run(move || prepare_chat(&st, &body, r))
+        .await
+    {
         Ok(plan) => run(state, plan, Api::Chat, rid.0, t0).await,
         Err(e) => refused(e),
     }

@@ -128,10 +128,7 @@ pub async fn start(state: Arc<AppState>, job: &Job) -> Result<Started, ApiError>
             if let Some(t) = &d.token {
                 t.attach(&mut call);
             }
-            let mut stream = client
-                .generate(call)
-                .await?
-                .into_inner();
+            let mut stream = client.generate(call).await?.into_inner();
             let first = stream.message().await?;
             Ok::<_, tonic::Status>((stream, first))
         })

@@ -121,7 +121,13 @@ mod tests {
                 .add_service(pb::worker_server::WorkerServer::new(FixedInfo(info)))
                 .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
         );
-        let ws = Workers::new(std::slice::from_ref(&addr), &[], Duration::from_secs(1), None).unwrap();
+        let ws = Workers::new(
+            std::slice::from_ref(&addr),
+            &[],
+            Duration::from_secs(1),
+            None,
+        )
+        .unwrap();
         check_all(&ws, Duration::from_secs(2)).await;
         let w = ws.find(&addr).unwrap();
         assert_eq!(w.circuit(), Circuit::Closed, "{}", w.last_error());
@@ -171,7 +177,13 @@ mod tests {
         // Accepts TCP connections (the kernel's backlog) but never speaks HTTP/2.
         let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = silent.local_addr().unwrap().to_string();
-        let ws = Workers::new(std::slice::from_ref(&addr), &[], Duration::from_secs(1), None).unwrap();
+        let ws = Workers::new(
+            std::slice::from_ref(&addr),
+            &[],
+            Duration::from_secs(1),
+            None,
+        )
+        .unwrap();
         assert_eq!(ws.prefill()[0].circuit(), Circuit::Unknown);
         let t0 = std::time::Instant::now();
         check_all(&ws, Duration::from_millis(300)).await;

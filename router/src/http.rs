@@ -84,7 +84,10 @@ pub async fn serve(
         });
     }
     drop(listener);
-    if tokio::time::timeout(DRAIN, graceful.shutdown()).await.is_err() {
+    if tokio::time::timeout(DRAIN, graceful.shutdown())
+        .await
+        .is_err()
+    {
         tracing::warn!("connections still open {DRAIN:?} after shutdown; closing them");
     }
     Ok(())

@@ -19,9 +19,9 @@ mod driver;
 mod error;
 pub mod extract;
 mod generation;
+pub mod health;
 pub mod http;
 pub mod limits;
-pub mod health;
 pub mod metrics;
 mod params;
 pub mod policy;
@@ -119,9 +119,8 @@ pub fn app(state: Arc<AppState>) -> axum::Router {
     }
     let limit = axum::extract::DefaultBodyLimit::max(state.settings.max_body_bytes);
     let concurrency = state.concurrency.clone();
-    let limited = || {
-        axum::middleware::from_fn_with_state(concurrency.clone(), limits::limit_concurrency)
-    };
+    let limited =
+        || axum::middleware::from_fn_with_state(concurrency.clone(), limits::limit_concurrency);
     axum::Router::new()
         .route(
             "/v1/completions",
@@ -162,7 +161,11 @@ pub async fn serve(
     }
     let auth = Arc::new(auth::Auth::new(settings.keys.clone())?);
     let local = listener.local_addr()?;
-    if !auth::may_serve(local.ip(), auth.has_api_keys(), settings.allow_unauthenticated) {
+    if !auth::may_serve(
+        local.ip(),
+        auth.has_api_keys(),
+        settings.allow_unauthenticated,
+    ) {
         return Err(ServeError::Unauthenticated(local));
     }
     let reload = tokio::spawn(auth::reload_on_sighup(auth.clone()));

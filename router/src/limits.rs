@@ -42,7 +42,10 @@ pub async fn limit_concurrency(
     next: Next,
 ) -> Response {
     let Ok(permit) = limit.slots.clone().try_acquire_owned() else {
-        tracing::warn!(max = limit.max, "request refused: too many concurrent requests");
+        tracing::warn!(
+            max = limit.max,
+            "request refused: too many concurrent requests"
+        );
         let mut resp = ApiError {
             status: StatusCode::TOO_MANY_REQUESTS,
             kind: "requests",

@@ -5,11 +5,11 @@
 use crate::circuit::{Breaker, Circuit};
 use crate::ServeError;
 use pdserve_layout_fields::first_difference;
+use pdserve_proto::cluster::{self, ClusterToken};
 use pdserve_proto::pb;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::Duration;
-use pdserve_proto::cluster::{self, ClusterToken};
 use tonic::transport::{Channel, Endpoint};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -420,7 +420,11 @@ pub async fn fetch_info(w: &Worker, deadline: Duration) -> Result<pb::WorkerInfo
     let resp = match tokio::time::timeout(deadline, c.info(req)).await {
         Ok(Ok(r)) => r,
         Ok(Err(s)) => return Err(InfoError::Unreachable(s.message().to_string())),
-        Err(_) => return Err(InfoError::Unreachable(format!("no answer within {deadline:?}"))),
+        Err(_) => {
+            return Err(InfoError::Unreachable(format!(
+                "no answer within {deadline:?}"
+            )))
+        }
     };
     if let (Some(t), Some(ch)) = (&w.token, &challenge) {
         let proof = resp

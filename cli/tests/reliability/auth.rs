@@ -23,7 +23,14 @@ fn post_completion(addr: &str, key: Option<&str>) -> (u16, String, String) {
         headers.push(("Authorization", a));
     }
     let body = json!({"prompt": "hello", "max_tokens": 2}).to_string();
-    raw(addr, "POST", "/v1/completions", &headers, body.as_bytes(), T)
+    raw(
+        addr,
+        "POST",
+        "/v1/completions",
+        &headers,
+        body.as_bytes(),
+        T,
+    )
 }
 
 fn assert_401(r: (u16, String, String), what: &str) {
@@ -32,17 +39,30 @@ fn assert_401(r: (u16, String, String), what: &str) {
     assert!(head.contains("www-authenticate: bearer"), "{what}: {head}");
     let v: Value = serde_json::from_str(&body).unwrap();
     assert_eq!(v["error"]["code"], "invalid_api_key", "{what}: {body}");
-    assert_eq!(v["error"]["type"], "invalid_request_error", "{what}: {body}");
+    assert_eq!(
+        v["error"]["type"], "invalid_request_error",
+        "{what}: {body}"
+    );
 }
 
 #[test]
 fn api_and_admin_keys_guard_their_endpoints_and_never_leak() {
     let (_router, addr, log) = start_logged(
         "router",
-        &["--api-key", API, "--api-key", "sk-second-key", "--admin-key", ADMIN],
+        &[
+            "--api-key",
+            API,
+            "--api-key",
+            "sk-second-key",
+            "--admin-key",
+            ADMIN,
+        ],
     );
     assert_401(post_completion(&addr, None), "no key");
-    assert_401(post_completion(&addr, Some("sk-test-api-012")), "a prefix of the key");
+    assert_401(
+        post_completion(&addr, Some("sk-test-api-012")),
+        "a prefix of the key",
+    );
     assert_401(post_completion(&addr, Some(ADMIN)), "the admin key on /v1");
     assert_401(get(&addr, "/v1/models", None), "models without a key");
     // The right key gets past authentication: no workers, so the request is a 503.
@@ -53,14 +73,20 @@ fn api_and_admin_keys_guard_their_endpoints_and_never_leak() {
     assert_eq!(get(&addr, "/v1/models", Some(API)).0, 200);
 
     assert_401(get(&addr, "/workers", None), "workers without a key");
-    assert_401(get(&addr, "/workers", Some(API)), "workers with the API key");
+    assert_401(
+        get(&addr, "/workers", Some(API)),
+        "workers with the API key",
+    );
     assert_401(get(&addr, "/config", Some(API)), "config with the API key");
     let add = json!({"address": "127.0.0.1:1", "role": "decode"}).to_string();
     let (st, _, _) = raw(
         &addr,
         "POST",
         "/workers",
-        &[("Content-Type", "application/json"), ("Authorization", &format!("Bearer {API}"))],
+        &[
+            ("Content-Type", "application/json"),
+            ("Authorization", &format!("Bearer {API}")),
+        ],
         add.as_bytes(),
         T,
     );
@@ -91,8 +117,17 @@ fn api_keys_only_closes_the_admin_endpoints() {
     c.env("PDSERVE_API_KEY", format!("{API},sk-other"))
         .args(["router", "--listen", "127.0.0.1:0"]);
     let p = Proc::start(c);
-    let addr = p.wait_line("listening on", 60).rsplit(' ').next().unwrap().to_string();
-    assert_eq!(post_completion(&addr, Some("sk-other")).0, 503, "PDSERVE_API_KEY is read");
+    let addr = p
+        .wait_line("listening on", 60)
+        .rsplit(' ')
+        .next()
+        .unwrap()
+        .to_string();
+    assert_eq!(
+        post_completion(&addr, Some("sk-other")).0,
+        503,
+        "PDSERVE_API_KEY is read"
+    );
     assert_401(post_completion(&addr, Some("nope")), "wrong key");
     let (st, _, body) = get(&addr, "/workers", Some(API));
     assert_eq!(st, 401);
@@ -106,7 +141,10 @@ fn key_files_rotate_on_sighup() {
     std::fs::write(&f, "# clients\nsk-old\n").unwrap();
     let (router, addr) = role("router", &["--api-key-file", f.to_str().unwrap()]);
     assert_eq!(post_completion(&addr, Some("sk-old")).0, 503);
-    assert_401(post_completion(&addr, Some("sk-new")), "new key before the reload");
+    assert_401(
+        post_completion(&addr, Some("sk-new")),
+        "new key before the reload",
+    );
     // Rotation: both keys for a while, then only the new one.
     std::fs::write(&f, "sk-old\nsk-new\n").unwrap();
     hup(router.pid());
@@ -139,7 +177,10 @@ fn wait_status(addr: &str, key: &str, want: u16) {
         if st == want {
             return;
         }
-        assert!(std::time::Instant::now() < deadline, "still {st}, want {want}");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "still {st}, want {want}"
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
 }
@@ -175,11 +216,21 @@ fn on_all_interfaces(args: &[&str]) -> (Proc, String) {
 #[test]
 fn print_config_redacts_keys() {
     let out = bin()
-        .args(["router", "--print-config", "--api-key", API, "--admin-key", ADMIN])
+        .args([
+            "router",
+            "--print-config",
+            "--api-key",
+            API,
+            "--admin-key",
+            ADMIN,
+        ])
         .output()
         .unwrap();
     assert!(out.status.success());
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(!text.contains(API) && !text.contains(ADMIN), "{text}");
-    assert!(text.contains("api_key") && text.contains("(1 redacted)"), "{text}");
+    assert!(
+        text.contains("api_key") && text.contains("(1 redacted)"),
+        "{text}"
+    );
 }

@@ -64,10 +64,22 @@ fn the_cluster_token_guards_every_grpc_hop_and_worker_admission() {
     let (_p, ap) = role("prefill", &["--cluster-token-file", f]);
     let (_d, ad) = role("decode", &["--cluster-token-file", f]);
     let mut c = bin();
-    c.env("PDSERVE_CLUSTER_TOKEN", TOKEN)
-        .args(["router", "--listen", "127.0.0.1:0", "--prefill", &ap, "--decode", &ad]);
+    c.env("PDSERVE_CLUSTER_TOKEN", TOKEN).args([
+        "router",
+        "--listen",
+        "127.0.0.1:0",
+        "--prefill",
+        &ap,
+        "--decode",
+        &ad,
+    ]);
     let router = Proc::start(c);
-    let ar = router.wait_line("listening on", 60).rsplit(' ').next().unwrap().to_string();
+    let ar = router
+        .wait_line("listening on", 60)
+        .rsplit(' ')
+        .next()
+        .unwrap()
+        .to_string();
     wait_healthy(&ar, 60);
     let (ids, _) = complete(&ar, &greedy(&prompt(1, 12), 6)).unwrap();
     assert_eq!(ids.len(), 6, "the cluster serves with the token");
@@ -75,7 +87,10 @@ fn the_cluster_token_guards_every_grpc_hop_and_worker_admission() {
     // Rogue gRPC clients: no token, or a wrong one, on each server.
     for (who, st) in [
         ("decode, no token", generate_status(&ad, &ap, None)),
-        ("decode, wrong token", generate_status(&ad, &ap, Some("guess"))),
+        (
+            "decode, wrong token",
+            generate_status(&ad, &ap, Some("guess")),
+        ),
         ("prefill, no token", prefill_status(&ap, None)),
         ("prefill, wrong token", prefill_status(&ap, Some("guess"))),
     ] {
@@ -98,7 +113,10 @@ fn the_cluster_token_guards_every_grpc_hop_and_worker_admission() {
     let (_rogue, a_rogue) = role("decode", &[]);
     let (st, body) = add(&a_rogue);
     assert_eq!(st, 403, "{body}");
-    assert!(body.contains("worker_unauthenticated") && body.contains("no cluster-token proof"), "{body}");
+    assert!(
+        body.contains("worker_unauthenticated") && body.contains("no cluster-token proof"),
+        "{body}"
+    );
     let (_other, a_other) = role("decode", &["--cluster-token", "another-cluster"]);
     let (st, body) = add(&a_other);
     assert_eq!(st, 403, "{body}");

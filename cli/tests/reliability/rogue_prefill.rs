@@ -68,7 +68,10 @@ impl Rogue {
             last_logits: vec![0.0; self.vocab],
             first_token: 0,
         };
-        match encode_prefill(&self.layout, &p, 1 << 20).swap_remove(0).kind {
+        match encode_prefill(&self.layout, &p, 1 << 20)
+            .swap_remove(0)
+            .kind
+        {
             Some(Kind::Header(mut h)) => {
                 h.num_pages = self.layout.pages_for(len) as u32;
                 h
@@ -206,7 +209,12 @@ fn a_rogue_prefill_fails_only_its_own_requests() {
     let batch = MAX_BATCH.to_string();
     let (d, ad) = role(
         "decode",
-        &["--max-batch", &batch, "--transfer-progress-timeout-s", &progress],
+        &[
+            "--max-batch",
+            &batch,
+            "--transfer-progress-timeout-s",
+            &progress,
+        ],
     );
     let (_r, ar) = role("router", &["--prefill", &ap, "--decode", &ad]);
     wait_healthy(&ar, 60);
@@ -218,7 +226,10 @@ fn a_rogue_prefill_fails_only_its_own_requests() {
     let rogue_addr = listener.local_addr().unwrap().to_string();
     rt.spawn(
         tonic::transport::Server::builder()
-            .add_service(pb::prefill_server::PrefillServer::new(Rogue { layout, vocab }))
+            .add_service(pb::prefill_server::PrefillServer::new(Rogue {
+                layout,
+                vocab,
+            }))
             .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
     );
 
@@ -260,11 +271,17 @@ fn a_rogue_prefill_fails_only_its_own_requests() {
         match m {
             Mode::LyingLength => {
                 assert_eq!(st.code(), tonic::Code::DataLoss, "{m:?}: {msg}");
-                assert!(msg.contains("header announces 4090 positions for a prompt of 3"), "{msg}");
+                assert!(
+                    msg.contains("header announces 4090 positions for a prompt of 3"),
+                    "{msg}"
+                );
             }
             Mode::Billion => {
                 assert_eq!(st.code(), tonic::Code::DataLoss, "{m:?}: {msg}");
-                assert!(msg.contains("1000000000 positions for a prompt of 3"), "{msg}");
+                assert!(
+                    msg.contains("1000000000 positions for a prompt of 3"),
+                    "{msg}"
+                );
             }
             Mode::ShortLogits => {
                 assert_eq!(st.code(), tonic::Code::DataLoss, "{m:?}: {msg}");

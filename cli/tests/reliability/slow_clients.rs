@@ -62,7 +62,9 @@ fn slow_clients_are_cut_off_and_excess_requests_get_429() {
     let t0 = Instant::now();
     let mut slow = TcpStream::connect(&addr).unwrap();
     let mut idle = TcpStream::connect(&addr).unwrap();
-    let mut crowd: Vec<TcpStream> = (0..100).map(|_| TcpStream::connect(&addr).unwrap()).collect();
+    let mut crowd: Vec<TcpStream> = (0..100)
+        .map(|_| TcpStream::connect(&addr).unwrap())
+        .collect();
     for b in b"POST /v1/completions HTTP/1.1\r\n".iter().take(6) {
         if slow.write_all(&[*b]).is_err() {
             break;
@@ -74,11 +76,20 @@ fn slow_clients_are_cut_off_and_excess_requests_get_429() {
     }
     let (_, slow_closed) = until_closed(&mut slow, t0);
     let (_, idle_closed) = until_closed(&mut idle, t0);
-    assert!(slow_closed < Duration::from_millis(3500), "slow headers kept open {slow_closed:?}");
-    assert!(idle_closed < Duration::from_millis(3500), "idle connection kept open {idle_closed:?}");
+    assert!(
+        slow_closed < Duration::from_millis(3500),
+        "slow headers kept open {slow_closed:?}"
+    );
+    assert!(
+        idle_closed < Duration::from_millis(3500),
+        "idle connection kept open {idle_closed:?}"
+    );
     for c in crowd.iter_mut() {
         let (_, t) = until_closed(c, t0);
-        assert!(t < Duration::from_secs(4), "a slowloris connection stayed {t:?}");
+        assert!(
+            t < Duration::from_secs(4),
+            "a slowloris connection stayed {t:?}"
+        );
     }
     let (st, _) = http(&addr, "GET", "/health", None, Duration::from_secs(5));
     assert_eq!(st, 503, "the router still answers (no workers: 503)");
@@ -108,7 +119,13 @@ fn slow_clients_are_cut_off_and_excess_requests_get_429() {
         assert!(t < Duration::from_secs(3), "stalled body held {t:?}");
     }
     // Slots are free again.
-    let (st, body) = http(&addr, "POST", "/v1/completions", Some(&json!({"prompt": "x"})), Duration::from_secs(5));
+    let (st, body) = http(
+        &addr,
+        "POST",
+        "/v1/completions",
+        Some(&json!({"prompt": "x"})),
+        Duration::from_secs(5),
+    );
     assert_eq!(st, 503, "{body}");
 
     // A chunked body that announces a huge chunk and stalls: 408 at the body deadline.
@@ -120,7 +137,10 @@ fn slow_clients_are_cut_off_and_excess_requests_get_429() {
     )
     .unwrap();
     let (resp, t) = until_closed(&mut s, t2);
-    assert!(resp.starts_with("HTTP/1.1 408") || resp.starts_with("HTTP/1.1 413"), "{resp}");
+    assert!(
+        resp.starts_with("HTTP/1.1 408") || resp.starts_with("HTTP/1.1 413"),
+        "{resp}"
+    );
     assert!(t < Duration::from_secs(3), "{t:?}");
 
     let grown = rss_kib(router.pid()).saturating_sub(rss0) / 1024;
@@ -131,8 +151,16 @@ fn slow_clients_are_cut_off_and_excess_requests_get_429() {
 fn fields_of_other_endpoints_and_function_calling_are_refused() {
     let (_r, addr) = role("router", &[]);
     let cases = [
-        ("/v1/completions", json!({"prompt": "x", "tools": [{"type": "function"}]}), "tools"),
-        ("/v1/completions", json!({"prompt": "x", "response_format": {"type": "text"}}), "response_format"),
+        (
+            "/v1/completions",
+            json!({"prompt": "x", "tools": [{"type": "function"}]}),
+            "tools",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "x", "response_format": {"type": "text"}}),
+            "response_format",
+        ),
         (
             "/v1/chat/completions",
             json!({"messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]}),
@@ -194,7 +222,10 @@ fn huge_prompts_are_refused_before_tokenizing_and_starve_nobody() {
         let v: Value = serde_json::from_str(&b).unwrap();
         assert_eq!(v["error"]["code"], "context_length_exceeded", "{b}");
         let msg = v["error"]["message"].as_str().unwrap();
-        assert!(msg.contains("no tokenization of more than"), "refused before tokenizing: {msg}");
+        assert!(
+            msg.contains("no tokenization of more than"),
+            "refused before tokenizing: {msg}"
+        );
         assert!(took < Duration::from_secs(10), "{took:?}");
     }
     // No worker left rotation; router memory stayed bounded.
@@ -235,10 +266,16 @@ fn a_stopped_worker_leaves_rotation_within_a_second() {
     let took = t0.elapsed();
     signal("-CONT");
     // Design bound: health interval 0.5 s + poll deadline 0.5 s; slack for a loaded CI box.
-    assert!(took < Duration::from_millis(1500), "out of rotation after {took:?}");
+    assert!(
+        took < Duration::from_millis(1500),
+        "out of rotation after {took:?}"
+    );
     let t1 = Instant::now();
     while !decode_healthy() {
-        assert!(t1.elapsed() < Duration::from_secs(5), "never back in rotation");
+        assert!(
+            t1.elapsed() < Duration::from_secs(5),
+            "never back in rotation"
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
 }

@@ -16,9 +16,40 @@ __device__ __forceinline__ bf16_t f_to_bf16(float f) {
     return (bf16_t)(u >> 16);
 }
 
-// KV entry dtypes (EntryDtype): 0 = f32, 1 = bf16.
-__device__ __forceinline__ int dt_bytes(int dt) { return dt == 0 ? 4 : 2; }
+// KV entry dtypes (EntryDtype): 0 = f32, 1 = bf16, 2 = fp8 e4m3 with one f32 scale per
+// entry stored apart (index-K only; see f_to_e4m3).
+__device__ __forceinline__ int dt_bytes(int dt) { return dt == 0 ? 4 : dt == 1 ? 2 : 1; }
 
+// e4m3fn exactly as pdserve_engine::kv::fp8 computes it: round to nearest even,
+// saturating at +-448, subnormals below 2^-6, NaN to the NaN code.
+__device__ __forceinline__ unsigned char f_to_e4m3(float x) {
+    if (isnan(x)) return 0x7f;
+    unsigned char sign = signbit(x) ? 0x80 : 0;
+    float a = fabsf(x);
+    if (a >= 448.f) return sign | 0x7e;
+    if (a < 1.f / 64.f) return sign | (unsigned char)rintf(a * 512.f);
+    u32 bits = __float_as_uint(a);
+    int e = (int)((bits >> 23) & 0xff) - 127;
+    u32 mant = bits & 0x7fffffu;
+    u32 keep = mant >> 20, rem = mant & 0xfffffu, m = keep;
+    if (rem > 0x80000u || (rem == 0x80000u && (keep & 1u))) {
+        m += 1;
+        if (m == 8) { m = 0; e += 1; }
+    }
+    u32 code = ((u32)(e + 7) << 3) | m;
+    return sign | (unsigned char)min(code, 0x7eu);
+}
+
+__device__ __forceinline__ float e4m3_to_f(unsigned char b) {
+    float s = (b & 0x80) ? -1.f : 1.f;
+    int e = (b >> 3) & 0xf;
+    float m = (float)(b & 7);
+    if (e == 0xf && (b & 7) == 7) return __int_as_float(0x7fc00000);
+    if (e == 0) return s * m * (1.f / 512.f);
+    return s * ldexpf(1.f + m / 8.f, e - 7);
+}
+
+// An f32 or bf16 entry's value i (fp8 entries are read with their scale: ld_fp8).
 __device__ __forceinline__ float ld_entry(const unsigned char* p, int i, int dt) {
     return dt == 0 ? ((const float*)p)[i] : bf16_to_f(((const bf16_t*)p)[i]);
 }

@@ -5,12 +5,13 @@
 //
 // seq/pt: sequence table and page tables (common.cuh). bias: [rate, width];
 // norm_w: [dim]; cs/sn: [rows, rd/2], cos/sin at the window position of rows that close one.
-// Dynamic shared memory: dim floats.
+// Dynamic shared memory: dim floats. fp8 entries (dt 2) keep their scale at scale_off.
 extern "C" __global__ void k_compress(unsigned char* pages, unsigned char* states, i64 page_bytes, i64 state_bytes,
                                       const int* seq, const u32* pt, const float* proj_kv, const float* proj_gate,
                                       const float* bias, const float* norm_w, const float* cs, const float* sn,
                                       int width, int rate, int slots, int overlap, i64 ring_off, i64 entry_off,
-                                      int entries_per_page, int page_tokens, int dt, int rd, float eps) {
+                                      i64 scale_off, int entries_per_page, int page_tokens, int dt, int rd,
+                                      float eps) {
     extern __shared__ float pooled[];
     __shared__ float red[32];
     const int* sq = seq + blockIdx.x * SEQ_INTS;
@@ -74,7 +75,17 @@ extern "C" __global__ void k_compress(unsigned char* pages, unsigned char* state
         __syncthreads();
         u32 page = table[(i64)w * rate / page_tokens];
         unsigned char* dst = pages + (i64)page * page_bytes + entry_off + (i64)(w % entries_per_page) * dim * dt_bytes(dt);
-        for (int c = threadIdx.x; c < dim; c += blockDim.x) st_entry(dst, c, dt, pooled[c]);
+        if (dt == 2) {
+            // fp8: one scale per entry, amax / 448, as kv::fp8::quantize_entry.
+            float am = 0.f;
+            for (int c = threadIdx.x; c < dim; c += blockDim.x) am = fmaxf(am, fabsf(pooled[c]));
+            float sc = block_max(am, red) / 448.f;
+            for (int c = threadIdx.x; c < dim; c += blockDim.x) dst[c] = sc > 0.f ? f_to_e4m3(pooled[c] / sc) : 0;
+            if (threadIdx.x == 0)
+                *(float*)(pages + (i64)page * page_bytes + scale_off + (i64)(w % entries_per_page) * 4) = sc;
+        } else {
+            for (int c = threadIdx.x; c < dim; c += blockDim.x) st_entry(dst, c, dt, pooled[c]);
+        }
         __syncthreads();
     }
 }

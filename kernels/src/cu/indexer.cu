@@ -6,7 +6,7 @@
 extern "C" __global__ void k_index_scores(const unsigned char* pages, i64 page_bytes, const int* seq, const u32* pt,
                                           const int* row_seq, const int* positions, const float* q, const float* wts,
                                           float* scores, int max_nv, int n_heads, int ihd, int rate, i64 entry_off,
-                                          int entries_per_page, int page_tokens, int dt, float softmax_scale,
+                                          i64 scale_off, int entries_per_page, int page_tokens, int dt, float softmax_scale,
                                           float weight_scale) {
     int r = blockIdx.x;
     int lane = threadIdx.x & 31;
@@ -21,10 +21,12 @@ extern "C" __global__ void k_index_scores(const unsigned char* pages, i64 page_b
     u32 page = pt[sq[SEQ_PT] + (i64)s * rate / page_tokens];
     const unsigned char* k = pages + (i64)page * page_bytes + entry_off + (i64)(s % entries_per_page) * ihd * dt_bytes(dt);
     const float* qr = q + (i64)r * n_heads * ihd;
+    float sc = dt == 2 ? *(const float*)(pages + (i64)page * page_bytes + scale_off + (i64)(s % entries_per_page) * 4) : 1.f;
     float total = 0.f;
     for (int h = 0; h < n_heads; h++) {
         float d = 0.f;
-        for (int c = lane; c < ihd; c += 32) d += qr[h * ihd + c] * ld_entry(k, c, dt);
+        for (int c = lane; c < ihd; c += 32)
+            d += qr[h * ihd + c] * (dt == 2 ? e4m3_to_f(k[c]) * sc : ld_entry(k, c, dt));
         d = warp_sum(d);
         total += fmaxf(d, 0.f) * softmax_scale * (wts[(i64)r * n_heads + h] * weight_scale);
     }

@@ -35,8 +35,9 @@ pub fn compress(
     let overlap = l.kind == LayerKind::Csa;
     let dim = if overlap { width / 2 } else { width };
     let rate = l.rate;
-    let (entry_off, epp, dt, want_dim) = match p.part {
+    let (entry_off, scale_off, epp, dt, want_dim) = match p.part {
         CompressorPart::Main => (
+            l.comp_page_offset,
             l.comp_page_offset,
             l.comp_entries_per_page,
             layout.kv_dtype,
@@ -44,6 +45,7 @@ pub fn compress(
         ),
         CompressorPart::Index => (
             l.index_page_offset,
+            l.index_scale_offset,
             l.index_entries_per_page,
             layout.index_k_dtype,
             layout.index_head_dim,
@@ -110,6 +112,7 @@ pub fn compress(
             overlap: overlap as i32,
             ring_off: ring_off as i64,
             entry_off: entry_off as i64,
+            scale_off: scale_off as i64,
             entries_per_page: epp as i32,
             page_tokens: layout.page_tokens as i32,
             dt: dt_code(dt)?,

@@ -79,6 +79,7 @@ pub fn index_select(
             ihd: ihd as i32,
             rate: l.rate as i32,
             entry_off: l.index_page_offset as i64,
+            scale_off: l.index_scale_offset as i64,
             entries_per_page: l.index_entries_per_page as i32,
             page_tokens: layout.page_tokens as i32,
             dt: dt_code(layout.index_k_dtype)?,
