@@ -254,6 +254,8 @@ pub struct RouterConfig {
     pub health_interval_s: f64,
     pub max_body_bytes: usize,
     pub max_model_len: Option<usize>,
+    pub chat_template: Option<String>,
+    pub chat_template_kwargs: Option<String>,
 }
 
 pub const ROUTER_KEYS: &[&str] = &[
@@ -269,6 +271,8 @@ pub const ROUTER_KEYS: &[&str] = &[
     "health_interval_s",
     "max_body_bytes",
     "max_model_len",
+    "chat_template",
+    "chat_template_kwargs",
 ];
 
 #[derive(clap::Args, Debug, Clone, Default)]
@@ -317,6 +321,16 @@ pub struct RouterFlags {
     /// upper bound: the model's max_position_embeddings.
     #[arg(long)]
     pub max_model_len: Option<usize>,
+    /// How chat messages become a prompt: `deepseek-v4` (the built-in DeepSeek-V4
+    /// encoder) or a Jinja template file. Default: the model folder's
+    /// chat_template.jinja, else tokenizer_config.json's chat_template, else deepseek-v4
+    /// when the folder ships encoding/encoding_dsv4.py.
+    #[arg(long)]
+    pub chat_template: Option<String>,
+    /// Default chat_template_kwargs as a JSON object (a request's own entries win), e.g.
+    /// '{"thinking": true}'.
+    #[arg(long)]
+    pub chat_template_kwargs: Option<String>,
 }
 
 impl RouterConfig {
@@ -337,7 +351,20 @@ impl RouterConfig {
                 bail!("{flag} must be a positive number of seconds, got {t}");
             }
         }
+        self.chat_template_kwargs()?;
         Ok(())
+    }
+
+    /// `--chat-template-kwargs` parsed (empty when unset).
+    pub fn chat_template_kwargs(&self) -> Result<serde_json::Map<String, serde_json::Value>> {
+        match &self.chat_template_kwargs {
+            None => Ok(serde_json::Map::new()),
+            Some(s) => match serde_json::from_str(s) {
+                Ok(serde_json::Value::Object(o)) => Ok(o),
+                Ok(_) => bail!("--chat-template-kwargs must be a JSON object, got {s}"),
+                Err(e) => bail!("--chat-template-kwargs is not JSON ({e}): {s}"),
+            },
+        }
     }
 }
 
@@ -356,6 +383,8 @@ impl RouterFlags {
         flag(&mut f, "health_interval_s", &self.health_interval_s);
         flag(&mut f, "max_body_bytes", &self.max_body_bytes);
         flag(&mut f, "max_model_len", &self.max_model_len);
+        flag(&mut f, "chat_template", &self.chat_template);
+        flag(&mut f, "chat_template_kwargs", &self.chat_template_kwargs);
         let defaults = RouterConfig {
             model: None,
             listen: "127.0.0.1:8000".into(),
@@ -369,6 +398,8 @@ impl RouterFlags {
             health_interval_s: 0.5,
             max_body_bytes: 2 << 20,
             max_model_len: None,
+            chat_template: None,
+            chat_template_kwargs: None,
         };
         layered::extract(&defaults, self.config.as_deref(), ROUTER_KEYS, f)
     }

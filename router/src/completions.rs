@@ -46,23 +46,27 @@ fn prepare_chat(state: &AppState, body: &Value, rid: String) -> Result<Plan, Api
     let c: Common = typed(body)?;
     params::check_model(state, &c.model)?;
     let only: ChatOnly = typed(body)?;
-    params::refuse_unsupported_chat(&only)?;
-    let messages = params::chat_messages(&only.messages)?;
-    let text = chat::render(state.settings.chat_template.as_deref(), &messages).map_err(|e| {
-        ApiError::invalid(
-            "messages",
-            "invalid_value",
-            format!("the model's chat template refused these messages: {e}"),
-        )
-    })?;
-    let prompt =
-        params::completion_prompt(state, &Value::String(text)).map_err(|e| e.param("messages"))?;
+    let rendered = chat_prompt(state, body)?;
+    let prompt = params::completion_prompt(state, &Value::String(rendered.text.clone()))
+        .map_err(|e| e.param("messages"))?;
     let max = match (only.max_completion_tokens, c.max_tokens) {
         (Some(m), _) => Some((m, "max_completion_tokens")),
         (None, Some(m)) => Some((m, "max_tokens")),
         (None, None) => None,
     };
     params::plan(state, &c, prompt, max, None, "messages", rid)
+}
+
+/// The rendered prompt of a chat request (or a `/tokenize` body with `messages`).
+pub(crate) fn chat_prompt(state: &AppState, body: &Value) -> Result<chat::Rendered, ApiError> {
+    let Some(renderer) = state.settings.chat_renderer.as_deref() else {
+        return Err(ApiError::invalid(
+            "messages",
+            "chat_template_missing",
+            "this model has no chat template (no chat_template.jinja, no chat_template in tokenizer_config.json, no encoding/encoding_dsv4.py): start the router with --chat-template FILE or --chat-template deepseek-v4, or use /v1/completions",
+        ));
+    };
+    chat::ChatInput::from_body(body, &state.settings.chat_template_kwargs)?.render(renderer)
 }
 
 pub async fn completions(

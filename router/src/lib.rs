@@ -65,8 +65,11 @@ pub struct RouterSettings {
     pub vocab_size: usize,
     /// Largest request body accepted (413 above).
     pub max_body_bytes: usize,
-    /// The model's chat template; None: the default `role: content` lines.
-    pub chat_template: Option<Arc<chat::ChatTemplate>>,
+    /// How chat messages become a prompt; None: the model has no chat format and chat
+    /// requests are refused.
+    pub chat_renderer: Option<Arc<chat::Renderer>>,
+    /// `--chat-template-kwargs`: defaults a request's `chat_template_kwargs` overrides.
+    pub chat_template_kwargs: serde_json::Map<String, serde_json::Value>,
 }
 
 pub struct AppState {

@@ -51,20 +51,11 @@ pub struct CompletionOnly {
     pub best_of: Option<i64>,
 }
 
-/// Fields only `/v1/chat/completions` has.
+/// Fields only `/v1/chat/completions` has (the rendering fields are read by
+/// [`crate::chat::ChatInput::from_body`]).
 #[derive(Debug, Deserialize)]
 pub struct ChatOnly {
-    pub messages: Vec<ChatMessage>,
     pub max_completion_tokens: Option<i64>,
-    pub tools: Option<Value>,
-    pub response_format: Option<Value>,
-}
-
-#[derive(Debug, Deserialize)]
-pub struct ChatMessage {
-    pub role: String,
-    /// A string, an array of `{"type": "text", "text": ...}` parts, or null.
-    pub content: Option<Value>,
 }
 
 /// A validated request.
@@ -136,21 +127,6 @@ pub fn refuse_unsupported_completion(c: &CompletionOnly) -> Result<(), ApiError>
     }
     if c.best_of.is_some_and(|b| b != 1) {
         return Err(unsupported("best_of", "only best_of = 1"));
-    }
-    Ok(())
-}
-
-pub fn refuse_unsupported_chat(c: &ChatOnly) -> Result<(), ApiError> {
-    if c.tools
-        .as_ref()
-        .is_some_and(|t| !t.is_null() && t.as_array().is_none_or(|a| !a.is_empty()))
-    {
-        return Err(unsupported("tools", "tool calls are not implemented"));
-    }
-    if let Some(f) = &c.response_format {
-        if !f.is_null() && f.get("type").and_then(Value::as_str) != Some("text") {
-            return Err(unsupported("response_format", "only {\"type\": \"text\"}"));
-        }
     }
     Ok(())
 }
@@ -265,58 +241,6 @@ pub fn completion_prompt(state: &AppState, v: &Value) -> Result<Vec<u32>, ApiErr
         ));
     }
     Ok(ids)
-}
-
-const ROLES: [&str; 4] = ["system", "developer", "user", "assistant"];
-
-/// `messages` as plain-text messages for the template.
-pub fn chat_messages(msgs: &[ChatMessage]) -> Result<Vec<crate::chat::Message>, ApiError> {
-    if msgs.is_empty() {
-        return Err(ApiError::invalid(
-            "messages",
-            "invalid_value",
-            "`messages` must hold at least one message",
-        ));
-    }
-    msgs.iter()
-        .enumerate()
-        .map(|(i, m)| {
-            let param = format!("messages[{i}]");
-            if !ROLES.contains(&m.role.as_str()) {
-                return Err(ApiError::invalid(
-                    &format!("{param}.role"),
-                    "invalid_value",
-                    format!("role `{}` is not one of {ROLES:?}", m.role),
-                ));
-            }
-            let content = match &m.content {
-                None | Some(Value::Null) => String::new(),
-                Some(Value::String(s)) => s.clone(),
-                Some(Value::Array(parts)) => parts
-                    .iter()
-                    .map(|p| match (p.get("type").and_then(Value::as_str), p.get("text")) {
-                        (Some("text"), Some(Value::String(t))) => Ok(t.as_str()),
-                        _ => Err(ApiError::invalid(
-                            &format!("{param}.content"),
-                            "invalid_value",
-                            "only text content parts ({\"type\": \"text\", \"text\": ...}) are supported",
-                        )),
-                    })
-                    .collect::<Result<String, _>>()?,
-                Some(x) => {
-                    return Err(ApiError::invalid(
-                        &format!("{param}.content"),
-                        "invalid_type",
-                        format!("content must be a string or a list of text parts, got {x}"),
-                    ))
-                }
-            };
-            Ok(crate::chat::Message {
-                role: m.role.clone(),
-                content,
-            })
-        })
-        .collect()
 }
 
 /// Validate the shared fields against a tokenized prompt and build the plan.
