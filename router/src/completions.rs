@@ -5,6 +5,7 @@ use crate::driver::{Driver, Step};
 use crate::error::ApiError;
 use crate::extract::{typed, ApiJson};
 use crate::params::{self, ChatOnly, Common, CompletionOnly, Plan};
+use crate::reply::{Call, ReplyParser};
 use crate::trace::RequestId;
 use crate::{chat, generation, AppState};
 use axum::extract::State;
@@ -33,6 +34,7 @@ fn now() -> u64 {
 }
 
 fn prepare_completion(state: &AppState, body: &Value, rid: String) -> Result<Plan, ApiError> {
+    params::refuse_unknown_fields(body, false)?;
     let c: Common = typed(body)?;
     params::check_model(state, &c.model)?;
     let only: CompletionOnly = typed(body)?;
@@ -43,9 +45,17 @@ fn prepare_completion(state: &AppState, body: &Value, rid: String) -> Result<Pla
 }
 
 fn prepare_chat(state: &AppState, body: &Value, rid: String) -> Result<Plan, ApiError> {
+    params::refuse_unknown_fields(body, true)?;
     let c: Common = typed(body)?;
     params::check_model(state, &c.model)?;
     let only: ChatOnly = typed(body)?;
+    if only.parallel_tool_calls == Some(false) {
+        return Err(ApiError::invalid(
+            "parallel_tool_calls",
+            "unsupported_parameter",
+            "`parallel_tool_calls: false` is not supported: every call the model writes is returned",
+        ));
+    }
     let rendered = chat_prompt(state, body)?;
     let prompt = params::completion_prompt(state, &Value::String(rendered.text.clone()))
         .map_err(|e| e.param("messages"))?;
@@ -54,7 +64,13 @@ fn prepare_chat(state: &AppState, body: &Value, rid: String) -> Result<Plan, Api
         (None, Some(m)) => Some((m, "max_tokens")),
         (None, None) => None,
     };
-    params::plan(state, &c, prompt, max, None, "messages", rid)
+    let mut plan = params::plan(state, &c, prompt, max, None, "messages", rid)?;
+    plan.reply = Some(crate::reply::Format {
+        thinking: rendered.thinking,
+        parse_tools: rendered.parse_tools,
+        forced: rendered.forced,
+    });
+    Ok(plan)
 }
 
 /// The rendered prompt of a chat request (or a `/tokenize` body with `messages`).
@@ -158,14 +174,42 @@ async fn run(state: Arc<AppState>, plan: Plan, api: Api, rid: String, t0: Instan
         created: now(),
         model: state.settings.model_name.clone(),
     };
+    let parser = plan.reply.as_ref().map(ReplyParser::new);
     if plan.stream {
-        stream(driver, shape, plan.include_usage).into_response()
+        stream(driver, shape, plan.include_usage, parser).into_response()
     } else {
-        whole(driver, shape).await
+        whole(driver, shape, parser).await
     }
 }
 
-async fn whole(mut d: Driver, shape: Shape) -> Response {
+/// `finish_reason`: `tool_calls` when the reply ended by itself after calling tools.
+fn finish_reason(finish: String, parser: Option<&ReplyParser>) -> String {
+    match parser {
+        Some(p) if p.calls > 0 && finish == "stop" => "tool_calls".into(),
+        _ => finish,
+    }
+}
+
+/// OpenAI `tool_calls` entries (`index` added for stream deltas).
+fn tool_calls(shape: &Shape, first: usize, calls: &[Call], indexed: bool) -> Vec<Value> {
+    calls
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            let mut v = json!({
+                "id": format!("call_{}_{}", shape.id, first + i),
+                "type": "function",
+                "function": {"name": c.name, "arguments": c.arguments},
+            });
+            if indexed {
+                v["index"] = json!(first + i);
+            }
+            v
+        })
+        .collect()
+}
+
+async fn whole(mut d: Driver, shape: Shape, mut parser: Option<ReplyParser>) -> Response {
     let mut text = String::new();
     let mut ids = Vec::new();
     let finish = loop {
@@ -190,14 +234,32 @@ async fn whole(mut d: Driver, shape: Shape) -> Response {
             }
         }
     };
-    let choice = match shape.api {
-        Api::Completion => json!({
-            "index": 0, "text": text, "token_ids": ids, "logprobs": null, "finish_reason": finish,
-        }),
-        Api::Chat => json!({
+    let choice = match (shape.api, parser.as_mut()) {
+        (Api::Chat, Some(p)) => {
+            let mut r = p.push(&text);
+            let tail = p.finish();
+            r.reasoning.push_str(&tail.reasoning);
+            r.content.push_str(&tail.content);
+            let mut message = json!({
+                "role": "assistant",
+                "content": if r.content.is_empty() && !r.calls.is_empty() { Value::Null } else { json!(r.content) },
+                "reasoning_content": if r.reasoning.is_empty() { Value::Null } else { json!(r.reasoning) },
+            });
+            if !r.calls.is_empty() {
+                message["tool_calls"] = json!(tool_calls(&shape, 0, &r.calls, false));
+            }
+            json!({
+                "index": 0, "message": message, "token_ids": ids, "logprobs": null,
+                "finish_reason": finish_reason(finish, Some(p)),
+            })
+        }
+        (Api::Chat, None) => json!({
             "index": 0,
             "message": { "role": "assistant", "content": text },
             "token_ids": ids, "logprobs": null, "finish_reason": finish,
+        }),
+        (Api::Completion, _) => json!({
+            "index": 0, "text": text, "token_ids": ids, "logprobs": null, "finish_reason": finish,
         }),
     };
     let mut body = shape.envelope(false, json!([choice]));
@@ -211,11 +273,57 @@ struct StreamState {
     include_usage: bool,
     /// The chat role chunk went out.
     role_sent: bool,
+    /// Chat: the reply's reader; tool calls streamed so far are `parser.calls`.
+    parser: Option<ReplyParser>,
     over: bool,
     span: tracing::Span,
 }
 
 impl StreamState {
+    /// The chat chunks of `text` read through the reply parser (reasoning, content and
+    /// tool-call deltas), the ids on the first.
+    fn chat_chunks(&mut self, text: &str, ids: Vec<u32>, last: bool) -> Vec<Event> {
+        let Some(p) = self.parser.as_mut() else {
+            return self.chunk(text, ids, None).into_iter().collect();
+        };
+        let mut d = p.push(text);
+        if last {
+            let tail = p.finish();
+            d.reasoning.push_str(&tail.reasoning);
+            d.content.push_str(&tail.content);
+        }
+        let first_call = p.calls - d.calls.len();
+        let mut deltas = Vec::new();
+        if !d.reasoning.is_empty() {
+            deltas.push(json!({ "reasoning_content": d.reasoning }));
+        }
+        if !d.content.is_empty() {
+            deltas.push(json!({ "content": d.content }));
+        }
+        if !d.calls.is_empty() {
+            deltas.push(json!({ "tool_calls": tool_calls(&self.shape, first_call, &d.calls, true) }));
+        }
+        let mut ids = Some(ids);
+        deltas
+            .into_iter()
+            .map(|delta| {
+                let choice = json!({
+                    "index": 0, "delta": delta, "token_ids": ids.take().unwrap_or_default(),
+                    "logprobs": null, "finish_reason": null,
+                });
+                self.event(choice)
+            })
+            .collect()
+    }
+
+    fn event(&self, choice: Value) -> Event {
+        let mut c = self.shape.envelope(true, json!([choice]));
+        if self.include_usage {
+            c["usage"] = Value::Null;
+        }
+        Event::default().data(c.to_string())
+    }
+
     fn chunk(&self, text: &str, ids: Vec<u32>, finish: Option<&str>) -> Option<Event> {
         let choice = match self.shape.api {
             Api::Completion => json!({
@@ -264,10 +372,14 @@ impl StreamState {
             out.push(self.role_chunk());
         }
         match self.driver.next().await {
+            Ok(Some(Step::Delta { text, ids })) if self.shape.api == Api::Chat => {
+                out.extend(self.chat_chunks(&text, ids, false))
+            }
             Ok(Some(Step::Delta { text, ids })) => out.extend(self.chunk(&text, ids, None)),
             Ok(Some(Step::Done { text, ids, finish })) => {
-                if self.shape.api == Api::Chat && !text.is_empty() {
-                    out.extend(self.chunk(&text, ids.clone(), None));
+                if self.shape.api == Api::Chat {
+                    out.extend(self.chat_chunks(&text, ids, true));
+                    let finish = finish_reason(finish, self.parser.as_ref());
                     out.extend(self.chunk("", Vec::new(), Some(&finish)));
                 } else {
                     out.extend(self.chunk(&text, ids, Some(&finish)));
@@ -292,12 +404,18 @@ impl StreamState {
     }
 }
 
-fn stream(driver: Driver, shape: Shape, include_usage: bool) -> impl IntoResponse {
+fn stream(
+    driver: Driver,
+    shape: Shape,
+    include_usage: bool,
+    parser: Option<ReplyParser>,
+) -> impl IntoResponse {
     let st = StreamState {
         driver,
         shape,
         include_usage,
         role_sent: false,
+        parser,
         over: false,
         span: tracing::Span::current(),
     };

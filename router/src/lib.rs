@@ -22,6 +22,7 @@ pub mod health;
 pub mod metrics;
 mod params;
 pub mod policy;
+pub mod reply;
 mod stop;
 mod trace;
 mod workers;

@@ -56,6 +56,67 @@ pub struct CompletionOnly {
 #[derive(Debug, Deserialize)]
 pub struct ChatOnly {
     pub max_completion_tokens: Option<i64>,
+    pub parallel_tool_calls: Option<bool>,
+}
+
+/// Request fields both endpoints read.
+const COMMON_FIELDS: [&str; 18] = [
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "n",
+    "stream",
+    "stream_options",
+    "ignore_eos",
+    "logprobs",
+    "top_logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "user",
+];
+
+/// Fields accepted and ignored: they change nothing a server does with the request.
+pub const IGNORED_FIELDS: [&str; 1] = ["user"];
+
+/// Fields only `/v1/completions` reads.
+const COMPLETION_FIELDS: [&str; 4] = ["prompt", "echo", "suffix", "best_of"];
+
+/// Fields only `/v1/chat/completions` reads.
+const CHAT_FIELDS: [&str; 9] = [
+    "messages",
+    "max_completion_tokens",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "response_format",
+    "chat_template_kwargs",
+    "reasoning_effort",
+    "add_generation_prompt",
+];
+
+/// Refuse every field this endpoint does not read (nothing is silently ignored except
+/// [`IGNORED_FIELDS`]).
+pub fn refuse_unknown_fields(body: &Value, chat: bool) -> Result<(), ApiError> {
+    let only: &[&str] = if chat { &CHAT_FIELDS } else { &COMPLETION_FIELDS };
+    let Some(o) = body.as_object() else {
+        return Ok(());
+    };
+    match o
+        .keys()
+        .find(|k| !COMMON_FIELDS.contains(&k.as_str()) && !only.contains(&k.as_str()))
+    {
+        Some(k) => Err(unsupported(
+            k,
+            "this endpoint does not know the field (see the README's API section for every accepted one)",
+        )),
+        None => Ok(()),
+    }
 }
 
 /// A validated request.
@@ -65,6 +126,8 @@ pub struct Plan {
     pub stops: Vec<String>,
     pub stream: bool,
     pub include_usage: bool,
+    /// Chat: how the reply is read (reasoning, tool calls).
+    pub reply: Option<crate::reply::Format>,
 }
 
 fn unsupported(param: &str, what: &str) -> ApiError {
@@ -368,5 +431,6 @@ pub fn plan(
         stops,
         stream: c.stream.unwrap_or(false),
         include_usage,
+        reply: None,
     })
 }
