@@ -12,6 +12,7 @@ the first failed check.
 import argparse
 import json
 import sys
+import urllib.request
 
 import openai
 from openai import OpenAI
@@ -21,6 +22,15 @@ def check(cond, what):
     if not cond:
         print(f"FAILED: {what}", file=sys.stderr)
         sys.exit(1)
+
+
+def post(url, body):
+    """POST a JSON body, the JSON answer (endpoints the openai client has no method for)."""
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.loads(r.read())
 
 
 def pick_stop(text):
@@ -102,6 +112,31 @@ def main():
     )
     check(r3.usage.completion_tokens == 3 and r3.choices[0].finish_reason == "length", "max_completion_tokens")
 
+    # /tokenize gives exactly the ids a chat completion prefills; /detokenize inverts it.
+    root = args.base_url.rsplit("/v1", 1)[0]
+    tk = post(f"{root}/tokenize", {"messages": messages})
+    check(tk["count"] == r.usage.prompt_tokens == len(tk["tokens"]), f"tokenize {tk} vs {r.usage}")
+    check(tk["max_model_len"] > 0, "max_model_len")
+    dt = post(f"{root}/detokenize", {"tokens": tk["tokens"]})
+    check(dt["prompt"] == f"user: {args.prompt}\nassistant:", f"detokenize {dt}")
+    tp = post(f"{root}/tokenize", {"prompt": args.prompt})
+    check(tp["count"] == u.prompt_tokens, f"tokenize prompt {tp} vs {u}")
+
+    # A tool-call round trip in the history: the assistant's call and the tool's answer
+    # are accepted and rendered (the embedded template shows them as role lines).
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+    history = messages + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "lookup", "arguments": "{\"q\": \"fox\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "a quick animal"},
+    ]
+    t = client.chat.completions.create(messages=history, tools=tools, **greedy)
+    check(t.choices[0].finish_reason == "length", f"tool history finish {t.choices[0].finish_reason}")
+    tk = post(f"{root}/tokenize", {"messages": history, "tools": tools})
+    check(tk["count"] == t.usage.prompt_tokens, f"tool history tokenize {tk['count']} vs {t.usage}")
+    dt = post(f"{root}/detokenize", {"tokens": tk["tokens"]})
+    check(dt["prompt"].endswith("tool: a quick animal\nassistant:"), f"tool turn rendered: {dt}")
+
     # Errors come back as the client's typed exceptions with OpenAI fields.
     try:
         client.completions.create(model="no-such-model", prompt="x", max_tokens=1)
@@ -118,6 +153,12 @@ def main():
         check(False, "temperature 3 accepted")
     except openai.BadRequestError as e:
         check(e.param == "temperature", f"temperature error param {e.param}")
+
+    try:
+        client.chat.completions.create(messages=messages, extra_body={"min_tokens": 2}, **{k: v for k, v in greedy.items() if k != "extra_body"})
+        check(False, "min_tokens accepted")
+    except openai.BadRequestError as e:
+        check(e.param == "min_tokens" and e.code == "unsupported_parameter", f"unknown field error {e.param} {e.code}")
 
     print(json.dumps({
         "completion": text,

@@ -24,6 +24,7 @@ mod params;
 pub mod policy;
 pub mod reply;
 mod stop;
+mod tokenize;
 mod trace;
 mod workers;
 
@@ -101,6 +102,8 @@ pub fn app(state: Arc<AppState>) -> axum::Router {
     axum::Router::new()
         .route("/v1/completions", post(completions::completions))
         .route("/v1/chat/completions", post(completions::chat_completions))
+        .route("/tokenize", post(tokenize::tokenize))
+        .route("/detokenize", post(tokenize::detokenize))
         .route("/v1/models", get(completions::models))
         .route("/v1/models/{model}", get(completions::model))
         .route("/health", get(completions::health))

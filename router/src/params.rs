@@ -78,11 +78,9 @@ const COMMON_FIELDS: [&str; 18] = [
     "presence_penalty",
     "frequency_penalty",
     "logit_bias",
+    // Accepted and ignored (an end-user id for abuse tracking; nothing here uses it).
     "user",
 ];
-
-/// Fields accepted and ignored: they change nothing a server does with the request.
-pub const IGNORED_FIELDS: [&str; 1] = ["user"];
 
 /// Fields only `/v1/completions` reads.
 const COMPLETION_FIELDS: [&str; 4] = ["prompt", "echo", "suffix", "best_of"];
@@ -254,7 +252,7 @@ fn tokenize(state: &AppState, text: &str, param: &str) -> Result<Vec<u32>, ApiEr
     }
 }
 
-fn token_ids(state: &AppState, a: &[Value], param: &str) -> Result<Vec<u32>, ApiError> {
+pub fn token_ids(state: &AppState, a: &[Value], param: &str) -> Result<Vec<u32>, ApiError> {
     let vocab = state.settings.vocab_size;
     a.iter()
         .map(|x| {
