@@ -361,3 +361,54 @@ impl ChatInput {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::*;
+    use serde_json::json;
+
+    fn v4(body: Value) -> Result<Rendered, ApiError> {
+        ChatInput::from_body(&body, &Map::new())?.render(&Renderer::DeepSeekV4)
+    }
+
+    #[test]
+    fn v4_refusals_name_the_field_in_request_indices() {
+        let user = json!({"role": "user", "content": "x"});
+        for (body, param) in [
+            (json!({"messages": [user, {"role": "developer", "content": ""}]}), "messages[1].content"),
+            (json!({"messages": [user, {"role": "assistant", "tool_calls": [
+                {"type": "function", "function": {"name": "f", "arguments": "[1]"}}]}]}),
+             "messages[1].tool_calls[0].function.arguments"),
+            (json!({"messages": [user], "chat_template_kwargs": {"enable_thinkin": true}}),
+             "chat_template_kwargs.enable_thinkin"),
+            (json!({"messages": [user], "add_generation_prompt": false}), "add_generation_prompt"),
+            (json!({"messages": [user], "chat_template_kwargs": {"reasoning_effort": 3}}),
+             "chat_template_kwargs.reasoning_effort"),
+        ] {
+            let e = v4(body.clone()).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some(param), "{body}: {}", e.message);
+            assert_eq!(e.status.as_u16(), 400);
+        }
+    }
+
+    #[test]
+    fn forced_tool_choice_starts_the_reply_and_none_hides_the_tools() {
+        let tools = json!([{"type": "function", "function": {"name": "f"}}]);
+        let user = json!([{"role": "user", "content": "x"}]);
+        let r = v4(json!({"messages": user, "tools": tools,
+            "tool_choice": {"type": "function", "function": {"name": "f"}}}))
+        .unwrap();
+        assert!(r.text.ends_with("<｜Assistant｜></think>\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"f\">\n"), "{}", r.text);
+        assert!(r.parse_tools && !r.thinking);
+        let r = v4(json!({"messages": user, "tools": tools, "tool_choice": "required",
+            "chat_template_kwargs": {"thinking": true}}))
+        .unwrap();
+        assert!(r.text.ends_with("<think></think>\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\""));
+        assert_eq!(r.forced, "</think>\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"");
+        let auto = v4(json!({"messages": user, "tools": tools})).unwrap();
+        assert!(auto.text.contains("## Tools") && auto.parse_tools && auto.forced.is_empty());
+        let none = v4(json!({"messages": user, "tools": tools, "tool_choice": "none"})).unwrap();
+        assert!(!none.text.contains("## Tools") && !none.parse_tools);
+    }
+}
