@@ -301,7 +301,8 @@ impl StreamState {
             deltas.push(json!({ "content": d.content }));
         }
         if !d.calls.is_empty() {
-            deltas.push(json!({ "tool_calls": tool_calls(&self.shape, first_call, &d.calls, true) }));
+            deltas
+                .push(json!({ "tool_calls": tool_calls(&self.shape, first_call, &d.calls, true) }));
         }
         let mut ids = Some(ids);
         deltas

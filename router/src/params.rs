@@ -101,7 +101,11 @@ const CHAT_FIELDS: [&str; 9] = [
 /// Refuse every field this endpoint does not read (nothing is silently ignored except
 /// [`IGNORED_FIELDS`]).
 pub fn refuse_unknown_fields(body: &Value, chat: bool) -> Result<(), ApiError> {
-    let only: &[&str] = if chat { &CHAT_FIELDS } else { &COMPLETION_FIELDS };
+    let only: &[&str] = if chat {
+        &CHAT_FIELDS
+    } else {
+        &COMPLETION_FIELDS
+    };
     let Some(o) = body.as_object() else {
         return Ok(());
     };

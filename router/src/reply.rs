@@ -334,7 +334,14 @@ mod tests {
         let d = run(&fmt(false, true), "a\n\n<｜DSML｜tool_calls>\ngarbage", 4);
         assert_eq!(d.content, "a\n\n<｜DSML｜tool_calls>\ngarbage");
         assert!(d.calls.is_empty());
-        let d = run(&fmt(false, true), "a\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"f\">\n", 4);
-        assert_eq!(d.content, "a\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"f\">\n");
+        let d = run(
+            &fmt(false, true),
+            "a\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"f\">\n",
+            4,
+        );
+        assert_eq!(
+            d.content,
+            "a\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"f\">\n"
+        );
     }
 }

@@ -43,7 +43,10 @@ fn refuse_unknown(body: &Value, known: &[&str]) -> Result<(), ApiError> {
 }
 
 fn model(state: &AppState, body: &Value) -> Result<(), ApiError> {
-    let m = body.get("model").and_then(Value::as_str).map(str::to_string);
+    let m = body
+        .get("model")
+        .and_then(Value::as_str)
+        .map(str::to_string);
     params::check_model(state, &m)
 }
 
@@ -69,7 +72,10 @@ fn tokenize_ids(state: &AppState, body: &Value) -> Result<Vec<u32>, ApiError> {
     }
 }
 
-pub async fn tokenize(State(state): State<Arc<AppState>>, ApiJson(body): ApiJson<Value>) -> Response {
+pub async fn tokenize(
+    State(state): State<Arc<AppState>>,
+    ApiJson(body): ApiJson<Value>,
+) -> Response {
     match tokenize_ids(&state, &body) {
         Ok(ids) => Json(json!({
             "tokens": ids, "count": ids.len(), "max_model_len": state.settings.context_length,

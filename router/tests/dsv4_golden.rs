@@ -8,8 +8,8 @@ use pdserve_router::chat::{ChatInput, Renderer};
 use serde_json::{Map, Value};
 
 fn fixture() -> Value {
-    let path =
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/dsv4_encoding.json");
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/fixtures/dsv4_encoding.json");
     serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
 }
 

@@ -340,7 +340,11 @@ fn render_turn(i: usize, turns: &[Turn], o: &Options, drop: bool) -> String {
     if followed_by_reply && matches!(t.role, Role::User | Role::Developer) {
         p.push_str(ASSISTANT);
         let opens_thinking = o.thinking && (!drop || last.is_some_and(|l| i >= l));
-        p.push_str(if opens_thinking { THINK_START } else { THINK_END });
+        p.push_str(if opens_thinking {
+            THINK_START
+        } else {
+            THINK_END
+        });
     }
     p
 }

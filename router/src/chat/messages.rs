@@ -123,18 +123,22 @@ fn text(v: Option<&Value>, param: &str) -> Result<String, ApiError> {
     match v {
         None | Some(Value::Null) => Ok(String::new()),
         Some(Value::String(s)) => Ok(s.clone()),
-        Some(Value::Array(parts)) => parts
-            .iter()
-            .enumerate()
-            .map(|(i, p)| match (p.get("type").and_then(Value::as_str), p.get("text")) {
+        Some(Value::Array(parts)) => {
+            parts
+                .iter()
+                .enumerate()
+                .map(|(i, p)| {
+                    match (p.get("type").and_then(Value::as_str), p.get("text")) {
                 (Some("text"), Some(Value::String(t))) => Ok(t.as_str()),
                 _ => Err(bad(
                     &format!("{param}[{i}]"),
                     "invalid_value",
                     "only text content parts ({\"type\": \"text\", \"text\": ...}) are supported",
                 )),
-            })
-            .collect(),
+            }
+                })
+                .collect()
+        }
         Some(x) => Err(bad(
             param,
             "invalid_type",
@@ -325,14 +329,35 @@ mod tests {
         assert_eq!(m[1].reasoning_content.as_deref(), Some("hm"));
         assert_eq!(m[2].tool_call_id.as_deref(), Some("c1"));
         for (msgs, param) in [
-            (json!([{"role": "robot", "content": "x"}]), "messages[0].role"),
+            (
+                json!([{"role": "robot", "content": "x"}]),
+                "messages[0].role",
+            ),
             (json!([{"content": "x"}]), "messages[0].role"),
-            (json!([{"role": "user", "content": 3}]), "messages[0].content"),
-            (json!([{"role": "user", "content": "x", "audio": {}}]), "messages[0].audio"),
-            (json!([{"role": "user", "tool_calls": [{"function": {"name": "f"}}]}]), "messages[0].tool_calls"),
-            (json!([{"role": "assistant", "tool_calls": [{"type": "x"}]}]), "messages[0].tool_calls[0].type"),
-            (json!([{"role": "assistant", "tool_calls": [{}]}]), "messages[0].tool_calls[0].function"),
-            (json!([{"role": "user", "content": [{"type": "image_url"}]}]), "messages[0].content[0]"),
+            (
+                json!([{"role": "user", "content": 3}]),
+                "messages[0].content",
+            ),
+            (
+                json!([{"role": "user", "content": "x", "audio": {}}]),
+                "messages[0].audio",
+            ),
+            (
+                json!([{"role": "user", "tool_calls": [{"function": {"name": "f"}}]}]),
+                "messages[0].tool_calls",
+            ),
+            (
+                json!([{"role": "assistant", "tool_calls": [{"type": "x"}]}]),
+                "messages[0].tool_calls[0].type",
+            ),
+            (
+                json!([{"role": "assistant", "tool_calls": [{}]}]),
+                "messages[0].tool_calls[0].function",
+            ),
+            (
+                json!([{"role": "user", "content": [{"type": "image_url"}]}]),
+                "messages[0].content[0]",
+            ),
             (json!([]), "messages"),
         ] {
             let e = parse(&msgs).unwrap_err();

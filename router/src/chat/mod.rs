@@ -75,7 +75,9 @@ mod tests {
         std::fs::write(dir.path().join("chat_template.jinja"), "x").unwrap();
         let r = Renderer::resolve(dir.path(), None).unwrap().unwrap();
         assert_eq!(r.describe(), "jinja");
-        let r = Renderer::resolve(dir.path(), Some(DEEPSEEK_V4)).unwrap().unwrap();
+        let r = Renderer::resolve(dir.path(), Some(DEEPSEEK_V4))
+            .unwrap()
+            .unwrap();
         assert_eq!(r.describe(), DEEPSEEK_V4);
         let e = Renderer::resolve(dir.path(), Some("/no/such.jinja")).unwrap_err();
         assert!(e.to_string().contains("/no/such.jinja"), "{e}");

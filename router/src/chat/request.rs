@@ -54,7 +54,12 @@ pub struct Rendered {
 pub const EFFORTS: [&str; 6] = ["none", "minimal", "low", "medium", "high", "max"];
 
 /// `chat_template_kwargs` the DeepSeek-V4 renderer reads.
-const V4_KWARGS: [&str; 4] = ["thinking", "enable_thinking", "drop_thinking", "reasoning_effort"];
+const V4_KWARGS: [&str; 4] = [
+    "thinking",
+    "enable_thinking",
+    "drop_thinking",
+    "reasoning_effort",
+];
 
 fn bad(param: &str, code: &'static str, msg: impl Into<String>) -> ApiError {
     ApiError::invalid(param, code, msg)
@@ -285,19 +290,28 @@ impl ChatInput {
                         "a JSON response_format is rendered only by the DeepSeek-V4 renderer (structured output is not implemented)",
                     ));
                 }
-                let msgs: Vec<Value> = self.messages.iter().map(Message::to_template_value).collect();
+                let msgs: Vec<Value> = self
+                    .messages
+                    .iter()
+                    .map(Message::to_template_value)
+                    .collect();
                 let mut extra = self.kwargs.clone();
                 if let Some(e) = &self.reasoning_effort {
                     extra.insert("reasoning_effort".into(), e.clone().into());
                 }
-                t.render(&msgs, self.shown_tools(), self.add_generation_prompt, &extra)
-                    .map_err(|e| {
-                        bad(
-                            "messages",
-                            "invalid_value",
-                            format!("the model's chat template refused these messages: {e}"),
-                        )
-                    })?
+                t.render(
+                    &msgs,
+                    self.shown_tools(),
+                    self.add_generation_prompt,
+                    &extra,
+                )
+                .map_err(|e| {
+                    bad(
+                        "messages",
+                        "invalid_value",
+                        format!("the model's chat template refused these messages: {e}"),
+                    )
+                })?
             }
         };
         let forced = self.forced_start(thinking);
@@ -324,7 +338,11 @@ impl ChatInput {
     }
 
     fn render_v4(&self, thinking: bool) -> Result<String, ApiError> {
-        if let Some(k) = self.kwargs.keys().find(|k| !V4_KWARGS.contains(&k.as_str())) {
+        if let Some(k) = self
+            .kwargs
+            .keys()
+            .find(|k| !V4_KWARGS.contains(&k.as_str()))
+        {
             return Err(bad(
                 &format!("chat_template_kwargs.{k}"),
                 "unsupported_parameter",
@@ -357,7 +375,11 @@ impl ChatInput {
         };
         dsv4::encode(&msgs, &opts).map_err(|e| {
             let i = e.index - usize::from(inserted);
-            bad(&format!("messages[{i}]{}", e.field), "invalid_value", e.message)
+            bad(
+                &format!("messages[{i}]{}", e.field),
+                "invalid_value",
+                e.message,
+            )
         })
     }
 }
@@ -376,15 +398,27 @@ mod tests {
     fn v4_refusals_name_the_field_in_request_indices() {
         let user = json!({"role": "user", "content": "x"});
         for (body, param) in [
-            (json!({"messages": [user, {"role": "developer", "content": ""}]}), "messages[1].content"),
-            (json!({"messages": [user, {"role": "assistant", "tool_calls": [
+            (
+                json!({"messages": [user, {"role": "developer", "content": ""}]}),
+                "messages[1].content",
+            ),
+            (
+                json!({"messages": [user, {"role": "assistant", "tool_calls": [
                 {"type": "function", "function": {"name": "f", "arguments": "[1]"}}]}]}),
-             "messages[1].tool_calls[0].function.arguments"),
-            (json!({"messages": [user], "chat_template_kwargs": {"enable_thinkin": true}}),
-             "chat_template_kwargs.enable_thinkin"),
-            (json!({"messages": [user], "add_generation_prompt": false}), "add_generation_prompt"),
-            (json!({"messages": [user], "chat_template_kwargs": {"reasoning_effort": 3}}),
-             "chat_template_kwargs.reasoning_effort"),
+                "messages[1].tool_calls[0].function.arguments",
+            ),
+            (
+                json!({"messages": [user], "chat_template_kwargs": {"enable_thinkin": true}}),
+                "chat_template_kwargs.enable_thinkin",
+            ),
+            (
+                json!({"messages": [user], "add_generation_prompt": false}),
+                "add_generation_prompt",
+            ),
+            (
+                json!({"messages": [user], "chat_template_kwargs": {"reasoning_effort": 3}}),
+                "chat_template_kwargs.reasoning_effort",
+            ),
         ] {
             let e = v4(body.clone()).unwrap_err();
             assert_eq!(e.param.as_deref(), Some(param), "{body}: {}", e.message);
@@ -399,13 +433,26 @@ mod tests {
         let r = v4(json!({"messages": user, "tools": tools,
             "tool_choice": {"type": "function", "function": {"name": "f"}}}))
         .unwrap();
-        assert!(r.text.ends_with("<｜Assistant｜></think>\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"f\">\n"), "{}", r.text);
+        assert!(
+            r.text.ends_with(
+                "<｜Assistant｜></think>\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"f\">\n"
+            ),
+            "{}",
+            r.text
+        );
         assert!(r.parse_tools && !r.thinking);
-        let r = v4(json!({"messages": user, "tools": tools, "tool_choice": "required",
-            "chat_template_kwargs": {"thinking": true}}))
+        let r = v4(
+            json!({"messages": user, "tools": tools, "tool_choice": "required",
+            "chat_template_kwargs": {"thinking": true}}),
+        )
         .unwrap();
-        assert!(r.text.ends_with("<think></think>\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\""));
-        assert_eq!(r.forced, "</think>\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"");
+        assert!(r
+            .text
+            .ends_with("<think></think>\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\""));
+        assert_eq!(
+            r.forced,
+            "</think>\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\""
+        );
         let auto = v4(json!({"messages": user, "tools": tools})).unwrap();
         assert!(auto.text.contains("## Tools") && auto.parse_tools && auto.forced.is_empty());
         let none = v4(json!({"messages": user, "tools": tools, "tool_choice": "none"})).unwrap();
