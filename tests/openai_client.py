@@ -137,6 +137,36 @@ def main():
     dt = post(f"{root}/detokenize", {"tokens": tk["tokens"]})
     check(dt["prompt"].endswith("tool: a quick animal\nassistant:"), f"tool turn rendered: {dt}")
 
+    # Log-probabilities: the top alternative of every greedy token is the token itself, the
+    # streamed ones equal the whole ones, and chat reports the same numbers.
+    lp = client.completions.create(prompt=args.prompt, logprobs=3, **greedy)
+    lpc = lp.choices[0].logprobs
+    check(lp.choices[0].text == text, "logprobs do not change the text")
+    check(len(lpc.token_logprobs) == n and len(lpc.top_logprobs) == n, f"logprobs length {lpc}")
+    for tok, lpv, top in zip(lpc.tokens, lpc.token_logprobs, lpc.top_logprobs):
+        best = max(top.items(), key=lambda kv: kv[1])
+        check(len(top) <= 3 and abs(best[1] - lpv) < 1e-6 and lpv <= 0, f"top entry {best} vs {tok} {lpv}")
+    check("".join(lpc.tokens) == text, f"logprob tokens {lpc.tokens} vs {text!r}")
+    streamed_lp = [
+        x
+        for ch in client.completions.create(prompt=args.prompt, logprobs=3, stream=True, **greedy)
+        if ch.choices and ch.choices[0].logprobs
+        for x in ch.choices[0].logprobs.token_logprobs
+    ]
+    check(streamed_lp == lpc.token_logprobs, f"streamed logprobs {streamed_lp} != {lpc.token_logprobs}")
+    clp = client.chat.completions.create(messages=messages, logprobs=True, top_logprobs=2, **greedy)
+    entries = clp.choices[0].logprobs.content
+    check(len(entries) == n and all(len(e.top_logprobs) == 2 for e in entries), f"chat logprobs {entries}")
+    check(all(abs(e.top_logprobs[0].logprob - e.logprob) < 1e-6 and e.top_logprobs[0].token == e.token for e in entries),
+          "chat top entry is the greedy token")
+    chat_streamed_lp = [
+        e.logprob
+        for ch in client.chat.completions.create(messages=messages, logprobs=True, stream=True, **greedy)
+        if ch.choices and ch.choices[0].logprobs
+        for e in ch.choices[0].logprobs.content
+    ]
+    check(chat_streamed_lp == [e.logprob for e in entries], "chat streamed logprobs")
+
     # Errors come back as the client's typed exceptions with OpenAI fields.
     try:
         client.completions.create(model="no-such-model", prompt="x", max_tokens=1)
@@ -167,6 +197,10 @@ def main():
         "chat_prompt_tokens": r.usage.prompt_tokens,
         "stop": stop,
         "stopped": s.choices[0].text,
+        "prompt_ids": tp["tokens"],
+        "completion_ids": lp.choices[0].token_ids,
+        "token_logprobs": lpc.token_logprobs,
+        "top_logprobs": [sorted(t.values(), reverse=True) for t in lpc.top_logprobs],
         "openai_version": openai.__version__,
     }))
 

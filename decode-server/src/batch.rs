@@ -8,7 +8,7 @@ use crate::events::{Event, Events};
 use pdserve_engine::backend::Backend;
 use pdserve_engine::generate::FinishReason;
 use pdserve_engine::kv::KvLayout;
-use pdserve_engine::sampling::{Sampler, SamplingParams};
+use pdserve_engine::sampling::{logprobs, Sampler, SamplingParams};
 use pdserve_engine::{Engine, EngineError, ErrorClass, ForwardItem, Logits, Sequence};
 use pdserve_kv_transfer::Prefilled;
 use pdserve_worker::{Failure, Load};
@@ -24,6 +24,8 @@ pub struct Admit {
     pub max_new_tokens: u32,
     pub stop_tokens: Vec<u32>,
     pub prompt_tokens: u32,
+    /// Some(n): tokens go out with their log-probabilities and the n best alternatives.
+    pub top_logprobs: Option<u32>,
     pub events: Events,
     pub permit: Permit,
 }
@@ -83,20 +85,26 @@ struct Running {
     max_new_tokens: u32,
     stop_tokens: Vec<u32>,
     prompt_tokens: u32,
+    top_logprobs: Option<u32>,
+    temperature: f32,
     events: Events,
     _permit: Permit,
 }
 
 impl Running {
-    /// Stream `t` out; true when the request is finished.
-    fn emit(&mut self, t: u32) -> bool {
+    /// Stream `t`, sampled from `logits`, out; true when the request is finished.
+    fn emit(&mut self, t: u32, logits: &[f32]) -> bool {
         if self.stop_tokens.contains(&t) {
             self.finished(FinishReason::Stop);
             return true;
         }
         self.last = t;
         self.generated += 1;
-        if self.events.send(Event::Token(t)).is_err() {
+        let event = match self.top_logprobs {
+            Some(n) => Event::Scored(t, logprobs(logits, self.temperature, t, n as usize)),
+            None => Event::Token(t),
+        };
+        if self.events.send(event).is_err() {
             return true;
         }
         if self.generated >= self.max_new_tokens {
@@ -207,11 +215,13 @@ impl<B: Backend> Batch<B> {
             max_new_tokens: a.max_new_tokens,
             stop_tokens: a.stop_tokens,
             prompt_tokens: a.prompt_tokens,
+            top_logprobs: a.top_logprobs,
+            temperature: a.sampling.temperature,
             events: a.events,
             _permit: a.permit,
         };
         tracing::debug!(positions = r.seq.len(), "joined the batch");
-        if r.emit(t) {
+        if r.emit(t, &a.prefilled.last_logits) {
             self.finish(r);
         } else {
             self.running.push(r);
@@ -257,7 +267,7 @@ impl<B: Backend> Batch<B> {
         for (i, (r, l)) in self.running.iter_mut().zip(&logits).enumerate() {
             match r.sampler.sample(&l.data) {
                 Ok(t) => {
-                    if r.emit(t) {
+                    if r.emit(t, &l.data) {
                         done.push(i);
                     }
                 }

@@ -61,6 +61,58 @@ pub fn argmax(logits: &[f32]) -> Option<u32> {
     best.map(|(i, _)| i as u32)
 }
 
+/// Log-probabilities of a sampled token and of the most likely alternatives, from the
+/// distribution the sampler drew from: `log_softmax(logits / temperature)` over the whole
+/// vocabulary, before top-k / top-p cut it (greedy requests use temperature 1).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprobs {
+    pub logprob: f32,
+    /// The `top_n` most likely ids with their log-probabilities, best first (ties: the
+    /// lower id first).
+    pub top: Vec<(u32, f32)>,
+}
+
+pub fn logprobs(logits: &[f32], temperature: f32, token: u32, top_n: usize) -> TokenLogprobs {
+    let t = if temperature > 0.0 { temperature } else { 1.0 };
+    let scaled = |v: f32| f64::from(v / t);
+    let max = logits
+        .iter()
+        .filter(|v| !v.is_nan())
+        .fold(f64::NEG_INFINITY, |m, &v| m.max(scaled(v)));
+    let lse = max
+        + logits
+            .iter()
+            .filter(|v| !v.is_nan())
+            .map(|&v| (scaled(v) - max).exp())
+            .sum::<f64>()
+            .ln();
+    let lp = |v: f32| {
+        if v.is_nan() {
+            f32::NEG_INFINITY
+        } else {
+            (scaled(v) - lse) as f32
+        }
+    };
+    let mut order: Vec<u32> = (0..logits.len() as u32).collect();
+    if top_n > 0 {
+        order.sort_by(|&a, &b| {
+            lp(logits[b as usize])
+                .total_cmp(&lp(logits[a as usize]))
+                .then(a.cmp(&b))
+        });
+    }
+    TokenLogprobs {
+        logprob: logits
+            .get(token as usize)
+            .map_or(f32::NEG_INFINITY, |&v| lp(v)),
+        top: order
+            .into_iter()
+            .take(top_n)
+            .map(|i| (i, lp(logits[i as usize])))
+            .collect(),
+    }
+}
+
 /// A per-request sampler; its random stream depends only on the seed.
 #[derive(Debug, Clone)]
 pub struct Sampler {
@@ -127,6 +179,20 @@ impl Sampler {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+
+    #[test]
+    fn logprobs_are_the_log_softmax_after_temperature() {
+        let logits = [1.0f32, 3.0, 2.0, f32::NAN];
+        let lp = logprobs(&logits, 2.0, 2, 2);
+        let z: f64 = [0.5f64, 1.5, 1.0].iter().map(|v| v.exp()).sum();
+        assert!((f64::from(lp.logprob) - (1.0 - z.ln())).abs() < 1e-6);
+        assert_eq!(lp.top.iter().map(|t| t.0).collect::<Vec<_>>(), vec![1, 2]);
+        assert!((f64::from(lp.top[0].1) - (1.5 - z.ln())).abs() < 1e-6);
+        // Greedy: temperature 1; the probabilities sum to 1.
+        let g = logprobs(&logits, 0.0, 1, 3);
+        let total: f32 = g.top.iter().map(|t| t.1.exp()).sum();
+        assert!((total - 1.0).abs() < 1e-6, "{total}");
+    }
 
     #[test]
     fn greedy_picks_max_lowest_on_tie() {

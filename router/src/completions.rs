@@ -14,6 +14,7 @@ use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use futures::StreamExt;
+use pdserve_proto::pb::ScoredToken;
 use serde_json::{json, Value};
 use std::sync::Arc;
 use std::time::Instant;
@@ -41,7 +42,10 @@ fn prepare_completion(state: &AppState, body: &Value, rid: String) -> Result<Pla
     params::refuse_unsupported_completion(&only)?;
     let prompt = params::completion_prompt(state, &only.prompt)?;
     let max = c.max_tokens.map(|m| (m, "max_tokens"));
-    params::plan(state, &c, prompt, max, Some(16), "prompt", rid)
+    let top = params::top_logprobs(&c, false)?;
+    let mut plan = params::plan(state, &c, prompt, max, Some(16), "prompt", rid)?;
+    plan.job.top_logprobs = top;
+    Ok(plan)
 }
 
 fn prepare_chat(state: &AppState, body: &Value, rid: String) -> Result<Plan, ApiError> {
@@ -56,6 +60,7 @@ fn prepare_chat(state: &AppState, body: &Value, rid: String) -> Result<Plan, Api
             "`parallel_tool_calls: false` is not supported: every call the model writes is returned",
         ));
     }
+    let top = params::top_logprobs(&c, true)?;
     let rendered = chat_prompt(state, body)?;
     let prompt = params::completion_prompt(state, &Value::String(rendered.text.clone()))
         .map_err(|e| e.param("messages"))?;
@@ -65,6 +70,7 @@ fn prepare_chat(state: &AppState, body: &Value, rid: String) -> Result<Plan, Api
         (None, None) => None,
     };
     let mut plan = params::plan(state, &c, prompt, max, None, "messages", rid)?;
+    plan.job.top_logprobs = top;
     plan.reply = Some(crate::reply::Format {
         thinking: rendered.thinking,
         parse_tools: rendered.parse_tools,
@@ -120,9 +126,25 @@ struct Shape {
     id: String,
     created: u64,
     model: String,
+    /// Log-probabilities were asked for (else `"logprobs": null`).
+    logprobs: bool,
+    tokenizer: Option<Arc<pdserve_tokenizer::Tokenizer>>,
 }
 
 impl Shape {
+    /// The `logprobs` of a choice or chunk covering `scored`; `offset`: completions'
+    /// running text offset.
+    fn logprobs(&self, scored: &[ScoredToken], offset: &mut usize) -> Value {
+        if !self.logprobs {
+            return Value::Null;
+        }
+        let tok = self.tokenizer.as_deref();
+        match self.api {
+            Api::Completion => crate::logprobs::completion(tok, scored, offset),
+            Api::Chat => crate::logprobs::chat(tok, scored),
+        }
+    }
+
     fn object(&self, chunk: bool) -> &'static str {
         match (self.api, chunk) {
             (Api::Completion, _) => "text_completion",
@@ -173,6 +195,8 @@ async fn run(state: Arc<AppState>, plan: Plan, api: Api, rid: String, t0: Instan
         },
         created: now(),
         model: state.settings.model_name.clone(),
+        logprobs: plan.job.top_logprobs.is_some(),
+        tokenizer: state.tokenizer.clone(),
     };
     let parser = plan.reply.as_ref().map(ReplyParser::new);
     if plan.stream {
@@ -212,19 +236,27 @@ fn tool_calls(shape: &Shape, first: usize, calls: &[Call], indexed: bool) -> Vec
 async fn whole(mut d: Driver, shape: Shape, mut parser: Option<ReplyParser>) -> Response {
     let mut text = String::new();
     let mut ids = Vec::new();
+    let mut scored = Vec::new();
     let finish = loop {
         match d.next().await {
-            Ok(Some(Step::Delta { text: t, ids: i })) => {
+            Ok(Some(Step::Delta {
+                text: t,
+                ids: i,
+                logprobs,
+            })) => {
                 text.push_str(&t);
                 ids.extend(i);
+                scored.extend(logprobs);
             }
             Ok(Some(Step::Done {
                 text: t,
                 ids: i,
+                logprobs,
                 finish,
             })) => {
                 text.push_str(&t);
                 ids.extend(i);
+                scored.extend(logprobs);
                 break finish;
             }
             Ok(None) => break d.finish.clone().unwrap_or_else(|| "length".into()),
@@ -234,6 +266,7 @@ async fn whole(mut d: Driver, shape: Shape, mut parser: Option<ReplyParser>) -> 
             }
         }
     };
+    let logprobs = shape.logprobs(&scored, &mut 0);
     let choice = match (shape.api, parser.as_mut()) {
         (Api::Chat, Some(p)) => {
             let mut r = p.push(&text);
@@ -249,17 +282,17 @@ async fn whole(mut d: Driver, shape: Shape, mut parser: Option<ReplyParser>) -> 
                 message["tool_calls"] = json!(tool_calls(&shape, 0, &r.calls, false));
             }
             json!({
-                "index": 0, "message": message, "token_ids": ids, "logprobs": null,
+                "index": 0, "message": message, "token_ids": ids, "logprobs": logprobs,
                 "finish_reason": finish_reason(finish, Some(p)),
             })
         }
         (Api::Chat, None) => json!({
             "index": 0,
             "message": { "role": "assistant", "content": text },
-            "token_ids": ids, "logprobs": null, "finish_reason": finish,
+            "token_ids": ids, "logprobs": logprobs, "finish_reason": finish,
         }),
         (Api::Completion, _) => json!({
-            "index": 0, "text": text, "token_ids": ids, "logprobs": null, "finish_reason": finish,
+            "index": 0, "text": text, "token_ids": ids, "logprobs": logprobs, "finish_reason": finish,
         }),
     };
     let mut body = shape.envelope(false, json!([choice]));
@@ -275,16 +308,32 @@ struct StreamState {
     role_sent: bool,
     /// Chat: the reply's reader; tool calls streamed so far are `parser.calls`.
     parser: Option<ReplyParser>,
+    /// Token ids and log-probabilities not yet sent (their text is held back); they go
+    /// out on the next chunk.
+    pending_ids: Vec<u32>,
+    pending_logprobs: Vec<ScoredToken>,
+    /// Completions: text offset of the next token (logprobs' `text_offset`).
+    offset: usize,
     over: bool,
     span: tracing::Span,
 }
 
 impl StreamState {
+    /// A chunk's choice fields that carry the pending ids and log-probabilities.
+    fn take_pending(&mut self) -> (Vec<u32>, Value) {
+        let ids = std::mem::take(&mut self.pending_ids);
+        let lp = std::mem::take(&mut self.pending_logprobs);
+        let mut offset = self.offset;
+        let logprobs = self.shape.logprobs(&lp, &mut offset);
+        self.offset = offset;
+        (ids, logprobs)
+    }
+
     /// The chat chunks of `text` read through the reply parser (reasoning, content and
-    /// tool-call deltas), the ids on the first.
-    fn chat_chunks(&mut self, text: &str, ids: Vec<u32>, last: bool) -> Vec<Event> {
+    /// tool-call deltas), the pending ids on the first.
+    fn chat_chunks(&mut self, text: &str, last: bool) -> Vec<Event> {
         let Some(p) = self.parser.as_mut() else {
-            return self.chunk(text, ids, None).into_iter().collect();
+            return self.chunk(text, None).into_iter().collect();
         };
         let mut d = p.push(text);
         if last {
@@ -304,13 +353,13 @@ impl StreamState {
             deltas
                 .push(json!({ "tool_calls": tool_calls(&self.shape, first_call, &d.calls, true) }));
         }
-        let mut ids = Some(ids);
         deltas
             .into_iter()
             .map(|delta| {
+                let (ids, logprobs) = self.take_pending();
                 let choice = json!({
-                    "index": 0, "delta": delta, "token_ids": ids.take().unwrap_or_default(),
-                    "logprobs": null, "finish_reason": null,
+                    "index": 0, "delta": delta, "token_ids": ids,
+                    "logprobs": logprobs, "finish_reason": null,
                 });
                 self.event(choice)
             })
@@ -325,44 +374,34 @@ impl StreamState {
         Event::default().data(c.to_string())
     }
 
-    fn chunk(&self, text: &str, ids: Vec<u32>, finish: Option<&str>) -> Option<Event> {
+    fn chunk(&mut self, text: &str, finish: Option<&str>) -> Option<Event> {
+        if self.shape.api == Api::Chat && text.is_empty() && finish.is_none() {
+            return None;
+        }
+        let (ids, logprobs) = self.take_pending();
         let choice = match self.shape.api {
             Api::Completion => json!({
-                "index": 0, "text": text, "token_ids": ids, "logprobs": null, "finish_reason": finish,
+                "index": 0, "text": text, "token_ids": ids, "logprobs": logprobs, "finish_reason": finish,
             }),
             Api::Chat => {
-                if text.is_empty() && finish.is_none() {
-                    return None;
-                }
                 let delta = if text.is_empty() {
                     json!({})
                 } else {
                     json!({ "content": text })
                 };
                 json!({
-                    "index": 0, "delta": delta, "token_ids": ids, "logprobs": null, "finish_reason": finish,
+                    "index": 0, "delta": delta, "token_ids": ids, "logprobs": logprobs, "finish_reason": finish,
                 })
             }
         };
-        let mut c = self.shape.envelope(true, json!([choice]));
-        if self.include_usage {
-            c["usage"] = Value::Null;
-        }
-        Some(Event::default().data(c.to_string()))
+        Some(self.event(choice))
     }
 
     fn role_chunk(&self) -> Event {
-        let mut c = self.shape.envelope(
-            true,
-            json!([{
-                "index": 0, "delta": { "role": "assistant", "content": "" },
-                "logprobs": null, "finish_reason": null,
-            }]),
-        );
-        if self.include_usage {
-            c["usage"] = Value::Null;
-        }
-        Event::default().data(c.to_string())
+        self.event(json!({
+            "index": 0, "delta": { "role": "assistant", "content": "" },
+            "logprobs": null, "finish_reason": null,
+        }))
     }
 
     /// The events of the next step.
@@ -373,17 +412,33 @@ impl StreamState {
             out.push(self.role_chunk());
         }
         match self.driver.next().await {
-            Ok(Some(Step::Delta { text, ids })) if self.shape.api == Api::Chat => {
-                out.extend(self.chat_chunks(&text, ids, false))
-            }
-            Ok(Some(Step::Delta { text, ids })) => out.extend(self.chunk(&text, ids, None)),
-            Ok(Some(Step::Done { text, ids, finish })) => {
+            Ok(Some(Step::Delta {
+                text,
+                ids,
+                logprobs,
+            })) => {
+                self.pending_ids.extend(ids);
+                self.pending_logprobs.extend(logprobs);
                 if self.shape.api == Api::Chat {
-                    out.extend(self.chat_chunks(&text, ids, true));
-                    let finish = finish_reason(finish, self.parser.as_ref());
-                    out.extend(self.chunk("", Vec::new(), Some(&finish)));
+                    out.extend(self.chat_chunks(&text, false));
                 } else {
-                    out.extend(self.chunk(&text, ids, Some(&finish)));
+                    out.extend(self.chunk(&text, None));
+                }
+            }
+            Ok(Some(Step::Done {
+                text,
+                ids,
+                logprobs,
+                finish,
+            })) => {
+                self.pending_ids.extend(ids);
+                self.pending_logprobs.extend(logprobs);
+                if self.shape.api == Api::Chat {
+                    out.extend(self.chat_chunks(&text, true));
+                    let finish = finish_reason(finish, self.parser.as_ref());
+                    out.extend(self.chunk("", Some(&finish)));
+                } else {
+                    out.extend(self.chunk(&text, Some(&finish)));
                 }
                 if self.include_usage {
                     let mut u = self.shape.envelope(true, json!([]));
@@ -417,6 +472,9 @@ fn stream(
         include_usage,
         role_sent: false,
         parser,
+        pending_ids: Vec::new(),
+        pending_logprobs: Vec::new(),
+        offset: 0,
         over: false,
         span: tracing::Span::current(),
     };

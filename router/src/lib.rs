@@ -19,6 +19,7 @@ mod error;
 pub mod extract;
 mod generation;
 pub mod health;
+mod logprobs;
 pub mod metrics;
 mod params;
 pub mod policy;

@@ -140,23 +140,8 @@ fn unsupported(param: &str, what: &str) -> ApiError {
     )
 }
 
-fn is_set(v: &Option<Value>) -> bool {
-    !matches!(v, None | Some(Value::Null) | Some(Value::Bool(false)))
-}
-
 /// Refuse parameters this server cannot honour instead of silently ignoring them.
 fn refuse_unsupported(c: &Common) -> Result<(), ApiError> {
-    if is_set(&c.logprobs) || is_set(&c.top_logprobs) {
-        let p = if is_set(&c.logprobs) {
-            "logprobs"
-        } else {
-            "top_logprobs"
-        };
-        return Err(unsupported(
-            p,
-            "the decode workers return token ids without log-probabilities",
-        ));
-    }
     for (p, v) in [
         ("presence_penalty", c.presence_penalty),
         ("frequency_penalty", c.frequency_penalty),
@@ -178,6 +163,59 @@ fn refuse_unsupported(c: &Common) -> Result<(), ApiError> {
         ));
     }
     Ok(())
+}
+
+/// `logprobs` / `top_logprobs`: how many alternatives each token comes with, or None
+/// when log-probabilities are not asked for. Completions: `logprobs` is that number;
+/// chat: `logprobs: true` turns them on and `top_logprobs` is the number.
+pub fn top_logprobs(c: &Common, chat: bool) -> Result<Option<u32>, ApiError> {
+    let max = pdserve_proto::MAX_TOP_LOGPROBS;
+    let count = |v: &Value, param: &str| -> Result<u32, ApiError> {
+        v.as_u64()
+            .filter(|&n| n <= u64::from(max))
+            .map(|n| n as u32)
+            .ok_or_else(|| {
+                ApiError::invalid(
+                    param,
+                    "invalid_value",
+                    format!("`{param}` must be an integer in 0..={max}, got {v}"),
+                )
+            })
+    };
+    let top = c.top_logprobs.as_ref().filter(|v| !v.is_null());
+    if !chat {
+        if top.is_some() {
+            return Err(unsupported(
+                "top_logprobs",
+                "completions take the number of alternatives in `logprobs`",
+            ));
+        }
+        return match c.logprobs.as_ref().filter(|v| !v.is_null()) {
+            None => Ok(None),
+            Some(v) => count(v, "logprobs").map(Some),
+        };
+    }
+    let on = match c.logprobs.as_ref() {
+        None | Some(Value::Null) | Some(Value::Bool(false)) => false,
+        Some(Value::Bool(true)) => true,
+        Some(v) => {
+            return Err(ApiError::invalid(
+                "logprobs",
+                "invalid_type",
+                format!("chat `logprobs` is a boolean, got {v}"),
+            ))
+        }
+    };
+    match (on, top) {
+        (false, Some(_)) => Err(ApiError::invalid(
+            "top_logprobs",
+            "invalid_value",
+            "`top_logprobs` needs `logprobs: true`",
+        )),
+        (false, None) => Ok(None),
+        (true, None) => Ok(Some(0)),
+        (true, Some(v)) => count(v, "top_logprobs").map(Some),
+    }
 }
 
 pub fn refuse_unsupported_completion(c: &CompletionOnly) -> Result<(), ApiError> {
@@ -429,6 +467,7 @@ pub fn plan(
             },
             max_new_tokens: max_new as u32,
             stop_tokens,
+            top_logprobs: None,
         },
         stops,
         stream: c.stream.unwrap_or(false),
