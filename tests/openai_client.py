@@ -173,11 +173,32 @@ def main():
         check(False, "unknown model accepted")
     except openai.NotFoundError as e:
         check(e.status_code == 404 and e.code == "model_not_found", f"404 {e.code} {e.body}")
+    # n > 1: independent choices over one prompt; greedy ones are all the greedy text.
+    three = client.completions.create(prompt=args.prompt, n=3, **greedy)
+    check(sorted(ch.index for ch in three.choices) == [0, 1, 2], f"n=3 indices {three.choices}")
+    check(all(ch.text == text for ch in three.choices), "n=3 greedy choices equal the greedy text")
+    check(three.usage.completion_tokens == 3 * n and three.usage.prompt_tokens == u.prompt_tokens, f"n=3 usage {three.usage}")
+    sampled = client.chat.completions.create(
+        model=args.model, messages=messages, n=3, max_tokens=n, temperature=1.0, seed=7,
+        extra_body={"ignore_eos": True},
+    )
+    check(len(sampled.choices) == 3, f"chat n=3 {len(sampled.choices)} choices")
+    by_index = {}
+    for ch in client.chat.completions.create(
+        model=args.model, messages=messages, n=3, max_tokens=n, temperature=1.0, seed=7,
+        extra_body={"ignore_eos": True}, stream=True, stream_options={"include_usage": True},
+    ):
+        for c in ch.choices:
+            by_index[c.index] = by_index.get(c.index, "") + (c.delta.content or "")
+        if ch.usage is not None:
+            check(ch.usage.completion_tokens == 3 * n, f"streamed n=3 usage {ch.usage}")
+    check(by_index == {c.index: c.message.content for c in sampled.choices},
+          f"streamed n=3 {by_index} != whole {[c.message.content for c in sampled.choices]}")
     try:
-        client.completions.create(prompt="x", n=2, **greedy)
-        check(False, "n=2 accepted")
+        client.completions.create(prompt="x", n=0, **greedy)
+        check(False, "n=0 accepted")
     except openai.BadRequestError as e:
-        check(e.param == "n", f"n=2 error param {e.param}")
+        check(e.param == "n", f"n=0 error param {e.param}")
     try:
         client.chat.completions.create(messages=messages, temperature=3, model=args.model)
         check(False, "temperature 3 accepted")

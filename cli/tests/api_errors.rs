@@ -191,16 +191,16 @@ fn table() -> Vec<Bad> {
             "invalid_value",
         ),
         bad(
-            "n = 2",
-            json!({"prompt": "x", "n": 2}),
+            "n = 0",
+            json!({"prompt": "x", "n": 0}),
             Some("n"),
-            "unsupported_parameter",
+            "invalid_value",
         ),
         bad_chat(
-            "chat n = 3",
-            json!({"messages": user, "n": 3}),
+            "chat n = 17",
+            json!({"messages": user, "n": 17}),
             Some("n"),
-            "unsupported_parameter",
+            "invalid_value",
         ),
         bad(
             "logprobs over 20",

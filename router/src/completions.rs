@@ -16,6 +16,7 @@ use axum::{Extension, Json};
 use futures::StreamExt;
 use pdserve_proto::pb::ScoredToken;
 use serde_json::{json, Value};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 use tracing::Instrument;
@@ -121,6 +122,7 @@ fn refused(e: ApiError) -> Response {
 }
 
 /// The fixed fields of every response object and chunk.
+#[derive(Clone)]
 struct Shape {
     api: Api,
     id: String,
@@ -164,29 +166,26 @@ impl Shape {
     }
 }
 
-fn usage(d: &Driver) -> Value {
-    json!({
-        "prompt_tokens": d.prompt_tokens,
-        "completion_tokens": d.completion_tokens,
-        "total_tokens": d.prompt_tokens + d.completion_tokens,
-    })
-}
-
 async fn run(state: Arc<AppState>, plan: Plan, api: Api, rid: String, t0: Instant) -> Response {
-    let started = match generation::start(state.clone(), &plan.job).await {
-        Ok(s) => s,
-        Err(e) => {
-            tracing::warn!(status = e.status.as_u16(), error = %e.message, "request failed before its first token");
-            return e.into_response();
+    let jobs: Vec<generation::Job> = (0..plan.n).map(|i| plan.job.choice(i)).collect();
+    let starts =
+        futures::future::join_all(jobs.iter().map(|j| generation::start(state.clone(), j))).await;
+    let mut drivers = Vec::with_capacity(starts.len());
+    for s in starts {
+        match s {
+            Ok(s) => drivers.push(Driver::new(
+                s,
+                state.tokenizer.clone(),
+                plan.stops.clone(),
+                plan.job.prompt.len(),
+                t0,
+            )),
+            Err(e) => {
+                tracing::warn!(status = e.status.as_u16(), error = %e.message, "request failed before its first token");
+                return e.into_response();
+            }
         }
-    };
-    let driver = Driver::new(
-        started,
-        state.tokenizer.clone(),
-        plan.stops,
-        plan.job.prompt.len(),
-        t0,
-    );
+    }
     let shape = Shape {
         api,
         id: match api {
@@ -198,11 +197,10 @@ async fn run(state: Arc<AppState>, plan: Plan, api: Api, rid: String, t0: Instan
         logprobs: plan.job.top_logprobs.is_some(),
         tokenizer: state.tokenizer.clone(),
     };
-    let parser = plan.reply.as_ref().map(ReplyParser::new);
     if plan.stream {
-        stream(driver, shape, plan.include_usage, parser).into_response()
+        stream(drivers, shape, plan.include_usage, plan.reply.as_ref()).into_response()
     } else {
-        whole(driver, shape, parser).await
+        whole(drivers, shape, plan.reply.as_ref()).await
     }
 }
 
@@ -233,7 +231,50 @@ fn tool_calls(shape: &Shape, first: usize, calls: &[Call], indexed: bool) -> Vec
         .collect()
 }
 
-async fn whole(mut d: Driver, shape: Shape, mut parser: Option<ReplyParser>) -> Response {
+/// Every choice, then one response with all of them (`usage` counts the prompt once).
+async fn whole(
+    drivers: Vec<Driver>,
+    shape: Shape,
+    reply: Option<&crate::reply::Format>,
+) -> Response {
+    let prompt_tokens = drivers.first().map_or(0, |d| d.prompt_tokens);
+    let results = futures::future::join_all(
+        drivers
+            .into_iter()
+            .enumerate()
+            .map(|(i, d)| choice(d, &shape, reply.map(ReplyParser::new), i)),
+    )
+    .await;
+    let mut choices = Vec::with_capacity(results.len());
+    let mut completion_tokens = 0;
+    for r in results {
+        match r {
+            Ok((c, n)) => {
+                choices.push(c);
+                completion_tokens += n;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e.message, "request failed mid-generation");
+                return e.into_response();
+            }
+        }
+    }
+    let mut body = shape.envelope(false, Value::Array(choices));
+    body["usage"] = json!({
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    });
+    Json(body).into_response()
+}
+
+/// One whole choice and its completion token count.
+async fn choice(
+    mut d: Driver,
+    shape: &Shape,
+    mut parser: Option<ReplyParser>,
+    index: usize,
+) -> Result<(Value, usize), ApiError> {
     let mut text = String::new();
     let mut ids = Vec::new();
     let mut scored = Vec::new();
@@ -260,10 +301,7 @@ async fn whole(mut d: Driver, shape: Shape, mut parser: Option<ReplyParser>) -> 
                 break finish;
             }
             Ok(None) => break d.finish.clone().unwrap_or_else(|| "length".into()),
-            Err(e) => {
-                tracing::warn!(error = %e.message, "request failed mid-generation");
-                return e.into_response();
-            }
+            Err(e) => return Err(e),
         }
     };
     let logprobs = shape.logprobs(&scored, &mut 0);
@@ -279,30 +317,39 @@ async fn whole(mut d: Driver, shape: Shape, mut parser: Option<ReplyParser>) -> 
                 "reasoning_content": if r.reasoning.is_empty() { Value::Null } else { json!(r.reasoning) },
             });
             if !r.calls.is_empty() {
-                message["tool_calls"] = json!(tool_calls(&shape, 0, &r.calls, false));
+                message["tool_calls"] = json!(tool_calls(shape, 0, &r.calls, false));
             }
             json!({
-                "index": 0, "message": message, "token_ids": ids, "logprobs": logprobs,
+                "index": index, "message": message, "token_ids": ids, "logprobs": logprobs,
                 "finish_reason": finish_reason(finish, Some(p)),
             })
         }
         (Api::Chat, None) => json!({
-            "index": 0,
+            "index": index,
             "message": { "role": "assistant", "content": text },
             "token_ids": ids, "logprobs": logprobs, "finish_reason": finish,
         }),
         (Api::Completion, _) => json!({
-            "index": 0, "text": text, "token_ids": ids, "logprobs": logprobs, "finish_reason": finish,
+            "index": index, "text": text, "token_ids": ids, "logprobs": logprobs, "finish_reason": finish,
         }),
     };
-    let mut body = shape.envelope(false, json!([choice]));
-    body["usage"] = usage(&d);
-    Json(body).into_response()
+    Ok((choice, d.completion_tokens))
+}
+
+/// Token counts of a stream's choices, for its usage chunk.
+#[derive(Default)]
+struct Totals {
+    prompt: AtomicUsize,
+    completion: AtomicUsize,
+    /// A choice ended with an error event: the stream ends there (no `[DONE]`).
+    failed: AtomicBool,
 }
 
 struct StreamState {
     driver: Driver,
     shape: Shape,
+    index: usize,
+    totals: Arc<Totals>,
     include_usage: bool,
     /// The chat role chunk went out.
     role_sent: bool,
@@ -358,7 +405,7 @@ impl StreamState {
             .map(|delta| {
                 let (ids, logprobs) = self.take_pending();
                 let choice = json!({
-                    "index": 0, "delta": delta, "token_ids": ids,
+                    "index": self.index, "delta": delta, "token_ids": ids,
                     "logprobs": logprobs, "finish_reason": null,
                 });
                 self.event(choice)
@@ -381,7 +428,7 @@ impl StreamState {
         let (ids, logprobs) = self.take_pending();
         let choice = match self.shape.api {
             Api::Completion => json!({
-                "index": 0, "text": text, "token_ids": ids, "logprobs": logprobs, "finish_reason": finish,
+                "index": self.index, "text": text, "token_ids": ids, "logprobs": logprobs, "finish_reason": finish,
             }),
             Api::Chat => {
                 let delta = if text.is_empty() {
@@ -390,7 +437,7 @@ impl StreamState {
                     json!({ "content": text })
                 };
                 json!({
-                    "index": 0, "delta": delta, "token_ids": ids, "logprobs": logprobs, "finish_reason": finish,
+                    "index": self.index, "delta": delta, "token_ids": ids, "logprobs": logprobs, "finish_reason": finish,
                 })
             }
         };
@@ -399,7 +446,7 @@ impl StreamState {
 
     fn role_chunk(&self) -> Event {
         self.event(json!({
-            "index": 0, "delta": { "role": "assistant", "content": "" },
+            "index": self.index, "delta": { "role": "assistant", "content": "" },
             "logprobs": null, "finish_reason": null,
         }))
     }
@@ -440,19 +487,21 @@ impl StreamState {
                 } else {
                     out.extend(self.chunk(&text, Some(&finish)));
                 }
-                if self.include_usage {
-                    let mut u = self.shape.envelope(true, json!([]));
-                    u["usage"] = usage(&self.driver);
-                    out.push(Event::default().data(u.to_string()));
-                }
-                out.push(Event::default().data("[DONE]"));
+                self.totals
+                    .prompt
+                    .store(self.driver.prompt_tokens, Ordering::Relaxed);
+                self.totals
+                    .completion
+                    .fetch_add(self.driver.completion_tokens, Ordering::Relaxed);
                 self.over = true;
             }
             Ok(None) => self.over = true,
             Err(e) => {
                 tracing::warn!(error = %e.message, "stream failed mid-generation");
                 crate::metrics::stream_error();
-                out.push(Event::default().event("error").data(e.body().to_string()));
+                if !self.totals.failed.swap(true, Ordering::Relaxed) {
+                    out.push(Event::default().event("error").data(e.body().to_string()));
+                }
                 self.over = true;
             }
         }
@@ -460,33 +509,61 @@ impl StreamState {
     }
 }
 
+/// The SSE stream of every choice (interleaved as their tokens come), then the usage
+/// chunk (when asked) and `[DONE]`; after an error event, nothing more.
 fn stream(
-    driver: Driver,
+    drivers: Vec<Driver>,
     shape: Shape,
     include_usage: bool,
-    parser: Option<ReplyParser>,
+    reply: Option<&crate::reply::Format>,
 ) -> impl IntoResponse {
-    let st = StreamState {
-        driver,
-        shape,
-        include_usage,
-        role_sent: false,
-        parser,
-        pending_ids: Vec::new(),
-        pending_logprobs: Vec::new(),
-        offset: 0,
-        over: false,
-        span: tracing::Span::current(),
-    };
-    let events = futures::stream::unfold(st, |mut st| async move {
-        if st.over {
-            return None;
+    let totals = Arc::new(Totals::default());
+    let envelope = shape.clone();
+    let choices = drivers.into_iter().enumerate().map(|(index, driver)| {
+        let st = StreamState {
+            driver,
+            shape: shape.clone(),
+            index,
+            totals: totals.clone(),
+            include_usage,
+            role_sent: false,
+            parser: reply.map(ReplyParser::new),
+            pending_ids: Vec::new(),
+            pending_logprobs: Vec::new(),
+            offset: 0,
+            over: false,
+            span: tracing::Span::current(),
+        };
+        Box::pin(futures::stream::unfold(st, |mut st| async move {
+            if st.over || st.totals.failed.load(Ordering::Relaxed) {
+                return None;
+            }
+            let span = st.span.clone();
+            let out = st.step().instrument(span).await;
+            Some((out, st))
+        }))
+    });
+    let choices: Vec<_> = choices.collect();
+    let tail = futures::stream::once(async move {
+        if totals.failed.load(Ordering::Relaxed) {
+            return Vec::new();
         }
-        let span = st.span.clone();
-        let out = st.step().instrument(span).await;
-        Some((out, st))
-    })
-    .flat_map(|v| futures::stream::iter(v.into_iter().map(Ok::<_, std::convert::Infallible>)));
+        let mut out = Vec::new();
+        if include_usage {
+            let (p, c) = (
+                totals.prompt.load(Ordering::Relaxed),
+                totals.completion.load(Ordering::Relaxed),
+            );
+            let mut u = envelope.envelope(true, json!([]));
+            u["usage"] = json!({"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c});
+            out.push(Event::default().data(u.to_string()));
+        }
+        out.push(Event::default().data("[DONE]"));
+        out
+    });
+    let events = futures::stream::select_all(choices)
+        .chain(tail)
+        .flat_map(|v| futures::stream::iter(v.into_iter().map(Ok::<_, std::convert::Infallible>)));
     Sse::new(events).keep_alive(KeepAlive::default())
 }
 

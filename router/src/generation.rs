@@ -12,7 +12,7 @@ use tonic::Streaming;
 
 use pdserve_proto::FAILED_WORKER;
 
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct Job {
     pub request_id: String,
     pub prompt: Vec<u32>,
@@ -21,6 +21,19 @@ pub struct Job {
     pub stop_tokens: Vec<u32>,
     /// Some(n): every token with its log-probability and the n best alternatives.
     pub top_logprobs: Option<u32>,
+}
+
+impl Job {
+    /// The job of choice `i` of a request with `n > 1`: its own request id and seed (the
+    /// prompt, and so the prefix cache entry, is shared).
+    pub fn choice(&self, i: usize) -> Job {
+        let mut j = self.clone();
+        if i > 0 {
+            j.request_id = format!("{}-{i}", self.request_id);
+            j.sampling.seed = self.sampling.seed.wrapping_add(i as u64);
+        }
+        j
+    }
 }
 
 /// What a started generation yields next.

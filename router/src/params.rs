@@ -9,6 +9,9 @@ use pdserve_proto::pb;
 use serde::Deserialize;
 use serde_json::Value;
 
+/// At most this many choices per request (`n`).
+pub const MAX_N: i64 = 16;
+
 /// At most this many stop strings per request.
 pub const MAX_STOPS: usize = 16;
 
@@ -128,6 +131,8 @@ pub struct Plan {
     pub stops: Vec<String>,
     pub stream: bool,
     pub include_usage: bool,
+    /// Choices to generate (`n`); each is its own generation sharing the prompt.
+    pub n: usize,
     /// Chat: how the reply is read (reasoning, tool calls).
     pub reply: Option<crate::reply::Format>,
 }
@@ -359,15 +364,16 @@ pub fn plan(
     request_id: String,
 ) -> Result<Plan, ApiError> {
     refuse_unsupported(c)?;
-    if let Some(n) = c.n {
-        if n != 1 {
+    let n = match c.n.unwrap_or(1) {
+        n @ 1..=MAX_N => n as usize,
+        n => {
             return Err(ApiError::invalid(
                 "n",
-                "unsupported_parameter",
-                format!("only n = 1 is supported, got {n}"),
-            ));
+                "invalid_value",
+                format!("n must be in 1..={MAX_N}, got {n}"),
+            ))
         }
-    }
+    };
     let temperature = c.temperature.unwrap_or(1.0);
     if !(0.0..=2.0).contains(&temperature) {
         return Err(ApiError::invalid(
@@ -472,6 +478,7 @@ pub fn plan(
         stops,
         stream: c.stream.unwrap_or(false),
         include_usage,
+        n,
         reply: None,
     })
 }
