@@ -173,6 +173,16 @@ def main():
         check(False, "unknown model accepted")
     except openai.NotFoundError as e:
         check(e.status_code == 404 and e.code == "model_not_found", f"404 {e.code} {e.body}")
+    # echo: the prompt, then the same completion.
+    e = client.completions.create(prompt=args.prompt, echo=True, **greedy)
+    check(e.choices[0].text == args.prompt + text, f"echo {e.choices[0].text!r}")
+    es = "".join(
+        ch.choices[0].text
+        for ch in client.completions.create(prompt=args.prompt, echo=True, stream=True, **greedy)
+        if ch.choices
+    )
+    check(es == args.prompt + text, f"streamed echo {es!r}")
+
     # n > 1: independent choices over one prompt; greedy ones are all the greedy text.
     three = client.completions.create(prompt=args.prompt, n=3, **greedy)
     check(sorted(ch.index for ch in three.choices) == [0, 1, 2], f"n=3 indices {three.choices}")

@@ -233,8 +233,8 @@ fn table() -> Vec<Bad> {
             "invalid_value",
         ),
         bad(
-            "echo",
-            json!({"prompt": "x", "echo": true}),
+            "echo with logprobs",
+            json!({"prompt": "x", "echo": true, "logprobs": 1}),
             Some("echo"),
             "unsupported_parameter",
         ),

@@ -44,8 +44,30 @@ fn prepare_completion(state: &AppState, body: &Value, rid: String) -> Result<Pla
     let prompt = params::completion_prompt(state, &only.prompt)?;
     let max = c.max_tokens.map(|m| (m, "max_tokens"));
     let top = params::top_logprobs(&c, false)?;
+    let echo = match only.echo {
+        Some(true) if top.is_some() => {
+            return Err(ApiError::invalid(
+                "echo",
+                "unsupported_parameter",
+                "`echo` with `logprobs` would need the prompt's log-probabilities, which the workers do not compute",
+            ))
+        }
+        Some(true) => Some(match &only.prompt {
+            Value::String(s) => s.clone(),
+            Value::Array(a) if a.len() == 1 && a[0].is_string() => {
+                a[0].as_str().unwrap_or_default().to_string()
+            }
+            _ => state
+                .tokenizer
+                .as_ref()
+                .and_then(|t| t.decode(&prompt).ok())
+                .unwrap_or_default(),
+        }),
+        _ => None,
+    };
     let mut plan = params::plan(state, &c, prompt, max, Some(16), "prompt", rid)?;
     plan.job.top_logprobs = top;
+    plan.echo = echo;
     Ok(plan)
 }
 
@@ -130,6 +152,8 @@ struct Shape {
     model: String,
     /// Log-probabilities were asked for (else `"logprobs": null`).
     logprobs: bool,
+    /// Completions with `echo`: the prompt text every choice starts with.
+    echo: Option<String>,
     tokenizer: Option<Arc<pdserve_tokenizer::Tokenizer>>,
 }
 
@@ -196,6 +220,7 @@ async fn run(state: Arc<AppState>, plan: Plan, api: Api, rid: String, t0: Instan
         model: state.settings.model_name.clone(),
         logprobs: plan.job.top_logprobs.is_some(),
         tokenizer: state.tokenizer.clone(),
+        echo: plan.echo.clone(),
     };
     if plan.stream {
         stream(drivers, shape, plan.include_usage, plan.reply.as_ref()).into_response()
@@ -330,7 +355,7 @@ async fn choice(
             "token_ids": ids, "logprobs": logprobs, "finish_reason": finish,
         }),
         (Api::Completion, _) => json!({
-            "index": index, "text": text, "token_ids": ids, "logprobs": logprobs, "finish_reason": finish,
+            "index": index, "text": format!("{}{text}", shape.echo.as_deref().unwrap_or_default()), "token_ids": ids, "logprobs": logprobs, "finish_reason": finish,
         }),
     };
     Ok((choice, d.completion_tokens))
@@ -454,6 +479,9 @@ impl StreamState {
     /// The events of the next step.
     async fn step(&mut self) -> Vec<Event> {
         let mut out = Vec::new();
+        if let Some(echo) = self.shape.echo.take() {
+            out.extend(self.chunk(&echo, None));
+        }
         if self.shape.api == Api::Chat && !self.role_sent {
             self.role_sent = true;
             out.push(self.role_chunk());

@@ -133,6 +133,8 @@ pub struct Plan {
     pub include_usage: bool,
     /// Choices to generate (`n`); each is its own generation sharing the prompt.
     pub n: usize,
+    /// Completions with `echo`: the prompt text each choice's text starts with.
+    pub echo: Option<String>,
     /// Chat: how the reply is read (reasoning, tool calls).
     pub reply: Option<crate::reply::Format>,
 }
@@ -224,9 +226,6 @@ pub fn top_logprobs(c: &Common, chat: bool) -> Result<Option<u32>, ApiError> {
 }
 
 pub fn refuse_unsupported_completion(c: &CompletionOnly) -> Result<(), ApiError> {
-    if c.echo == Some(true) {
-        return Err(unsupported("echo", "the prompt is not echoed back"));
-    }
     if c.suffix.as_ref().is_some_and(|s| !s.is_null() && s != "") {
         return Err(unsupported(
             "suffix",
@@ -479,6 +478,7 @@ pub fn plan(
         stream: c.stream.unwrap_or(false),
         include_usage,
         n,
+        echo: None,
         reply: None,
     })
 }
