@@ -239,6 +239,24 @@ fn table() -> Vec<Bad> {
             "unsupported_parameter",
         ),
         bad(
+            "presence_penalty above 2",
+            json!({"prompt": "x", "presence_penalty": 2.5}),
+            Some("presence_penalty"),
+            "invalid_value",
+        ),
+        bad_chat(
+            "frequency_penalty below -2",
+            json!({"messages": user, "frequency_penalty": -3}),
+            Some("frequency_penalty"),
+            "invalid_value",
+        ),
+        bad(
+            "min_p above 1",
+            json!({"prompt": "x", "min_p": 1.5}),
+            Some("min_p"),
+            "invalid_value",
+        ),
+        bad(
             "unknown field min_tokens",
             json!({"prompt": "x", "min_tokens": 2}),
             Some("min_tokens"),

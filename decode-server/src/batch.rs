@@ -8,7 +8,7 @@ use crate::events::{Event, Events};
 use pdserve_engine::backend::Backend;
 use pdserve_engine::generate::FinishReason;
 use pdserve_engine::kv::KvLayout;
-use pdserve_engine::sampling::{logprobs, Sampler, SamplingParams};
+use pdserve_engine::sampling::{Sampler, SamplingError, SamplingParams, TokenLogprobs};
 use pdserve_engine::{Engine, EngineError, ErrorClass, ForwardItem, Logits, Sequence};
 use pdserve_kv_transfer::Prefilled;
 use pdserve_worker::{Failure, Load};
@@ -75,6 +75,20 @@ where
     Ok((tx, ready_rx))
 }
 
+/// A token from `logits`, with its log-probabilities when the request asked for them.
+fn sample(
+    sampler: &mut Sampler,
+    logits: &[f32],
+    top_logprobs: Option<u32>,
+) -> Result<(u32, Option<TokenLogprobs>), SamplingError> {
+    match top_logprobs {
+        Some(n) => sampler
+            .sample_scored(logits, n as usize)
+            .map(|(t, lp)| (t, Some(lp))),
+        None => sampler.sample(logits).map(|t| (t, None)),
+    }
+}
+
 struct Running {
     request_id: String,
     seq: Sequence,
@@ -86,22 +100,22 @@ struct Running {
     stop_tokens: Vec<u32>,
     prompt_tokens: u32,
     top_logprobs: Option<u32>,
-    temperature: f32,
     events: Events,
     _permit: Permit,
 }
 
 impl Running {
-    /// Stream `t`, sampled from `logits`, out; true when the request is finished.
-    fn emit(&mut self, t: u32, logits: &[f32]) -> bool {
+    /// Stream `t` (with its log-probabilities when asked) out; true when the request is
+    /// finished.
+    fn emit(&mut self, t: u32, lp: Option<TokenLogprobs>) -> bool {
         if self.stop_tokens.contains(&t) {
             self.finished(FinishReason::Stop);
             return true;
         }
         self.last = t;
         self.generated += 1;
-        let event = match self.top_logprobs {
-            Some(n) => Event::Scored(t, logprobs(logits, self.temperature, t, n as usize)),
+        let event = match lp {
+            Some(lp) => Event::Scored(t, lp),
             None => Event::Token(t),
         };
         if self.events.send(event).is_err() {
@@ -186,8 +200,8 @@ impl<B: Backend> Batch<B> {
         };
         // The transferred logits were checksummed: failing to sample them, or sampling
         // another token than the prefill server did, means the KV state is not what P sent.
-        let t = match sampler.sample(&a.prefilled.last_logits) {
-            Ok(t) => t,
+        let (t, lp) = match sample(&mut sampler, &a.prefilled.last_logits, a.top_logprobs) {
+            Ok(s) => s,
             Err(e) => return fail(&a.events, Failure::new(ErrorClass::Corrupt, e.to_string())),
         };
         if t != a.prefilled.first_token {
@@ -216,12 +230,11 @@ impl<B: Backend> Batch<B> {
             stop_tokens: a.stop_tokens,
             prompt_tokens: a.prompt_tokens,
             top_logprobs: a.top_logprobs,
-            temperature: a.sampling.temperature,
             events: a.events,
             _permit: a.permit,
         };
         tracing::debug!(positions = r.seq.len(), "joined the batch");
-        if r.emit(t, &a.prefilled.last_logits) {
+        if r.emit(t, lp) {
             self.finish(r);
         } else {
             self.running.push(r);
@@ -265,9 +278,9 @@ impl<B: Backend> Batch<B> {
         };
         let mut done = Vec::new();
         for (i, (r, l)) in self.running.iter_mut().zip(&logits).enumerate() {
-            match r.sampler.sample(&l.data) {
-                Ok(t) => {
-                    if r.emit(t, &l.data) {
+            match sample(&mut r.sampler, &l.data, r.top_logprobs) {
+                Ok((t, lp)) => {
+                    if r.emit(t, lp) {
                         done.push(i);
                     }
                 }

@@ -37,6 +37,8 @@ pub struct Common {
     pub top_logprobs: Option<Value>,
     pub presence_penalty: Option<f64>,
     pub frequency_penalty: Option<f64>,
+    /// Extension (vLLM/SGLang): keep tokens at least `min_p` times as likely as the best.
+    pub min_p: Option<f64>,
     pub logit_bias: Option<Value>,
 }
 
@@ -63,7 +65,7 @@ pub struct ChatOnly {
 }
 
 /// Request fields both endpoints read.
-const COMMON_FIELDS: [&str; 18] = [
+const COMMON_FIELDS: [&str; 19] = [
     "model",
     "max_tokens",
     "temperature",
@@ -80,6 +82,7 @@ const COMMON_FIELDS: [&str; 18] = [
     "top_logprobs",
     "presence_penalty",
     "frequency_penalty",
+    "min_p",
     "logit_bias",
     // Accepted and ignored (an end-user id for abuse tracking; nothing here uses it).
     "user",
@@ -153,12 +156,23 @@ fn refuse_unsupported(c: &Common) -> Result<(), ApiError> {
         ("presence_penalty", c.presence_penalty),
         ("frequency_penalty", c.frequency_penalty),
     ] {
-        if v.is_some_and(|x| x != 0.0) {
-            return Err(unsupported(
+        if v.is_some_and(|x| !(-2.0..=2.0).contains(&x)) {
+            return Err(ApiError::invalid(
                 p,
-                "sampling penalties are not implemented; use 0",
+                "invalid_value",
+                format!("`{p}` must be in [-2, 2], got {}", v.unwrap_or_default()),
             ));
         }
+    }
+    if c.min_p.is_some_and(|x| !(0.0..=1.0).contains(&x)) {
+        return Err(ApiError::invalid(
+            "min_p",
+            "invalid_value",
+            format!(
+                "`min_p` must be in [0, 1], got {}",
+                c.min_p.unwrap_or_default()
+            ),
+        ));
     }
     if c.logit_bias
         .as_ref()
@@ -469,6 +483,9 @@ pub fn plan(
                 top_p: top_p as f32,
                 top_k,
                 seed: c.seed.map_or_else(rand::random::<u64>, |s| s as u64),
+                min_p: c.min_p.unwrap_or(0.0) as f32,
+                presence_penalty: c.presence_penalty.unwrap_or(0.0) as f32,
+                frequency_penalty: c.frequency_penalty.unwrap_or(0.0) as f32,
             },
             max_new_tokens: max_new as u32,
             stop_tokens,
