@@ -24,6 +24,7 @@ pub mod metrics;
 mod params;
 pub mod policy;
 pub mod reply;
+mod shape;
 mod sse;
 mod stop;
 mod tokenize;

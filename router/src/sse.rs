@@ -3,9 +3,9 @@
 //! they carry), the choices interleaved as their tokens come, then the usage chunk and
 //! `[DONE]`.
 
-use crate::completions::{finish_reason, tool_calls, Api, Shape};
 use crate::driver::{Driver, Step};
 use crate::reply::ReplyParser;
+use crate::shape::{finish_reason, tool_calls, Api, Shape};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::IntoResponse;
 use futures::StreamExt;
