@@ -12,6 +12,7 @@ the first failed check.
 import argparse
 import json
 import sys
+import urllib.request
 
 import openai
 from openai import OpenAI
@@ -21,6 +22,15 @@ def check(cond, what):
     if not cond:
         print(f"FAILED: {what}", file=sys.stderr)
         sys.exit(1)
+
+
+def post(url, body):
+    """POST a JSON body, the JSON answer (endpoints the openai client has no method for)."""
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.loads(r.read())
 
 
 def pick_stop(text):
@@ -102,22 +112,114 @@ def main():
     )
     check(r3.usage.completion_tokens == 3 and r3.choices[0].finish_reason == "length", "max_completion_tokens")
 
+    # /tokenize gives exactly the ids a chat completion prefills; /detokenize inverts it.
+    root = args.base_url.rsplit("/v1", 1)[0]
+    tk = post(f"{root}/tokenize", {"messages": messages})
+    check(tk["count"] == r.usage.prompt_tokens == len(tk["tokens"]), f"tokenize {tk} vs {r.usage}")
+    check(tk["max_model_len"] > 0, "max_model_len")
+    dt = post(f"{root}/detokenize", {"tokens": tk["tokens"]})
+    check(dt["prompt"] == f"user: {args.prompt}\nassistant:", f"detokenize {dt}")
+    tp = post(f"{root}/tokenize", {"prompt": args.prompt})
+    check(tp["count"] == u.prompt_tokens, f"tokenize prompt {tp} vs {u}")
+
+    # A tool-call round trip in the history: the assistant's call and the tool's answer
+    # are accepted and rendered (the embedded template shows them as role lines).
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+    history = messages + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "lookup", "arguments": "{\"q\": \"fox\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "a quick animal"},
+    ]
+    t = client.chat.completions.create(messages=history, tools=tools, **greedy)
+    check(t.choices[0].finish_reason == "length", f"tool history finish {t.choices[0].finish_reason}")
+    tk = post(f"{root}/tokenize", {"messages": history, "tools": tools})
+    check(tk["count"] == t.usage.prompt_tokens, f"tool history tokenize {tk['count']} vs {t.usage}")
+    dt = post(f"{root}/detokenize", {"tokens": tk["tokens"]})
+    check(dt["prompt"].endswith("tool: a quick animal\nassistant:"), f"tool turn rendered: {dt}")
+
+    # Log-probabilities: the top alternative of every greedy token is the token itself, the
+    # streamed ones equal the whole ones, and chat reports the same numbers.
+    lp = client.completions.create(prompt=args.prompt, logprobs=3, **greedy)
+    lpc = lp.choices[0].logprobs
+    check(lp.choices[0].text == text, "logprobs do not change the text")
+    check(len(lpc.token_logprobs) == n and len(lpc.top_logprobs) == n, f"logprobs length {lpc}")
+    for tok, lpv, top in zip(lpc.tokens, lpc.token_logprobs, lpc.top_logprobs):
+        best = max(top.items(), key=lambda kv: kv[1])
+        check(len(top) <= 3 and abs(best[1] - lpv) < 1e-6 and lpv <= 0, f"top entry {best} vs {tok} {lpv}")
+    check("".join(lpc.tokens) == text, f"logprob tokens {lpc.tokens} vs {text!r}")
+    streamed_lp = [
+        x
+        for ch in client.completions.create(prompt=args.prompt, logprobs=3, stream=True, **greedy)
+        if ch.choices and ch.choices[0].logprobs
+        for x in ch.choices[0].logprobs.token_logprobs
+    ]
+    check(streamed_lp == lpc.token_logprobs, f"streamed logprobs {streamed_lp} != {lpc.token_logprobs}")
+    clp = client.chat.completions.create(messages=messages, logprobs=True, top_logprobs=2, **greedy)
+    entries = clp.choices[0].logprobs.content
+    check(len(entries) == n and all(len(e.top_logprobs) == 2 for e in entries), f"chat logprobs {entries}")
+    check(all(abs(e.top_logprobs[0].logprob - e.logprob) < 1e-6 and e.top_logprobs[0].token == e.token for e in entries),
+          "chat top entry is the greedy token")
+    chat_streamed_lp = [
+        e.logprob
+        for ch in client.chat.completions.create(messages=messages, logprobs=True, stream=True, **greedy)
+        if ch.choices and ch.choices[0].logprobs
+        for e in ch.choices[0].logprobs.content
+    ]
+    check(chat_streamed_lp == [e.logprob for e in entries], "chat streamed logprobs")
+
     # Errors come back as the client's typed exceptions with OpenAI fields.
     try:
         client.completions.create(model="no-such-model", prompt="x", max_tokens=1)
         check(False, "unknown model accepted")
     except openai.NotFoundError as e:
         check(e.status_code == 404 and e.code == "model_not_found", f"404 {e.code} {e.body}")
+    # echo: the prompt, then the same completion.
+    e = client.completions.create(prompt=args.prompt, echo=True, **greedy)
+    check(e.choices[0].text == args.prompt + text, f"echo {e.choices[0].text!r}")
+    es = "".join(
+        ch.choices[0].text
+        for ch in client.completions.create(prompt=args.prompt, echo=True, stream=True, **greedy)
+        if ch.choices
+    )
+    check(es == args.prompt + text, f"streamed echo {es!r}")
+
+    # n > 1: independent choices over one prompt; greedy ones are all the greedy text.
+    three = client.completions.create(prompt=args.prompt, n=3, **greedy)
+    check(sorted(ch.index for ch in three.choices) == [0, 1, 2], f"n=3 indices {three.choices}")
+    check(all(ch.text == text for ch in three.choices), "n=3 greedy choices equal the greedy text")
+    check(three.usage.completion_tokens == 3 * n and three.usage.prompt_tokens == u.prompt_tokens, f"n=3 usage {three.usage}")
+    sampled = client.chat.completions.create(
+        model=args.model, messages=messages, n=3, max_tokens=n, temperature=1.0, seed=7,
+        extra_body={"ignore_eos": True},
+    )
+    check(len(sampled.choices) == 3, f"chat n=3 {len(sampled.choices)} choices")
+    by_index = {}
+    for ch in client.chat.completions.create(
+        model=args.model, messages=messages, n=3, max_tokens=n, temperature=1.0, seed=7,
+        extra_body={"ignore_eos": True}, stream=True, stream_options={"include_usage": True},
+    ):
+        for c in ch.choices:
+            by_index[c.index] = by_index.get(c.index, "") + (c.delta.content or "")
+        if ch.usage is not None:
+            check(ch.usage.completion_tokens == 3 * n, f"streamed n=3 usage {ch.usage}")
+    check(by_index == {c.index: c.message.content for c in sampled.choices},
+          f"streamed n=3 {by_index} != whole {[c.message.content for c in sampled.choices]}")
     try:
-        client.completions.create(prompt="x", n=2, **greedy)
-        check(False, "n=2 accepted")
+        client.completions.create(prompt="x", n=0, **greedy)
+        check(False, "n=0 accepted")
     except openai.BadRequestError as e:
-        check(e.param == "n", f"n=2 error param {e.param}")
+        check(e.param == "n", f"n=0 error param {e.param}")
     try:
         client.chat.completions.create(messages=messages, temperature=3, model=args.model)
         check(False, "temperature 3 accepted")
     except openai.BadRequestError as e:
         check(e.param == "temperature", f"temperature error param {e.param}")
+
+    try:
+        client.chat.completions.create(messages=messages, extra_body={"min_tokens": 2}, **{k: v for k, v in greedy.items() if k != "extra_body"})
+        check(False, "min_tokens accepted")
+    except openai.BadRequestError as e:
+        check(e.param == "min_tokens" and e.code == "unsupported_parameter", f"unknown field error {e.param} {e.code}")
 
     print(json.dumps({
         "completion": text,
@@ -126,6 +228,10 @@ def main():
         "chat_prompt_tokens": r.usage.prompt_tokens,
         "stop": stop,
         "stopped": s.choices[0].text,
+        "prompt_ids": tp["tokens"],
+        "completion_ids": lp.choices[0].token_ids,
+        "token_logprobs": lpc.token_logprobs,
+        "top_logprobs": [sorted(t.values(), reverse=True) for t in lpc.top_logprobs],
         "openai_version": openai.__version__,
     }))
 

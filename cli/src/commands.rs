@@ -121,6 +121,7 @@ fn generate_on<B: Backend>(a: GenerateArgs, loaded: Loaded<B>) -> Result<()> {
             top_p: a.top_p,
             top_k: a.top_k,
             seed: a.seed,
+            ..SamplingParams::default()
         },
         stop_tokens,
         chunk_size: a.model.chunked_prefill_size,

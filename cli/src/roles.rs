@@ -373,6 +373,8 @@ pub struct RouterConfig {
     pub health_interval_s: f64,
     pub max_body_bytes: usize,
     pub max_model_len: Option<usize>,
+    pub chat_template: Option<String>,
+    pub chat_template_kwargs: Option<String>,
     /// Keys for the OpenAI endpoints (`PDSERVE_API_KEY` may hold one, or several
     /// comma-separated).
     #[serde(deserialize_with = "one_or_many")]
@@ -449,6 +451,8 @@ pub const ROUTER_KEYS: &[&str] = &[
     "header_timeout_s",
     "body_timeout_s",
     "max_connections",
+    "chat_template",
+    "chat_template_kwargs",
 ];
 
 #[derive(clap::Args, Debug, Clone, Default)]
@@ -529,6 +533,16 @@ pub struct RouterFlags {
     /// Most open client connections; more wait in the kernel's accept queue.
     #[arg(long)]
     pub max_connections: Option<usize>,
+    /// How chat messages become a prompt: `deepseek-v4` (the built-in DeepSeek-V4
+    /// encoder) or a Jinja template file. Default: the model folder's
+    /// chat_template.jinja, else tokenizer_config.json's chat_template, else deepseek-v4
+    /// when the folder ships encoding/encoding_dsv4.py.
+    #[arg(long)]
+    pub chat_template: Option<String>,
+    /// Default chat_template_kwargs as a JSON object (a request's own entries win), e.g.
+    /// '{"thinking": true}'.
+    #[arg(long)]
+    pub chat_template_kwargs: Option<String>,
 }
 
 impl RouterConfig {
@@ -554,7 +568,20 @@ impl RouterConfig {
         if self.max_concurrent_requests == 0 || self.max_connections == 0 {
             bail!("--max-concurrent-requests and --max-connections must be at least 1");
         }
+        self.chat_template_kwargs()?;
         Ok(())
+    }
+
+    /// `--chat-template-kwargs` parsed (empty when unset).
+    pub fn chat_template_kwargs(&self) -> Result<serde_json::Map<String, serde_json::Value>> {
+        match &self.chat_template_kwargs {
+            None => Ok(serde_json::Map::new()),
+            Some(s) => match serde_json::from_str(s) {
+                Ok(serde_json::Value::Object(o)) => Ok(o),
+                Ok(_) => bail!("--chat-template-kwargs must be a JSON object, got {s}"),
+                Err(e) => bail!("--chat-template-kwargs is not JSON ({e}): {s}"),
+            },
+        }
     }
 }
 
@@ -591,6 +618,8 @@ impl RouterFlags {
         flag(&mut f, "header_timeout_s", &self.header_timeout_s);
         flag(&mut f, "body_timeout_s", &self.body_timeout_s);
         flag(&mut f, "max_connections", &self.max_connections);
+        flag(&mut f, "chat_template", &self.chat_template);
+        flag(&mut f, "chat_template_kwargs", &self.chat_template_kwargs);
         let defaults = RouterConfig {
             model: None,
             listen: "127.0.0.1:8000".into(),
@@ -615,6 +644,8 @@ impl RouterFlags {
             header_timeout_s: 10.0,
             body_timeout_s: 10.0,
             max_connections: 4096,
+            chat_template: None,
+            chat_template_kwargs: None,
         };
         let (cfg, mut entries) =
             layered::extract(&defaults, self.config.as_deref(), ROUTER_KEYS, f)?;

@@ -233,7 +233,15 @@ pub fn router(flags: RouterFlags) -> Result<()> {
     let mcfg =
         ModelConfig::from_model_dir(&dir).with_context(|| format!("reading {}", dir.display()))?;
     let tokenizer = pdserve_tokenizer::Tokenizer::from_model_dir(&dir)?;
-    let chat_template = pdserve_router::chat::ChatTemplate::from_model_dir(&dir)?;
+    let chat_renderer =
+        pdserve_router::chat::Renderer::resolve(&dir, cfg.chat_template.as_deref())?;
+    match &chat_renderer {
+        Some(r) => tracing::info!(renderer = r.describe(), "chat prompts"),
+        None => tracing::warn!(
+            model = %dir.display(),
+            "the model has no chat template: /v1/chat/completions is refused (pass --chat-template)"
+        ),
+    }
     let context_length = match cfg.max_model_len {
         None => mcfg.max_position_embeddings,
         Some(n) if n >= 1 && n <= mcfg.max_position_embeddings => n,
@@ -267,7 +275,8 @@ pub fn router(flags: RouterFlags) -> Result<()> {
         context_length,
         vocab_size: mcfg.vocab_size,
         max_body_bytes: cfg.max_body_bytes,
-        chat_template: chat_template.map(std::sync::Arc::new),
+        chat_renderer: chat_renderer.map(std::sync::Arc::new),
+        chat_template_kwargs: cfg.chat_template_kwargs()?,
         keys: pdserve_router::auth::KeySource {
             api_keys: cfg.api_key.clone(),
             api_key_file: cfg.api_key_file.clone(),

@@ -41,6 +41,7 @@ fn greedy_through_the_cluster_equals_single_process() {
         top_p: 0.95,
         top_k: 40,
         seed: 7,
+        ..SamplingParams::default()
     };
     let want = reference(&mut e, &p, 16, s);
     let (got, _) = complete(&up.addr, &serde_json::json!({
@@ -48,6 +49,38 @@ fn greedy_through_the_cluster_equals_single_process() {
     }))
     .unwrap();
     assert_eq!(got, want, "seeded sampling");
+    // Penalties and min_p: the same sampler on both sides of the split (the decode server
+    // re-samples the prefill's first token, so both count it).
+    let s = SamplingParams {
+        temperature: 0.8,
+        seed: 11,
+        min_p: 0.1,
+        presence_penalty: 0.5,
+        frequency_penalty: 1.5,
+        ..SamplingParams::default()
+    };
+    let want = reference(&mut e, &p, 16, s);
+    let plain = reference(
+        &mut e,
+        &p,
+        16,
+        SamplingParams {
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            min_p: 0.0,
+            ..s
+        },
+    );
+    assert_ne!(want, plain, "the penalties change this generation");
+    let (got, _) = complete(
+        &up.addr,
+        &serde_json::json!({
+            "prompt": p, "max_tokens": 16, "temperature": 0.8, "seed": 11, "min_p": 0.1,
+            "presence_penalty": 0.5, "frequency_penalty": 1.5, "ignore_eos": true
+        }),
+    )
+    .unwrap();
+    assert_eq!(got, want, "penalties and min_p");
 }
 
 #[test]

@@ -6,6 +6,7 @@
 
 mod support;
 
+use pdserve_engine::generate::logits_prefill_decode;
 use std::path::Path;
 use std::process::Command;
 use support::*;
@@ -84,4 +85,46 @@ fn official_openai_client_against_the_cluster() {
     let stopped = v["stopped"].as_str().unwrap();
     assert!(!stop.is_empty() && !stopped.contains(stop));
     assert_eq!(stopped, &want[..want.find(stop).unwrap()]);
+
+    // The log-probabilities the decode server reported are the log-softmax of the logits
+    // the engine computes at each generated position (greedy: temperature 1), to 1e-5.
+    let ids = |k: &str| -> Vec<u32> {
+        v[k].as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u32)
+            .collect()
+    };
+    let (prompt, generated) = (ids("prompt_ids"), ids("completion_ids"));
+    assert_eq!(generated.len(), MAX_TOKENS);
+    let all: Vec<u32> = prompt.iter().chain(&generated).copied().collect();
+    let rows = logits_prefill_decode(&mut engine(), &all, prompt.len(), 0).unwrap();
+    for (j, &t) in generated.iter().enumerate() {
+        let row = &rows[prompt.len() - 1 + j];
+        let max = row
+            .iter()
+            .fold(f64::NEG_INFINITY, |m, &x| m.max(f64::from(x)));
+        let lse = max
+            + row
+                .iter()
+                .map(|&x| (f64::from(x) - max).exp())
+                .sum::<f64>()
+                .ln();
+        let want = f64::from(row[t as usize]) - lse;
+        let got = v["token_logprobs"][j].as_f64().unwrap();
+        assert!(
+            (got - want).abs() < 1e-5,
+            "token {j}: {got} vs engine {want}"
+        );
+        let mut sorted: Vec<f64> = row.iter().map(|&x| f64::from(x) - lse).collect();
+        sorted.sort_by(|a, b| b.total_cmp(a));
+        for (k, top) in v["top_logprobs"][j].as_array().unwrap().iter().enumerate() {
+            let top = top.as_f64().unwrap();
+            assert!(
+                (top - sorted[k]).abs() < 1e-5,
+                "token {j} top {k}: {top} vs {}",
+                sorted[k]
+            );
+        }
+    }
 }

@@ -10,7 +10,7 @@ use pdserve_engine::config::LayerKind;
 use pdserve_engine::generate::FinishReason;
 use pdserve_engine::kv::audit::{Scribble, ScribbleTarget};
 use pdserve_engine::kv::KvLayout;
-use pdserve_engine::sampling::{Sampler, SamplingParams};
+use pdserve_engine::sampling::{Sampler, SamplingError, SamplingParams, TokenLogprobs};
 use pdserve_engine::{Engine, EngineError, ErrorClass, ForwardItem, Logits, Sequence};
 use pdserve_kv_transfer::Prefilled;
 use pdserve_worker::{Failure, Load};
@@ -26,6 +26,8 @@ pub struct Admit {
     pub max_new_tokens: u32,
     pub stop_tokens: Vec<u32>,
     pub prompt_tokens: u32,
+    /// Some(n): tokens go out with their log-probabilities and the n best alternatives.
+    pub top_logprobs: Option<u32>,
     pub events: Events,
     pub permit: Permit,
 }
@@ -99,6 +101,20 @@ where
     Ok((tx, ready_rx))
 }
 
+/// A token from `logits`, with its log-probabilities when the request asked for them.
+fn sample(
+    sampler: &mut Sampler,
+    logits: &[f32],
+    top_logprobs: Option<u32>,
+) -> Result<(u32, Option<TokenLogprobs>), SamplingError> {
+    match top_logprobs {
+        Some(n) => sampler
+            .sample_scored(logits, n as usize)
+            .map(|(t, lp)| (t, Some(lp))),
+        None => sampler.sample(logits).map(|t| (t, None)),
+    }
+}
+
 struct Running {
     request_id: String,
     seq: Sequence,
@@ -109,20 +125,26 @@ struct Running {
     max_new_tokens: u32,
     stop_tokens: Vec<u32>,
     prompt_tokens: u32,
+    top_logprobs: Option<u32>,
     events: Events,
     _permit: Permit,
 }
 
 impl Running {
-    /// Stream `t` out; true when the request is finished.
-    fn emit(&mut self, t: u32) -> bool {
+    /// Stream `t` (with its log-probabilities when asked) out; true when the request is
+    /// finished.
+    fn emit(&mut self, t: u32, lp: Option<TokenLogprobs>) -> bool {
         if self.stop_tokens.contains(&t) {
             self.finished(FinishReason::Stop);
             return true;
         }
         self.last = t;
         self.generated += 1;
-        if self.events.send(Event::Token(t)).is_err() {
+        let event = match lp {
+            Some(lp) => Event::Scored(t, lp),
+            None => Event::Token(t),
+        };
+        if self.events.send(event).is_err() {
             return true;
         }
         if self.generated >= self.max_new_tokens {
@@ -207,8 +229,8 @@ impl<B: Backend> Batch<B> {
         };
         // The transferred logits were checksummed: failing to sample them, or sampling
         // another token than the prefill server did, means the KV state is not what P sent.
-        let t = match sampler.sample(&a.prefilled.last_logits) {
-            Ok(t) => t,
+        let (t, lp) = match sample(&mut sampler, &a.prefilled.last_logits, a.top_logprobs) {
+            Ok(s) => s,
             Err(e) => return fail(&a.events, Failure::new(ErrorClass::Corrupt, e.to_string())),
         };
         if t != a.prefilled.first_token {
@@ -236,11 +258,12 @@ impl<B: Backend> Batch<B> {
             max_new_tokens: a.max_new_tokens,
             stop_tokens: a.stop_tokens,
             prompt_tokens: a.prompt_tokens,
+            top_logprobs: a.top_logprobs,
             events: a.events,
             _permit: a.permit,
         };
         tracing::debug!(positions = r.seq.len(), "joined the batch");
-        if r.emit(t) {
+        if r.emit(t, lp) {
             self.finish(r);
         } else {
             self.running.push(r);
@@ -354,9 +377,9 @@ impl<B: Backend> Batch<B> {
                     continue;
                 }
             };
-            match r.sampler.sample(&l.data) {
-                Ok(t) => {
-                    if r.emit(t) {
+            match sample(&mut r.sampler, &l.data, r.top_logprobs) {
+                Ok((t, lp)) => {
+                    if r.emit(t, lp) {
                         done.push(i);
                     }
                 }

@@ -2,6 +2,7 @@
 //! those events to the wire (`pb::TokenEvent` or a gRPC status) at the service edge.
 
 use pdserve_engine::generate::FinishReason;
+use pdserve_engine::sampling::TokenLogprobs;
 use pdserve_proto::pb;
 use pdserve_proto::pb::token_event::Kind;
 use pdserve_worker::Failure;
@@ -12,6 +13,8 @@ use tonic::Status;
 #[derive(Debug, Clone, PartialEq)]
 pub enum Event {
     Token(u32),
+    /// A token with the log-probabilities it was sampled with (requests that ask).
+    Scored(u32, TokenLogprobs),
     Finished {
         reason: FinishReason,
         prompt_tokens: u32,
@@ -58,6 +61,12 @@ fn finish_reason(r: &FinishReason) -> &'static str {
 fn to_wire(e: Event) -> Result<pb::TokenEvent, Status> {
     let kind = match e {
         Event::Token(t) => Kind::Token(t),
+        Event::Scored(token, lp) => Kind::Scored(pb::ScoredToken {
+            token,
+            logprob: lp.logprob,
+            top_ids: lp.top.iter().map(|t| t.0).collect(),
+            top_logprobs: lp.top.iter().map(|t| t.1).collect(),
+        }),
         Event::Finished {
             reason,
             prompt_tokens,
@@ -84,6 +93,14 @@ mod tests {
         let (tx, mut rx) = mpsc::unbounded_channel();
         let ev = Events::new(tx);
         ev.send(Event::Token(7)).unwrap();
+        ev.send(Event::Scored(
+            9,
+            TokenLogprobs {
+                logprob: -0.5,
+                top: vec![(9, -0.5), (2, -1.25)],
+            },
+        ))
+        .unwrap();
         ev.send(Event::Finished {
             reason: FinishReason::Length,
             prompt_tokens: 3,
@@ -95,6 +112,16 @@ mod tests {
         ev.send(Event::ShuttingDown).unwrap();
         let token = rx.try_recv().unwrap().unwrap();
         assert_eq!(token.kind, Some(Kind::Token(7)));
+        let scored = rx.try_recv().unwrap().unwrap();
+        assert_eq!(
+            scored.kind,
+            Some(Kind::Scored(pb::ScoredToken {
+                token: 9,
+                logprob: -0.5,
+                top_ids: vec![9, 2],
+                top_logprobs: vec![-0.5, -1.25],
+            }))
+        );
         let done = rx.try_recv().unwrap().unwrap();
         assert_eq!(
             done.kind,

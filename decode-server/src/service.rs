@@ -7,7 +7,7 @@ use crate::events::Events;
 use crate::DecodeSettings;
 use pdserve_engine::kv::KvLayout;
 use pdserve_kv_transfer::{pull_prefill, Expected, PullOptions, TransferError};
-use pdserve_proto::pb;
+use pdserve_proto::{pb, MAX_TOP_LOGPROBS};
 use pdserve_worker::WorkerStatus;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -62,6 +62,11 @@ impl pb::decode_server::Decode for DecodeService {
         }
         if r.prefill_addr.is_empty() {
             return Err(Status::invalid_argument("no prefill server given"));
+        }
+        if let Some(n) = r.top_logprobs.filter(|&n| n > MAX_TOP_LOGPROBS) {
+            return Err(Status::invalid_argument(format!(
+                "top_logprobs must be at most {MAX_TOP_LOGPROBS}, got {n}"
+            )));
         }
         let params = pdserve_worker::sampling_from_pb(r.sampling);
         params
@@ -137,6 +142,7 @@ impl pb::decode_server::Decode for DecodeService {
                 max_new_tokens: r.max_new_tokens,
                 stop_tokens: r.stop_tokens,
                 prompt_tokens,
+                top_logprobs: r.top_logprobs,
                 events: Events::new(tx.clone()),
                 permit,
             };

@@ -5,7 +5,7 @@
 use sha2::{Digest, Sha256};
 use std::path::PathBuf;
 
-const FILES: [(&str, &[u8]); 3] = [
+const FILES: [(&str, &[u8]); 4] = [
     (
         "config.json",
         include_bytes!("../../models/embedded/config.json"),
@@ -17,6 +17,10 @@ const FILES: [(&str, &[u8]); 3] = [
     (
         "tokenizer.json",
         include_bytes!("../../models/embedded/tokenizer.json"),
+    ),
+    (
+        "chat_template.jinja",
+        include_bytes!("../../models/embedded/chat_template.jinja"),
     ),
 ];
 

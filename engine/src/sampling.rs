@@ -1,4 +1,5 @@
-//! Token sampling: greedy, temperature, top-k, top-p; seeded and reproducible.
+//! Token sampling: presence/frequency penalties, greedy, temperature, top-k, top-p,
+//! min-p; seeded and reproducible.
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -12,6 +13,12 @@ pub struct SamplingParams {
     /// Keep the `top_k` most likely tokens; 0 disables.
     pub top_k: usize,
     pub seed: u64,
+    /// Keep tokens at least this fraction as likely as the most likely one; 0 disables.
+    pub min_p: f32,
+    /// Subtracted once from the logit of every token already generated, in [-2, 2].
+    pub presence_penalty: f32,
+    /// Subtracted from a token's logit per time it was generated, in [-2, 2].
+    pub frequency_penalty: f32,
 }
 
 impl Default for SamplingParams {
@@ -21,6 +28,9 @@ impl Default for SamplingParams {
             top_p: 1.0,
             top_k: 0,
             seed: 0,
+            min_p: 0.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
         }
     }
 }
@@ -33,6 +43,10 @@ pub enum SamplingError {
     TopP(f32),
     #[error("no logits to sample from")]
     Empty,
+    #[error("min_p must be in [0, 1], got {0}")]
+    MinP(f32),
+    #[error("{0} must be in [-2, 2], got {1}")]
+    Penalty(&'static str, f32),
 }
 
 impl SamplingParams {
@@ -42,6 +56,17 @@ impl SamplingParams {
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
             return Err(SamplingError::TopP(self.top_p));
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return Err(SamplingError::MinP(self.min_p));
+        }
+        for (name, v) in [
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+        ] {
+            if !(-2.0..=2.0).contains(&v) {
+                return Err(SamplingError::Penalty(name, v));
+            }
         }
         Ok(())
     }
@@ -61,11 +86,67 @@ pub fn argmax(logits: &[f32]) -> Option<u32> {
     best.map(|(i, _)| i as u32)
 }
 
-/// A per-request sampler; its random stream depends only on the seed.
+/// Log-probabilities of a sampled token and of the most likely alternatives, from the
+/// distribution the sampler drew from: `log_softmax(logits / temperature)` over the whole
+/// vocabulary, before top-k / top-p cut it (greedy requests use temperature 1).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprobs {
+    pub logprob: f32,
+    /// The `top_n` most likely ids with their log-probabilities, best first (ties: the
+    /// lower id first).
+    pub top: Vec<(u32, f32)>,
+}
+
+pub fn logprobs(logits: &[f32], temperature: f32, token: u32, top_n: usize) -> TokenLogprobs {
+    let t = if temperature > 0.0 { temperature } else { 1.0 };
+    let scaled = |v: f32| f64::from(v / t);
+    let max = logits
+        .iter()
+        .filter(|v| !v.is_nan())
+        .fold(f64::NEG_INFINITY, |m, &v| m.max(scaled(v)));
+    let lse = max
+        + logits
+            .iter()
+            .filter(|v| !v.is_nan())
+            .map(|&v| (scaled(v) - max).exp())
+            .sum::<f64>()
+            .ln();
+    let lp = |v: f32| {
+        if v.is_nan() {
+            f32::NEG_INFINITY
+        } else {
+            (scaled(v) - lse) as f32
+        }
+    };
+    let mut order: Vec<u32> = (0..logits.len() as u32).collect();
+    if top_n > 0 {
+        order.sort_by(|&a, &b| {
+            lp(logits[b as usize])
+                .total_cmp(&lp(logits[a as usize]))
+                .then(a.cmp(&b))
+        });
+    }
+    TokenLogprobs {
+        logprob: logits
+            .get(token as usize)
+            .map_or(f32::NEG_INFINITY, |&v| lp(v)),
+        top: order
+            .into_iter()
+            .take(top_n)
+            .map(|i| (i, lp(logits[i as usize])))
+            .collect(),
+    }
+}
+
+/// A per-request sampler; its random stream depends only on the seed, its penalties on
+/// the tokens it sampled (the prefill and decode servers' samplers of one request agree:
+/// the decode server re-samples the prefill's first token).
 #[derive(Debug, Clone)]
 pub struct Sampler {
     params: SamplingParams,
     rng: ChaCha8Rng,
+    /// How often each token was sampled (for the penalties).
+    counts: std::collections::HashMap<u32, u32>,
 }
 
 impl Sampler {
@@ -74,10 +155,46 @@ impl Sampler {
         Ok(Sampler {
             params,
             rng: ChaCha8Rng::seed_from_u64(params.seed),
+            counts: std::collections::HashMap::new(),
         })
     }
 
+    /// The logits after the penalties: what the rest of sampling (and logprobs) sees.
+    fn penalized<'a>(&self, logits: &'a [f32]) -> std::borrow::Cow<'a, [f32]> {
+        let (pp, fp) = (self.params.presence_penalty, self.params.frequency_penalty);
+        if (pp == 0.0 && fp == 0.0) || self.counts.is_empty() {
+            return std::borrow::Cow::Borrowed(logits);
+        }
+        let mut l = logits.to_vec();
+        for (&t, &n) in &self.counts {
+            if let Some(v) = l.get_mut(t as usize) {
+                *v -= pp + fp * n as f32;
+            }
+        }
+        std::borrow::Cow::Owned(l)
+    }
+
     pub fn sample(&mut self, logits: &[f32]) -> Result<u32, SamplingError> {
+        let l = self.penalized(logits);
+        let t = self.draw(&l)?;
+        *self.counts.entry(t).or_insert(0) += 1;
+        Ok(t)
+    }
+
+    /// Sample, and the log-probabilities of the distribution drawn from (penalties and
+    /// temperature applied, before top-k / top-p / min-p) with `top_n` alternatives.
+    pub fn sample_scored(
+        &mut self,
+        logits: &[f32],
+        top_n: usize,
+    ) -> Result<(u32, TokenLogprobs), SamplingError> {
+        let l = self.penalized(logits).into_owned();
+        let t = self.draw(&l)?;
+        *self.counts.entry(t).or_insert(0) += 1;
+        Ok((t, logprobs(&l, self.params.temperature, t, top_n)))
+    }
+
+    fn draw(&mut self, logits: &[f32]) -> Result<u32, SamplingError> {
         if self.params.temperature == 0.0 {
             return argmax(logits).ok_or(SamplingError::Empty);
         }
@@ -111,6 +228,13 @@ impl Sampler {
             probs.truncate(keep);
             cand.truncate(keep);
         }
+        if self.params.min_p > 0.0 {
+            // probs[0] is the most likely token's probability (cand is sorted).
+            let floor = self.params.min_p * probs[0];
+            let keep = probs.iter().take_while(|&&p| p >= floor).count().max(1);
+            probs.truncate(keep);
+            cand.truncate(keep);
+        }
         let mass: f32 = probs.iter().sum();
         let mut u = self.rng.random::<f32>() * mass;
         for (i, p) in probs.iter().enumerate() {
@@ -129,6 +253,66 @@ mod tests {
     use super::*;
 
     #[test]
+    fn logprobs_are_the_log_softmax_after_temperature() {
+        let logits = [1.0f32, 3.0, 2.0, f32::NAN];
+        let lp = logprobs(&logits, 2.0, 2, 2);
+        let z: f64 = [0.5f64, 1.5, 1.0].iter().map(|v| v.exp()).sum();
+        assert!((f64::from(lp.logprob) - (1.0 - z.ln())).abs() < 1e-6);
+        assert_eq!(lp.top.iter().map(|t| t.0).collect::<Vec<_>>(), vec![1, 2]);
+        assert!((f64::from(lp.top[0].1) - (1.5 - z.ln())).abs() < 1e-6);
+        // Greedy: temperature 1; the probabilities sum to 1.
+        let g = logprobs(&logits, 0.0, 1, 3);
+        let total: f32 = g.top.iter().map(|t| t.1.exp()).sum();
+        assert!((total - 1.0).abs() < 1e-6, "{total}");
+    }
+
+    #[test]
+    fn penalties_lower_repeated_tokens_and_min_p_cuts_the_tail() {
+        // Greedy with a frequency penalty: token 1 wins until its logit has been lowered
+        // below token 0's, then 0, then 1 again.
+        let p = SamplingParams {
+            frequency_penalty: 0.6,
+            presence_penalty: 0.3,
+            ..SamplingParams::default()
+        };
+        let mut s = Sampler::new(p).unwrap();
+        let logits = [2.0f32, 3.0, -5.0];
+        let picks: Vec<u32> = (0..3).map(|_| s.sample(&logits).unwrap()).collect();
+        // after one 1: 3 - 0.9 = 2.1 > 2 -> 1; after two: 3 - 1.5 = 1.5 < 2 -> 0;
+        // then 0 is 2 - 0.9 = 1.1 < 1.5 -> 1.
+        assert_eq!(picks, vec![1, 1, 0]);
+        let (t, lp) = s.sample_scored(&logits, 1).unwrap();
+        assert_eq!(t, 1);
+        // The logprobs are of the penalized logits [1.1, 1.5, -5].
+        let z: f64 = [1.1f64, 1.5, -5.0].iter().map(|v| v.exp()).sum();
+        assert!(
+            (f64::from(lp.logprob) - (1.5 - z.ln())).abs() < 1e-5,
+            "{lp:?}"
+        );
+        // min_p = 0.5 keeps only tokens at least half as likely as the best: with logits
+        // [0, 0, -1] at temperature 1 (token 2: e^-1 < 0.5) token 2 never comes out.
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 1.0,
+            min_p: 0.5,
+            seed: 3,
+            ..SamplingParams::default()
+        })
+        .unwrap();
+        let drawn: Vec<u32> = (0..200)
+            .map(|_| s.sample(&[0.0, 0.0, -1.0]).unwrap())
+            .collect();
+        assert!(drawn.iter().all(|&t| t < 2) && drawn.contains(&0) && drawn.contains(&1));
+        assert_eq!(
+            SamplingParams {
+                min_p: 1.5,
+                ..SamplingParams::default()
+            }
+            .validate(),
+            Err(SamplingError::MinP(1.5))
+        );
+    }
+
+    #[test]
     fn greedy_picks_max_lowest_on_tie() {
         let mut s = Sampler::new(SamplingParams::default()).unwrap();
         assert_eq!(s.sample(&[0.1, 3.0, 3.0, -1.0]).unwrap(), 1);
@@ -142,6 +326,7 @@ mod tests {
             top_p: 1.0,
             top_k: 3,
             seed: 7,
+            ..SamplingParams::default()
         };
         let a: Vec<u32> = {
             let mut s = Sampler::new(p).unwrap();
@@ -166,6 +351,7 @@ mod tests {
             top_p: 1e-6,
             top_k: 0,
             seed: 1,
+            ..SamplingParams::default()
         })
         .unwrap();
         for _ in 0..20 {

@@ -343,6 +343,7 @@ pub fn check_embedded(ordinal: usize) -> Result<Vec<CheckRow>, Box<dyn std::erro
                 top_p: 1.0,
                 top_k: 0,
                 seed: 0,
+                ..SamplingParams::default()
             },
             stop_tokens: Vec::new(),
             chunk_size: 0,

@@ -8,6 +8,9 @@ pub mod pb {
     tonic::include_proto!("pdserve.v1");
 }
 
+/// The most alternatives a request may ask log-probabilities for (`top_logprobs`).
+pub const MAX_TOP_LOGPROBS: u32 = 20;
+
 /// gRPC metadata key carrying a request's id across processes.
 pub const REQUEST_ID: &str = "x-request-id";
 

@@ -1,29 +1,21 @@
-//! `POST /v1/completions`, `POST /v1/chat/completions` (streamed as SSE or not),
+//! `POST /v1/completions`, `POST /v1/chat/completions` (whole here, streamed in sse.rs),
 //! `GET /v1/models`, `GET /health`, `GET /config`, `GET /metrics`.
 
 use crate::driver::{Driver, Step};
 use crate::error::ApiError;
 use crate::extract::{typed, ApiJson};
 use crate::params::{self, ChatOnly, Common, CompletionOnly, Plan};
+use crate::reply::ReplyParser;
+use crate::shape::{finish_reason, tool_calls, Api, Shape};
 use crate::trace::RequestId;
 use crate::{chat, generation, AppState};
 use axum::extract::State;
 use axum::http::{header, StatusCode};
-use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
-use futures::StreamExt;
 use serde_json::{json, Value};
 use std::sync::Arc;
 use std::time::Instant;
-use tracing::Instrument;
-
-/// Which API shape a response takes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Api {
-    Completion,
-    Chat,
-}
 
 fn now() -> u64 {
     std::time::SystemTime::now()
@@ -33,36 +25,82 @@ fn now() -> u64 {
 }
 
 fn prepare_completion(state: &AppState, body: &Value, rid: String) -> Result<Plan, ApiError> {
+    params::refuse_unknown_fields(body, false)?;
     let c: Common = typed(body)?;
     params::check_model(state, &c.model)?;
     let only: CompletionOnly = typed(body)?;
     params::refuse_unsupported_completion(&only)?;
     let prompt = params::completion_prompt(state, &only.prompt)?;
     let max = c.max_tokens.map(|m| (m, "max_tokens"));
-    params::plan(state, &c, prompt, max, Some(16), "prompt", rid)
+    let top = params::top_logprobs(&c, false)?;
+    let echo = match only.echo {
+        Some(true) if top.is_some() => {
+            return Err(ApiError::invalid(
+                "echo",
+                "unsupported_parameter",
+                "`echo` with `logprobs` would need the prompt's log-probabilities, which the workers do not compute",
+            ))
+        }
+        Some(true) => Some(match &only.prompt {
+            Value::String(s) => s.clone(),
+            Value::Array(a) if a.len() == 1 && a[0].is_string() => {
+                a[0].as_str().unwrap_or_default().to_string()
+            }
+            _ => state
+                .tokenizer
+                .as_ref()
+                .and_then(|t| t.decode(&prompt).ok())
+                .unwrap_or_default(),
+        }),
+        _ => None,
+    };
+    let mut plan = params::plan(state, &c, prompt, max, Some(16), "prompt", rid)?;
+    plan.job.top_logprobs = top;
+    plan.echo = echo;
+    Ok(plan)
 }
 
 fn prepare_chat(state: &AppState, body: &Value, rid: String) -> Result<Plan, ApiError> {
+    params::refuse_unknown_fields(body, true)?;
     let c: Common = typed(body)?;
     params::check_model(state, &c.model)?;
     let only: ChatOnly = typed(body)?;
-    params::refuse_unsupported_chat(&only)?;
-    let messages = params::chat_messages(&only.messages)?;
-    let text = chat::render(state.settings.chat_template.as_deref(), &messages).map_err(|e| {
-        ApiError::invalid(
-            "messages",
-            "invalid_value",
-            format!("the model's chat template refused these messages: {e}"),
-        )
-    })?;
-    let prompt =
-        params::completion_prompt(state, &Value::String(text)).map_err(|e| e.param("messages"))?;
+    if only.parallel_tool_calls == Some(false) {
+        return Err(ApiError::invalid(
+            "parallel_tool_calls",
+            "unsupported_parameter",
+            "`parallel_tool_calls: false` is not supported: every call the model writes is returned",
+        ));
+    }
+    let top = params::top_logprobs(&c, true)?;
+    let rendered = chat_prompt(state, body)?;
+    let prompt = params::completion_prompt(state, &Value::String(rendered.text.clone()))
+        .map_err(|e| e.param("messages"))?;
     let max = match (only.max_completion_tokens, c.max_tokens) {
         (Some(m), _) => Some((m, "max_completion_tokens")),
         (None, Some(m)) => Some((m, "max_tokens")),
         (None, None) => None,
     };
-    params::plan(state, &c, prompt, max, None, "messages", rid)
+    let mut plan = params::plan(state, &c, prompt, max, None, "messages", rid)?;
+    plan.job.top_logprobs = top;
+    plan.reply = Some(crate::reply::Format {
+        thinking: rendered.thinking,
+        parse_tools: rendered.parse_tools,
+        forced: rendered.forced,
+    });
+    Ok(plan)
+}
+
+/// The rendered prompt of a chat request (or a `/tokenize` body with `messages`).
+pub(crate) fn chat_prompt(state: &AppState, body: &Value) -> Result<chat::Rendered, ApiError> {
+    let Some(renderer) = state.settings.chat_renderer.as_deref() else {
+        return Err(ApiError::invalid(
+            "messages",
+            "chat_template_missing",
+            "this model has no chat template (no chat_template.jinja, no chat_template in tokenizer_config.json, no encoding/encoding_dsv4.py): start the router with --chat-template FILE or --chat-template deepseek-v4, or use /v1/completions",
+        ));
+    };
+    chat::ChatInput::from_body(body, &state.settings.chat_template_kwargs)?.render(renderer)
 }
 
 pub async fn completions(
@@ -104,57 +142,26 @@ fn refused(e: ApiError) -> Response {
     e.into_response()
 }
 
-/// The fixed fields of every response object and chunk.
-struct Shape {
-    api: Api,
-    id: String,
-    created: u64,
-    model: String,
-}
-
-impl Shape {
-    fn object(&self, chunk: bool) -> &'static str {
-        match (self.api, chunk) {
-            (Api::Completion, _) => "text_completion",
-            (Api::Chat, false) => "chat.completion",
-            (Api::Chat, true) => "chat.completion.chunk",
-        }
-    }
-
-    fn envelope(&self, chunk: bool, choices: Value) -> Value {
-        json!({
-            "id": self.id,
-            "object": self.object(chunk),
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-        })
-    }
-}
-
-fn usage(d: &Driver) -> Value {
-    json!({
-        "prompt_tokens": d.prompt_tokens,
-        "completion_tokens": d.completion_tokens,
-        "total_tokens": d.prompt_tokens + d.completion_tokens,
-    })
-}
-
 async fn run(state: Arc<AppState>, plan: Plan, api: Api, rid: String, t0: Instant) -> Response {
-    let started = match generation::start(state.clone(), &plan.job).await {
-        Ok(s) => s,
-        Err(e) => {
-            tracing::warn!(status = e.status.as_u16(), error = %e.message, "request failed before its first token");
-            return e.into_response();
+    let jobs: Vec<generation::Job> = (0..plan.n).map(|i| plan.job.choice(i)).collect();
+    let starts =
+        futures::future::join_all(jobs.iter().map(|j| generation::start(state.clone(), j))).await;
+    let mut drivers = Vec::with_capacity(starts.len());
+    for s in starts {
+        match s {
+            Ok(s) => drivers.push(Driver::new(
+                s,
+                state.tokenizer.clone(),
+                plan.stops.clone(),
+                plan.job.prompt.len(),
+                t0,
+            )),
+            Err(e) => {
+                tracing::warn!(status = e.status.as_u16(), error = %e.message, "request failed before its first token");
+                return e.into_response();
+            }
         }
-    };
-    let driver = Driver::new(
-        started,
-        state.tokenizer.clone(),
-        plan.stops,
-        plan.job.prompt.len(),
-        t0,
-    );
+    }
     let shape = Shape {
         api,
         id: match api {
@@ -163,160 +170,120 @@ async fn run(state: Arc<AppState>, plan: Plan, api: Api, rid: String, t0: Instan
         },
         created: now(),
         model: state.settings.model_name.clone(),
+        logprobs: plan.job.top_logprobs.is_some(),
+        tokenizer: state.tokenizer.clone(),
+        echo: plan.echo.clone(),
     };
     if plan.stream {
-        stream(driver, shape, plan.include_usage).into_response()
+        crate::sse::stream(drivers, shape, plan.include_usage, plan.reply.as_ref()).into_response()
     } else {
-        whole(driver, shape).await
+        whole(drivers, shape, plan.reply.as_ref()).await
     }
 }
 
-async fn whole(mut d: Driver, shape: Shape) -> Response {
-    let mut text = String::new();
-    let mut ids = Vec::new();
-    let finish = loop {
-        match d.next().await {
-            Ok(Some(Step::Delta { text: t, ids: i })) => {
-                text.push_str(&t);
-                ids.extend(i);
+/// Every choice, then one response with all of them (`usage` counts the prompt once).
+async fn whole(
+    drivers: Vec<Driver>,
+    shape: Shape,
+    reply: Option<&crate::reply::Format>,
+) -> Response {
+    let prompt_tokens = drivers.first().map_or(0, |d| d.prompt_tokens);
+    let results = futures::future::join_all(
+        drivers
+            .into_iter()
+            .enumerate()
+            .map(|(i, d)| choice(d, &shape, reply.map(ReplyParser::new), i)),
+    )
+    .await;
+    let mut choices = Vec::with_capacity(results.len());
+    let mut completion_tokens = 0;
+    for r in results {
+        match r {
+            Ok((c, n)) => {
+                choices.push(c);
+                completion_tokens += n;
             }
-            Ok(Some(Step::Done {
-                text: t,
-                ids: i,
-                finish,
-            })) => {
-                text.push_str(&t);
-                ids.extend(i);
-                break finish;
-            }
-            Ok(None) => break d.finish.clone().unwrap_or_else(|| "length".into()),
             Err(e) => {
                 tracing::warn!(error = %e.message, "request failed mid-generation");
                 return e.into_response();
             }
         }
-    };
-    let choice = match shape.api {
-        Api::Completion => json!({
-            "index": 0, "text": text, "token_ids": ids, "logprobs": null, "finish_reason": finish,
-        }),
-        Api::Chat => json!({
-            "index": 0,
-            "message": { "role": "assistant", "content": text },
-            "token_ids": ids, "logprobs": null, "finish_reason": finish,
-        }),
-    };
-    let mut body = shape.envelope(false, json!([choice]));
-    body["usage"] = usage(&d);
+    }
+    let mut body = shape.envelope(false, Value::Array(choices));
+    body["usage"] = json!({
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    });
     Json(body).into_response()
 }
 
-struct StreamState {
-    driver: Driver,
-    shape: Shape,
-    include_usage: bool,
-    /// The chat role chunk went out.
-    role_sent: bool,
-    over: bool,
-    span: tracing::Span,
-}
-
-impl StreamState {
-    fn chunk(&self, text: &str, ids: Vec<u32>, finish: Option<&str>) -> Option<Event> {
-        let choice = match self.shape.api {
-            Api::Completion => json!({
-                "index": 0, "text": text, "token_ids": ids, "logprobs": null, "finish_reason": finish,
-            }),
-            Api::Chat => {
-                if text.is_empty() && finish.is_none() {
-                    return None;
-                }
-                let delta = if text.is_empty() {
-                    json!({})
-                } else {
-                    json!({ "content": text })
-                };
-                json!({
-                    "index": 0, "delta": delta, "token_ids": ids, "logprobs": null, "finish_reason": finish,
-                })
+/// One whole choice and its completion token count.
+async fn choice(
+    mut d: Driver,
+    shape: &Shape,
+    mut parser: Option<ReplyParser>,
+    index: usize,
+) -> Result<(Value, usize), ApiError> {
+    let mut text = String::new();
+    let mut ids = Vec::new();
+    let mut scored = Vec::new();
+    let finish = loop {
+        match d.next().await {
+            Ok(Some(Step::Delta {
+                text: t,
+                ids: i,
+                logprobs,
+            })) => {
+                text.push_str(&t);
+                ids.extend(i);
+                scored.extend(logprobs);
             }
-        };
-        let mut c = self.shape.envelope(true, json!([choice]));
-        if self.include_usage {
-            c["usage"] = Value::Null;
-        }
-        Some(Event::default().data(c.to_string()))
-    }
-
-    fn role_chunk(&self) -> Event {
-        let mut c = self.shape.envelope(
-            true,
-            json!([{
-                "index": 0, "delta": { "role": "assistant", "content": "" },
-                "logprobs": null, "finish_reason": null,
-            }]),
-        );
-        if self.include_usage {
-            c["usage"] = Value::Null;
-        }
-        Event::default().data(c.to_string())
-    }
-
-    /// The events of the next step.
-    async fn step(&mut self) -> Vec<Event> {
-        let mut out = Vec::new();
-        if self.shape.api == Api::Chat && !self.role_sent {
-            self.role_sent = true;
-            out.push(self.role_chunk());
-        }
-        match self.driver.next().await {
-            Ok(Some(Step::Delta { text, ids })) => out.extend(self.chunk(&text, ids, None)),
-            Ok(Some(Step::Done { text, ids, finish })) => {
-                if self.shape.api == Api::Chat && !text.is_empty() {
-                    out.extend(self.chunk(&text, ids.clone(), None));
-                    out.extend(self.chunk("", Vec::new(), Some(&finish)));
-                } else {
-                    out.extend(self.chunk(&text, ids, Some(&finish)));
-                }
-                if self.include_usage {
-                    let mut u = self.shape.envelope(true, json!([]));
-                    u["usage"] = usage(&self.driver);
-                    out.push(Event::default().data(u.to_string()));
-                }
-                out.push(Event::default().data("[DONE]"));
-                self.over = true;
+            Ok(Some(Step::Done {
+                text: t,
+                ids: i,
+                logprobs,
+                finish,
+            })) => {
+                text.push_str(&t);
+                ids.extend(i);
+                scored.extend(logprobs);
+                break finish;
             }
-            Ok(None) => self.over = true,
-            Err(e) => {
-                tracing::warn!(error = %e.message, "stream failed mid-generation");
-                crate::metrics::stream_error();
-                out.push(Event::default().event("error").data(e.body().to_string()));
-                self.over = true;
-            }
+            Ok(None) => break d.finish.clone().unwrap_or_else(|| "length".into()),
+            Err(e) => return Err(e),
         }
-        out
-    }
-}
-
-fn stream(driver: Driver, shape: Shape, include_usage: bool) -> impl IntoResponse {
-    let st = StreamState {
-        driver,
-        shape,
-        include_usage,
-        role_sent: false,
-        over: false,
-        span: tracing::Span::current(),
     };
-    let events = futures::stream::unfold(st, |mut st| async move {
-        if st.over {
-            return None;
+    let logprobs = shape.logprobs(&scored, &mut 0);
+    let choice = match (shape.api, parser.as_mut()) {
+        (Api::Chat, Some(p)) => {
+            let mut r = p.push(&text);
+            let tail = p.finish();
+            r.reasoning.push_str(&tail.reasoning);
+            r.content.push_str(&tail.content);
+            let mut message = json!({
+                "role": "assistant",
+                "content": if r.content.is_empty() && !r.calls.is_empty() { Value::Null } else { json!(r.content) },
+                "reasoning_content": if r.reasoning.is_empty() { Value::Null } else { json!(r.reasoning) },
+            });
+            if !r.calls.is_empty() {
+                message["tool_calls"] = json!(tool_calls(shape, 0, &r.calls, false));
+            }
+            json!({
+                "index": index, "message": message, "token_ids": ids, "logprobs": logprobs,
+                "finish_reason": finish_reason(finish, Some(p)),
+            })
         }
-        let span = st.span.clone();
-        let out = st.step().instrument(span).await;
-        Some((out, st))
-    })
-    .flat_map(|v| futures::stream::iter(v.into_iter().map(Ok::<_, std::convert::Infallible>)));
-    Sse::new(events).keep_alive(KeepAlive::default())
+        (Api::Chat, None) => json!({
+            "index": index,
+            "message": { "role": "assistant", "content": text },
+            "token_ids": ids, "logprobs": logprobs, "finish_reason": finish,
+        }),
+        (Api::Completion, _) => json!({
+            "index": index, "text": format!("{}{text}", shape.echo.as_deref().unwrap_or_default()), "token_ids": ids, "logprobs": logprobs, "finish_reason": finish,
+        }),
+    };
+    Ok((choice, d.completion_tokens))
 }
 
 fn model_card(state: &AppState) -> Value {

@@ -8,6 +8,7 @@ use crate::error::ApiError;
 use crate::generation::{Next, Started};
 use crate::metrics as m;
 use crate::stop::StopMatcher;
+use pdserve_proto::pb::ScoredToken;
 use pdserve_tokenizer::Tokenizer;
 use std::sync::Arc;
 use std::time::Instant;
@@ -27,12 +28,18 @@ pub struct Driver {
 
 /// What the client gets next.
 pub enum Step {
-    /// Text (possibly empty while held back) and the token ids that produced it.
-    Delta { text: String, ids: Vec<u32> },
-    /// The end: last text and ids, and `stop` or `length`.
+    /// Text (possibly empty while held back), the token ids that produced it and their
+    /// log-probabilities (when asked).
+    Delta {
+        text: String,
+        ids: Vec<u32>,
+        logprobs: Vec<ScoredToken>,
+    },
+    /// The end: last text, ids and log-probabilities, and `stop` or `length`.
     Done {
         text: String,
         ids: Vec<u32>,
+        logprobs: Vec<ScoredToken>,
         finish: String,
     },
 }
@@ -45,7 +52,7 @@ impl Driver {
         prompt_tokens: usize,
         t0: Instant,
     ) -> Self {
-        let first = std::mem::replace(&mut started.first, Next::Token(0));
+        let first = std::mem::replace(&mut started.first, Next::Token(0, None));
         m::prompt_tokens(prompt_tokens);
         Driver {
             started: Some(started),
@@ -81,7 +88,7 @@ impl Driver {
             },
         };
         Ok(Some(match ev {
-            Next::Token(t) => self.token(t),
+            Next::Token(t, lp) => self.token(t, lp),
             Next::Finished(f) => {
                 let tail = self.detok.finish();
                 let r = self.stop.push(&tail);
@@ -94,13 +101,14 @@ impl Driver {
                 Step::Done {
                     text,
                     ids: Vec::new(),
+                    logprobs: Vec::new(),
                     finish,
                 }
             }
         }))
     }
 
-    fn token(&mut self, t: u32) -> Step {
+    fn token(&mut self, t: u32, lp: Option<ScoredToken>) -> Step {
         let now = Instant::now();
         match self.last_token {
             None => m::time_to_first_token(now - self.t0),
@@ -117,12 +125,14 @@ impl Driver {
             return Step::Done {
                 text: r.text,
                 ids: vec![t],
+                logprobs: lp.into_iter().collect(),
                 finish: "stop".into(),
             };
         }
         Step::Delta {
             text: r.text,
             ids: vec![t],
+            logprobs: lp.into_iter().collect(),
         }
     }
 

@@ -12,18 +12,34 @@ use tonic::Streaming;
 
 use pdserve_proto::FAILED_WORKER;
 
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct Job {
     pub request_id: String,
     pub prompt: Vec<u32>,
     pub sampling: pb::SamplingParams,
     pub max_new_tokens: u32,
     pub stop_tokens: Vec<u32>,
+    /// Some(n): every token with its log-probability and the n best alternatives.
+    pub top_logprobs: Option<u32>,
+}
+
+impl Job {
+    /// The job of choice `i` of a request with `n > 1`: its own request id and seed (the
+    /// prompt, and so the prefix cache entry, is shared).
+    pub fn choice(&self, i: usize) -> Job {
+        let mut j = self.clone();
+        if i > 0 {
+            j.request_id = format!("{}-{i}", self.request_id);
+            j.sampling.seed = self.sampling.seed.wrapping_add(i as u64);
+        }
+        j
+    }
 }
 
 /// What a started generation yields next.
 pub enum Next {
-    Token(u32),
+    /// A token, with its log-probabilities when the request asked.
+    Token(u32, Option<pb::ScoredToken>),
     Finished(pb::Finished),
 }
 
@@ -38,7 +54,8 @@ pub struct Started {
 
 fn event(e: pb::TokenEvent) -> Result<Next, tonic::Status> {
     match e.kind {
-        Some(Kind::Token(t)) => Ok(Next::Token(t)),
+        Some(Kind::Token(t)) => Ok(Next::Token(t, None)),
+        Some(Kind::Scored(s)) => Ok(Next::Token(s.token, Some(s))),
         Some(Kind::Finished(f)) => Ok(Next::Finished(f)),
         None => Err(tonic::Status::data_loss("empty token event")),
     }
@@ -121,6 +138,7 @@ pub async fn start(state: Arc<AppState>, job: &Job) -> Result<Started, ApiError>
             max_new_tokens: job.max_new_tokens,
             stop_tokens: job.stop_tokens.clone(),
             prefill_addr: p.addr.clone(),
+            top_logprobs: job.top_logprobs,
         };
         let mut client = pb::decode_client::DecodeClient::new(d.channel.clone());
         let first = tokio::time::timeout(remaining, async {

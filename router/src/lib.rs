@@ -22,10 +22,15 @@ mod generation;
 pub mod health;
 pub mod http;
 pub mod limits;
+mod logprobs;
 pub mod metrics;
 mod params;
 pub mod policy;
+pub mod reply;
+mod shape;
+mod sse;
 mod stop;
+mod tokenize;
 mod trace;
 mod workers;
 
@@ -68,8 +73,11 @@ pub struct RouterSettings {
     pub vocab_size: usize,
     /// Largest request body accepted (413 above).
     pub max_body_bytes: usize,
-    /// The model's chat template; None: the default `role: content` lines.
-    pub chat_template: Option<Arc<chat::ChatTemplate>>,
+    /// How chat messages become a prompt; None: the model has no chat format and chat
+    /// requests are refused.
+    pub chat_renderer: Option<Arc<chat::Renderer>>,
+    /// `--chat-template-kwargs`: defaults a request's `chat_template_kwargs` overrides.
+    pub chat_template_kwargs: serde_json::Map<String, serde_json::Value>,
     /// API and admin keys (see [`auth`]).
     pub keys: auth::KeySource,
     /// Serve without an API key on a non-loopback address (otherwise refused at start).
@@ -130,6 +138,8 @@ pub fn app(state: Arc<AppState>) -> axum::Router {
             "/v1/chat/completions",
             post(completions::chat_completions).layer(limited()),
         )
+        .route("/tokenize", post(tokenize::tokenize))
+        .route("/detokenize", post(tokenize::detokenize))
         .route("/v1/models", get(completions::models))
         .route("/v1/models/{model}", get(completions::model))
         .route("/health", get(completions::health))

@@ -9,6 +9,9 @@ use pdserve_proto::pb;
 use serde::Deserialize;
 use serde_json::Value;
 
+/// At most this many choices per request (`n`).
+pub const MAX_N: i64 = 16;
+
 /// At most this many stop strings per request.
 pub const MAX_STOPS: usize = 16;
 
@@ -34,6 +37,8 @@ pub struct Common {
     pub top_logprobs: Option<Value>,
     pub presence_penalty: Option<f64>,
     pub frequency_penalty: Option<f64>,
+    /// Extension (vLLM/SGLang): keep tokens at least `min_p` times as likely as the best.
+    pub min_p: Option<f64>,
     pub logit_bias: Option<Value>,
 }
 
@@ -54,24 +59,75 @@ pub struct CompletionOnly {
     pub response_format: Option<Value>,
 }
 
-/// Fields only `/v1/chat/completions` has.
+/// Fields only `/v1/chat/completions` has (the rendering fields are read by
+/// [`crate::chat::ChatInput::from_body`]).
 #[derive(Debug, Deserialize)]
 pub struct ChatOnly {
-    pub messages: Vec<ChatMessage>,
     pub max_completion_tokens: Option<i64>,
-    pub tools: Option<Value>,
-    pub response_format: Option<Value>,
-    /// The legacy function-calling fields and parallel tool calls: refused.
-    pub functions: Option<Value>,
-    pub function_call: Option<Value>,
-    pub parallel_tool_calls: Option<Value>,
+    pub parallel_tool_calls: Option<bool>,
 }
 
-#[derive(Debug, Deserialize)]
-pub struct ChatMessage {
-    pub role: String,
-    /// A string, an array of `{"type": "text", "text": ...}` parts, or null.
-    pub content: Option<Value>,
+/// Request fields both endpoints read.
+const COMMON_FIELDS: [&str; 19] = [
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "n",
+    "stream",
+    "stream_options",
+    "ignore_eos",
+    "logprobs",
+    "top_logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+    "min_p",
+    "logit_bias",
+    // Accepted and ignored (an end-user id for abuse tracking; nothing here uses it).
+    "user",
+];
+
+/// Fields only `/v1/completions` reads.
+const COMPLETION_FIELDS: [&str; 4] = ["prompt", "echo", "suffix", "best_of"];
+
+/// Fields only `/v1/chat/completions` reads.
+const CHAT_FIELDS: [&str; 9] = [
+    "messages",
+    "max_completion_tokens",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "response_format",
+    "chat_template_kwargs",
+    "reasoning_effort",
+    "add_generation_prompt",
+];
+
+/// Refuse every field this endpoint does not read (nothing is silently ignored except
+/// [`IGNORED_FIELDS`]).
+pub fn refuse_unknown_fields(body: &Value, chat: bool) -> Result<(), ApiError> {
+    let only: &[&str] = if chat {
+        &CHAT_FIELDS
+    } else {
+        &COMPLETION_FIELDS
+    };
+    let Some(o) = body.as_object() else {
+        return Ok(());
+    };
+    match o
+        .keys()
+        .find(|k| !COMMON_FIELDS.contains(&k.as_str()) && !only.contains(&k.as_str()))
+    {
+        Some(k) => Err(unsupported(
+            k,
+            "this endpoint does not know the field (see the README's API section for every accepted one)",
+        )),
+        None => Ok(()),
+    }
 }
 
 /// A validated request.
@@ -81,6 +137,12 @@ pub struct Plan {
     pub stops: Vec<String>,
     pub stream: bool,
     pub include_usage: bool,
+    /// Choices to generate (`n`); each is its own generation sharing the prompt.
+    pub n: usize,
+    /// Completions with `echo`: the prompt text each choice's text starts with.
+    pub echo: Option<String>,
+    /// Chat: how the reply is read (reasoning, tool calls).
+    pub reply: Option<crate::reply::Format>,
 }
 
 fn unsupported(param: &str, what: &str) -> ApiError {
@@ -91,33 +153,29 @@ fn unsupported(param: &str, what: &str) -> ApiError {
     )
 }
 
-fn is_set(v: &Option<Value>) -> bool {
-    !matches!(v, None | Some(Value::Null) | Some(Value::Bool(false)))
-}
-
 /// Refuse parameters this server cannot honour instead of silently ignoring them.
 fn refuse_unsupported(c: &Common) -> Result<(), ApiError> {
-    if is_set(&c.logprobs) || is_set(&c.top_logprobs) {
-        let p = if is_set(&c.logprobs) {
-            "logprobs"
-        } else {
-            "top_logprobs"
-        };
-        return Err(unsupported(
-            p,
-            "the decode workers return token ids without log-probabilities",
-        ));
-    }
     for (p, v) in [
         ("presence_penalty", c.presence_penalty),
         ("frequency_penalty", c.frequency_penalty),
     ] {
-        if v.is_some_and(|x| x != 0.0) {
-            return Err(unsupported(
+        if v.is_some_and(|x| !(-2.0..=2.0).contains(&x)) {
+            return Err(ApiError::invalid(
                 p,
-                "sampling penalties are not implemented; use 0",
+                "invalid_value",
+                format!("`{p}` must be in [-2, 2], got {}", v.unwrap_or_default()),
             ));
         }
+    }
+    if c.min_p.is_some_and(|x| !(0.0..=1.0).contains(&x)) {
+        return Err(ApiError::invalid(
+            "min_p",
+            "invalid_value",
+            format!(
+                "`min_p` must be in [0, 1], got {}",
+                c.min_p.unwrap_or_default()
+            ),
+        ));
     }
     if c.logit_bias
         .as_ref()
@@ -131,10 +189,65 @@ fn refuse_unsupported(c: &Common) -> Result<(), ApiError> {
     Ok(())
 }
 
-pub fn refuse_unsupported_completion(c: &CompletionOnly) -> Result<(), ApiError> {
-    if c.echo == Some(true) {
-        return Err(unsupported("echo", "the prompt is not echoed back"));
+/// `logprobs` / `top_logprobs`: how many alternatives each token comes with, or None
+/// when log-probabilities are not asked for. Completions: `logprobs` is that number;
+/// chat: `logprobs: true` turns them on and `top_logprobs` is the number.
+pub fn top_logprobs(c: &Common, chat: bool) -> Result<Option<u32>, ApiError> {
+    let max = pdserve_proto::MAX_TOP_LOGPROBS;
+    let count = |v: &Value, param: &str| -> Result<u32, ApiError> {
+        v.as_u64()
+            .filter(|&n| n <= u64::from(max))
+            .map(|n| n as u32)
+            .ok_or_else(|| {
+                ApiError::invalid(
+                    param,
+                    "invalid_value",
+                    format!("`{param}` must be an integer in 0..={max}, got {v}"),
+                )
+            })
+    };
+    let top = c.top_logprobs.as_ref().filter(|v| !v.is_null());
+    if !chat {
+        if top.is_some() {
+            return Err(unsupported(
+                "top_logprobs",
+                "completions take the number of alternatives in `logprobs`",
+            ));
+        }
+        return match c.logprobs.as_ref().filter(|v| !v.is_null()) {
+            None => Ok(None),
+            Some(v) => count(v, "logprobs").map(Some),
+        };
     }
+    let on = match c.logprobs.as_ref() {
+        None | Some(Value::Null) | Some(Value::Bool(false)) => false,
+        Some(Value::Bool(true)) => true,
+        Some(v) => {
+            return Err(ApiError::invalid(
+                "logprobs",
+                "invalid_type",
+                format!("chat `logprobs` is a boolean, got {v}"),
+            ))
+        }
+    };
+    match (on, top) {
+        (false, Some(_)) => Err(ApiError::invalid(
+            "top_logprobs",
+            "invalid_value",
+            "`top_logprobs` needs `logprobs: true`",
+        )),
+        (false, None) => Ok(None),
+        (true, None) => Ok(Some(0)),
+        (true, Some(v)) => count(v, "top_logprobs").map(Some),
+    }
+}
+
+/// Whether a request gave a field a value (null and false count as absent).
+fn is_set(v: &Option<Value>) -> bool {
+    !matches!(v, None | Some(Value::Null) | Some(Value::Bool(false)))
+}
+
+pub fn refuse_unsupported_completion(c: &CompletionOnly) -> Result<(), ApiError> {
     if c.suffix.as_ref().is_some_and(|s| !s.is_null() && s != "") {
         return Err(unsupported(
             "suffix",
@@ -150,30 +263,6 @@ pub fn refuse_unsupported_completion(c: &CompletionOnly) -> Result<(), ApiError>
                 p,
                 "it belongs to /v1/chat/completions, not /v1/completions",
             ));
-        }
-    }
-    Ok(())
-}
-
-pub fn refuse_unsupported_chat(c: &ChatOnly) -> Result<(), ApiError> {
-    if c.tools
-        .as_ref()
-        .is_some_and(|t| !t.is_null() && t.as_array().is_none_or(|a| !a.is_empty()))
-    {
-        return Err(unsupported("tools", "tool calls are not implemented"));
-    }
-    if let Some(f) = &c.response_format {
-        if !f.is_null() && f.get("type").and_then(Value::as_str) != Some("text") {
-            return Err(unsupported("response_format", "only {\"type\": \"text\"}"));
-        }
-    }
-    for (p, v) in [
-        ("functions", &c.functions),
-        ("function_call", &c.function_call),
-        ("parallel_tool_calls", &c.parallel_tool_calls),
-    ] {
-        if is_set(v) {
-            return Err(unsupported(p, "function calling is not implemented"));
         }
     }
     Ok(())
@@ -251,7 +340,7 @@ fn tokenize(state: &AppState, text: &str, param: &str) -> Result<Vec<u32>, ApiEr
     }
 }
 
-fn token_ids(state: &AppState, a: &[Value], param: &str) -> Result<Vec<u32>, ApiError> {
+pub fn token_ids(state: &AppState, a: &[Value], param: &str) -> Result<Vec<u32>, ApiError> {
     let vocab = state.settings.vocab_size;
     a.iter()
         .map(|x| {
@@ -303,58 +392,6 @@ pub fn completion_prompt(state: &AppState, v: &Value) -> Result<Vec<u32>, ApiErr
     Ok(ids)
 }
 
-const ROLES: [&str; 4] = ["system", "developer", "user", "assistant"];
-
-/// `messages` as plain-text messages for the template.
-pub fn chat_messages(msgs: &[ChatMessage]) -> Result<Vec<crate::chat::Message>, ApiError> {
-    if msgs.is_empty() {
-        return Err(ApiError::invalid(
-            "messages",
-            "invalid_value",
-            "`messages` must hold at least one message",
-        ));
-    }
-    msgs.iter()
-        .enumerate()
-        .map(|(i, m)| {
-            let param = format!("messages[{i}]");
-            if !ROLES.contains(&m.role.as_str()) {
-                return Err(ApiError::invalid(
-                    &format!("{param}.role"),
-                    "invalid_value",
-                    format!("role `{}` is not one of {ROLES:?}", m.role),
-                ));
-            }
-            let content = match &m.content {
-                None | Some(Value::Null) => String::new(),
-                Some(Value::String(s)) => s.clone(),
-                Some(Value::Array(parts)) => parts
-                    .iter()
-                    .map(|p| match (p.get("type").and_then(Value::as_str), p.get("text")) {
-                        (Some("text"), Some(Value::String(t))) => Ok(t.as_str()),
-                        _ => Err(ApiError::invalid(
-                            &format!("{param}.content"),
-                            "invalid_value",
-                            "only text content parts ({\"type\": \"text\", \"text\": ...}) are supported",
-                        )),
-                    })
-                    .collect::<Result<String, _>>()?,
-                Some(x) => {
-                    return Err(ApiError::invalid(
-                        &format!("{param}.content"),
-                        "invalid_type",
-                        format!("content must be a string or a list of text parts, got {x}"),
-                    ))
-                }
-            };
-            Ok(crate::chat::Message {
-                role: m.role.clone(),
-                content,
-            })
-        })
-        .collect()
-}
-
 /// Validate the shared fields against a tokenized prompt and build the plan.
 /// `max_tokens`: the request's (with its field name), or None for `default_max`
 /// (None there: whatever context is left).
@@ -368,15 +405,16 @@ pub fn plan(
     request_id: String,
 ) -> Result<Plan, ApiError> {
     refuse_unsupported(c)?;
-    if let Some(n) = c.n {
-        if n != 1 {
+    let n = match c.n.unwrap_or(1) {
+        n @ 1..=MAX_N => n as usize,
+        n => {
             return Err(ApiError::invalid(
                 "n",
-                "unsupported_parameter",
-                format!("only n = 1 is supported, got {n}"),
-            ));
+                "invalid_value",
+                format!("n must be in 1..={MAX_N}, got {n}"),
+            ))
         }
-    }
+    };
     let temperature = c.temperature.unwrap_or(1.0);
     if !(0.0..=2.0).contains(&temperature) {
         return Err(ApiError::invalid(
@@ -473,12 +511,19 @@ pub fn plan(
                 top_p: top_p as f32,
                 top_k,
                 seed: c.seed.map_or_else(rand::random::<u64>, |s| s as u64),
+                min_p: c.min_p.unwrap_or(0.0) as f32,
+                presence_penalty: c.presence_penalty.unwrap_or(0.0) as f32,
+                frequency_penalty: c.frequency_penalty.unwrap_or(0.0) as f32,
             },
             max_new_tokens: max_new as u32,
             stop_tokens,
+            top_logprobs: None,
         },
         stops,
         stream: c.stream.unwrap_or(false),
         include_usage,
+        n,
+        echo: None,
+        reply: None,
     })
 }

@@ -11,6 +11,9 @@ pub fn sampling_from_pb(s: Option<pb::SamplingParams>) -> SamplingParams {
         top_p: s.top_p,
         top_k: s.top_k as usize,
         seed: s.seed,
+        min_p: s.min_p,
+        presence_penalty: s.presence_penalty,
+        frequency_penalty: s.frequency_penalty,
     })
 }
 
@@ -21,6 +24,9 @@ pub fn sampling_to_pb(p: &SamplingParams) -> pb::SamplingParams {
         top_p: p.top_p,
         top_k: u32::try_from(p.top_k).unwrap_or(u32::MAX),
         seed: p.seed,
+        min_p: p.min_p,
+        presence_penalty: p.presence_penalty,
+        frequency_penalty: p.frequency_penalty,
     }
 }
 
@@ -36,9 +42,16 @@ mod tests {
             top_p: 0.95,
             top_k: 40,
             seed: 7,
+            min_p: 0.05,
+            presence_penalty: 0.5,
+            frequency_penalty: -0.25,
         };
         let p = sampling_from_pb(Some(wire));
         assert_eq!((p.top_k, p.seed), (40, 7));
+        assert_eq!(
+            (p.min_p, p.presence_penalty, p.frequency_penalty),
+            (0.05, 0.5, -0.25)
+        );
         assert_eq!(sampling_to_pb(&p), wire);
     }
 }

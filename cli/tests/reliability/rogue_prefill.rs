@@ -178,10 +178,12 @@ async fn generate(
                     top_p: 1.0,
                     top_k: 0,
                     seed: 0,
+                    ..Default::default()
                 }),
                 max_new_tokens: 4,
                 stop_tokens: Vec::new(),
                 prefill_addr: prefill.to_string(),
+                top_logprobs: None,
             })
             .await?
             .into_inner();
