@@ -41,6 +41,8 @@ pub struct WorkerConfig {
     pub hicache_size: Option<f64>,
     pub cuda_graph: String,
     pub request_timeout_s: f64,
+    pub metrics_listen: Option<String>,
+    pub drain_timeout_s: f64,
 }
 
 pub const WORKER_KEYS: &[&str] = &[
@@ -58,6 +60,8 @@ pub const WORKER_KEYS: &[&str] = &[
     "hicache_size",
     "cuda_graph",
     "request_timeout_s",
+    "metrics_listen",
+    "drain_timeout_s",
 ];
 
 impl WorkerConfig {
@@ -80,6 +84,8 @@ impl WorkerConfig {
             hicache_size: None,
             cuda_graph: "auto".into(),
             request_timeout_s: 120.0,
+            metrics_listen: None,
+            drain_timeout_s: 30.0,
         }
     }
 
@@ -154,6 +160,12 @@ impl WorkerConfig {
         if !(self.request_timeout_s.is_finite() && self.request_timeout_s > 0.0) {
             bail!("--request-timeout-s must be a positive number of seconds");
         }
+        if !(self.drain_timeout_s.is_finite() && self.drain_timeout_s >= 0.0) {
+            bail!(
+                "--drain-timeout-s must be a number of seconds >= 0, got {}",
+                self.drain_timeout_s
+            );
+        }
         Ok(())
     }
 }
@@ -210,6 +222,14 @@ pub struct WorkerFlags {
     /// Deadline for one request's prefill or KV transfer, in seconds.
     #[arg(long)]
     pub request_timeout_s: Option<f64>,
+    /// HTTP side port (host:port) serving GET /metrics (Prometheus), /live and /ready.
+    /// Default: not served.
+    #[arg(long)]
+    pub metrics_listen: Option<String>,
+    /// On SIGTERM, seconds the requests in flight get to finish (new ones are refused)
+    /// before they fail and the server exits.
+    #[arg(long)]
+    pub drain_timeout_s: Option<f64>,
 }
 
 impl WorkerFlags {
@@ -229,6 +249,8 @@ impl WorkerFlags {
         flag(&mut f, "hicache_size", &self.hicache_size);
         flag(&mut f, "cuda_graph", &self.cuda_graph);
         flag(&mut f, "request_timeout_s", &self.request_timeout_s);
+        flag(&mut f, "metrics_listen", &self.metrics_listen);
+        flag(&mut f, "drain_timeout_s", &self.drain_timeout_s);
         let (cfg, entries) = layered::extract(
             &WorkerConfig::defaults(role),
             self.config.as_deref(),

@@ -11,7 +11,7 @@ use pdserve_engine::kv::KvLayout;
 use pdserve_engine::sampling::{Sampler, SamplingParams};
 use pdserve_engine::{Engine, EngineError, ErrorClass, ForwardItem, Logits, Sequence};
 use pdserve_kv_transfer::Prefilled;
-use pdserve_worker::{Failure, Load};
+use pdserve_worker::{Failure, InFlight, Lifecycle, Load};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use tokio::sync::{mpsc, oneshot};
@@ -26,6 +26,8 @@ pub struct Admit {
     pub prompt_tokens: u32,
     pub events: Events,
     pub permit: Permit,
+    /// Counts the request for the drain until it leaves the batch.
+    pub inflight: InFlight,
 }
 
 pub struct Ready {
@@ -40,6 +42,7 @@ type ReadyRx = oneshot::Receiver<Result<Ready, EngineError>>;
 pub fn spawn<B, F>(
     make_engine: F,
     load: Arc<Load>,
+    life: Arc<Lifecycle>,
 ) -> std::io::Result<(mpsc::Sender<Admit>, ReadyRx)>
 where
     B: Backend + 'static,
@@ -67,6 +70,7 @@ where
                 engine,
                 running: Vec::new(),
                 load,
+                life,
             }
             .run(rx);
         })?;
@@ -85,6 +89,7 @@ struct Running {
     prompt_tokens: u32,
     events: Events,
     _permit: Permit,
+    _inflight: InFlight,
 }
 
 impl Running {
@@ -119,6 +124,7 @@ struct Batch<B: Backend> {
     engine: Engine<B>,
     running: Vec<Running>,
     load: Arc<Load>,
+    life: Arc<Lifecycle>,
 }
 
 impl<B: Backend> Batch<B> {
@@ -134,15 +140,31 @@ impl<B: Backend> Batch<B> {
                 self.admit(a);
             }
             self.drop_cancelled();
+            if self.life.is_aborted() {
+                self.fail_all(Event::ShuttingDown);
+            }
             if !self.running.is_empty() {
                 self.step();
             }
             self.publish_load();
         }
+        self.fail_all(Event::ShuttingDown);
+    }
+
+    /// End every running request with `why` (the drain's deadline passed, or the engine
+    /// is stopping) and free its pages.
+    fn fail_all(&mut self, why: Event) {
+        if !self.running.is_empty() {
+            tracing::warn!(
+                requests = self.running.len(),
+                "failing every running request"
+            );
+        }
         for r in std::mem::take(&mut self.running) {
-            let _ = r.events.send(Event::ShuttingDown);
+            let _ = r.events.send(why.clone());
             self.finish(r);
         }
+        self.publish_load();
     }
 
     fn publish_load(&self) {
@@ -209,6 +231,7 @@ impl<B: Backend> Batch<B> {
             prompt_tokens: a.prompt_tokens,
             events: a.events,
             _permit: a.permit,
+            _inflight: a.inflight,
         };
         tracing::debug!(positions = r.seq.len(), "joined the batch");
         if r.emit(t) {
@@ -239,6 +262,7 @@ impl<B: Backend> Batch<B> {
                 logits: Logits::Last,
             })
             .collect();
+        let t0 = std::time::Instant::now();
         let out = self.engine.forward(&mut items);
         drop(items);
         let logits = match out {
@@ -270,6 +294,7 @@ impl<B: Backend> Batch<B> {
                 }
             }
         }
+        pdserve_worker::metrics::decode_step(t0.elapsed(), self.running.len());
         for i in done.into_iter().rev() {
             let r = self.running.swap_remove(i);
             self.finish(r);

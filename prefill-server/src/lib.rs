@@ -11,7 +11,7 @@ mod service;
 use pdserve_engine::backend::Backend;
 use pdserve_engine::{Engine, EngineError};
 use pdserve_proto::pb;
-use pdserve_worker::{Load, WorkerStatus};
+use pdserve_worker::{Startup, WorkerStatus};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
@@ -31,25 +31,28 @@ pub struct PrefillSettings {
     pub request_timeout: Duration,
     /// Deadline for loading the model.
     pub load_timeout: Duration,
+    /// On shutdown, how long requests in flight may take to finish before they fail.
+    pub drain_timeout: Duration,
     /// Effective configuration, reported by the info RPC.
     pub config: Vec<pb::ConfigEntry>,
 }
 
-pub use pdserve_worker::ServeError;
+pub use pdserve_worker::{Ports, ServeError};
 
-/// Load the engine with `make_engine` on its own thread, then serve on `listener` until
-/// `shutdown` resolves.
+/// Load the engine with `make_engine` on its own thread, then serve on `ports` until
+/// `shutdown` resolves and the requests in flight are drained.
 pub async fn serve<B, F>(
     settings: PrefillSettings,
     make_engine: F,
-    listener: tokio::net::TcpListener,
+    ports: Ports,
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> Result<(), ServeError>
 where
     B: Backend + 'static,
     F: FnOnce() -> Result<Engine<B>, EngineError> + Send + 'static,
 {
-    let load = Arc::new(Load::default());
+    let startup = Startup::begin(&settings.model_name, "prefill", ports.metrics);
+    let load = startup.load.clone();
     let (jobs, ready) = engine_thread::spawn(
         make_engine,
         settings.chunked_prefill_size,
@@ -65,6 +68,7 @@ where
         config: settings.config.clone(),
         layout: pdserve_kv_transfer::layout_info(&ready.layout),
         load,
+        life: startup.life.clone(),
     });
     let svc = service::PrefillService {
         jobs,
@@ -72,11 +76,12 @@ where
         settings: settings.clone(),
         status: status.clone(),
     };
-    tracing::info!(addr = ?listener.local_addr().ok(), layout = %status.layout.fingerprint, "prefill server ready");
+    tracing::info!(addr = ?ports.grpc.local_addr().ok(), layout = %status.layout.fingerprint, "prefill server ready");
     let role = tonic::service::Routes::new(
         pb::prefill_server::PrefillServer::new(svc)
             .max_encoding_message_size(usize::MAX)
             .max_decoding_message_size(64 << 20),
     );
-    pdserve_worker::serve_grpc(role, status, listener, shutdown).await
+    let drain_timeout = settings.drain_timeout;
+    pdserve_worker::serve_grpc(role, status, ports.grpc, shutdown, drain_timeout).await
 }

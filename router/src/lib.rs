@@ -1,5 +1,6 @@
 //! The HTTP router: OpenAI-style `POST /v1/completions` and `POST /v1/chat/completions`
-//! (SSE and not), `GET /v1/models`, `GET /health`, `GET /config`, `GET /metrics`
+//! (SSE and not), `GET /v1/models`, `GET /health`, `GET /live`, `GET /ready`,
+//! `GET /config`, `GET /metrics`
 //! (Prometheus). For each request it picks a prefill worker P and a decode worker D
 //! through a [`policy::RoutingPolicy`], asks D to generate with P as its prefill source,
 //! and streams D's tokens to the client. A failure before the first token is retried on
@@ -22,6 +23,7 @@ pub mod health;
 pub mod metrics;
 mod params;
 pub mod policy;
+mod probes;
 mod stop;
 mod trace;
 mod workers;
@@ -100,6 +102,8 @@ pub fn app(state: Arc<AppState>) -> axum::Router {
         .route("/v1/models", get(completions::models))
         .route("/v1/models/{model}", get(completions::model))
         .route("/health", get(completions::health))
+        .route("/live", get(probes::live))
+        .route("/ready", get(probes::ready))
         .route("/config", get(completions::config))
         .route("/workers", get(admin::list).post(admin::add))
         .route("/workers/{address}", delete(admin::remove))
