@@ -174,10 +174,10 @@ impl WorkerConfig {
 #[derive(clap::Args, Debug, Clone, Default)]
 pub struct WorkerFlags {
     /// TOML file with any of the config keys (see --print-config).
-    #[arg(long)]
+    #[arg(long, env = "PDSERVE_CONFIG")]
     pub config: Option<PathBuf>,
     /// Print the effective configuration with the source of each value, then exit.
-    #[arg(long)]
+    #[arg(long, env = "PDSERVE_PRINT_CONFIG")]
     pub print_config: bool,
     /// Model folder (config.json, *.safetensors, tokenizer.json). Default: the embedded model.
     #[arg(long)]
@@ -296,10 +296,10 @@ pub const ROUTER_KEYS: &[&str] = &[
 #[derive(clap::Args, Debug, Clone, Default)]
 pub struct RouterFlags {
     /// TOML file with any of the config keys (see --print-config).
-    #[arg(long)]
+    #[arg(long, env = "PDSERVE_CONFIG")]
     pub config: Option<PathBuf>,
     /// Print the effective configuration with the source of each value, then exit.
-    #[arg(long)]
+    #[arg(long, env = "PDSERVE_PRINT_CONFIG")]
     pub print_config: bool,
     /// Model folder (for the tokenizer and end tokens). Default: the embedded model.
     #[arg(long)]
@@ -378,7 +378,18 @@ impl RouterFlags {
         flag(&mut f, "health_interval_s", &self.health_interval_s);
         flag(&mut f, "max_body_bytes", &self.max_body_bytes);
         flag(&mut f, "max_model_len", &self.max_model_len);
-        let defaults = RouterConfig {
+        layered::extract(
+            &RouterConfig::defaults(),
+            self.config.as_deref(),
+            ROUTER_KEYS,
+            f,
+        )
+    }
+}
+
+impl RouterConfig {
+    pub fn defaults() -> Self {
+        RouterConfig {
             model: None,
             listen: "127.0.0.1:8000".into(),
             prefill: Vec::new(),
@@ -391,7 +402,6 @@ impl RouterFlags {
             health_interval_s: 0.5,
             max_body_bytes: 2 << 20,
             max_model_len: None,
-        };
-        layered::extract(&defaults, self.config.as_deref(), ROUTER_KEYS, f)
+        }
     }
 }
