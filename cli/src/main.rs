@@ -10,6 +10,7 @@ mod reference;
 mod roles;
 mod serve;
 mod up;
+mod wait_ready;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
@@ -57,6 +58,8 @@ enum Command {
     GpuCheck(gpu_check::GpuCheckArgs),
     /// Benchmarks on a synthetic V4-Flash-shaped model with random weights (decode, prefill).
     Bench(bench::BenchArgs),
+    /// Wait until a process's GET /ready answers 200 (for service managers and health checks).
+    WaitReady(wait_ready::WaitReadyArgs),
     /// Print the flag reference of the serving roles (docs/flags.md) as Markdown.
     #[command(hide = true)]
     FlagReference,
@@ -87,6 +90,7 @@ fn main() -> ExitCode {
         Command::Up(a) => up::up(a, matches!(cli.log_format, LogFormat::Json)),
         Command::GpuCheck(a) => gpu_check::gpu_check(a),
         Command::Bench(a) => bench::bench(a),
+        Command::WaitReady(a) => wait_ready::wait_ready(a),
         Command::FlagReference => reference::render().map(|md| print!("{md}")),
     };
     match result {

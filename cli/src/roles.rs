@@ -266,7 +266,9 @@ impl WorkerFlags {
 pub struct RouterConfig {
     pub model: Option<PathBuf>,
     pub listen: String,
+    #[serde(deserialize_with = "list_or_commas")]
     pub prefill: Vec<String>,
+    #[serde(deserialize_with = "list_or_commas")]
     pub decode: Vec<String>,
     pub first_token_timeout_s: f64,
     pub token_timeout_s: f64,
@@ -276,6 +278,31 @@ pub struct RouterConfig {
     pub health_interval_s: f64,
     pub max_body_bytes: usize,
     pub max_model_len: Option<usize>,
+    #[serde(deserialize_with = "list_or_commas")]
+    pub discover_prefill: Vec<String>,
+    #[serde(deserialize_with = "list_or_commas")]
+    pub discover_decode: Vec<String>,
+    pub discover_interval_s: f64,
+}
+
+/// An address list as TOML writes it (`["a:1", "b:2"]`) or as an environment variable
+/// does (`PDSERVE_DECODE=a:1,b:2`, the flags' comma-separated form).
+fn list_or_commas<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum ListOrCommas {
+        List(Vec<String>),
+        Commas(String),
+    }
+    Ok(match ListOrCommas::deserialize(d)? {
+        ListOrCommas::List(v) => v,
+        ListOrCommas::Commas(s) => s
+            .split(',')
+            .map(str::trim)
+            .filter(|a| !a.is_empty())
+            .map(String::from)
+            .collect(),
+    })
 }
 
 pub const ROUTER_KEYS: &[&str] = &[
@@ -291,6 +318,9 @@ pub const ROUTER_KEYS: &[&str] = &[
     "health_interval_s",
     "max_body_bytes",
     "max_model_len",
+    "discover_prefill",
+    "discover_decode",
+    "discover_interval_s",
 ];
 
 #[derive(clap::Args, Debug, Clone, Default)]
@@ -339,6 +369,17 @@ pub struct RouterFlags {
     /// upper bound: the model's max_position_embeddings.
     #[arg(long)]
     pub max_model_len: Option<usize>,
+    /// DNS names (host:port; repeated or comma-separated) whose addresses are prefill
+    /// workers, re-resolved every --discover-interval-s: workers join and leave as the
+    /// name's addresses do (a Kubernetes headless Service lists its ready pods).
+    #[arg(long, value_delimiter = ',')]
+    pub discover_prefill: Option<Vec<String>>,
+    /// DNS names (host:port) whose addresses are decode workers (as --discover-prefill).
+    #[arg(long, value_delimiter = ',')]
+    pub discover_decode: Option<Vec<String>>,
+    /// Seconds between two resolutions of the --discover-* names.
+    #[arg(long)]
+    pub discover_interval_s: Option<f64>,
 }
 
 impl RouterConfig {
@@ -354,6 +395,7 @@ impl RouterConfig {
             ("--first-token-timeout-s", self.first_token_timeout_s),
             ("--token-timeout-s", self.token_timeout_s),
             ("--health-interval-s", self.health_interval_s),
+            ("--discover-interval-s", self.discover_interval_s),
         ] {
             if !(t.is_finite() && t > 0.0) {
                 bail!("{flag} must be a positive number of seconds, got {t}");
@@ -378,6 +420,9 @@ impl RouterFlags {
         flag(&mut f, "health_interval_s", &self.health_interval_s);
         flag(&mut f, "max_body_bytes", &self.max_body_bytes);
         flag(&mut f, "max_model_len", &self.max_model_len);
+        flag(&mut f, "discover_prefill", &self.discover_prefill);
+        flag(&mut f, "discover_decode", &self.discover_decode);
+        flag(&mut f, "discover_interval_s", &self.discover_interval_s);
         layered::extract(
             &RouterConfig::defaults(),
             self.config.as_deref(),
@@ -402,6 +447,9 @@ impl RouterConfig {
             health_interval_s: 0.5,
             max_body_bytes: 2 << 20,
             max_model_len: None,
+            discover_prefill: Vec::new(),
+            discover_decode: Vec::new(),
+            discover_interval_s: 5.0,
         }
     }
 }

@@ -260,6 +260,9 @@ pub fn router(flags: RouterFlags) -> Result<()> {
         vocab_size: mcfg.vocab_size,
         max_body_bytes: cfg.max_body_bytes,
         chat_template: chat_template.map(std::sync::Arc::new),
+        discover_prefill: cfg.discover_prefill.clone(),
+        discover_decode: cfg.discover_decode.clone(),
+        discover_interval: Duration::from_secs_f64(cfg.discover_interval_s),
     };
     runtime()?.block_on(async move {
         let listener = bind(&cfg.listen, "router").await?;

@@ -63,3 +63,24 @@ fn environment_variables_from_the_reference_reach_the_config() {
     );
     assert!(line("drain_timeout_s").contains("45"), "{text}");
 }
+
+#[test]
+fn address_lists_come_from_the_environment_comma_separated() {
+    let out = bin()
+        .args(["router", "--print-config"])
+        .env("PDSERVE_DECODE", "10.0.0.1:50062,10.0.0.2:50062")
+        .env("PDSERVE_DISCOVER_PREFILL", "pdserve-prefill:50061")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(
+        text.contains(r#"["10.0.0.1:50062","10.0.0.2:50062"]"#),
+        "{text}"
+    );
+    assert!(text.contains(r#"["pdserve-prefill:50061"]"#), "{text}");
+}

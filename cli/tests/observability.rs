@@ -180,9 +180,7 @@ fn dashboard_uses_only(exported: &std::collections::BTreeSet<String>) {
         env!("CARGO_MANIFEST_DIR"),
         "/../deploy/grafana/pdserve.json"
     );
-    let Ok(text) = std::fs::read_to_string(path) else {
-        return;
-    };
+    let text = std::fs::read_to_string(path).unwrap();
     let dash: serde_json::Value = serde_json::from_str(&text).unwrap();
     let mut exprs = Vec::new();
     collect_exprs(&dash, &mut exprs);
@@ -221,7 +219,7 @@ fn collect_exprs(v: &serde_json::Value, out: &mut Vec<String>) {
         serde_json::Value::Object(m) => {
             for (k, x) in m {
                 match (k.as_str(), x) {
-                    ("expr", serde_json::Value::String(s)) => out.push(s.clone()),
+                    ("expr" | "definition", serde_json::Value::String(s)) => out.push(s.clone()),
                     _ => collect_exprs(x, out),
                 }
             }
@@ -293,4 +291,26 @@ fn a_worker_is_live_while_loading_and_serves_grpc_health_once_ready() {
         tonic_health::pb::health_check_response::ServingStatus::Serving as i32
     );
     drop(d);
+}
+
+#[test]
+fn a_router_takes_its_workers_from_the_discovery_names() {
+    let (_p, pa, _) = worker_with_metrics("prefill", &[]);
+    let (_d, da, _) = worker_with_metrics("decode", &[]);
+    let (_r, ra) = role(
+        "router",
+        &[
+            "--discover-prefill",
+            &pa,
+            "--discover-decode",
+            &da,
+            "--discover-interval-s",
+            "0.2",
+        ],
+    );
+    wait_status(&ra, "/ready", 200, 60);
+    let (ids, _) = complete(&ra, &greedy(&prompt(3, 12), 3)).unwrap();
+    assert_eq!(ids.len(), 3);
+    let (_, body) = http(&ra, "GET", "/workers", None, Duration::from_secs(5));
+    assert!(body.contains(&pa) && body.contains(&da), "{body}");
 }

@@ -15,6 +15,7 @@ pub mod chat;
 pub mod circuit;
 mod completions;
 mod detok;
+pub mod discovery;
 mod driver;
 mod error;
 pub mod extract;
@@ -69,6 +70,12 @@ pub struct RouterSettings {
     pub max_body_bytes: usize,
     /// The model's chat template; None: the default `role: content` lines.
     pub chat_template: Option<Arc<chat::ChatTemplate>>,
+    /// DNS names (host:port) whose addresses are the prefill workers (see [`discovery`]).
+    pub discover_prefill: Vec<String>,
+    /// DNS names (host:port) whose addresses are the decode workers.
+    pub discover_decode: Vec<String>,
+    /// How often the discovery names are resolved again.
+    pub discover_interval: Duration,
 }
 
 pub struct AppState {
@@ -145,11 +152,29 @@ pub async fn serve(
         decode_policy,
         settings,
     });
+    let mut discovery = Vec::new();
+    for (role, names) in [
+        (Role::Prefill, &state.settings.discover_prefill),
+        (Role::Decode, &state.settings.discover_decode),
+    ] {
+        if !names.is_empty() {
+            let interval = state.settings.discover_interval;
+            discovery.push(tokio::spawn(discovery::follow(
+                state.clone(),
+                role,
+                names.clone(),
+                interval,
+            )));
+        }
+    }
     tracing::info!(addr = ?listener.local_addr().ok(), prefill = ?state.settings.prefill, decode = ?state.settings.decode, prefill_policy = state.prefill_policy.name(), decode_policy = state.decode_policy.name(), "router ready");
     let res = axum::serve(listener, app(state))
         .with_graceful_shutdown(shutdown)
         .await;
     health.abort();
     upkeep.abort();
+    for d in discovery {
+        d.abort();
+    }
     Ok(res?)
 }
