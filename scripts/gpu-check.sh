@@ -48,6 +48,8 @@ echo "   --kv-audit row: 4 sequences, 300 batched decode steps, no write outside
 if [ $# -eq 0 ]; then
   echo "== the cluster on the GPU"
   BIN="$BIN" DEVICE="$DEVICE" bash scripts/gpu-cluster-check.sh
+  echo "== the KV canary and the graph self-check in the servers, under load"
+  BIN="$BIN" DEVICE="$DEVICE" bash scripts/gpu-canary-check.sh
 fi
 echo "== kernel cache: second start loads PTX from $PDSERVE_KERNEL_CACHE"
 ls "$PDSERVE_KERNEL_CACHE" | head -n 20

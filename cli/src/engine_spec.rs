@@ -76,6 +76,8 @@ pub struct CudaSpec {
     pub graphs: GraphMode,
     /// Replay every graphed decode step eagerly too and fail it unless bitwise equal.
     pub verify_graphs: bool,
+    /// Batch-invariant kernels only (`--deterministic`).
+    pub deterministic: bool,
 }
 
 impl CudaSpec {
@@ -85,6 +87,7 @@ impl CudaSpec {
             .map_err(|e| BackendError::Device(format!("--device cuda:{ordinal}: {e}")))?;
         b.set_graph_mode(self.graphs);
         b.set_verify_graphs(self.verify_graphs);
+        b.set_deterministic(self.deterministic);
         Ok(b)
     }
 }
@@ -118,8 +121,8 @@ pub struct EngineSpec {
     pub dir: PathBuf,
     pub layout: KvLayoutSpec,
     pub pool: PoolSize,
-    /// Checksum KV pages and state slots around every step (`--kv-audit`).
-    pub kv_audit: bool,
+    /// KV canary: check pages every N steps, state slots every step (0: off).
+    pub kv_audit_every: u32,
 }
 
 /// Load the model of `spec` onto `backend`: THE way every command builds its engine.
@@ -128,7 +131,7 @@ pub struct EngineSpec {
 pub fn open_engine<B: Backend>(spec: &EngineSpec, backend: B) -> Result<Engine<B>, EngineError> {
     let t0 = std::time::Instant::now();
     let mut engine = Engine::load(&spec.dir, backend, Some(spec.layout), spec.pool)?;
-    engine.set_kv_audit(spec.kv_audit);
+    engine.set_kv_audit_every(spec.kv_audit_every);
     tracing::info!(
         model = %spec.dir.display(),
         backend = %engine.backend().name(),

@@ -56,7 +56,8 @@ enum Command {
     Up(up::UpArgs),
     /// Compare the CUDA backend with the CPU engine on reference fixtures (pass/fail table).
     GpuCheck(gpu_check::GpuCheckArgs),
-    /// Benchmarks on a synthetic V4-Flash-shaped model with random weights (decode, prefill).
+    /// Benchmarks: decode and prefill on a synthetic V4-Flash-shaped model with random
+    /// weights; `serve`: load and a reference check on a running cluster.
     Bench(bench::BenchArgs),
     /// Wait until a process's GET /ready answers 200 (for service managers and health checks).
     WaitReady(wait_ready::WaitReadyArgs),

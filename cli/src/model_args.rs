@@ -33,6 +33,12 @@ pub struct ModelArgs {
     /// logits, pages and states are bitwise equal (slow; for checking).
     #[arg(long)]
     pub verify_graphs: bool,
+    /// Batch-invariant numerics: a request's logits bitwise independent of what else is in
+    /// its batch and of bucket padding (CUDA: a fixed-order GEMM kernel instead of cuBLAS,
+    /// routed experts always by the grouped kernels; slower). The CPU backend is
+    /// batch-invariant always.
+    #[arg(long)]
+    pub deterministic: bool,
     /// Storage dtype of the indexer's index-K entries: f32 (exact top-k picks), bf16 (half
     /// the bytes) or fp8 (e4m3 + one fp32 scale per entry: 132 B per 128-dim entry).
     /// Below f32, near-ties in indexer scores can pick different entries.
@@ -57,10 +63,14 @@ pub struct ModelArgs {
     /// Host (hierarchical cache) pool size in GB instead of --hicache-ratio.
     #[arg(long)]
     pub hicache_size: Option<f64>,
-    /// Checksum every KV page and state slot around each step and fail requests whose
-    /// pages changed outside the step's expected writes (costly; for debugging).
-    #[arg(long)]
+    /// KV canary at every step: checksums of every page and state slot (computed on the
+    /// device) fail requests whose KV changed outside the expected writes. Same as
+    /// --kv-audit-every 1.
+    #[arg(long, conflicts_with = "kv_audit_every")]
     pub kv_audit: bool,
+    /// KV canary checking pages every N steps (state slots every step); 0: off.
+    #[arg(long)]
+    pub kv_audit_every: Option<u32>,
     /// Prefill chunk size in tokens (0: whole prompt in one forward).
     #[arg(long, default_value_t = 512)]
     pub chunked_prefill_size: usize,
@@ -126,6 +136,7 @@ impl ModelArgs {
             weights: weight_dtype(&self.cuda_weights)?,
             graphs: graphs.mode(true),
             verify_graphs: self.verify_graphs,
+            deterministic: self.deterministic,
         };
         match device {
             Device::Cpu => cmd.run(self.load(CpuBackend)?),
@@ -158,7 +169,7 @@ impl ModelArgs {
                 pages: device_pages,
                 states: STATE_SLOTS,
             },
-            kv_audit: self.kv_audit,
+            kv_audit_every: self.kv_audit_every.unwrap_or(u32::from(self.kv_audit)),
         };
         let engine = open_engine(&spec, backend)
             .with_context(|| format!("loading model from {}", dir.display()))?;

@@ -43,6 +43,12 @@ pub struct WorkerConfig {
     pub request_timeout_s: f64,
     pub metrics_listen: Option<String>,
     pub drain_timeout_s: f64,
+    /// KV canary: check pages every N steps, state slots every step (0: off).
+    pub kv_audit_every: u32,
+    /// Decode on CUDA: replay every graphed step eagerly too and compare bitwise.
+    pub verify_graphs: bool,
+    /// Batch-invariant numerics (CUDA kernels with fixed reduction orders).
+    pub deterministic: bool,
 }
 
 pub const WORKER_KEYS: &[&str] = &[
@@ -62,6 +68,9 @@ pub const WORKER_KEYS: &[&str] = &[
     "request_timeout_s",
     "metrics_listen",
     "drain_timeout_s",
+    "kv_audit_every",
+    "verify_graphs",
+    "deterministic",
 ];
 
 impl WorkerConfig {
@@ -86,6 +95,9 @@ impl WorkerConfig {
             request_timeout_s: 120.0,
             metrics_listen: None,
             drain_timeout_s: 30.0,
+            kv_audit_every: 0,
+            verify_graphs: false,
+            deterministic: false,
         }
     }
 
@@ -166,6 +178,9 @@ impl WorkerConfig {
                 self.drain_timeout_s
             );
         }
+        if self.verify_graphs && !(cuda && role == WorkerRole::Decode) {
+            bail!("--verify-graphs checks CUDA decode graphs: it needs a decode server with --device cuda:N");
+        }
         Ok(())
     }
 }
@@ -230,6 +245,28 @@ pub struct WorkerFlags {
     /// before they fail and the server exits.
     #[arg(long)]
     pub drain_timeout_s: Option<f64>,
+    /// KV canary at every step: checksums of every page and state slot (computed on the
+    /// device) fail exactly the requests whose KV changed outside the expected writes.
+    /// Same as --kv-audit-every 1.
+    #[arg(long, conflicts_with = "kv_audit_every")]
+    pub kv_audit: bool,
+    /// KV canary checking pages every N steps (state slots every step); 0: off.
+    /// See docs/kv-canary.md for what it costs.
+    #[arg(long)]
+    pub kv_audit_every: Option<u32>,
+    /// Decode on CUDA: replay every graphed step eagerly too and compare bitwise; a
+    /// mismatch fails the step's requests and recaptures the bucket's graph (slow).
+    #[arg(long)]
+    pub verify_graphs: bool,
+    /// Batch-invariant numerics: a request's logits bitwise independent of its batch and of
+    /// bucket padding (CUDA: fixed-order GEMMs instead of cuBLAS, grouped routed experts;
+    /// slower). Give it to prefill and decode servers alike. The CPU is batch-invariant always.
+    #[arg(long)]
+    pub deterministic: bool,
+    /// Test only: KIND@STEP (page, index-k or state) writes garbage into the oldest
+    /// running request's KV after decode step STEP, past every writer the canary knows.
+    #[arg(long, hide = true)]
+    pub debug_kv_scribble: Option<String>,
 }
 
 impl WorkerFlags {
@@ -251,6 +288,10 @@ impl WorkerFlags {
         flag(&mut f, "request_timeout_s", &self.request_timeout_s);
         flag(&mut f, "metrics_listen", &self.metrics_listen);
         flag(&mut f, "drain_timeout_s", &self.drain_timeout_s);
+        let audit_every = self.kv_audit_every.or(self.kv_audit.then_some(1));
+        flag(&mut f, "kv_audit_every", &audit_every);
+        flag(&mut f, "verify_graphs", &self.verify_graphs.then_some(true));
+        flag(&mut f, "deterministic", &self.deterministic.then_some(true));
         let (cfg, entries) = layered::extract(
             &WorkerConfig::defaults(role),
             self.config.as_deref(),

@@ -4,6 +4,7 @@ use crate::engine_spec::{layout_spec, open_engine, CudaSpec, Device, EngineSpec}
 use crate::layered::{render, Entry};
 use crate::roles::{RouterFlags, WorkerConfig, WorkerFlags, WorkerRole};
 use anyhow::{Context, Result};
+use pdserve_decode_server::{DebugScribble, ScribbleKind};
 use pdserve_engine::backend::{Backend, BackendError};
 use pdserve_engine::config::ModelConfig;
 use pdserve_engine::kv::sizing::{self, HostSize};
@@ -129,7 +130,7 @@ fn engine_factory<B: Backend + 'static>(
             pages: cfg.kv_pages,
             states: cfg.max_batch,
         },
-        kv_audit: false,
+        kv_audit_every: cfg.kv_audit_every,
     };
     let factory: EngineFactory<B> = Box::new(move || open_engine(&spec, open()?));
     Ok((factory, host_pages))
@@ -142,6 +143,14 @@ pub fn worker(role: WorkerRole, flags: WorkerFlags) -> Result<()> {
         return cfg.validate(role);
     }
     cfg.validate(role)?;
+    let scribble = flags
+        .debug_kv_scribble
+        .as_deref()
+        .map(parse_scribble)
+        .transpose()?;
+    if scribble.is_some() && (role != WorkerRole::Decode || cfg.kv_audit_every == 0) {
+        anyhow::bail!("--debug-kv-scribble plants a write for the canary: decode servers with --kv-audit only");
+    }
     let (dir, model_name) = model_dir(&cfg.model)?;
     match cfg.device()? {
         Device::Cuda(n) => {
@@ -150,14 +159,15 @@ pub fn worker(role: WorkerRole, flags: WorkerFlags) -> Result<()> {
             let cuda = CudaSpec {
                 weights: WeightDtype::Bf16,
                 graphs: cfg.graphs()?.mode(role == WorkerRole::Decode),
-                verify_graphs: false,
+                verify_graphs: cfg.verify_graphs,
+                deterministic: cfg.deterministic,
             };
             let factory = engine_factory(&cfg, dir, move || cuda.open(n))?;
-            serve_worker(role, cfg, entries, model_name, factory)
+            serve_worker(role, cfg, entries, model_name, scribble, factory)
         }
         _ => {
             let factory = engine_factory(&cfg, dir, || Ok(CpuBackend))?;
-            serve_worker(role, cfg, entries, model_name, factory)
+            serve_worker(role, cfg, entries, model_name, scribble, factory)
         }
     }
 }
@@ -167,6 +177,7 @@ fn serve_worker<B: Backend + 'static>(
     cfg: WorkerConfig,
     entries: Vec<Entry>,
     model_name: String,
+    scribble: Option<DebugScribble>,
     (make_engine, host_pages): (EngineFactory<B>, usize),
 ) -> Result<()> {
     let timeout = Duration::from_secs_f64(cfg.request_timeout_s);
@@ -205,6 +216,7 @@ fn serve_worker<B: Backend + 'static>(
                     load_timeout: Duration::from_secs(600),
                     drain_timeout,
                     config: config_pb(&entries),
+                    debug_kv_scribble: scribble,
                 };
                 pdserve_decode_server::serve(settings, make_engine, ports, shutdown_signal())
                     .await?;
@@ -212,6 +224,23 @@ fn serve_worker<B: Backend + 'static>(
         }
         Ok(())
     })
+}
+
+/// `--debug-kv-scribble KIND@STEP`.
+fn parse_scribble(s: &str) -> Result<DebugScribble> {
+    let (kind, step) = s
+        .split_once('@')
+        .ok_or_else(|| anyhow::anyhow!("--debug-kv-scribble `{s}`: expected KIND@STEP"))?;
+    let kind = match kind {
+        "page" => ScribbleKind::Page,
+        "index-k" => ScribbleKind::IndexK,
+        "state" => ScribbleKind::State,
+        k => anyhow::bail!("--debug-kv-scribble kind `{k}`: expected page, index-k or state"),
+    };
+    let after_step = step
+        .parse()
+        .map_err(|e| anyhow::anyhow!("--debug-kv-scribble step `{step}`: {e}"))?;
+    Ok(DebugScribble { kind, after_step })
 }
 
 pub fn router(flags: RouterFlags) -> Result<()> {

@@ -43,6 +43,7 @@ fn expected(role: &str) -> Vec<(&'static str, &'static str)> {
             ("pdserve_decode_batch_size", "histogram"),
             ("pdserve_cuda_graph_captures_total", "counter"),
             ("pdserve_cuda_graph_replays_total", "counter"),
+            ("pdserve_graph_verify_mismatches_total", "counter"),
         ]);
     }
     v

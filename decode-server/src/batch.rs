@@ -6,7 +6,9 @@
 use crate::admission::Permit;
 use crate::events::{Event, Events};
 use pdserve_engine::backend::Backend;
+use pdserve_engine::config::LayerKind;
 use pdserve_engine::generate::FinishReason;
+use pdserve_engine::kv::audit::{Scribble, ScribbleTarget};
 use pdserve_engine::kv::KvLayout;
 use pdserve_engine::sampling::{Sampler, SamplingParams};
 use pdserve_engine::{Engine, EngineError, ErrorClass, ForwardItem, Logits, Sequence};
@@ -39,10 +41,30 @@ pub struct Ready {
 
 type ReadyRx = oneshot::Receiver<Result<Ready, EngineError>>;
 
+/// Test-only: after decode step `after_step` (counted from 1), garbage lands in the KV of
+/// the longest-running request, written past every writer the canary knows, as a kernel
+/// writing out of bounds would. The canary must fail exactly that request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DebugScribble {
+    pub kind: ScribbleKind,
+    pub after_step: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ScribbleKind {
+    /// The request's first page.
+    Page,
+    /// One index-K entry of the first CSA layer in its first page.
+    IndexK,
+    /// Its state slot.
+    State,
+}
+
 pub fn spawn<B, F>(
     make_engine: F,
     load: Arc<Load>,
     life: Arc<Lifecycle>,
+    scribble: Option<DebugScribble>,
 ) -> std::io::Result<(mpsc::Sender<Admit>, ReadyRx)>
 where
     B: Backend + 'static,
@@ -71,6 +93,8 @@ where
                 running: Vec::new(),
                 load,
                 life,
+                steps: 0,
+                scribble,
             }
             .run(rx);
         })?;
@@ -125,6 +149,9 @@ struct Batch<B: Backend> {
     running: Vec<Running>,
     load: Arc<Load>,
     life: Arc<Lifecycle>,
+    /// Decode steps run so far.
+    steps: u64,
+    scribble: Option<DebugScribble>,
 }
 
 impl<B: Backend> Batch<B> {
@@ -252,7 +279,69 @@ impl<B: Backend> Batch<B> {
         }
     }
 
+    /// Fail, alone, the requests whose pages or state slot the KV canary found corrupt.
+    fn fail_kv_faults(&mut self) {
+        let (hit, keep): (Vec<_>, Vec<_>) = std::mem::take(&mut self.running)
+            .into_iter()
+            .partition(|r| self.engine.kv_fault(&r.seq).is_some());
+        self.running = keep;
+        for r in hit {
+            if let Some(e) = self.engine.kv_fault(&r.seq) {
+                self.fail_one(r, &e);
+            }
+        }
+    }
+
+    fn fail_one(&mut self, r: Running, e: &EngineError) {
+        tracing::error!(request_id = %r.request_id, error = %e, "request failed: its KV is corrupt");
+        let _ = r
+            .events
+            .send(Event::Failed(Failure::from_engine(e, Some("KV canary"))));
+        self.finish(r);
+    }
+
+    /// Arm the test-only scribble when its step comes.
+    fn plant_scribble(&mut self) {
+        let Some(s) = self.scribble.filter(|s| s.after_step == self.steps + 1) else {
+            return;
+        };
+        let Some(victim) = self.running.first() else {
+            return;
+        };
+        let kv = victim.seq.kv();
+        let csa = self
+            .engine
+            .layout()
+            .layers
+            .iter()
+            .position(|l| l.kind == LayerKind::Csa);
+        let target = match (s.kind, kv.pages.first(), csa) {
+            (ScribbleKind::State, _, _) => ScribbleTarget::State(kv.state),
+            (ScribbleKind::Page, Some(&page), _) => ScribbleTarget::Page(page),
+            (ScribbleKind::IndexK, Some(&page), Some(layer)) => ScribbleTarget::IndexK {
+                page,
+                layer,
+                entry: 0,
+            },
+            _ => {
+                tracing::error!(kind = ?s.kind, "debug scribble: no such target in this model");
+                return;
+            }
+        };
+        tracing::warn!(request_id = %victim.request_id, ?target, "debug scribble planted");
+        self.engine.debug_scribble(Scribble {
+            target,
+            in_step: false,
+        });
+    }
+
     fn step(&mut self) {
+        self.fail_kv_faults();
+        if self.running.is_empty() {
+            return;
+        }
+        self.plant_scribble();
+        self.steps += 1;
         let mut items: Vec<ForwardItem<'_>> = self
             .running
             .iter_mut()
@@ -263,7 +352,7 @@ impl<B: Backend> Batch<B> {
             })
             .collect();
         let t0 = std::time::Instant::now();
-        let out = self.engine.forward(&mut items);
+        let out = self.engine.forward_each(&mut items);
         drop(items);
         let logits = match out {
             Ok(l) => l,
@@ -278,7 +367,15 @@ impl<B: Backend> Batch<B> {
             }
         };
         let mut done = Vec::new();
-        for (i, (r, l)) in self.running.iter_mut().zip(&logits).enumerate() {
+        let mut corrupt = Vec::new();
+        for (i, (r, l)) in self.running.iter_mut().zip(logits).enumerate() {
+            let l = match l {
+                Ok(l) => l,
+                Err(e) => {
+                    corrupt.push((i, e));
+                    continue;
+                }
+            };
             match r.sampler.sample(&l.data) {
                 Ok(t) => {
                     if r.emit(t) {
@@ -295,9 +392,18 @@ impl<B: Backend> Batch<B> {
             }
         }
         pdserve_worker::metrics::decode_step(t0.elapsed(), self.running.len());
-        for i in done.into_iter().rev() {
+        let mut gone: Vec<(usize, Option<EngineError>)> = done
+            .into_iter()
+            .map(|i| (i, None))
+            .chain(corrupt.into_iter().map(|(i, e)| (i, Some(e))))
+            .collect();
+        gone.sort_by_key(|(i, _)| *i);
+        for (i, e) in gone.into_iter().rev() {
             let r = self.running.swap_remove(i);
-            self.finish(r);
+            match e {
+                Some(e) => self.fail_one(r, &e),
+                None => self.finish(r),
+            }
         }
     }
 }

@@ -33,7 +33,11 @@ pub struct DecodeSettings {
     pub drain_timeout: Duration,
     /// Effective configuration, reported by the info RPC.
     pub config: Vec<pb::ConfigEntry>,
+    /// Test-only KV scribble (`--debug-kv-scribble`).
+    pub debug_kv_scribble: Option<DebugScribble>,
 }
+
+pub use batch::{DebugScribble, ScribbleKind};
 
 pub use pdserve_worker::{Ports, ServeError};
 
@@ -51,7 +55,12 @@ where
 {
     let startup = Startup::begin(&settings.model_name, "decode", ports.metrics);
     let load = startup.load.clone();
-    let (admits, ready) = batch::spawn(make_engine, load.clone(), startup.life.clone())?;
+    let (admits, ready) = batch::spawn(
+        make_engine,
+        load.clone(),
+        startup.life.clone(),
+        settings.debug_kv_scribble,
+    )?;
     let ready = pdserve_worker::engine_ready(ready, settings.load_timeout).await?;
     load.total_pages
         .store(ready.total_pages as u64, Ordering::Relaxed);

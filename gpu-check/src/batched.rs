@@ -43,20 +43,38 @@ struct Setup {
     weights: WeightDtype,
     index_k: EntryDtype,
     mode: GraphMode,
+    /// `--deterministic`: rows must then be bitwise independent of their batch.
+    deterministic: bool,
 }
 
 impl Setup {
     fn label(&self) -> String {
         format!(
-            "w={} ik={} {}",
+            "w={} ik={} {}{}",
             match self.weights {
                 WeightDtype::Bf16 => "bf16",
                 WeightDtype::F32 => "f32",
             },
             self.index_k,
-            self.mode
+            self.mode,
+            if self.deterministic {
+                " --deterministic"
+            } else {
+                ""
+            }
         )
     }
+}
+
+/// Whether two runs' rows are bitwise equal.
+fn bitwise_equal(a: &[Vec<Vec<f32>>], b: &[Vec<Vec<f32>>]) -> bool {
+    a.len() == b.len()
+        && a.iter().zip(b).all(|(x, y)| {
+            x.len() == y.len()
+                && x.iter().zip(y).all(|(r, q)| {
+                    r.len() == q.len() && r.iter().zip(q).all(|(u, v)| u.to_bits() == v.to_bits())
+                })
+        })
 }
 
 /// `seqs` sequences from the corpus: prompt lengths spread over 5..~600 tokens, each
@@ -229,6 +247,7 @@ fn check_setup(
 ) -> AnyResult<(Vec<CheckRow>, Vec<String>)> {
     let mut backend = CudaBackend::with_weights(ordinal, None, setup.weights)?;
     backend.set_graph_mode(setup.mode);
+    backend.set_deterministic(setup.deterministic);
     let spec = KvLayoutSpec {
         index_k_dtype: setup.index_k,
         ..kv_spec(dir)?
@@ -277,7 +296,19 @@ fn check_setup(
         ),
         describe(&label, &format!("batch {n}"), &ea, &flips(&all, want)),
     ];
-    if !exact {
+    if setup.deterministic {
+        let same = bitwise_equal(&one, &small) && bitwise_equal(&one, &all);
+        rows.push(CheckRow {
+            name: format!("batched {label}: batch 1 == {SMALL_BATCH} == {n} bitwise"),
+            rows: ea.len(),
+            max_rel_err: errors(&all, &one).into_iter().fold(0.0, f64::max),
+            worst_row: 0,
+            greedy_same: 0,
+            near_ties: 0,
+            pass: same,
+            gate: true,
+        });
+    } else if !exact {
         // Same distribution: the batched p90/p99 may not exceed batch 1's by more than
         // half again (plus a floor for rows at fp32 noise).
         let (q1, qa) = (quantiles(&e1), quantiles(&ea));
@@ -325,10 +356,18 @@ pub fn check_batched(
         (WeightDtype::Bf16, EntryDtype::F32, GraphMode::Capture),
         (WeightDtype::Bf16, EntryDtype::Bf16, GraphMode::Capture),
         (WeightDtype::Bf16, EntryDtype::Bf16, GraphMode::Eager),
-    ];
+    ]
+    .map(|(w, ik, m)| (w, ik, m, false))
+    .into_iter()
+    .chain([(
+        WeightDtype::Bf16,
+        EntryDtype::Bf16,
+        GraphMode::Capture,
+        true,
+    )]);
     let (mut rows, mut figures) = (Vec::new(), Vec::new());
     let mut want_for = std::collections::HashMap::new();
-    for (weights, index_k, mode) in setups {
+    for (weights, index_k, mode, deterministic) in setups {
         let spec = KvLayoutSpec {
             index_k_dtype: index_k,
             ..kv_spec(&dir)?
@@ -341,6 +380,7 @@ pub fn check_batched(
             weights,
             index_k,
             mode,
+            deterministic,
         };
         let (r, f) = check_setup(ordinal, &dir, setup, &cases, want)?;
         rows.extend(r);

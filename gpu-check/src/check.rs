@@ -380,6 +380,7 @@ fn audit_batched<B: Backend>(gpu: &mut Engine<B>, tok: &Tokenizer) -> AnyResult<
             }
         }
     }
+    let same_sums = device_checksums_match(gpu)?;
     for seq in seqs {
         gpu.release(seq)?;
     }
@@ -387,16 +388,39 @@ fn audit_batched<B: Backend>(gpu: &mut Engine<B>, tok: &Tokenizer) -> AnyResult<
     if let Err(e) = &result {
         eprintln!("audit: {e}");
     }
+    if !same_sums {
+        eprintln!("audit: device checksums differ from the host definition");
+    }
     Ok(CheckRow {
-        name: format!("embedded w=bf16 --kv-audit, 4 seqs x {steps} batched steps"),
+        name: format!(
+            "embedded w=bf16 --kv-audit, 4 seqs x {steps} batched steps, device checksums == host"
+        ),
         rows: steps,
         max_rel_err: 0.0,
         worst_row: 0,
         greedy_same: 0,
         near_ties: 0,
-        pass: result.is_ok(),
+        pass: result.is_ok() && same_sums,
         gate: true,
     })
+}
+
+/// The canary's device checksums of every page and state slot equal the host
+/// definition (`kv::checksum`) over the same bytes copied out.
+fn device_checksums_match<B: Backend>(e: &Engine<B>) -> AnyResult<bool> {
+    use pdserve_engine::kv::checksum::checksum;
+    let (b, pool) = (e.backend(), e.device_pool());
+    let pages = b.page_checksums(pool.store())?;
+    let states = b.state_checksums(pool.store())?;
+    let mut same =
+        pages.len() == e.allocator().total_pages() && states.len() == e.allocator().total_states();
+    for (p, &c) in pages.iter().enumerate() {
+        same &= c == checksum(&pool.read_page(b, p as u32)?);
+    }
+    for (s, &c) in states.iter().enumerate() {
+        same &= c == checksum(&pool.read_state(b, s as u32)?);
+    }
+    Ok(same)
 }
 
 /// One decode step of every sequence in `seqs`, feeding `toks`; each row's logits.

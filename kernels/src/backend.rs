@@ -68,6 +68,19 @@ impl CudaBackend {
         self.verify_graphs
     }
 
+    /// `--deterministic`: every row's result independent of its batch, of bucket padding
+    /// and of prefill chunking: GEMMs by a kernel with one fixed reduction order per output
+    /// instead of cuBLAS (whose algorithm, split-K and tiles follow the shape), routed
+    /// experts always by the grouped kernels (the padded cuBLAS path rounds activations to
+    /// bf16 and is taken only at larger batches). Slower; see docs/performance.md.
+    pub fn set_deterministic(&mut self, on: bool) {
+        self.gpu.deterministic = on;
+    }
+
+    pub fn deterministic(&self) -> bool {
+        self.gpu.deterministic
+    }
+
     pub(crate) fn graph_cache(&self) -> BResult<std::sync::MutexGuard<'_, GraphCache>> {
         self.graphs
             .lock()
@@ -80,6 +93,7 @@ impl CudaBackend {
             .map(|c| GraphStats {
                 captures: c.captures,
                 replays: c.replays,
+                verify_mismatches: c.verify_mismatches,
                 held: c.held(),
                 phases: c.phases,
             })
@@ -126,6 +140,14 @@ impl KvStorage for CudaBackend {
 
     fn write_state(&self, kv: &mut GpuKv, slot: StateSlot, bytes: &[u8]) -> BResult<()> {
         kv.write_state(&self.gpu, slot, bytes)
+    }
+
+    fn page_checksums(&self, kv: &GpuKv) -> BResult<Vec<u64>> {
+        kv.page_checksums(&self.gpu)
+    }
+
+    fn state_checksums(&self, kv: &GpuKv) -> BResult<Vec<u64>> {
+        kv.state_checksums(&self.gpu)
     }
 }
 

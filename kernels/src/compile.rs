@@ -17,6 +17,7 @@ pub const MODULES: &[(&str, &str)] = &[
     ("attention", include_str!("cu/attention.cu")),
     ("moe", include_str!("cu/moe.cu")),
     ("random", include_str!("cu/random.cu")),
+    ("audit", include_str!("cu/audit.cu")),
 ];
 
 #[derive(Debug, thiserror::Error)]

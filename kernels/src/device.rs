@@ -50,6 +50,8 @@ pub struct Gpu {
     funcs: HashMap<&'static str, CudaFunction>,
     pub arch: String,
     pub device_name: String,
+    /// `--deterministic`: batch-invariant kernels only (see [`crate::CudaBackend::set_deterministic`]).
+    pub(crate) deterministic: bool,
 }
 
 impl std::fmt::Debug for Gpu {
@@ -150,6 +152,7 @@ impl Gpu {
             funcs,
             arch,
             device_name,
+            deterministic: false,
         })
     }
 

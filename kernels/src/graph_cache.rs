@@ -75,6 +75,23 @@ impl<G> SignatureMap<G> {
         }
     }
 
+    /// Drop the value stored for exactly `sig`; whether there was one.
+    pub(crate) fn remove(&mut self, sig: &[u8]) -> bool {
+        let h = signature_hash(sig);
+        let Some(v) = self.buckets.get_mut(&h) else {
+            return false;
+        };
+        let Some(i) = v.iter().position(|(k, _, _)| k == sig) else {
+            return false;
+        };
+        v.swap_remove(i);
+        if v.is_empty() {
+            self.buckets.remove(&h);
+        }
+        self.len -= 1;
+        true
+    }
+
     pub(crate) fn clear(&mut self) {
         self.buckets.clear();
         self.len = 0;
@@ -100,6 +117,8 @@ pub(crate) struct GraphCache {
     pub tick: u64,
     pub captures: u64,
     pub replays: u64,
+    /// `--verify-graphs` steps whose graph replay differed from the eager run.
+    pub verify_mismatches: u64,
     pub phases: StepPhases,
 }
 
@@ -134,6 +153,9 @@ pub struct GraphStats {
     pub captures: u64,
     /// Steps replayed from a graph.
     pub replays: u64,
+    /// `--verify-graphs` steps whose graph replay differed from the eager run (each
+    /// dropped its graph and kept the eager result).
+    pub verify_mismatches: u64,
     /// Graphs held now.
     pub held: usize,
     pub phases: StepPhases,
@@ -155,6 +177,10 @@ mod tests {
         assert_eq!(m.get_mut(b"kernel-a 1 2 3", 4), Some(&mut 'a'));
         assert_eq!(m.get_mut(b"other", 4), None);
         assert_eq!(m.len(), 2);
+        assert!(m.remove(b"kernel-a 1 2 3"));
+        assert!(!m.remove(b"kernel-a 1 2 3"));
+        assert_eq!(m.get_mut(b"kernel-a 1 2 3", 5), None);
+        assert_eq!(m.len(), 1);
     }
 
     #[test]

@@ -10,6 +10,7 @@ pub const REPLAYS_TOTAL: &str = "pdserve_cuda_graph_replays_total";
 pub fn register() {
     metrics::counter!(CAPTURES_TOTAL).absolute(0);
     metrics::counter!(REPLAYS_TOTAL).absolute(0);
+    metrics::counter!(crate::graphs::GRAPH_VERIFY_MISMATCHES).absolute(0);
     metrics::describe_counter!(CAPTURES_TOTAL, "Decode-step CUDA graphs captured");
     metrics::describe_counter!(
         REPLAYS_TOTAL,

@@ -201,6 +201,10 @@ kernels! {
         ScatterRows = "k_scatter_rows" {
             x: DevPtr, idx: DevPtr, out: DevPtr, cols: i32,
         }
+        /// `--deterministic` GEMM: each output's reduction order fixed, whatever the batch.
+        MatmulRows = "k_matmul_rows_bf16" | "k_matmul_rows_f32" {
+            x: DevPtr, w: DevPtr, y: DevPtr, m: i32, n: i32, k: i32, ldx: i32, dout: i32,
+        }
     }
     module "norm_rope" {
         /// RMS norm over groups of `group` values; `w` may be null.
@@ -313,6 +317,12 @@ kernels! {
         /// Read-bandwidth probe: 16-byte loads summed into one value per block.
         ReadProbe = "k_read_probe" {
             x: DevPtr, n4: i64, out: DevPtr,
+        }
+    }
+    module "audit" {
+        /// The KV canary's checksum of each of `gridDim.x` regions of `words` 8-byte words.
+        RegionChecksums = "k_region_checksums" {
+            base: DevPtr, words: i64, out: DevPtr,
         }
     }
 }

@@ -3,6 +3,7 @@
 
 use crate::device::Gpu;
 use crate::devmem::DevMem;
+use crate::kernels::{self, DevPtr};
 use crate::launch::dev_err;
 use pdserve_engine::backend::{BResult, BackendError, BatchPlan};
 use pdserve_engine::kv::{EntryDtype, KvLayout, PageId, StateSlot};
@@ -87,6 +88,16 @@ impl GpuKv {
         .map_err(dev_err)
     }
 
+    /// The canary checksum of every page / state slot (the dummy ones left out), by one
+    /// kernel; only the checksums come back to the host.
+    pub(crate) fn page_checksums(&self, gpu: &Gpu) -> BResult<Vec<u64>> {
+        region_checksums(gpu, &self.pages, self.n_pages, self.page_bytes)
+    }
+
+    pub(crate) fn state_checksums(&self, gpu: &Gpu) -> BResult<Vec<u64>> {
+        region_checksums(gpu, &self.states, self.n_states, self.state_bytes)
+    }
+
     pub(crate) fn read_page(&self, gpu: &Gpu, page: PageId) -> BResult<Vec<u8>> {
         let r = self.page_range(page)?;
         gpu.download(
@@ -126,6 +137,24 @@ impl GpuKv {
         }
         gpu.copy_to_device(self.states.ptr() + r.start as u64, bytes)
     }
+}
+
+/// Checksums of the first `items` regions of `bytes` each in `buf`.
+fn region_checksums(gpu: &Gpu, buf: &DevMem<u8>, items: usize, bytes: usize) -> BResult<Vec<u64>> {
+    if items == 0 {
+        return Ok(Vec::new());
+    }
+    let out = gpu.zeros_owned::<u64>(items)?;
+    gpu.launch(
+        (items as u32, 1, 1),
+        0,
+        &kernels::RegionChecksums {
+            base: DevPtr::of(buf),
+            words: (bytes / 8) as i64,
+            out: DevPtr::of(&out),
+        },
+    )?;
+    gpu.download(&out, items)
 }
 
 /// Kernel code of an entry dtype (`dt` in common.cuh).

@@ -40,6 +40,9 @@ pub struct ModelFlags {
     /// or f32.
     #[arg(long, default_value = "bf16")]
     pub cuda_weights: String,
+    /// Batch-invariant CUDA kernels (`--deterministic`): measures what the mode costs.
+    #[arg(long)]
+    pub deterministic: bool,
 }
 
 /// Attention kind of layer `i` in V4-Flash (`compress_ratios` 0, 0, 4, 128, 4, 128, ...).
@@ -174,6 +177,7 @@ mod tests {
             kv_dtype: "bf16".into(),
             index_k_dtype: "bf16".into(),
             cuda_weights: "bf16".into(),
+            deterministic: false,
         }
     }
 

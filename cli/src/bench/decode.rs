@@ -202,7 +202,9 @@ pub fn run<B: BenchBackend>(a: &DecodeArgs, mut backend: B) -> Result<Vec<Decode
         }
     }
     bar.finish_and_clear();
+    let canary = canary_cost(&backend, &kv, layout, bw.rate)?;
     println!("{}", table(&rows, peer.as_ref()));
+    println!("{}", canary.describe());
     if let Some(t) = graph_speedups(&rows) {
         println!("CUDA graphs against eager launches:\n{t}");
     }
@@ -212,10 +214,67 @@ pub fn run<B: BenchBackend>(a: &DecodeArgs, mut backend: B) -> Result<Vec<Decode
             "memory_bandwidth_bytes_per_s": bw.rate,
             "memory_bandwidth_how": bw.how,
             "rows": rows,
+            "kv_canary": canary,
         });
         super::write_json(path, &v)?;
     }
     Ok(rows)
+}
+
+/// What the KV canary's checksums cost on this pool (`--kv-audit-every`).
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct CanaryCost {
+    pub page_bytes: f64,
+    pub state_bytes: f64,
+    /// Median time of one checksum pass over every page / every state slot.
+    pub pages_ms: f64,
+    pub states_ms: f64,
+    /// Bytes per second of the page pass, against the measured memory bandwidth.
+    pub pages_rate: f64,
+    pub bandwidth: f64,
+}
+
+impl CanaryCost {
+    fn describe(&self) -> String {
+        format!(
+            "KV canary on this pool: page pass {:.3} ms over {} ({:.0} GB/s, {:.0}% of the bandwidth), state pass {:.3} ms over {}.\n  Per step: 2 state passes + 1 page pass every N steps (--kv-audit-every N); the page pass scales with the pool, not the batch.",
+            self.pages_ms,
+            super::table::size(self.page_bytes),
+            self.pages_rate / 1e9,
+            100.0 * self.pages_rate / self.bandwidth,
+            self.states_ms,
+            super::table::size(self.state_bytes),
+        )
+    }
+}
+
+fn canary_cost<B: BenchBackend>(
+    backend: &B,
+    kv: &B::KvStore,
+    layout: &pdserve_engine::kv::KvLayout,
+    bandwidth: f64,
+) -> Result<CanaryCost> {
+    let time = |f: &dyn Fn() -> Result<Vec<u64>>| -> Result<(f64, usize)> {
+        let mut n = f()?.len();
+        let mut times = Vec::new();
+        for _ in 0..5 {
+            let t = Instant::now();
+            n = f()?.len();
+            times.push(t.elapsed().as_secs_f64());
+        }
+        Ok((median(times) * 1e3, n))
+    };
+    let (pages_ms, pages) = time(&|| Ok(backend.page_checksums(kv)?))?;
+    let (states_ms, states) = time(&|| Ok(backend.state_checksums(kv)?))?;
+    let page_bytes = (pages * layout.page_bytes) as f64;
+    Ok(CanaryCost {
+        page_bytes,
+        state_bytes: (states * layout.state_bytes) as f64,
+        pages_ms,
+        states_ms,
+        pages_rate: page_bytes / (pages_ms / 1e3),
+        bandwidth,
+    })
 }
 
 /// Eager step time over graph step time for every (batch, context) run both ways with
@@ -344,6 +403,7 @@ mod tests {
             kv_dtype: "bf16".into(),
             index_k_dtype: "bf16".into(),
             cuda_weights: "bf16".into(),
+            deterministic: false,
         };
         let cfg = f.config().unwrap();
         let layout = f.layout(&cfg).unwrap();

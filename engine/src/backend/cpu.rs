@@ -59,6 +59,14 @@ impl KvStorage for CpuBackend {
     fn write_state(&self, kv: &mut CpuKv, slot: StateSlot, bytes: &[u8]) -> BResult<()> {
         kv.write_bytes(Region::State(slot), bytes)
     }
+
+    fn page_checksums(&self, kv: &CpuKv) -> BResult<Vec<u64>> {
+        Ok(kv.page_checksums())
+    }
+
+    fn state_checksums(&self, kv: &CpuKv) -> BResult<Vec<u64>> {
+        Ok(kv.state_checksums())
+    }
 }
 
 /// One forward per decode step (no graphs on the CPU).

@@ -1,6 +1,7 @@
 //! Host-memory storage of a KV pool for the CPU backend, addressed through the layout.
 
 use super::{BResult, BackendError};
+use crate::kv::checksum::checksum;
 use crate::kv::fp8;
 use crate::kv::{EntryDtype, KvLayout, PageId, StateSlot};
 use half::bf16;
@@ -59,6 +60,15 @@ impl CpuKv {
             Region::Page(_) => &mut self.pages[b..b + self.page_words],
             Region::State(_) => &mut self.states[b..b + self.state_words],
         })
+    }
+
+    /// The canary checksum of every page / state slot, without copying the pool.
+    pub fn page_checksums(&self) -> Vec<u64> {
+        checksums_of(&self.pages, self.page_words)
+    }
+
+    pub fn state_checksums(&self) -> Vec<u64> {
+        checksums_of(&self.states, self.state_words)
     }
 
     pub fn bytes(&self, r: Region) -> BResult<Vec<u8>> {
@@ -222,4 +232,11 @@ pub fn quantize(dtype: EntryDtype, vals: &mut [f32]) {
             *v = bf16::from_f32(*v).to_f32();
         }
     }
+}
+
+fn checksums_of(words: &[u32], per: usize) -> Vec<u64> {
+    words
+        .chunks(per.max(1))
+        .map(|c| checksum(bytemuck::cast_slice::<u32, u8>(c)))
+        .collect()
 }

@@ -18,4 +18,8 @@ pub trait KvStorage: Send + Sync {
     /// Overwrite a whole page / state slot (`layout.page_bytes` / `layout.state_bytes` bytes).
     fn write_page(&self, kv: &mut Self::KvStore, page: PageId, bytes: &[u8]) -> BResult<()>;
     fn write_state(&self, kv: &mut Self::KvStore, slot: StateSlot, bytes: &[u8]) -> BResult<()>;
+    /// The canary's checksum ([`crate::kv::checksum`]) of every page / every state slot,
+    /// computed where the storage lives (on the GPU: one kernel, no copy of the pool).
+    fn page_checksums(&self, kv: &Self::KvStore) -> BResult<Vec<u64>>;
+    fn state_checksums(&self, kv: &Self::KvStore) -> BResult<Vec<u64>>;
 }

@@ -4,7 +4,7 @@
 use crate::backend::{Backend, BatchPlan, HostTensor, SeqPlan};
 use crate::checkpoint::Checkpoint;
 use crate::config::ModelConfig;
-use crate::kv::audit::StepAudit;
+use crate::kv::audit::{Scribble, ScribbleTarget, StepAudit};
 use crate::kv::{DevicePool, KvAllocator, KvLayout, KvLayoutSpec, PageId, SeqKv};
 use crate::model::{Model, ModelWeights};
 use std::path::Path;
@@ -126,14 +126,29 @@ impl<B: Backend> Engine<B> {
         &self.device.layout
     }
 
-    /// Turn the per-step write audit on or off (`--kv-audit`; costly: it checksums the
-    /// whole pool twice per forward).
+    /// Turn the KV canary on for every step or off (`--kv-audit`).
     pub fn set_kv_audit(&mut self, on: bool) {
-        self.audit.set_enabled(on);
+        self.set_kv_audit_every(u32::from(on));
+    }
+
+    /// Audit every `every`-th step (`--kv-audit-every`; 0: off). An audited step reads the
+    /// whole pool twice on the device (checksums only come back); see [`crate::kv::audit`].
+    pub fn set_kv_audit_every(&mut self, every: u32) {
+        self.audit.set_every(every, &mut self.device);
     }
 
     pub fn kv_audit(&self) -> bool {
-        self.audit.enabled()
+        self.audit.every() > 0
+    }
+
+    pub fn kv_audit_every(&self) -> u32 {
+        self.audit.every()
+    }
+
+    /// The canary's finding on `seq`: the corrupt pages and state slot it holds, if any.
+    /// A batch driver fails such sequences alone before their next step.
+    pub fn kv_fault(&self, seq: &Sequence) -> Option<EngineError> {
+        self.audit.fault_of(&seq.kv).map(EngineError::from)
     }
 
     /// The device pool (pages, state slots and their storage).
@@ -145,7 +160,16 @@ impl<B: Backend> Engine<B> {
     /// kernel writing out of bounds would. Only the audit tests use it.
     #[doc(hidden)]
     pub fn debug_scribble_after_next_forward(&mut self, page: PageId) {
-        self.audit.scribble_after_next_step(page);
+        self.debug_scribble(Scribble {
+            target: ScribbleTarget::Page(page),
+            in_step: true,
+        });
+    }
+
+    /// Test hook: plant `s` at the next forward (see [`Scribble`]).
+    #[doc(hidden)]
+    pub fn debug_scribble(&mut self, s: Scribble) {
+        self.audit.scribble_at_next_step(s);
     }
 
     pub fn backend(&self) -> &B {
@@ -163,7 +187,7 @@ impl<B: Backend> Engine<B> {
 
     pub fn new_sequence(&mut self) -> Result<Sequence, EngineError> {
         let state = self.device.allocator.alloc_state()?;
-        if let Err(e) = self.backend.reset_state(&mut self.device.store, state) {
+        if let Err(e) = self.device.reset_state(&self.backend, state) {
             self.device.allocator.release_state(state)?;
             return Err(e.into());
         }
@@ -265,11 +289,22 @@ impl<B: Backend> Engine<B> {
         Ok(())
     }
 
-    /// One batched forward. Returns, per item, its wanted logits rows (`[rows, vocab]`).
+    /// One batched forward. Returns, per item, its wanted logits rows (`[rows, vocab]`);
+    /// fails if the KV canary finds any item's KV corrupt.
     pub fn forward(
         &mut self,
         items: &mut [ForwardItem<'_>],
     ) -> Result<Vec<HostTensor>, EngineError> {
+        self.forward_each(items)?.into_iter().collect()
+    }
+
+    /// One batched forward whose items fail alone: the outer error fails the whole step,
+    /// an inner one (the KV canary found that item's pages or state slot corrupt) only
+    /// its item. Every item's KV advanced either way.
+    pub fn forward_each(
+        &mut self,
+        items: &mut [ForwardItem<'_>],
+    ) -> Result<Vec<Result<HostTensor, EngineError>>, EngineError> {
         let vocab = self.model.cfg.vocab_size;
         for it in items.iter() {
             if it.tokens.is_empty() {
@@ -290,7 +325,6 @@ impl<B: Backend> Engine<B> {
                 )));
             }
         }
-        self.audit.check_held(items.iter().map(|it| &it.seq.kv))?;
         self.reserve(items)?;
         let mut plan = BatchPlan::default();
         let mut logit_rows = Vec::new();
@@ -317,7 +351,7 @@ impl<B: Backend> Engine<B> {
             counts.push(rows.len());
             logit_rows.extend(rows);
         }
-        let before = self.audit.before_step(&self.backend, &self.device)?;
+        let before = self.audit.before_step(&self.backend, &mut self.device)?;
         let decode = items
             .iter()
             .all(|it| it.tokens.len() == 1 && matches!(it.logits, Logits::Last));
@@ -347,11 +381,14 @@ impl<B: Backend> Engine<B> {
         }
         let mut out = Vec::with_capacity(items.len());
         let mut at = 0;
-        for n in counts {
-            out.push(HostTensor {
-                rows: n,
-                cols: vocab,
-                data: logits.data[at * vocab..(at + n) * vocab].to_vec(),
+        for (it, n) in items.iter().zip(counts) {
+            out.push(match self.audit.fault_of(&it.seq.kv) {
+                Some(fault) => Err(fault.into()),
+                None => Ok(HostTensor {
+                    rows: n,
+                    cols: vocab,
+                    data: logits.data[at * vocab..(at + n) * vocab].to_vec(),
+                }),
             });
             at += n;
         }

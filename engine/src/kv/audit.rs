@@ -1,13 +1,23 @@
-//! `--kv-audit`: an observer of each step that checksums every page and state slot
-//! before it and checks after it that only the pages covering each sequence's new
-//! positions (and its own state slot) changed. What it finds corrupt stays marked, so the
-//! other owners of that state fail when they next run.
+//! The KV canary (`--kv-audit`, `--kv-audit-every N`): checksums of every page and state
+//! slot, computed where the pool lives ([`KvStorage::page_checksums`]), compared against
+//! the writes everyone announced:
+//!
+//! - **pages**, after every `every`-th step: since the last page check, only pages in
+//!   the pool's [`Written`] set (imports, host-tier loads) or covering a step's new
+//!   positions may have changed (one pass over the pages per check);
+//! - **state slots**, around every step (a step rewrites its sequences' whole slots, so a
+//!   slot can only be checked right before and after): between steps only slots written
+//!   through the pool (resets, imports) may change, in a step only its sequences' own.
+//!
+//! What changed outside those sets is logged, counted (`pdserve_kv_audit_violations_total`)
+//! and stays marked corrupt while someone holds it, so exactly its owners fail: a step's own
+//! sequences at once ([`crate::Engine::forward_each`]), the others when they next run.
 
-use super::{DevicePool, PageId, SeqKv, StateSlot};
+use super::{DevicePool, PageId, SeqKv, StateSlot, Written};
 use crate::backend::{BResult, BackendError, BatchPlan, KvStorage};
 use std::collections::BTreeSet;
 
-/// Pages and state slots of a step's own sequences found corrupt.
+/// Pages and state slots found corrupt that a sequence holds.
 #[derive(Debug, thiserror::Error)]
 pub enum AuditError {
     #[error(transparent)]
@@ -19,24 +29,69 @@ pub enum AuditError {
     },
 }
 
-/// The audit's hooks around a step and what it has found corrupt so far.
+/// Where a test-only scribble lands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ScribbleTarget {
+    /// A whole page.
+    Page(PageId),
+    /// One index-K entry of a CSA layer inside a page (`entry` counts within the page).
+    IndexK {
+        page: PageId,
+        layer: usize,
+        entry: usize,
+    },
+    /// A whole state slot.
+    State(StateSlot),
+}
+
+/// A test-only write that bypasses the pool's [`Written`] set, as a kernel writing out of
+/// bounds would: `in_step` lands between the step and its check, otherwise after the check
+/// (found by the next audited step's between-steps check).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Scribble {
+    pub target: ScribbleTarget,
+    pub in_step: bool,
+}
+
+/// The canary's state between steps and what it has found corrupt so far.
 #[derive(Debug, Default)]
 pub struct StepAudit {
-    enabled: bool,
+    /// Check the pages at every `every`-th step (0: the canary is off). State slots are
+    /// checked at every step: a step writes its sequences' whole slots, so a slot can only
+    /// be checked against the step just before it.
+    every: u32,
+    /// Steps run since the pages were last checked.
+    since: u32,
+    /// Page checksums at the last page check, and the pages written since.
+    page_base: Option<Vec<u64>>,
+    pages_written: BTreeSet<PageId>,
+    /// State-slot checksums after the last step.
+    state_base: Option<Vec<u64>>,
     /// Pages/slots found corrupt; sequences holding them fail until they are freed.
     poisoned_pages: BTreeSet<PageId>,
     poisoned_states: BTreeSet<StateSlot>,
-    /// Test hook: a page to overwrite with garbage after the next step.
-    scribble: Option<PageId>,
+    scribble: Option<Scribble>,
+}
+
+/// The state-slot checksums a step's audit took before the step.
+pub struct BeforeStep {
+    states: Option<Vec<u64>>,
 }
 
 impl StepAudit {
-    pub fn set_enabled(&mut self, on: bool) {
-        self.enabled = on;
+    /// Check pages every `every`-th step (state slots every step); 0 turns the canary off.
+    pub fn set_every<B: KvStorage>(&mut self, every: u32, pool: &mut DevicePool<B>) {
+        *self = StepAudit {
+            every,
+            poisoned_pages: std::mem::take(&mut self.poisoned_pages),
+            poisoned_states: std::mem::take(&mut self.poisoned_states),
+            ..StepAudit::default()
+        };
+        pool.track_writes(every > 0);
     }
 
-    pub fn enabled(&self) -> bool {
-        self.enabled
+    pub fn every(&self) -> u32 {
+        self.every
     }
 
     /// Whether the audit marked `page` corrupt.
@@ -54,189 +109,187 @@ impl StepAudit {
         self.poisoned_states.remove(&slot);
     }
 
-    /// After the next step, overwrite `page` with garbage, as a kernel writing out of
-    /// bounds would (the audit tests).
-    pub fn scribble_after_next_step(&mut self, page: PageId) {
-        self.scribble = Some(page);
+    /// Plant a test-only scribble at the next step.
+    pub fn scribble_at_next_step(&mut self, s: Scribble) {
+        self.scribble = Some(s);
     }
 
-    /// Refuse a step over sequences that hold state found corrupt earlier.
-    pub fn check_held<'a>(&self, seqs: impl Iterator<Item = &'a SeqKv>) -> Result<(), AuditError> {
+    /// The corrupt pages and state slot `kv` holds, if any.
+    pub fn fault_of(&self, kv: &SeqKv) -> Option<AuditError> {
         if self.poisoned_pages.is_empty() && self.poisoned_states.is_empty() {
-            return Ok(());
+            return None;
         }
-        let mut pages = Vec::new();
-        let mut states = Vec::new();
-        for kv in seqs {
-            pages.extend(kv.pages.iter().filter(|p| self.poisoned_pages.contains(p)));
-            if self.poisoned_states.contains(&kv.state) {
-                states.push(kv.state);
-            }
-        }
+        let pages: Vec<PageId> = kv
+            .pages
+            .iter()
+            .copied()
+            .filter(|p| self.poisoned_pages.contains(p))
+            .collect();
+        let states: Vec<StateSlot> = Some(kv.state)
+            .filter(|s| self.poisoned_states.contains(s))
+            .into_iter()
+            .collect();
         if pages.is_empty() && states.is_empty() {
-            return Ok(());
+            return None;
         }
-        Err(AuditError::Corrupt { pages, states })
+        Some(AuditError::Corrupt { pages, states })
     }
 
-    /// Before a step: the pool's checksums when the audit is on.
+    /// Before a step: the state slots' between-steps check, and their checksums the
+    /// in-step check starts from.
     pub fn before_step<B: KvStorage>(
-        &self,
+        &mut self,
         backend: &B,
-        pool: &DevicePool<B>,
-    ) -> BResult<Option<PoolChecksums>> {
-        match self.enabled {
-            true => Ok(Some(PoolChecksums::take(backend, pool)?)),
-            false => Ok(None),
+        pool: &mut DevicePool<B>,
+    ) -> BResult<BeforeStep> {
+        if self.every == 0 {
+            return Ok(BeforeStep { states: None });
         }
+        let written = pool.take_written();
+        self.pages_written.extend(&written.pages);
+        let states = backend.state_checksums(pool.store())?;
+        if let Some(base) = self.state_base.take() {
+            let bad = changed_outside(&base, &states, &written.states);
+            self.record(pool, BTreeSet::new(), bad, "between steps");
+        }
+        Ok(BeforeStep {
+            states: Some(states),
+        })
     }
 
-    /// After the step of `plan`: compare the pool against `before`. Fails only if one of
-    /// the step's own sequences holds corrupted state; other owners fail when they next
-    /// run ([`StepAudit::check_held`]), so only affected requests end.
+    /// After the step of `plan`: the state slots' in-step check, and at every
+    /// `every`-th step the page check: since the last one, only pages written through
+    /// the pool or announced by a step may have changed.
     pub fn after_step<B: KvStorage>(
         &mut self,
         backend: &B,
         pool: &mut DevicePool<B>,
-        before: Option<PoolChecksums>,
+        before: BeforeStep,
         plan: &BatchPlan,
-    ) -> Result<(), AuditError> {
-        if let Some(page) = self.scribble.take() {
-            let garbage = vec![0xA5u8; pool.layout().page_bytes];
-            pool.write_page(backend, page, &garbage)?;
+    ) -> BResult<()> {
+        let scribble = self.scribble.take();
+        if let Some(s) = scribble.filter(|s| s.in_step) {
+            write_garbage(backend, pool, s.target)?;
         }
-        let Some(before) = before else {
+        if self.every == 0 {
             return Ok(());
-        };
-        let after = PoolChecksums::take(backend, pool)?;
+        }
         let expected = expected_writes(plan, pool.layout().page_tokens);
-        let bad = compare(&before, &after, &expected);
-        if bad.is_empty() {
-            return Ok(());
+        if let Some(start) = before.states {
+            let now = backend.state_checksums(pool.store())?;
+            let bad = changed_outside(&start, &now, &expected.states);
+            self.record(pool, BTreeSet::new(), bad, "in the step");
+            self.state_base = Some(now);
         }
-        tracing::error!(
-            pages = ?bad.pages,
-            states = ?bad.states,
-            expected_pages = ?expected.0,
-            "KV audit: unexpected writes in this step"
-        );
-        super::metrics::audit_violations(bad.count());
+        self.pages_written.extend(&expected.pages);
+        self.since += 1;
+        if self.since >= self.every {
+            let now = backend.page_checksums(pool.store())?;
+            if let Some(base) = self.page_base.take() {
+                let bad = changed_outside(&base, &now, &self.pages_written);
+                self.record(pool, bad, BTreeSet::new(), "since the last page check");
+            }
+            self.page_base = Some(now);
+            self.pages_written.clear();
+            self.since = 0;
+        }
+        if let Some(s) = scribble.filter(|s| !s.in_step) {
+            write_garbage(backend, pool, s.target)?;
+        }
+        Ok(())
+    }
+
+    /// Log, count and mark what changed outside the expected writes.
+    fn record<B: KvStorage>(
+        &mut self,
+        pool: &DevicePool<B>,
+        pages: BTreeSet<PageId>,
+        states: BTreeSet<StateSlot>,
+        when: &str,
+    ) {
+        let count = pages.len() + states.len();
+        if count == 0 {
+            return;
+        }
         let alloc = pool.allocator();
-        self.poisoned_pages
-            .extend(bad.pages.iter().copied().filter(|&p| alloc.refcount(p) > 0));
-        self.poisoned_states.extend(bad.states.iter().copied());
-        let pages: Vec<PageId> = plan
-            .seqs
-            .iter()
-            .flat_map(|s| s.pages.iter().copied())
-            .filter(|p| bad.pages.contains(p))
-            .collect();
-        let states: Vec<StateSlot> = plan
-            .seqs
-            .iter()
-            .map(|s| s.state)
-            .filter(|s| bad.states.contains(s))
-            .collect();
-        if pages.is_empty() && states.is_empty() {
-            return Ok(());
+        let held_pages: Vec<(PageId, u32)> =
+            pages.iter().map(|&p| (p, alloc.refcount(p))).collect();
+        tracing::error!(
+            when,
+            pages = ?held_pages,
+            states = ?states,
+            "KV canary: pages (id, holders) and state slots changed that nobody wrote"
+        );
+        super::metrics::audit_violations(count);
+        self.poisoned_pages.extend(
+            held_pages
+                .iter()
+                .filter(|(_, refs)| *refs > 0)
+                .map(|(p, _)| p),
+        );
+        self.poisoned_states.extend(states);
+    }
+}
+
+/// Overwrite the scribble's target with 0xA5 bytes straight through the backend (the
+/// pool's [`Written`] set does not see it).
+fn write_garbage<B: KvStorage>(
+    backend: &B,
+    pool: &mut DevicePool<B>,
+    target: ScribbleTarget,
+) -> BResult<()> {
+    let layout = pool.layout().clone();
+    match target {
+        ScribbleTarget::Page(p) => {
+            backend.write_page(&mut pool.store, p, &vec![0xA5; layout.page_bytes])
         }
-        Err(AuditError::Corrupt { pages, states })
-    }
-}
-
-/// 64-bit FNV-1a over 8-byte words (pages are multiples of 16 bytes).
-pub fn checksum(bytes: &[u8]) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for c in bytes.chunks(8) {
-        let mut w = [0u8; 8];
-        w[..c.len()].copy_from_slice(c);
-        h ^= u64::from_le_bytes(w);
-        h = h.wrapping_mul(0x0000_0100_0000_01b3);
-        h ^= h >> 29;
-    }
-    h
-}
-
-/// Checksums of every page and state slot of a pool.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PoolChecksums {
-    pub pages: Vec<u64>,
-    pub states: Vec<u64>,
-}
-
-impl PoolChecksums {
-    pub fn take<B: KvStorage>(backend: &B, pool: &DevicePool<B>) -> BResult<Self> {
-        let pp = pool.allocator();
-        let pages = (0..pp.total_pages() as PageId)
-            .map(|p| pool.read_page(backend, p).map(|b| checksum(&b)))
-            .collect::<BResult<_>>()?;
-        let states = (0..pp.total_states() as StateSlot)
-            .map(|s| pool.read_state(backend, s).map(|b| checksum(&b)))
-            .collect::<BResult<_>>()?;
-        Ok(PoolChecksums { pages, states })
+        ScribbleTarget::State(s) => {
+            backend.write_state(&mut pool.store, s, &vec![0xA5; layout.state_bytes])
+        }
+        ScribbleTarget::IndexK { page, layer, entry } => {
+            let l = layout
+                .layers
+                .get(layer)
+                .filter(|l| entry < l.index_entries_per_page)
+                .ok_or_else(|| {
+                    BackendError::Kv(format!("no index-K entry {entry} in layer {layer}"))
+                })?;
+            let width = layout.index_head_dim * layout.index_k_dtype.bytes();
+            let at = l.index_page_offset + entry * width;
+            let mut bytes = backend.page_bytes(&pool.store, page)?;
+            bytes[at..at + width].fill(0xA5);
+            backend.write_page(&mut pool.store, page, &bytes)
+        }
     }
 }
 
 /// Pages and state slots a forward of `plan` may write: for each sequence, the pages
 /// covering positions `[start, start + len)` and its state slot.
-pub fn expected_writes(
-    plan: &BatchPlan,
-    page_tokens: usize,
-) -> (BTreeSet<PageId>, BTreeSet<StateSlot>) {
-    let mut pages = BTreeSet::new();
-    let mut states = BTreeSet::new();
+pub fn expected_writes(plan: &BatchPlan, page_tokens: usize) -> Written {
+    let mut w = Written::default();
     for s in &plan.seqs {
-        states.insert(s.state);
+        w.states.insert(s.state);
         if s.len == 0 {
             continue;
         }
         let first = s.start / page_tokens;
         let last = (s.start + s.len - 1) / page_tokens;
-        pages.extend(s.pages.iter().take(last + 1).skip(first).copied());
+        w.pages
+            .extend(s.pages.iter().take(last + 1).skip(first).copied());
     }
-    (pages, states)
+    w
 }
 
-/// What changed that should not have.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Violations {
-    pub pages: Vec<PageId>,
-    pub states: Vec<StateSlot>,
-}
-
-impl Violations {
-    pub fn is_empty(&self) -> bool {
-        self.pages.is_empty() && self.states.is_empty()
-    }
-
-    pub fn count(&self) -> usize {
-        self.pages.len() + self.states.len()
-    }
-}
-
-pub fn compare(
-    before: &PoolChecksums,
-    after: &PoolChecksums,
-    expected: &(BTreeSet<PageId>, BTreeSet<StateSlot>),
-) -> Violations {
-    let changed = |a: &[u64], b: &[u64]| -> Vec<u32> {
-        a.iter()
-            .zip(b)
-            .enumerate()
-            .filter(|(_, (x, y))| x != y)
-            .map(|(i, _)| i as u32)
-            .collect()
-    };
-    Violations {
-        pages: changed(&before.pages, &after.pages)
-            .into_iter()
-            .filter(|p| !expected.0.contains(p))
-            .collect(),
-        states: changed(&before.states, &after.states)
-            .into_iter()
-            .filter(|s| !expected.1.contains(s))
-            .collect(),
-    }
+/// Ids whose checksum changed from `before` to `after`, outside `allowed`.
+pub fn changed_outside(before: &[u64], after: &[u64], allowed: &BTreeSet<u32>) -> BTreeSet<u32> {
+    before
+        .iter()
+        .zip(after)
+        .enumerate()
+        .map(|(i, (x, y))| (i as u32, x != y))
+        .filter(|&(i, changed)| changed && !allowed.contains(&i))
+        .map(|(i, _)| i)
+        .collect()
 }
 
 #[cfg(test)]
@@ -265,19 +318,16 @@ mod tests {
             ],
             ..Default::default()
         };
-        let (pages, states) = expected_writes(&plan, 8);
+        let w = expected_writes(&plan, 8);
         // 14..17 spans pages 1 and 2 of the first table; 8..16 only page 1 of the second.
-        assert_eq!(pages.into_iter().collect::<Vec<_>>(), vec![3, 5, 9]);
-        assert_eq!(states.into_iter().collect::<Vec<_>>(), vec![0, 2]);
+        assert_eq!(w.pages.into_iter().collect::<Vec<_>>(), vec![3, 5, 9]);
+        assert_eq!(w.states.into_iter().collect::<Vec<_>>(), vec![0, 2]);
     }
 
     #[test]
-    fn checksum_sees_single_bit_flips() {
-        let a = vec![0u8; 64];
-        for i in 0..64 * 8 {
-            let mut b = a.clone();
-            b[i / 8] ^= 1 << (i % 8);
-            assert_ne!(checksum(&a), checksum(&b), "bit {i}");
-        }
+    fn changes_outside_the_allowed_set_are_reported() {
+        let allowed = [1].into_iter().collect();
+        let bad = changed_outside(&[1, 2, 3, 4], &[1, 9, 9, 4], &allowed);
+        assert_eq!(bad.into_iter().collect::<Vec<_>>(), vec![2]);
     }
 }

@@ -5,12 +5,24 @@
 
 use super::{metrics, KvAllocator, KvLayout, PageId, StateSlot};
 use crate::backend::{BResult, BackendError, KvStorage};
+use std::collections::BTreeSet;
+
+/// Pages and state slots written since the KV canary last checked the pool: every write
+/// that goes through the pool (imports, host-tier loads, state resets) and the writes the
+/// steps' plans announce. Whatever else changed was written by nobody.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Written {
+    pub pages: BTreeSet<PageId>,
+    pub states: BTreeSet<StateSlot>,
+}
 
 pub struct DevicePool<B: KvStorage> {
     pub(crate) layout: KvLayout,
     pub(crate) fingerprint: String,
     pub(crate) allocator: KvAllocator,
     pub(crate) store: B::KvStore,
+    /// Kept only while the canary is on.
+    pub(crate) written: Option<Written>,
 }
 
 impl<B: KvStorage> DevicePool<B> {
@@ -21,6 +33,7 @@ impl<B: KvStorage> DevicePool<B> {
             layout,
             allocator: KvAllocator::new(pages, states),
             store,
+            written: None,
         };
         pool.publish_metrics();
         Ok(pool)
@@ -52,6 +65,9 @@ impl<B: KvStorage> DevicePool<B> {
 
     pub fn write_page(&mut self, backend: &B, page: PageId, bytes: &[u8]) -> BResult<()> {
         self.check_len("page", bytes.len(), self.layout.page_bytes)?;
+        if let Some(w) = &mut self.written {
+            w.pages.insert(page);
+        }
         backend.write_page(&mut self.store, page, bytes)
     }
 
@@ -63,7 +79,33 @@ impl<B: KvStorage> DevicePool<B> {
 
     pub fn write_state(&mut self, backend: &B, slot: StateSlot, bytes: &[u8]) -> BResult<()> {
         self.check_len("state slot", bytes.len(), self.layout.state_bytes)?;
+        self.note_state(slot);
         backend.write_state(&mut self.store, slot, bytes)
+    }
+
+    /// Zero a state slot for a new sequence.
+    pub fn reset_state(&mut self, backend: &B, slot: StateSlot) -> BResult<()> {
+        self.note_state(slot);
+        backend.reset_state(&mut self.store, slot)
+    }
+
+    fn note_state(&mut self, slot: StateSlot) {
+        if let Some(w) = &mut self.written {
+            w.states.insert(slot);
+        }
+    }
+
+    /// Start (or stop) keeping the [`Written`] set.
+    pub fn track_writes(&mut self, on: bool) {
+        self.written = on.then(Written::default);
+    }
+
+    /// What was written since the last call (empty when not kept).
+    pub fn take_written(&mut self) -> Written {
+        self.written
+            .as_mut()
+            .map(std::mem::take)
+            .unwrap_or_default()
     }
 
     fn check_len(&self, what: &str, got: usize, want: usize) -> BResult<()> {

@@ -3,6 +3,7 @@
 
 pub mod allocator;
 pub mod audit;
+pub mod checksum;
 pub mod device;
 pub mod fp8;
 pub mod host;
@@ -14,7 +15,7 @@ pub mod prefix;
 pub mod sizing;
 
 pub use allocator::{KvAllocator, PoolError, SeqKv};
-pub use device::DevicePool;
+pub use device::{DevicePool, Written};
 pub use host::{HostPool, HostPoolError};
 pub use layout::{
     EntryDtype, KvLayout, KvLayoutSpec, LayerKvLayout, LayoutError, PageId, StateSlot,

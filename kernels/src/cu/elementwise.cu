@@ -50,3 +50,48 @@ extern "C" __global__ void k_scatter_rows(const float* x, const int* idx, float*
     float* dst = out + (i64)idx[r] * cols;
     for (int i = threadIdx.x; i < cols; i += blockDim.x) dst[i] = x[(i64)r * cols + i];
 }
+
+// --deterministic: y[r, j] = x[r, (j / dout) * K ..] . w[j, :K] with one fixed reduction
+// order per output (lane-strided partial sums in ascending k, then a butterfly across the
+// warp), whatever M is or which rows share the launch: a row's result is independent of its
+// batch. One warp per output column j, MM_TILE rows per block row. grid (ceil(N / warps),
+// ceil(M / MM_TILE)).
+#define MM_TILE 8
+__device__ __forceinline__ float load_w(const bf16_t* w, int c) { return bf16_to_f(w[c]); }
+__device__ __forceinline__ float load_w(const float* w, int c) { return w[c]; }
+
+template <typename W>
+__device__ void matmul_rows(const float* x, const W* w, float* y, int M, int N, int K, int ldx,
+                            int dout) {
+    int lane = threadIdx.x & 31;
+    int j = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    int r0 = blockIdx.y * MM_TILE;
+    if (j >= N || r0 >= M) return;
+    int nt = min(MM_TILE, M - r0);
+    const W* wr = w + (i64)j * K;
+    const float* xb = x + (i64)r0 * ldx + (i64)(j / dout) * K;
+    float d[MM_TILE];
+#pragma unroll
+    for (int t = 0; t < MM_TILE; t++) d[t] = 0.f;
+    for (int c = lane; c < K; c += 32) {
+        float wv = load_w(wr, c);
+#pragma unroll
+        for (int t = 0; t < MM_TILE; t++)
+            if (t < nt) d[t] = fmaf(wv, xb[(i64)t * ldx + c], d[t]);
+    }
+#pragma unroll
+    for (int t = 0; t < MM_TILE; t++)
+        for (int o = 16; o > 0; o >>= 1) d[t] += __shfl_xor_sync(0xffffffffu, d[t], o);
+    if (lane == 0)
+        for (int t = 0; t < nt; t++) y[(i64)(r0 + t) * N + j] = d[t];
+}
+
+extern "C" __global__ void k_matmul_rows_bf16(const float* x, const bf16_t* w, float* y, int m, int n,
+                                              int k, int ldx, int dout) {
+    matmul_rows(x, w, y, m, n, k, ldx, dout);
+}
+
+extern "C" __global__ void k_matmul_rows_f32(const float* x, const float* w, float* y, int m, int n,
+                                             int k, int ldx, int dout) {
+    matmul_rows(x, w, y, m, n, k, ldx, dout);
+}

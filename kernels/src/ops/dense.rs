@@ -1,10 +1,11 @@
-//! Dense ops: embedding, row gathers, GEMMs (cuBLAS), RMS norm and rope.
+//! Dense ops: embedding, row gathers, GEMMs (cuBLAS, or the batch-invariant kernel under
+//! `--deterministic`), RMS norm and rope.
 
 use crate::buf::{f32_buf, out_ptr, shape_err, storage};
 use crate::device::Gpu;
 use crate::devmem::DevMem;
-use crate::kernels::{self, DevPtr};
-use crate::launch::dev_err;
+use crate::kernels::{self, DevPtr, Elem};
+use crate::launch::{dev_err, BLOCK};
 use crate::ops::tensors::{new_f32, param_f32, to_bf16};
 use crate::tensor::{Buf, GpuTensor};
 use pdserve_engine::backend::{shapes, BResult};
@@ -73,6 +74,49 @@ pub(crate) fn grouped_matmul(
     matmul_into(g, x, w, groups)
 }
 
+/// [`matmul_into`] by the batch-invariant kernel (`--deterministic`): fp32 activations,
+/// one warp per output column.
+fn matmul_rows(
+    g: &Gpu,
+    (xs, ldx): (&DevMem<f32>, usize),
+    w: &GpuTensor,
+    out: GpuTensor,
+    din: usize,
+    dout: usize,
+) -> BResult<GpuTensor> {
+    let Buf::F32(o) = &out.buf else {
+        return Err(dev_err("output buffer"));
+    };
+    let (m, n) = (out.rows, out.cols);
+    let to_i =
+        |v: usize| i32::try_from(v).map_err(|_| dev_err(format!("matmul dim {v} too large")));
+    let (elem, wp) = match &w.buf {
+        Buf::Bf16(wb) => (Elem::Bf16, DevPtr::of(wb)),
+        Buf::F32(wf) => (Elem::F32, DevPtr::of(wf)),
+    };
+    let warps = (BLOCK / 32) as usize;
+    let grid = (n.div_ceil(warps) as u32, m.div_ceil(MM_TILE) as u32, 1);
+    g.launch(
+        grid,
+        0,
+        &kernels::MatmulRows {
+            elem,
+            x: DevPtr::of(xs),
+            w: wp,
+            y: DevPtr::of(o),
+            m: to_i(m)?,
+            n: to_i(n)?,
+            k: to_i(din)?,
+            ldx: to_i(ldx)?,
+            dout: to_i(dout)?,
+        },
+    )?;
+    Ok(out)
+}
+
+/// Rows per block of `k_matmul_rows` (`MM_TILE` in cu/elementwise.cu).
+const MM_TILE: usize = 8;
+
 /// `x @ w^T` of each group: bf16 weights take a bf16 copy of `x`, fp32 weights fp32.
 fn matmul_into(g: &Gpu, x: &GpuTensor, w: &GpuTensor, groups: usize) -> BResult<GpuTensor> {
     let xs = f32_buf(x, "matmul")?;
@@ -81,6 +125,9 @@ fn matmul_into(g: &Gpu, x: &GpuTensor, w: &GpuTensor, groups: usize) -> BResult<
         return Err(dev_err("output buffer"));
     };
     let (din, dout) = (w.cols, w.rows / groups);
+    if g.deterministic {
+        return matmul_rows(g, (xs, x.cols), w, out, din, dout);
+    }
     let dims = (x.rows, dout, din);
     let lds = (x.cols, din, w.rows);
     let strides = (din as i64, (dout * din) as i64, dout as i64);

@@ -78,7 +78,9 @@ pub fn moe(g: &Gpu, x: &GpuTensor, p: &MoeParams<'_, GpuTensor>) -> BResult<GpuT
             routed_scaling: p.routed_scaling,
         },
     )?;
-    let y = if moe_gemm::worthwhile(g, n, k, e) {
+    let y = if g.deterministic {
+        routed_grouped(g, x, p, &ids)?
+    } else if moe_gemm::worthwhile(g, n, k, e) {
         moe_gemm::routed(g, x, p, &ids)?
     } else if moe_gemm::padded_worthwhile(p, n, k, e) {
         let (list, count) = expert_lists(g, &ids, n, e, k)?;
