@@ -76,7 +76,7 @@ pub fn render() -> Result<String> {
         ));
         for arg in sub.get_arguments() {
             let Some(long) = arg.get_long() else { continue };
-            if matches!(long, "help" | "version") {
+            if matches!(long, "help" | "version") || arg.is_hide_set() {
                 continue;
             }
             let key = long.replace('-', "_");

@@ -248,7 +248,7 @@ pub struct WorkerFlags {
     /// KV canary at every step: checksums of every page and state slot (computed on the
     /// device) fail exactly the requests whose KV changed outside the expected writes.
     /// Same as --kv-audit-every 1.
-    #[arg(long, conflicts_with = "kv_audit_every")]
+    #[arg(long, conflicts_with = "kv_audit_every", env = "PDSERVE_KV_AUDIT")]
     pub kv_audit: bool,
     /// KV canary checking pages every N steps (state slots every step); 0: off.
     /// See docs/kv-canary.md for what it costs.
