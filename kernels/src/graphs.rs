@@ -281,7 +281,7 @@ fn first_difference(
 }
 
 /// Counter of `--verify-graphs` mismatches (each recovered by the eager result).
-pub const GRAPH_VERIFY_MISMATCHES: &str = "pdserve_graph_verify_mismatches_total";
+pub const GRAPH_VERIFY_MISMATCHES: &str = crate::graph_metrics::VERIFY_MISMATCHES_TOTAL;
 
 /// [`pdserve_engine::backend::StepRunner::decode_step`] of the CUDA backend.
 pub(crate) fn decode_step(

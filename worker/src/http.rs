@@ -4,11 +4,16 @@
 //! so Kubernetes and Prometheus reach every worker without speaking gRPC.
 
 use crate::lifecycle::{Lifecycle, Phase};
+use crate::metrics::{
+    KV_CACHE_USAGE, KV_PAGES_CACHED, KV_PAGES_FREE, NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING,
+    WORKER_PHASE,
+};
 use crate::status::Load;
 use axum::extract::State;
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 #[derive(Clone)]
@@ -35,8 +40,37 @@ pub async fn serve(listener: tokio::net::TcpListener, load: Arc<Load>, life: Arc
     }
 }
 
+/// Set the gauges from the live counters and the phase (at scrape time: one reading of
+/// the same atomics `Worker.Info` reports).
+fn publish(load: &Load, life: &Lifecycle) {
+    let get = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed) as f64;
+    metrics::gauge!(NUM_REQUESTS_RUNNING).set(f64::from(load.running.load(Ordering::Relaxed)));
+    metrics::gauge!(NUM_REQUESTS_WAITING).set(f64::from(load.waiting.load(Ordering::Relaxed)));
+    let (total, free, cached) = (
+        get(&load.total_pages),
+        get(&load.free_pages),
+        get(&load.cached_pages),
+    );
+    metrics::gauge!(KV_PAGES_FREE).set(free);
+    metrics::gauge!(KV_PAGES_CACHED).set(cached);
+    let held = (total - free - cached).max(0.0);
+    metrics::gauge!(KV_CACHE_USAGE).set(if total > 0.0 { held / total } else { 0.0 });
+    let now = life.phase();
+    for p in Phase::ALL {
+        metrics::gauge!(WORKER_PHASE, "phase" => p.name()).set(if p == now { 1.0 } else { 0.0 });
+    }
+}
+
+/// The Prometheus text of every series in the process, gauges refreshed first.
+fn render(load: &Load, life: &Lifecycle) -> Result<String, &'static str> {
+    let h = crate::metrics::handle()?;
+    publish(load, life);
+    h.run_upkeep();
+    Ok(h.render())
+}
+
 async fn metrics(State(s): State<Side>) -> Response {
-    match crate::metrics::render(&s.load, &s.life) {
+    match render(&s.load, &s.life) {
         Ok(text) => ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response(),
         Err(e) => (
             StatusCode::SERVICE_UNAVAILABLE,

@@ -21,10 +21,7 @@
 //! | `pdserve_decode_step_seconds` | histogram | one batched decode step, sampling included (decode) |
 //! | `pdserve_decode_batch_size` | histogram | requests in one decode step (decode) |
 
-use crate::lifecycle::{Lifecycle, Phase};
-use crate::status::Load;
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
-use std::sync::atomic::Ordering;
 use std::sync::OnceLock;
 use std::time::Duration;
 
@@ -118,27 +115,6 @@ fn register() {
     describe_histogram!(BATCH_SIZE, "Requests in one decode step");
 }
 
-/// Set the gauges from the live counters and the phase (at scrape time: one reading of
-/// the same atomics `Worker.Info` reports).
-pub fn publish(load: &Load, life: &Lifecycle) {
-    let get = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed) as f64;
-    metrics::gauge!(NUM_REQUESTS_RUNNING).set(f64::from(load.running.load(Ordering::Relaxed)));
-    metrics::gauge!(NUM_REQUESTS_WAITING).set(f64::from(load.waiting.load(Ordering::Relaxed)));
-    let (total, free, cached) = (
-        get(&load.total_pages),
-        get(&load.free_pages),
-        get(&load.cached_pages),
-    );
-    metrics::gauge!(KV_PAGES_FREE).set(free);
-    metrics::gauge!(KV_PAGES_CACHED).set(cached);
-    let held = (total - free - cached).max(0.0);
-    metrics::gauge!(KV_CACHE_USAGE).set(if total > 0.0 { held / total } else { 0.0 });
-    let now = life.phase();
-    for p in Phase::ALL {
-        metrics::gauge!(WORKER_PHASE, "phase" => p.name()).set(if p == now { 1.0 } else { 0.0 });
-    }
-}
-
 /// One finished KV transfer.
 pub fn transfer(bytes: u64, took: Duration) {
     metrics::counter!(KV_TRANSFERS).increment(1);
@@ -160,16 +136,13 @@ pub fn decode_step(d: Duration, batch: usize) {
     metrics::histogram!(BATCH_SIZE).record(batch as f64);
 }
 
-/// The Prometheus text of every series in the process, gauges refreshed first.
-pub fn render(load: &Load, life: &Lifecycle) -> Result<String, &'static str> {
-    let h = HANDLE
+/// The recorder, once [`install`] succeeded.
+pub fn handle() -> Result<&'static PrometheusHandle, &'static str> {
+    HANDLE
         .get()
         .ok_or("the metrics recorder was not installed")?
         .as_ref()
-        .map_err(String::as_str)?;
-    publish(load, life);
-    h.run_upkeep();
-    Ok(h.render())
+        .map_err(String::as_str)
 }
 
 /// Periodic upkeep of the recorder (drains histogram buffers), until the task is dropped.
