@@ -6,9 +6,11 @@ mod engine_spec;
 mod gpu_check;
 mod layered;
 mod model_args;
+mod reference;
 mod roles;
 mod serve;
 mod up;
+mod wait_ready;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
@@ -21,7 +23,7 @@ use std::process::ExitCode;
 )]
 struct Cli {
     /// Log format on stderr.
-    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text)]
+    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text, env = "PDSERVE_LOG_FORMAT")]
     log_format: LogFormat,
     #[command(subcommand)]
     command: Command,
@@ -42,10 +44,13 @@ enum Command {
     /// Print a model's effective configuration and KV layout as JSON.
     Inspect(commands::InspectArgs),
     /// Run a prefill server (gRPC): prompts in, KV pages out to decode servers.
+    #[command(after_help = reference::ENV_HELP)]
     Prefill(roles::WorkerFlags),
     /// Run a decode server (gRPC): continuous batching over KV pulled from prefill servers.
+    #[command(after_help = reference::ENV_HELP)]
     Decode(roles::WorkerFlags),
     /// Run the HTTP router (OpenAI-style completions) in front of prefill/decode workers.
+    #[command(after_help = reference::ENV_HELP)]
     Router(roles::RouterFlags),
     /// Start router + prefill + decode servers on this machine and wait for Ctrl-C.
     Up(up::UpArgs),
@@ -54,6 +59,11 @@ enum Command {
     /// Benchmarks: decode and prefill on a synthetic V4-Flash-shaped model with random
     /// weights; `serve`: load and a reference check on a running cluster.
     Bench(bench::BenchArgs),
+    /// Wait until a process's GET /ready answers 200 (for service managers and health checks).
+    WaitReady(wait_ready::WaitReadyArgs),
+    /// Print the flag reference of the serving roles (docs/flags.md) as Markdown.
+    #[command(hide = true)]
+    FlagReference,
 }
 
 fn init_logging(format: LogFormat) {
@@ -81,6 +91,8 @@ fn main() -> ExitCode {
         Command::Up(a) => up::up(a, matches!(cli.log_format, LogFormat::Json)),
         Command::GpuCheck(a) => gpu_check::gpu_check(a),
         Command::Bench(a) => bench::bench(a),
+        Command::WaitReady(a) => wait_ready::wait_ready(a),
+        Command::FlagReference => reference::render().map(|md| print!("{md}")),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

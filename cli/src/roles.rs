@@ -41,6 +41,8 @@ pub struct WorkerConfig {
     pub hicache_size: Option<f64>,
     pub cuda_graph: String,
     pub request_timeout_s: f64,
+    pub metrics_listen: Option<String>,
+    pub drain_timeout_s: f64,
     /// KV canary: check pages every N steps, state slots every step (0: off).
     pub kv_audit_every: u32,
     /// Decode on CUDA: run every N-th graphed step eagerly too and compare bitwise (0: off).
@@ -67,6 +69,8 @@ pub const WORKER_KEYS: &[&str] = &[
     "hicache_size",
     "cuda_graph",
     "request_timeout_s",
+    "metrics_listen",
+    "drain_timeout_s",
     "kv_audit_every",
     "verify_graphs_every",
     "deterministic",
@@ -95,6 +99,8 @@ impl WorkerConfig {
             hicache_size: None,
             cuda_graph: "auto".into(),
             request_timeout_s: 120.0,
+            metrics_listen: None,
+            drain_timeout_s: 30.0,
             kv_audit_every: 0,
             verify_graphs_every: 0,
             deterministic: false,
@@ -178,6 +184,12 @@ impl WorkerConfig {
         if self.verify_graphs_every > 0 && !(cuda && role == WorkerRole::Decode) {
             bail!("--verify-graphs / --verify-graphs-every check CUDA decode graphs: they need a decode server with --device cuda:N");
         }
+        if !(self.drain_timeout_s.is_finite() && self.drain_timeout_s >= 0.0) {
+            bail!(
+                "--drain-timeout-s must be a number of seconds >= 0, got {}",
+                self.drain_timeout_s
+            );
+        }
         let beat = pdserve_kv_transfer::HEARTBEAT.as_secs_f64();
         let progress = self.transfer_progress_timeout_s;
         if !(progress.is_finite() && progress >= 2.0 * beat) {
@@ -194,10 +206,10 @@ impl WorkerConfig {
 #[derive(clap::Args, Debug, Clone, Default)]
 pub struct WorkerFlags {
     /// TOML file with any of the config keys (see --print-config).
-    #[arg(long)]
+    #[arg(long, env = "PDSERVE_CONFIG")]
     pub config: Option<PathBuf>,
     /// Print the effective configuration with the source of each value, then exit.
-    #[arg(long)]
+    #[arg(long, env = "PDSERVE_PRINT_CONFIG")]
     pub print_config: bool,
     /// Model folder (config.json, *.safetensors, tokenizer.json). Default: the embedded model.
     #[arg(long)]
@@ -242,10 +254,18 @@ pub struct WorkerFlags {
     /// Deadline for one request's prefill (queueing and compute), in seconds.
     #[arg(long)]
     pub request_timeout_s: Option<f64>,
+    /// HTTP side port (host:port) serving GET /metrics (Prometheus), /live and /ready.
+    /// Default: not served.
+    #[arg(long)]
+    pub metrics_listen: Option<String>,
+    /// On SIGTERM, seconds the requests in flight get to finish (new ones are refused)
+    /// before they fail and the server exits.
+    #[arg(long)]
+    pub drain_timeout_s: Option<f64>,
     /// KV canary at every step: checksums of every page and state slot (computed on the
     /// device) fail exactly the requests whose KV changed outside the expected writes.
     /// Same as --kv-audit-every 1.
-    #[arg(long, conflicts_with = "kv_audit_every")]
+    #[arg(long, conflicts_with = "kv_audit_every", env = "PDSERVE_KV_AUDIT")]
     pub kv_audit: bool,
     /// KV canary checking pages every N steps (state slots every step); 0: off.
     /// See docs/kv-canary.md for what it costs.
@@ -336,6 +356,8 @@ impl WorkerFlags {
         flag(&mut f, "hicache_size", &self.hicache_size);
         flag(&mut f, "cuda_graph", &self.cuda_graph);
         flag(&mut f, "request_timeout_s", &self.request_timeout_s);
+        flag(&mut f, "metrics_listen", &self.metrics_listen);
+        flag(&mut f, "drain_timeout_s", &self.drain_timeout_s);
         let audit_every = self.kv_audit_every.or(self.kv_audit.then_some(1));
         flag(&mut f, "kv_audit_every", &audit_every);
         let verify_every = self.verify_graphs_every.or(self.verify_graphs.then_some(1));
@@ -363,7 +385,9 @@ impl WorkerFlags {
 pub struct RouterConfig {
     pub model: Option<PathBuf>,
     pub listen: String,
+    #[serde(deserialize_with = "list_or_commas")]
     pub prefill: Vec<String>,
+    #[serde(deserialize_with = "list_or_commas")]
     pub decode: Vec<String>,
     pub first_token_timeout_s: f64,
     pub token_timeout_s: f64,
@@ -391,6 +415,11 @@ pub struct RouterConfig {
     pub header_timeout_s: f64,
     pub body_timeout_s: f64,
     pub max_connections: usize,
+    #[serde(deserialize_with = "list_or_commas")]
+    pub discover_prefill: Vec<String>,
+    #[serde(deserialize_with = "list_or_commas")]
+    pub discover_decode: Vec<String>,
+    pub discover_interval_s: f64,
 }
 
 /// Config keys whose values are secrets: `--print-config`, `GET /config` and the logs
@@ -427,6 +456,26 @@ fn one_or_many<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<String>, D:
     })
 }
 
+/// An address list as TOML writes it (`["a:1", "b:2"]`) or as an environment variable
+/// does (`PDSERVE_DECODE=a:1,b:2`, the flags' comma-separated form).
+fn list_or_commas<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum ListOrCommas {
+        List(Vec<String>),
+        Commas(String),
+    }
+    Ok(match ListOrCommas::deserialize(d)? {
+        ListOrCommas::List(v) => v,
+        ListOrCommas::Commas(s) => s
+            .split(',')
+            .map(str::trim)
+            .filter(|a| !a.is_empty())
+            .map(String::from)
+            .collect(),
+    })
+}
+
 pub const ROUTER_KEYS: &[&str] = &[
     "model",
     "listen",
@@ -453,15 +502,18 @@ pub const ROUTER_KEYS: &[&str] = &[
     "max_connections",
     "chat_template",
     "chat_template_kwargs",
+    "discover_prefill",
+    "discover_decode",
+    "discover_interval_s",
 ];
 
 #[derive(clap::Args, Debug, Clone, Default)]
 pub struct RouterFlags {
     /// TOML file with any of the config keys (see --print-config).
-    #[arg(long)]
+    #[arg(long, env = "PDSERVE_CONFIG")]
     pub config: Option<PathBuf>,
     /// Print the effective configuration with the source of each value, then exit.
-    #[arg(long)]
+    #[arg(long, env = "PDSERVE_PRINT_CONFIG")]
     pub print_config: bool,
     /// Model folder (for the tokenizer and end tokens). Default: the embedded model.
     #[arg(long)]
@@ -543,6 +595,17 @@ pub struct RouterFlags {
     /// '{"thinking": true}'.
     #[arg(long)]
     pub chat_template_kwargs: Option<String>,
+    /// DNS names (host:port; repeated or comma-separated) whose addresses are prefill
+    /// workers, re-resolved every --discover-interval-s: workers join and leave as the
+    /// name's addresses do (a Kubernetes headless Service lists its ready pods).
+    #[arg(long, value_delimiter = ',')]
+    pub discover_prefill: Option<Vec<String>>,
+    /// DNS names (host:port) whose addresses are decode workers (as --discover-prefill).
+    #[arg(long, value_delimiter = ',')]
+    pub discover_decode: Option<Vec<String>>,
+    /// Seconds between two resolutions of the --discover-* names.
+    #[arg(long)]
+    pub discover_interval_s: Option<f64>,
 }
 
 impl RouterConfig {
@@ -560,6 +623,7 @@ impl RouterConfig {
             ("--health-interval-s", self.health_interval_s),
             ("--header-timeout-s", self.header_timeout_s),
             ("--body-timeout-s", self.body_timeout_s),
+            ("--discover-interval-s", self.discover_interval_s),
         ] {
             if !(t.is_finite() && t > 0.0) {
                 bail!("{flag} must be a positive number of seconds, got {t}");
@@ -620,7 +684,23 @@ impl RouterFlags {
         flag(&mut f, "max_connections", &self.max_connections);
         flag(&mut f, "chat_template", &self.chat_template);
         flag(&mut f, "chat_template_kwargs", &self.chat_template_kwargs);
-        let defaults = RouterConfig {
+        flag(&mut f, "discover_prefill", &self.discover_prefill);
+        flag(&mut f, "discover_decode", &self.discover_decode);
+        flag(&mut f, "discover_interval_s", &self.discover_interval_s);
+        let (cfg, mut entries) = layered::extract(
+            &RouterConfig::defaults(),
+            self.config.as_deref(),
+            ROUTER_KEYS,
+            f,
+        )?;
+        redact(&mut entries);
+        Ok((cfg, entries))
+    }
+}
+
+impl RouterConfig {
+    pub fn defaults() -> Self {
+        RouterConfig {
             model: None,
             listen: "127.0.0.1:8000".into(),
             prefill: Vec::new(),
@@ -646,10 +726,9 @@ impl RouterFlags {
             max_connections: 4096,
             chat_template: None,
             chat_template_kwargs: None,
-        };
-        let (cfg, mut entries) =
-            layered::extract(&defaults, self.config.as_deref(), ROUTER_KEYS, f)?;
-        redact(&mut entries);
-        Ok((cfg, entries))
+            discover_prefill: Vec::new(),
+            discover_decode: Vec::new(),
+            discover_interval_s: 5.0,
+        }
     }
 }

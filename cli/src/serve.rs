@@ -69,6 +69,23 @@ fn model_dir(model: &Option<PathBuf>) -> Result<(PathBuf, String)> {
     }
 }
 
+/// The gRPC listener and, with `--metrics-listen`, the side port (its address printed as
+/// `pdserve <role> metrics on http://ADDR`, after the gRPC line).
+async fn bind_worker(cfg: &WorkerConfig, role: &str) -> Result<pdserve_worker::Ports> {
+    let grpc = bind(&cfg.listen, role).await?;
+    let metrics = match &cfg.metrics_listen {
+        None => None,
+        Some(addr) => {
+            let l = tokio::net::TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("{role}: --metrics-listen {addr}"))?;
+            println!("pdserve {role} metrics on http://{}", l.local_addr()?);
+            Some(l)
+        }
+    };
+    Ok(pdserve_worker::Ports { grpc, metrics })
+}
+
 async fn bind(listen: &str, role: &str) -> Result<tokio::net::TcpListener> {
     let l = tokio::net::TcpListener::bind(listen)
         .await
@@ -165,8 +182,16 @@ fn serve_worker<B: Backend + 'static>(
 ) -> Result<()> {
     let timeout = Duration::from_secs_f64(cfg.request_timeout_s);
     let cluster_token = crate::roles::cluster_token(&cfg.cluster_token, &cfg.cluster_token_file)?;
+    let drain_timeout = Duration::from_secs_f64(cfg.drain_timeout_s);
+    // The recorder first (the servers reuse it), so that the decode graphs' counters
+    // exist at zero on every decode server, CUDA or not.
+    if pdserve_worker::metrics::install(&model_name, role.name()).is_ok()
+        && role == WorkerRole::Decode
+    {
+        pdserve_kernels::graph_metrics::register();
+    }
     runtime()?.block_on(async move {
-        let listener = bind(&cfg.listen, role.name()).await?;
+        let ports = bind_worker(&cfg, role.name()).await?;
         match role {
             WorkerRole::Prefill => {
                 let settings = pdserve_prefill_server::PrefillSettings {
@@ -176,10 +201,11 @@ fn serve_worker<B: Backend + 'static>(
                     transfer_chunk_bytes: 1 << 20,
                     request_timeout: timeout,
                     load_timeout: Duration::from_secs(600),
+                    drain_timeout,
                     config: config_pb(&entries),
                     cluster_token,
                 };
-                pdserve_prefill_server::serve(settings, make_engine, listener, shutdown_signal())
+                pdserve_prefill_server::serve(settings, make_engine, ports, shutdown_signal())
                     .await?;
             }
             WorkerRole::Decode => {
@@ -193,11 +219,12 @@ fn serve_worker<B: Backend + 'static>(
                     ),
                     connect_timeout: Duration::from_secs(2),
                     load_timeout: Duration::from_secs(600),
+                    drain_timeout,
                     config: config_pb(&entries),
                     debug_kv_scribble: scribble,
                     cluster_token,
                 };
-                pdserve_decode_server::serve(settings, make_engine, listener, shutdown_signal())
+                pdserve_decode_server::serve(settings, make_engine, ports, shutdown_signal())
                     .await?;
             }
         }
@@ -291,6 +318,9 @@ pub fn router(flags: RouterFlags) -> Result<()> {
             body_timeout: Duration::from_secs_f64(cfg.body_timeout_s),
             max_connections: cfg.max_connections,
         },
+        discover_prefill: cfg.discover_prefill.clone(),
+        discover_decode: cfg.discover_decode.clone(),
+        discover_interval: Duration::from_secs_f64(cfg.discover_interval_s),
     };
     runtime()?.block_on(async move {
         let listener = bind(&cfg.listen, "router").await?;

@@ -485,6 +485,7 @@ const LAYERS: &[(&str, usize)] = &[
     ("kv::fp8", 0),
     ("kv::peer", 0),
     ("kv::metrics", 0),
+    ("kv::checksum", 0),
     // 1. backend: the traits of numeric ops, KV storage and step running; the CPU backend.
     ("backend", 1),
     // 2. pools: page/state allocation, device and host pools, the step audit.

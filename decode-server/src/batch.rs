@@ -13,7 +13,7 @@ use pdserve_engine::kv::KvLayout;
 use pdserve_engine::sampling::{Sampler, SamplingError, SamplingParams, TokenLogprobs};
 use pdserve_engine::{Engine, EngineError, ErrorClass, ForwardItem, Logits, Sequence};
 use pdserve_kv_transfer::Prefilled;
-use pdserve_worker::{Failure, Load};
+use pdserve_worker::{Failure, InFlight, Lifecycle, Load};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use tokio::sync::{mpsc, oneshot};
@@ -30,6 +30,8 @@ pub struct Admit {
     pub top_logprobs: Option<u32>,
     pub events: Events,
     pub permit: Permit,
+    /// Counts the request for the drain until it leaves the batch.
+    pub inflight: InFlight,
 }
 
 pub struct Ready {
@@ -64,6 +66,7 @@ pub enum ScribbleKind {
 pub fn spawn<B, F>(
     make_engine: F,
     load: Arc<Load>,
+    life: Arc<Lifecycle>,
     scribble: Option<DebugScribble>,
 ) -> std::io::Result<(mpsc::Sender<Admit>, ReadyRx)>
 where
@@ -93,6 +96,7 @@ where
                 engine,
                 running: Vec::new(),
                 load,
+                life,
                 steps: 0,
                 scribble,
             }
@@ -128,6 +132,7 @@ struct Running {
     top_logprobs: Option<u32>,
     events: Events,
     _permit: Permit,
+    _inflight: InFlight,
 }
 
 impl Running {
@@ -167,6 +172,7 @@ struct Batch<B: Backend> {
     engine: Engine<B>,
     running: Vec<Running>,
     load: Arc<Load>,
+    life: Arc<Lifecycle>,
     /// Decode steps run so far.
     steps: u64,
     scribble: Option<DebugScribble>,
@@ -185,15 +191,31 @@ impl<B: Backend> Batch<B> {
                 self.admit(a);
             }
             self.drop_cancelled();
+            if self.life.is_aborted() {
+                self.fail_all(Event::ShuttingDown);
+            }
             if !self.running.is_empty() {
                 self.step();
             }
             self.publish_load();
         }
+        self.fail_all(Event::ShuttingDown);
+    }
+
+    /// End every running request with `why` (the drain's deadline passed, or the engine
+    /// is stopping) and free its pages.
+    fn fail_all(&mut self, why: Event) {
+        if !self.running.is_empty() {
+            tracing::warn!(
+                requests = self.running.len(),
+                "failing every running request"
+            );
+        }
         for r in std::mem::take(&mut self.running) {
-            let _ = r.events.send(Event::ShuttingDown);
+            let _ = r.events.send(why.clone());
             self.finish(r);
         }
+        self.publish_load();
     }
 
     fn publish_load(&self) {
@@ -261,6 +283,7 @@ impl<B: Backend> Batch<B> {
             top_logprobs: a.top_logprobs,
             events: a.events,
             _permit: a.permit,
+            _inflight: a.inflight,
         };
         tracing::debug!(positions = r.seq.len(), "joined the batch");
         if r.emit(t, lp) {
@@ -353,6 +376,7 @@ impl<B: Backend> Batch<B> {
                 logits: Logits::Last,
             })
             .collect();
+        let t0 = std::time::Instant::now();
         let out = self.engine.forward_each(&mut items);
         drop(items);
         let logits = match out {
@@ -392,6 +416,7 @@ impl<B: Backend> Batch<B> {
                 }
             }
         }
+        pdserve_worker::metrics::decode_step(t0.elapsed(), self.running.len());
         let mut gone: Vec<(usize, Option<EngineError>)> = done
             .into_iter()
             .map(|i| (i, None))

@@ -11,7 +11,7 @@ use pdserve_engine::backend::Backend;
 use pdserve_engine::{Engine, EngineError};
 use pdserve_proto::cluster::{ClusterToken, RequireToken};
 use pdserve_proto::pb;
-use pdserve_worker::{Load, WorkerStatus};
+use pdserve_worker::{Startup, WorkerStatus};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
@@ -35,6 +35,8 @@ pub struct DecodeSettings {
     pub connect_timeout: Duration,
     /// Deadline for loading the model.
     pub load_timeout: Duration,
+    /// On shutdown, how long requests in flight may take to finish before they fail.
+    pub drain_timeout: Duration,
     /// Effective configuration, reported by the info RPC.
     pub config: Vec<pb::ConfigEntry>,
     /// Test-only KV scribble (`--debug-kv-scribble`).
@@ -45,22 +47,28 @@ pub struct DecodeSettings {
 
 pub use batch::{DebugScribble, ScribbleKind};
 
-pub use pdserve_worker::ServeError;
+pub use pdserve_worker::{Ports, ServeError};
 
-/// Load the engine with `make_engine` on its own thread, then serve on `listener` until
-/// `shutdown` resolves.
+/// Load the engine with `make_engine` on its own thread, then serve on `ports` until
+/// `shutdown` resolves and the requests in flight are drained.
 pub async fn serve<B, F>(
     settings: DecodeSettings,
     make_engine: F,
-    listener: tokio::net::TcpListener,
+    ports: Ports,
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> Result<(), ServeError>
 where
     B: Backend + 'static,
     F: FnOnce() -> Result<Engine<B>, EngineError> + Send + 'static,
 {
-    let load = Arc::new(Load::default());
-    let (admits, ready) = batch::spawn(make_engine, load.clone(), settings.debug_kv_scribble)?;
+    let startup = Startup::begin(&settings.model_name, "decode", ports.metrics);
+    let load = startup.load.clone();
+    let (admits, ready) = batch::spawn(
+        make_engine,
+        load.clone(),
+        startup.life.clone(),
+        settings.debug_kv_scribble,
+    )?;
     let ready = pdserve_worker::engine_ready(ready, settings.load_timeout).await?;
     load.total_pages
         .store(ready.total_pages as u64, Ordering::Relaxed);
@@ -72,6 +80,7 @@ where
         config: settings.config.clone(),
         layout: pdserve_kv_transfer::layout_info(&ready.layout),
         load,
+        life: startup.life.clone(),
     });
     let admission = admission::Admission::new(
         ready.total_pages,
@@ -86,11 +95,12 @@ where
         settings: settings.clone(),
         status: status.clone(),
     };
-    tracing::info!(addr = ?listener.local_addr().ok(), layout = %status.layout.fingerprint, max_batch = settings.max_batch, "decode server ready");
+    tracing::info!(addr = ?ports.grpc.local_addr().ok(), layout = %status.layout.fingerprint, max_batch = settings.max_batch, "decode server ready");
     let token = settings.cluster_token.clone();
     let role = tonic::service::Routes::new(InterceptedService::new(
         pb::decode_server::DecodeServer::new(svc),
         RequireToken(token.clone()),
     ));
-    pdserve_worker::serve_grpc(role, status, token, listener, shutdown).await
+    let drain_timeout = settings.drain_timeout;
+    pdserve_worker::serve_grpc(role, status, token, ports.grpc, shutdown, drain_timeout).await
 }

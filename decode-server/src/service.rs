@@ -42,6 +42,21 @@ impl Drop for Waiting {
     }
 }
 
+/// What a request still in flight gets when the drain deadline passes.
+fn shutting_down() -> Status {
+    Status::unavailable("decode server shutting down")
+}
+
+/// The prefill server, not this one, could not take the request (down, or loading or
+/// draining): the router retries with another prefill server.
+fn prefill_unavailable(e: &TransferError) -> bool {
+    match e {
+        TransferError::Unreachable { .. } => true,
+        TransferError::Peer { status, .. } => status.code() == tonic::Code::Unavailable,
+        _ => false,
+    }
+}
+
 #[tonic::async_trait]
 impl pb::decode_server::Decode for DecodeService {
     type GenerateStream = UnboundedReceiverStream<Result<pb::TokenEvent, Status>>;
@@ -81,14 +96,22 @@ impl pb::decode_server::Decode for DecodeService {
                 self.max_positions
             )));
         }
+        let inflight = self
+            .status
+            .life
+            .enter()
+            .map_err(pdserve_worker::not_taking_status)?;
         let need = self.layout.pages_for(total);
+        let queued = std::time::Instant::now();
         let permit = {
             let _w = Waiting::new(&self.status);
-            self.admission
-                .admit(need, self.settings.admit_timeout)
-                .await
-                .map_err(|e| Status::resource_exhausted(e.to_string()))?
+            tokio::select! {
+                p = self.admission.admit(need, self.settings.admit_timeout) => p,
+                _ = self.status.life.aborted() => return Err(shutting_down()),
+            }
+            .map_err(|e| Status::resource_exhausted(e.to_string()))?
         };
+        pdserve_worker::metrics::queue_time(queued.elapsed());
         let (tx, rx) = mpsc::unbounded_channel();
         let admits = self.admits.clone();
         let layout = self.layout.clone();
@@ -115,13 +138,17 @@ impl pb::decode_server::Decode for DecodeService {
                     tracing::info!(%request_id, "client went away during prefill; cancelled");
                     return;
                 }
+                _ = status.life.aborted() => {
+                    let _ = tx.send(Err(shutting_down()));
+                    return;
+                }
             };
             let prefilled = match pulled {
                 Ok(p) => p,
                 Err(e) => {
                     tracing::warn!(%request_id, prefill = %r.prefill_addr, error = %e, "KV transfer failed");
                     let mut status = e.to_status();
-                    if matches!(e, TransferError::Unreachable { .. }) {
+                    if prefill_unavailable(&e) {
                         status.metadata_mut().insert(
                             pdserve_proto::FAILED_WORKER,
                             tonic::metadata::MetadataValue::from_static("prefill"),
@@ -145,6 +172,7 @@ impl pb::decode_server::Decode for DecodeService {
                 top_logprobs: r.top_logprobs,
                 events: Events::new(tx.clone()),
                 permit,
+                inflight,
             };
             if admits.send(admit).await.is_err() {
                 let _ = tx.send(Err(Status::unavailable("decode engine stopped")));

@@ -276,9 +276,15 @@ fn metrics_count_pages_and_prefix_hits() {
         16.0
     );
     assert_eq!(g("pdserve_prefix_cache_hit_tokens_total{tier=host}"), 24.0);
-    assert_eq!(g("pdserve_kv_pages_total{pool=device}"), 40.0);
+    // vLLM's pair: every looked-up token is a query, hits from either tier.
+    assert_eq!(
+        g("pdserve_prefix_cache_queries_total{}"),
+        36.0 + 16.0 + 24.0
+    );
+    assert_eq!(g("pdserve_prefix_cache_hits_total{}"), 16.0 + 24.0);
+    assert_eq!(g("pdserve_kv_pages_capacity{pool=device}"), 40.0);
     assert_eq!(g("pdserve_kv_pages_used{pool=device}"), held as f64);
-    assert_eq!(g("pdserve_kv_pages_total{pool=host}"), 50.0);
+    assert_eq!(g("pdserve_kv_pages_capacity{pool=host}"), 50.0);
     // Cuts at 8, 16, 24 were backed up once each and stay on the host.
     assert_eq!(g("pdserve_kv_pages_used{pool=host}"), 3.0);
 }

@@ -168,6 +168,7 @@ fn replay(
             cache.graphs.evict_oldest();
         }
         cache.captures += 1;
+        crate::graph_metrics::captured();
         cache.graphs.insert(&dry.signature, Captured(graph), tick);
     }
     let t0 = Instant::now();
@@ -178,6 +179,7 @@ fn replay(
         .ok_or_else(|| BackendError::Device("captured graph missing".into()))?;
     graph.launch().map_err(dev_err)?;
     cache.replays += 1;
+    crate::graph_metrics::replayed();
     cache.phases.submit += t0.elapsed().as_secs_f64();
     drop(cache);
     download_rows(b, out, rows)
@@ -302,7 +304,7 @@ fn first_difference(
 }
 
 /// Counter of `--verify-graphs` mismatches (each recovered by the eager result).
-pub const GRAPH_VERIFY_MISMATCHES: &str = "pdserve_graph_verify_mismatches_total";
+pub const GRAPH_VERIFY_MISMATCHES: &str = crate::graph_metrics::VERIFY_MISMATCHES_TOTAL;
 
 /// [`pdserve_engine::backend::StepRunner::decode_step`] of the CUDA backend.
 pub(crate) fn decode_step(

@@ -11,6 +11,7 @@ pub mod compile;
 pub mod device;
 mod devmem;
 mod graph_cache;
+pub mod graph_metrics;
 mod graph_mode;
 pub mod graphs;
 mod kernels;

@@ -12,6 +12,8 @@ use std::sync::Arc;
 use tokio::sync::{mpsc, oneshot};
 
 pub struct Job {
+    /// When the service queued it (for the queue-time histogram).
+    pub queued: std::time::Instant,
     pub prompt: Vec<u32>,
     pub sampling: SamplingParams,
     pub request_id: String,
@@ -85,9 +87,11 @@ impl<B: Backend> Worker<B> {
                 continue;
             }
             self.load.running.store(1, Ordering::Relaxed);
+            pdserve_worker::metrics::queue_time(job.queued.elapsed());
             let t0 = std::time::Instant::now();
             match self.prefill_one(&job) {
                 Ok(Some((p, hit, host_hit))) => {
+                    pdserve_worker::metrics::prefill_time(t0.elapsed());
                     tracing::info!(
                         prompt_tokens = job.prompt.len(),
                         cached_tokens = hit,

@@ -12,7 +12,7 @@ use pdserve_engine::backend::Backend;
 use pdserve_engine::{Engine, EngineError};
 use pdserve_proto::cluster::{ClusterToken, RequireToken};
 use pdserve_proto::pb;
-use pdserve_worker::{Load, WorkerStatus};
+use pdserve_worker::{Startup, WorkerStatus};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
@@ -33,27 +33,30 @@ pub struct PrefillSettings {
     pub request_timeout: Duration,
     /// Deadline for loading the model.
     pub load_timeout: Duration,
+    /// On shutdown, how long requests in flight may take to finish before they fail.
+    pub drain_timeout: Duration,
     /// Effective configuration, reported by the info RPC.
     pub config: Vec<pb::ConfigEntry>,
     /// Required on every `Prefill` call when set.
     pub cluster_token: Option<ClusterToken>,
 }
 
-pub use pdserve_worker::ServeError;
+pub use pdserve_worker::{Ports, ServeError};
 
-/// Load the engine with `make_engine` on its own thread, then serve on `listener` until
-/// `shutdown` resolves.
+/// Load the engine with `make_engine` on its own thread, then serve on `ports` until
+/// `shutdown` resolves and the requests in flight are drained.
 pub async fn serve<B, F>(
     settings: PrefillSettings,
     make_engine: F,
-    listener: tokio::net::TcpListener,
+    ports: Ports,
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> Result<(), ServeError>
 where
     B: Backend + 'static,
     F: FnOnce() -> Result<Engine<B>, EngineError> + Send + 'static,
 {
-    let load = Arc::new(Load::default());
+    let startup = Startup::begin(&settings.model_name, "prefill", ports.metrics);
+    let load = startup.load.clone();
     let (jobs, ready) = engine_thread::spawn(
         make_engine,
         settings.chunked_prefill_size,
@@ -69,6 +72,7 @@ where
         config: settings.config.clone(),
         layout: pdserve_kv_transfer::layout_info(&ready.layout),
         load,
+        life: startup.life.clone(),
     });
     let svc = service::PrefillService {
         jobs,
@@ -76,7 +80,7 @@ where
         settings: settings.clone(),
         status: status.clone(),
     };
-    tracing::info!(addr = ?listener.local_addr().ok(), layout = %status.layout.fingerprint, "prefill server ready");
+    tracing::info!(addr = ?ports.grpc.local_addr().ok(), layout = %status.layout.fingerprint, "prefill server ready");
     let token = settings.cluster_token.clone();
     let role = tonic::service::Routes::new(InterceptedService::new(
         pb::prefill_server::PrefillServer::new(svc)
@@ -84,5 +88,6 @@ where
             .max_decoding_message_size(64 << 20),
         RequireToken(token.clone()),
     ));
-    pdserve_worker::serve_grpc(role, status, token, listener, shutdown).await
+    let drain_timeout = settings.drain_timeout;
+    pdserve_worker::serve_grpc(role, status, token, ports.grpc, shutdown, drain_timeout).await
 }

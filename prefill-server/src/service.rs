@@ -37,8 +37,14 @@ impl pb::prefill_server::Prefill for PrefillService {
             tracing::warn!(%request_id, error = %e, "refusing a decode server with a different KV layout");
             return Err(Status::failed_precondition(e.to_string()));
         }
+        let inflight = self
+            .status
+            .life
+            .enter()
+            .map_err(pdserve_worker::not_taking_status)?;
         let (reply, done) = oneshot::channel();
         let job = Job {
+            queued: std::time::Instant::now(),
             prompt: r.prompt,
             sampling: pdserve_worker::sampling_from_pb(r.sampling),
             request_id: request_id.clone(),
@@ -57,7 +63,9 @@ impl pb::prefill_server::Prefill for PrefillService {
         let layout = self.layout.clone();
         let chunk_bytes = self.settings.transfer_chunk_bytes;
         let span = tracing::info_span!("prefill", request_id = %request_id);
+        let life = self.status.life.clone();
         tokio::spawn(async move {
+            let _inflight = inflight;
             // While queued and computing, a heartbeat every HEARTBEAT: the receiver's
             // progress deadline then measures a live peer, not the prompt's length.
             let mut finished = std::pin::pin!(tokio::time::timeout(timeout, done));
@@ -76,6 +84,10 @@ impl pb::prefill_server::Prefill for PrefillService {
                     }
                     _ = tx.closed() => {
                         tracing::info!(%request_id, "decode server went away; cancelling the prefill");
+                        return;
+                    }
+                    _ = life.aborted() => {
+                        let _ = tx.send(Err(Status::unavailable("prefill server shutting down"))).await;
                         return;
                     }
                 }

@@ -65,7 +65,7 @@ pub enum Scope {
 
 pub fn scope(path: &str) -> Scope {
     match path {
-        "/health" | "/metrics" => Scope::Open,
+        "/health" | "/metrics" | "/live" | "/ready" => Scope::Open,
         "/config" | "/workers" => Scope::Admin,
         p if p.starts_with("/workers/") => Scope::Admin,
         _ => Scope::Api,
@@ -290,6 +290,8 @@ mod tests {
         assert_eq!(scope("/config"), Scope::Admin);
         assert_eq!(scope("/health"), Scope::Open);
         assert_eq!(scope("/metrics"), Scope::Open);
+        assert_eq!(scope("/live"), Scope::Open);
+        assert_eq!(scope("/ready"), Scope::Open);
     }
 
     #[test]

@@ -26,13 +26,20 @@ impl Circuit {
         matches!(self, Circuit::Closed | Circuit::HalfOpen)
     }
 
-    /// The `pdserve_worker_circuit_state` gauge value.
-    pub fn gauge(self) -> f64 {
+    pub const ALL: [Circuit; 4] = [
+        Circuit::Unknown,
+        Circuit::Closed,
+        Circuit::HalfOpen,
+        Circuit::Open,
+    ];
+
+    /// The `state` label of `pdserve_worker_circuit_state` (as `GET /workers` spells it).
+    pub fn name(self) -> &'static str {
         match self {
-            Circuit::Closed => 0.0,
-            Circuit::HalfOpen => 1.0,
-            Circuit::Open => 2.0,
-            Circuit::Unknown => 3.0,
+            Circuit::Unknown => "unknown",
+            Circuit::Closed => "closed",
+            Circuit::HalfOpen => "half_open",
+            Circuit::Open => "open",
         }
     }
 }

@@ -1,6 +1,9 @@
 //! The health loop: every interval, ask each worker for `Worker.Info` (with a deadline),
-//! feed the answer to its circuit breaker, keep its load, and record per-worker gauges
-//! (labels `worker`, `role`) in the global `metrics` recorder.
+//! feed the answer to its circuit breaker (a draining worker goes out of rotation), keep
+//! its load, and record the router's view of each worker as gauges (labels `worker`,
+//! `role`) in the global `metrics` recorder: the load it routes by and the circuit state
+//! (label `state`). The workers' cumulative figures (transfers, prefix hits) are their own
+//! counters, on their own `/metrics`.
 
 use crate::workers::{fetch_info, Worker, Workers};
 use pdserve_proto::pb;
@@ -11,14 +14,18 @@ use std::time::Duration;
 pub async fn check_all(workers: &Workers, deadline: Duration) {
     let checks = workers.all().into_iter().map(|w| async move {
         match fetch_info(&w, deadline).await {
+            Ok(info) if info.draining => {
+                record(&w, &info);
+                w.set_info(info);
+                w.fail_hard("draining: finishing its requests, taking no new ones");
+            }
             Ok(info) => {
                 record(&w, &info);
                 w.health_ok(info);
             }
             Err(why) => w.fail_hard(&format!("health check: {why}")),
         }
-        metrics::gauge!("pdserve_worker_circuit_state", "worker" => w.addr.clone(), "role" => w.role.name())
-            .set(w.circuit().gauge());
+        w.record_circuit();
     });
     futures::future::join_all(checks).await;
 }
@@ -50,20 +57,9 @@ fn record(w: &Worker, i: &pb::WorkerInfo) {
         "pdserve_worker_kv_pages_used",
         i.total_pages.saturating_sub(i.free_pages) as f64,
     );
-    g("pdserve_worker_kv_pages_total", i.total_pages as f64);
+    g("pdserve_worker_kv_pages_capacity", i.total_pages as f64);
     g("pdserve_worker_kv_pages_cached", i.cached_pages as f64);
     g("pdserve_worker_host_pages_used", i.host_used_pages as f64);
-    g("pdserve_worker_transfers", i.transfers as f64);
-    g("pdserve_worker_transfer_bytes", i.transfer_bytes as f64);
-    g("pdserve_worker_transfer_seconds", i.transfer_seconds);
-    for (tier, v) in [
-        ("device", i.prefix_hit_device_tokens),
-        ("host", i.prefix_hit_host_tokens),
-        ("miss", i.prefix_miss_tokens),
-    ] {
-        metrics::gauge!("pdserve_worker_prefix_tokens", "worker" => addr.clone(), "role" => role, "tier" => tier)
-            .set(v as f64);
-    }
 }
 
 #[cfg(test)]
@@ -151,25 +147,63 @@ mod tests {
             })
             .filter(|(_, labels, _)| labels.contains(&("worker".to_string(), addr.clone())))
             .collect();
-        let gauge = |name: &str, tier: Option<&str>| {
+        let gauge = |name: &str, label: Option<(&str, &str)>| {
             got.iter()
                 .find(|(n, labels, _)| {
                     n == name
                         && labels.contains(&("role".to_string(), "prefill".to_string()))
-                        && tier
-                            .is_none_or(|t| labels.contains(&("tier".to_string(), t.to_string())))
+                        && label
+                            .is_none_or(|(k, v)| labels.contains(&(k.to_string(), v.to_string())))
                 })
                 .map(|g| g.2)
-                .unwrap_or_else(|| panic!("no gauge {name} {tier:?} in {got:?}"))
+                .unwrap_or_else(|| panic!("no gauge {name} {label:?} in {got:?}"))
         };
         assert_eq!(gauge("pdserve_worker_running", None), 1.0);
         assert_eq!(gauge("pdserve_worker_queued", None), 3.0);
         assert_eq!(gauge("pdserve_worker_kv_pages_used", None), 40.0);
-        assert_eq!(gauge("pdserve_worker_prefix_tokens", Some("device")), 512.0);
-        assert_eq!(gauge("pdserve_worker_prefix_tokens", Some("host")), 256.0);
-        assert_eq!(gauge("pdserve_worker_transfer_bytes", None), 4096.0);
-        assert_eq!(gauge("pdserve_worker_transfer_seconds", None), 0.25);
-        assert_eq!(gauge("pdserve_worker_circuit_state", None), 0.0);
+        assert_eq!(gauge("pdserve_worker_kv_pages_capacity", None), 100.0);
+        let state = |s| gauge("pdserve_worker_circuit_state", Some(("state", s)));
+        assert_eq!(state("closed"), 1.0);
+        assert_eq!(
+            (state("open"), state("half_open"), state("unknown")),
+            (0.0, 0.0, 0.0)
+        );
+        // Cumulative figures are the worker's own counters, not re-exported as gauges.
+        assert!(
+            !got.iter()
+                .any(|(n, ..)| n.contains("transfer") || n.contains("prefix")),
+            "{got:?}"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_draining_worker_leaves_rotation_at_the_next_poll() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let info = pb::WorkerInfo {
+            role: "decode".into(),
+            draining: true,
+            ..Default::default()
+        };
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(pb::worker_server::WorkerServer::new(FixedInfo(info)))
+                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+        );
+        let ws = Workers::new(
+            &[],
+            std::slice::from_ref(&addr),
+            Duration::from_secs(1),
+            None,
+        )
+        .unwrap();
+        check_all(&ws, Duration::from_secs(2)).await;
+        let w = ws.find(&addr).unwrap();
+        assert_eq!(w.circuit(), Circuit::Open);
+        assert!(w.last_error().contains("draining"), "{}", w.last_error());
+        // It answers, but stays out while it drains.
+        check_all(&ws, Duration::from_secs(2)).await;
+        assert!(!w.is_healthy());
     }
 
     #[tokio::test]

@@ -1,5 +1,6 @@
 //! The HTTP router: OpenAI-style `POST /v1/completions` and `POST /v1/chat/completions`
-//! (SSE and not), `GET /v1/models`, `GET /health`, `GET /config`, `GET /metrics`
+//! (SSE and not), `GET /v1/models`, `GET /health`, `GET /live`, `GET /ready`,
+//! `GET /config`, `GET /metrics`
 //! (Prometheus). For each request it picks a prefill worker P and a decode worker D
 //! through a [`policy::RoutingPolicy`], asks D to generate with P as its prefill source,
 //! and streams D's tokens to the client. A failure before the first token is retried on
@@ -15,6 +16,7 @@ pub mod chat;
 pub mod circuit;
 mod completions;
 mod detok;
+pub mod discovery;
 mod driver;
 mod error;
 pub mod extract;
@@ -26,6 +28,7 @@ mod logprobs;
 pub mod metrics;
 mod params;
 pub mod policy;
+mod probes;
 pub mod reply;
 mod shape;
 mod sse;
@@ -88,6 +91,12 @@ pub struct RouterSettings {
     pub http: http::HttpLimits,
     /// The cluster token (see [`pdserve_proto::cluster`]): workers must prove it.
     pub cluster_token: Option<pdserve_proto::cluster::ClusterToken>,
+    /// DNS names (host:port) whose addresses are the prefill workers (see [`discovery`]).
+    pub discover_prefill: Vec<String>,
+    /// DNS names (host:port) whose addresses are the decode workers.
+    pub discover_decode: Vec<String>,
+    /// How often the discovery names are resolved again.
+    pub discover_interval: Duration,
 }
 
 pub struct AppState {
@@ -143,6 +152,8 @@ pub fn app(state: Arc<AppState>) -> axum::Router {
         .route("/v1/models", get(completions::models))
         .route("/v1/models/{model}", get(completions::model))
         .route("/health", get(completions::health))
+        .route("/live", get(probes::live))
+        .route("/ready", get(probes::ready))
         .route("/config", get(completions::config))
         .route("/workers", get(admin::list).post(admin::add))
         .route("/workers/{address}", delete(admin::remove))
@@ -208,11 +219,29 @@ pub async fn serve(
         auth,
         settings,
     });
+    let mut discovery = Vec::new();
+    for (role, names) in [
+        (Role::Prefill, &state.settings.discover_prefill),
+        (Role::Decode, &state.settings.discover_decode),
+    ] {
+        if !names.is_empty() {
+            let interval = state.settings.discover_interval;
+            discovery.push(tokio::spawn(discovery::follow(
+                state.clone(),
+                role,
+                names.clone(),
+                interval,
+            )));
+        }
+    }
     tracing::info!(addr = ?listener.local_addr().ok(), api_keys = state.auth.has_api_keys(), admin_keys = state.auth.has_admin_keys(), prefill = ?state.settings.prefill, decode = ?state.settings.decode, prefill_policy = state.prefill_policy.name(), decode_policy = state.decode_policy.name(), "router ready");
     let limits = state.settings.http;
     let res = http::serve(listener, app(state), limits, shutdown).await;
     health.abort();
     upkeep.abort();
     reload.abort();
+    for d in discovery {
+        d.abort();
+    }
     Ok(res?)
 }

@@ -104,8 +104,17 @@ impl Worker {
             } else {
                 tracing::warn!(addr = %self.addr, role = self.role.name(), ?from, ?to, reason = why, "worker taken out of rotation");
             }
-            metrics::gauge!("pdserve_worker_circuit_state", "worker" => self.addr.clone(), "role" => self.role.name())
-                .set(to.gauge());
+            self.record_circuit();
+        }
+    }
+
+    /// `pdserve_worker_circuit_state{worker, role, state}`: 1 for the current state, 0
+    /// for the others (an enum as a label, so dashboards need no number legend).
+    pub fn record_circuit(&self) {
+        let now = self.circuit();
+        for c in Circuit::ALL {
+            metrics::gauge!("pdserve_worker_circuit_state", "worker" => self.addr.clone(), "role" => self.role.name(), "state" => c.name())
+                .set(if c == now { 1.0 } else { 0.0 });
         }
     }
 

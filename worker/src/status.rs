@@ -1,5 +1,6 @@
 //! The `Worker` service every prefill and decode server exposes: info and health.
 
+use crate::lifecycle::{Lifecycle, Phase};
 use pdserve_proto::cluster::{self, ClusterToken};
 use pdserve_proto::pb;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -14,6 +15,8 @@ pub struct WorkerStatus {
     pub config: Vec<pb::ConfigEntry>,
     pub layout: pb::KvLayoutInfo,
     pub load: Arc<Load>,
+    /// Loading, ready or draining, and the requests in flight.
+    pub life: Arc<Lifecycle>,
 }
 
 /// Live counters, shared with the engine thread.
@@ -35,8 +38,9 @@ pub struct Load {
 }
 
 impl Load {
-    /// Count one finished KV transfer.
+    /// Count one finished KV transfer (here and in the process's metrics).
     pub fn add_transfer(&self, bytes: u64, took: std::time::Duration) {
+        crate::metrics::transfer(bytes, took);
         self.transfers.fetch_add(1, Ordering::Relaxed);
         self.transfer_bytes.fetch_add(bytes, Ordering::Relaxed);
         self.transfer_micros
@@ -64,6 +68,7 @@ impl WorkerStatus {
             transfers: self.load.transfers.load(Ordering::Relaxed),
             transfer_bytes: self.load.transfer_bytes.load(Ordering::Relaxed),
             transfer_seconds: self.load.transfer_micros.load(Ordering::Relaxed) as f64 / 1e6,
+            draining: self.life.phase() == Phase::Draining,
         }
     }
 }
@@ -126,5 +131,8 @@ mod tests {
         );
         assert_eq!((i.transfers, i.transfer_bytes), (2, 5120));
         assert_eq!(i.transfer_seconds, 0.5);
+        assert!(!i.draining);
+        status.life.start_drain();
+        assert!(status.info().draining);
     }
 }

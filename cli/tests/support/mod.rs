@@ -3,6 +3,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, dead_code)]
 
 pub mod api;
+pub mod prom;
 
 use pdserve_engine::generate::{generate, GenerateRequest};
 use pdserve_engine::sampling::SamplingParams;
@@ -102,6 +103,34 @@ pub fn role(role: &str, args: &[&str]) -> (Proc, String) {
     let l = p.wait_line("listening on", 60);
     let addr = l.rsplit(' ').next().unwrap().to_string();
     (p, addr)
+}
+
+/// `role` with `--metrics-listen 127.0.0.1:0` too; returns the process, its gRPC address
+/// and its side port's address.
+pub fn worker_with_metrics(role_name: &str, args: &[&str]) -> (Proc, String, String) {
+    let mut all = vec!["--metrics-listen", "127.0.0.1:0"];
+    all.extend_from_slice(args);
+    let (p, addr) = role(role_name, &all);
+    let l = p.wait_line("metrics on http://", 10);
+    let side = l.rsplit("http://").next().unwrap().to_string();
+    (p, addr, side)
+}
+
+/// Poll `GET path` on `addr` until it answers `want`, within `secs`.
+pub fn wait_status(addr: &str, path: &str, want: u16, secs: u64) {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    loop {
+        if TcpStream::connect(addr).is_ok()
+            && http(addr, "GET", path, None, Duration::from_secs(5)).0 == want
+        {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{addr}{path} did not answer {want} within {secs} s"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }
 
 /// `pdserve up` with a free router port; kills every child it started on drop.

@@ -130,9 +130,7 @@ impl PrefixCache {
         t.device_hit_tokens += device_hit as u64;
         t.host_hit_tokens += host_hit as u64;
         t.miss_tokens += miss as u64;
-        metrics::hit_tokens("device", device_hit);
-        metrics::hit_tokens("host", host_hit);
-        metrics::miss_tokens(miss);
+        metrics::lookup(device_hit, host_hit, miss);
     }
 
     pub fn stats(&self) -> CacheStats {
