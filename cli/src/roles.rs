@@ -268,14 +268,14 @@ pub struct WorkerFlags {
     #[arg(long, conflicts_with = "kv_audit_every", env = "PDSERVE_KV_AUDIT")]
     pub kv_audit: bool,
     /// KV canary checking pages every N steps (state slots every step); 0: off.
-    /// See docs/kv-canary.md for what it costs.
+    /// See docs/kv-layout.md for what it costs.
     #[arg(long)]
     pub kv_audit_every: Option<u32>,
     /// Decode on CUDA: replay every graphed step eagerly too and compare bitwise; a
     /// mismatch keeps the eager result, drops the bucket's graph (recaptured at its next
     /// step) and counts pdserve_graph_verify_mismatches_total. Doubles step time. Same as
     /// --verify-graphs-every 1.
-    #[arg(long, conflicts_with = "verify_graphs_every")]
+    #[arg(long, conflicts_with = "verify_graphs_every", env = "PDSERVE_VERIFY_GRAPHS")]
     pub verify_graphs: bool,
     /// Decode on CUDA: the --verify-graphs check on every N-th step only (0: off).
     #[arg(long)]
