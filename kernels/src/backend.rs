@@ -80,7 +80,7 @@ impl CudaBackend {
 
     /// Whether decode step number `step` (counted from 1) is verified.
     pub(crate) fn verifies_step(&self, step: u64) -> bool {
-        self.verify_every > 0 && step % u64::from(self.verify_every) == 0
+        self.verify_every > 0 && step.is_multiple_of(u64::from(self.verify_every))
     }
 
     /// `--deterministic`: every row's result independent of its batch, of bucket padding
