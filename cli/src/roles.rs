@@ -275,7 +275,11 @@ pub struct WorkerFlags {
     /// mismatch keeps the eager result, drops the bucket's graph (recaptured at its next
     /// step) and counts pdserve_graph_verify_mismatches_total. Doubles step time. Same as
     /// --verify-graphs-every 1.
-    #[arg(long, conflicts_with = "verify_graphs_every", env = "PDSERVE_VERIFY_GRAPHS")]
+    #[arg(
+        long,
+        conflicts_with = "verify_graphs_every",
+        env = "PDSERVE_VERIFY_GRAPHS"
+    )]
     pub verify_graphs: bool,
     /// Decode on CUDA: the --verify-graphs check on every N-th step only (0: off).
     #[arg(long)]

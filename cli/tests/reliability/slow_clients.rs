@@ -173,7 +173,8 @@ fn fields_of_other_endpoints_and_function_calling_are_refused() {
         ),
         (
             "/v1/chat/completions",
-            json!({"messages": [{"role": "user", "content": "x"}], "parallel_tool_calls": true}),
+            // Tool calls exist on chat now; only turning parallel calls off is refused.
+            json!({"messages": [{"role": "user", "content": "x"}], "parallel_tool_calls": false}),
             "parallel_tool_calls",
         ),
     ];
