@@ -433,7 +433,7 @@ fn validate_lists_every_problem_at_once() {
             bytes: vec![0; 256],
         },
     );
-    let mut ids = vec![0i64; 32];
+    let mut ids: Vec<i64> = (0..32).map(|i| (i % 4) as i64).collect();
     ids[5] = 4;
     ids[6] = -1;
     set.insert(
@@ -483,6 +483,23 @@ fn validate_lists_every_problem_at_once() {
     ] {
         assert!(msg.contains(needle), "missing `{needle}` in:\n{msg}");
     }
+
+    // a token routed to one expert twice is refused, naming the token
+    let mut dup: Vec<i64> = (0..32).map(|i| (i % 4) as i64).collect();
+    dup[6] = 2;
+    dup[7] = 2;
+    set.insert(
+        "model.layers.0.mlp.gate.tid2eid".into(),
+        i64_t(&[16, 2], &dup),
+    );
+    write(&dir.path().join("model.safetensors"), &set);
+    let err = validate(&Checkpoint::open(dir.path()).unwrap(), &cfg).unwrap_err();
+    assert!(
+        err.to_string().contains(
+            "model.layers.0.mlp.gate.tid2eid: 1 tokens route to one expert twice (first: token 3, expert 2)"
+        ),
+        "{err}"
+    );
 
     // an int tensor stored as float is a dtype problem
     set.insert(

@@ -326,7 +326,26 @@ fn check_expert_ids(
     report: &mut ValidationReport,
 ) {
     match ckpt.tensor_i64(name) {
-        Ok((_, ids)) => {
+        Ok((shape, ids)) => {
+            // A token's experts must be distinct: DeepSeek's tables are permutation
+            // prefixes, and the CUDA MoE kernels give an expert at most one pick per row.
+            let k = shape.get(1).copied().unwrap_or(1).max(1);
+            let repeats: Vec<(usize, i64)> = ids
+                .chunks(k)
+                .enumerate()
+                .filter_map(|(t, row)| {
+                    row.iter()
+                        .enumerate()
+                        .find(|(i, e)| row[..*i].contains(e))
+                        .map(|(_, &e)| (t, e))
+                })
+                .collect();
+            if let Some(&(token, expert)) = repeats.first() {
+                report.bad_values.push(format!(
+                    "{name}: {} tokens route to one expert twice (first: token {token}, expert {expert})",
+                    repeats.len()
+                ));
+            }
             let bad = ids
                 .iter()
                 .filter(|&&x| usize::try_from(x).map_or(true, |x| x >= n_experts))
