@@ -223,8 +223,15 @@ fn build(cfg: &ModelConfig) -> Tiny {
     for t in expected_tensors(cfg) {
         let n = t.name.clone();
         if t.int {
-            let ids: Vec<u8> = (0..t.shape.iter().product::<usize>())
-                .flat_map(|_| (rng.below(cfg.n_routed_experts as u64) as i64).to_le_bytes())
+            // Each token's experts distinct (as DeepSeek's tables and validation require).
+            let (rows, k) = (t.shape[0], t.shape[1]);
+            let e = cfg.n_routed_experts;
+            let ids: Vec<u8> = (0..rows)
+                .flat_map(|_| {
+                    let first = rng.below(e as u64) as usize;
+                    (0..k).map(move |j| ((first + j) % e) as i64)
+                })
+                .flat_map(i64::to_le_bytes)
                 .collect();
             tiny.quantized
                 .push((n.clone(), (DiskDtype::I64, t.shape.clone(), ids.clone())));
