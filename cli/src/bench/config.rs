@@ -33,7 +33,7 @@ pub struct ModelFlags {
     /// Storage dtype of compressed-KV and sliding-window entries: f32 or bf16.
     #[arg(long, default_value = "bf16")]
     pub kv_dtype: String,
-    /// Storage dtype of the indexer's index-K entries: f32, bf16 (or fp8 on the CPU).
+    /// Storage dtype of the indexer's index-K entries: f32, bf16 or fp8 (e4m3 + one f32 scale per entry).
     #[arg(long, default_value = "bf16")]
     pub index_k_dtype: String,
     /// Weight storage on a CUDA device: bf16 (router and hyper-connection maps stay fp32)
