@@ -306,15 +306,14 @@ impl<B: Backend> Batch<B> {
 
     /// Fail, alone, the requests whose pages or state slot the KV canary found corrupt.
     fn fail_kv_faults(&mut self) {
-        let (hit, keep): (Vec<_>, Vec<_>) = std::mem::take(&mut self.running)
-            .into_iter()
-            .partition(|r| self.engine.kv_fault(&r.seq).is_some());
-        self.running = keep;
-        for r in hit {
-            if let Some(e) = self.engine.kv_fault(&r.seq) {
-                self.fail_one(r, &e);
+        let mut keep = Vec::with_capacity(self.running.len());
+        for r in std::mem::take(&mut self.running) {
+            match self.engine.kv_fault(&r.seq) {
+                Some(e) => self.fail_one(r, &e),
+                None => keep.push(r),
             }
         }
+        self.running = keep;
     }
 
     fn fail_one(&mut self, r: Running, e: &EngineError) {
@@ -391,20 +390,21 @@ impl<B: Backend> Batch<B> {
                 return;
             }
         };
-        let mut done = Vec::new();
-        let mut corrupt = Vec::new();
+        // Requests that end this step, in ascending index order; a KV fault fails its
+        // request, the others finish normally.
+        let mut gone: Vec<(usize, Option<EngineError>)> = Vec::new();
         for (i, (r, l)) in self.running.iter_mut().zip(logits).enumerate() {
             let l = match l {
                 Ok(l) => l,
                 Err(e) => {
-                    corrupt.push((i, e));
+                    gone.push((i, Some(e)));
                     continue;
                 }
             };
             match sample(&mut r.sampler, &l.data, r.top_logprobs) {
                 Ok((t, lp)) => {
                     if r.emit(t, lp) {
-                        done.push(i);
+                        gone.push((i, None));
                     }
                 }
                 Err(e) => {
@@ -412,17 +412,11 @@ impl<B: Backend> Batch<B> {
                         ErrorClass::Internal,
                         format!("sampling: {e}"),
                     )));
-                    done.push(i);
+                    gone.push((i, None));
                 }
             }
         }
         pdserve_worker::metrics::decode_step(t0.elapsed(), self.running.len());
-        let mut gone: Vec<(usize, Option<EngineError>)> = done
-            .into_iter()
-            .map(|i| (i, None))
-            .chain(corrupt.into_iter().map(|(i, e)| (i, Some(e))))
-            .collect();
-        gone.sort_by_key(|(i, _)| *i);
         for (i, e) in gone.into_iter().rev() {
             let r = self.running.swap_remove(i);
             match e {
