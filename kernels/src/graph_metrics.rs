@@ -7,7 +7,7 @@ pub const REPLAYS_TOTAL: &str = "pdserve_cuda_graph_replays_total";
 /// Graphed steps whose eager replay differed (`--verify-graphs`).
 pub const VERIFY_MISMATCHES_TOTAL: &str = "pdserve_graph_verify_mismatches_total";
 
-/// Make both series exist at zero, so a decode server exports them before its first
+/// Make the three series exist at zero, so a decode server exports them before its first
 /// step (and on the CPU, where no graph is ever captured).
 pub fn register() {
     metrics::counter!(CAPTURES_TOTAL).absolute(0);
@@ -26,4 +26,8 @@ pub(crate) fn captured() {
 
 pub(crate) fn replayed() {
     metrics::counter!(REPLAYS_TOTAL).increment(1);
+}
+
+pub(crate) fn verify_mismatched() {
+    metrics::counter!(VERIFY_MISMATCHES_TOTAL).increment(1);
 }

@@ -303,9 +303,6 @@ fn first_difference(
     None
 }
 
-/// Counter of `--verify-graphs` mismatches (each recovered by the eager result).
-pub const GRAPH_VERIFY_MISMATCHES: &str = crate::graph_metrics::VERIFY_MISMATCHES_TOTAL;
-
 /// [`pdserve_engine::backend::StepRunner::decode_step`] of the CUDA backend.
 pub(crate) fn decode_step(
     b: &CudaBackend,
@@ -364,7 +361,7 @@ pub(crate) fn decode_step(
                     c.graphs.remove(&dry.signature);
                     c.verify_mismatches += 1;
                     drop(c);
-                    metrics::counter!(GRAPH_VERIFY_MISMATCHES).increment(1);
+                    crate::graph_metrics::verify_mismatched();
                     tracing::error!(
                         sequences = n,
                         differs_at = %what,
