@@ -16,51 +16,29 @@ source "$(dirname "$0")/cluster-lib.sh"
 fail=0
 trap stop_all EXIT
 
-# load ROUTER SESSIONS TURNS STREAMS: prints "ok=N errors=M" (greedy, 8 new tokens a turn).
+# load ROUTER SESSIONS TURNS OUTPUT [BENCH FLAGS...]: `pdserve bench serve` on the router
+# (streamed greedy requests on a 300-token shared prefix, 5-44 new tokens a turn) once it
+# is ready; prints "completed=N failed=M", with the reference's mismatches and top-2
+# margins when the bench ran its reference (no --no-reference among the flags).
 load() {
-  python3 - "$@" <<'PY'
-import json, sys, threading, time, urllib.request, random
-addr, sessions, turns, stream = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
-rng = random.Random(7)
-system = [rng.randrange(3, 500) for _ in range(300)]
-ok, errors, lock = [0], [], threading.Lock()
-def post(body):
-    req = urllib.request.Request(f"http://{addr}/v1/completions", json.dumps(body).encode(), {"content-type": "application/json"})
-    with urllib.request.urlopen(req, timeout=120) as r:
-        if not stream:
-            return json.load(r)["choices"][0]["token_ids"]
-        ids = []
-        for line in r:
-            line = line.decode().strip()
-            if line.startswith("event: error"):
-                raise RuntimeError("stream error event")
-            if line.startswith("data: ") and line != "data: [DONE]":
-                d = json.loads(line[6:])
-                if "error" in d:
-                    raise RuntimeError(d["error"])
-                ids += d["choices"][0].get("token_ids", [])
-        return ids
-def session(i):
-    r = random.Random(i)
-    hist = list(system)
-    for t in range(turns):
-        hist += [r.randrange(3, 500) for _ in range(5 + i % 40)]
-        try:
-            ids = post({"prompt": hist, "max_tokens": 8 if not stream else 40, "temperature": 0, "ignore_eos": True, "stream": stream})
-            with lock: ok[0] += 1
-            hist += ids
-        except Exception as e:
-            with lock: errors.append(str(e)[:200])
-            return
-for attempt in range(100):
-    try:
-        post({"prompt": [5, 6, 7], "max_tokens": 1, "temperature": 0}); break
-    except Exception:
-        time.sleep(0.2)
-th = [threading.Thread(target=session, args=(i,)) for i in range(sessions)]
-[t.start() for t in th]; [t.join() for t in th]
-print(f"ok={ok[0]} errors={len(errors)}")
-for e in errors[:3]: print("   error:", e)
+  local r=$1 sessions=$2 turns=$3 output=$4; shift 4
+  "$BIN" wait-ready --address "$r" --timeout-s 120 >/dev/null 2>&1 || { echo "router not ready"; return; }
+  "$BIN" bench serve --url "http://$r" --concurrency "$sessions" --sessions "$sessions" \
+    --turns "$turns" --prompt-len 5:44 --output-len "$output" --shared-prefix-len 300 \
+    --ignore-eos --json "$@" >"$work/serve.json" 2>"$work/serve.err"
+  python3 - "$work/serve.json" <<'PY' || echo "no report ($(tail -2 "$work/serve.err"))"
+import json, sys
+r = json.load(open(sys.argv[1]))
+q = r["requests"]
+out = f"completed={q['completed']} failed={q['failed']}"
+ref = r.get("reference")
+if ref:
+    ms = sorted(m["top2_margin"] for m in ref["mismatches"])
+    pick = lambda p: ms[min(len(ms) - 1, int(p * len(ms)))]
+    out += f" mismatches={ref['mismatched']}/{ref['checked']}"
+    if ms:
+        out += f" top-2 margin p50 {pick(.5):.3f} p90 {pick(.9):.3f} max {ms[-1]:.3f}"
+print(out)
 PY
 }
 
@@ -71,12 +49,12 @@ row() {  # row NAME INDEX_K GRAPH
   P=$(start prefill "$BIN" prefill --device "$DEV" --index-k-dtype "$ik" --kv-audit --listen 127.0.0.1:0) || return 1
   D=$(start decode "$BIN" decode --device "$DEV" --index-k-dtype "$ik" --cuda-graph "$graph" --kv-audit "${verify[@]}" --listen 127.0.0.1:0) || return 1
   R=$(start router "$BIN" router --prefill "$P" --decode "$D" --listen 127.0.0.1:0) || return 1
-  out=$(load "$R" 48 3 0)
+  out=$(load "$R" 48 3 8 --no-reference)
   v=$(grep -c "KV canary" "$work/prefill.err" "$work/decode.err" | awk -F: '{s+=$2} END {print s}')
   m=$(grep -c "verify-graphs: graph replay and eager run" "$work/decode.err")
   stop_all
-  if [[ "$out" == *"errors=0"* ]] && [ "$v" = 0 ] && [ "$m" = 0 ]; then
-    echo "canary under load, $name: PASS ($(head -1 <<<"$out"), violations=$v, graph mismatches=$m)"
+  if [[ "$out" == "completed=144 failed=0"* ]] && [ "$v" = 0 ] && [ "$m" = 0 ]; then
+    echo "canary under load, $name: PASS ($out, violations=$v, graph mismatches=$m)"
   else
     echo "canary under load, $name: FAIL ($out, violations=$v, graph mismatches=$m)"; fail=1
   fi
@@ -87,47 +65,31 @@ scribble() {  # scribble KIND
   P=$(start prefill "$BIN" prefill --device "$DEV" --index-k-dtype bf16 --listen 127.0.0.1:0) || return 1
   D=$(start decode "$BIN" decode --device "$DEV" --index-k-dtype bf16 --cuda-graph "$GRAPH" --kv-audit --debug-kv-scribble "$kind@4" --listen 127.0.0.1:0) || return 1
   R=$(start router "$BIN" router --prefill "$P" --decode "$D" --listen 127.0.0.1:0) || return 1
-  out=$(load "$R" 6 1 1)
+  out=$(load "$R" 6 1 40 --no-reference)
   stop_all
-  if [[ "$out" == *"errors=1"* ]]; then
-    echo "planted $kind scribble ($GRAPH decode) fails exactly its request: PASS ($(head -1 <<<"$out"))"
+  if [[ "$out" == "completed=5 failed=1"* ]]; then
+    echo "planted $kind scribble ($GRAPH decode) fails exactly its request: PASS ($out)"
   else
     echo "planted $kind scribble ($GRAPH decode) fails exactly its request: FAIL ($out)"; fail=1
   fi
 }
 
-# serve MODE_FLAG GATE: `pdserve bench serve` (48 sessions x 3 turns at once, 256-token
-# shared prefix) with its own single-process reference; prints errors and mismatches
-# with the reference's top-2 margins. GATE=1: 0 errors and 0 mismatches required.
+# serve MODE_FLAG GATE: the load with the bench's own single-process reference (same
+# mode) and the canary on. GATE=1: 0 failures and 0 mismatches required.
 serve() {
-  local mode=$1 gate=$2 P D R rc
+  local mode=$1 gate=$2 P D R out
   P=$(start prefill "$BIN" prefill --device "$DEV" --index-k-dtype bf16 --kv-audit $mode --listen 127.0.0.1:0) || return 1
   D=$(start decode "$BIN" decode --device "$DEV" --index-k-dtype bf16 --cuda-graph "$GRAPH" --kv-audit $mode --listen 127.0.0.1:0) || return 1
   R=$(start router "$BIN" router --prefill "$P" --decode "$D" --listen 127.0.0.1:0) || return 1
-  load "$R" 0 1 0 >/dev/null  # waits until the router answers
-  "$BIN" bench serve --url "http://$R" --concurrency 48 --sessions 48 --turns 3 --prompt-len 32:256 \
-    --output-len 32 --shared-prefix-len 256 --ignore-eos --device "$DEV" --index-k-dtype bf16 $mode \
-    --json >"$work/serve.json" 2>"$work/serve.err"
+  out=$(load "$R" 48 3 32 --device "$DEV" --index-k-dtype bf16 $mode)
   stop_all
-  local summary
-  summary=$(python3 - "$work/serve.json" <<'PY'
-import json, sys
-r = json.load(open(sys.argv[1]))
-ref = r["reference"]; ms = sorted(m["top2_margin"] for m in ref["mismatches"])
-q = lambda p: ms[min(len(ms) - 1, int(p * len(ms)))] if ms else 0
-print(f"errors={len(r['errors'])} mismatches={ref['mismatched']}/{ref['checked']}"
-      + (f" top-2 margin p50 {q(.5):.3f} p90 {q(.9):.3f} max {ms[-1]:.3f}" if ms else ""))
-PY
-) || summary="no report ($(tail -2 "$work/serve.err"))"
   local label=${mode:-default}
-  if [ "$gate" = 1 ]; then
-    if [[ "$summary" == "errors=0 mismatches=0/"* ]]; then
-      echo "cluster == single-process reference, $label, 48 x 3 turns: PASS ($summary)"
-    else
-      echo "cluster == single-process reference, $label, 48 x 3 turns: FAIL ($summary)"; fail=1
-    fi
+  if [ "$gate" = 0 ]; then
+    echo "cluster vs single-process reference, $label, 48 x 3 turns: info ($out)"
+  elif [[ "$out" == "completed=144 failed=0 mismatches=0/"* ]]; then
+    echo "cluster == single-process reference, $label, 48 x 3 turns: PASS ($out)"
   else
-    echo "cluster vs single-process reference, $label, 48 x 3 turns: info ($summary)"
+    echo "cluster == single-process reference, $label, 48 x 3 turns: FAIL ($out)"; fail=1
   fi
 }
 
