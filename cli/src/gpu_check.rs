@@ -4,6 +4,7 @@ use anyhow::{bail, Context, Result};
 use pdserve_gpu_check::batched::check_batched;
 use pdserve_gpu_check::check::{check_embedded, check_fixture, header, CheckRow};
 use pdserve_gpu_check::graphs::check_graphs;
+use pdserve_gpu_check::stored::check_stored;
 use std::path::PathBuf;
 
 #[derive(clap::Args, Debug)]
@@ -15,7 +16,7 @@ pub struct GpuCheckArgs {
     #[arg(long, default_value_t = 0)]
     device: usize,
     /// Run only these groups of checks (default: all).
-    #[arg(long, value_delimiter = ',', value_parser = ["embedded", "fixtures", "graphs", "batched"])]
+    #[arg(long, value_delimiter = ',', value_parser = ["embedded", "fixtures", "graphs", "batched", "stored"])]
     only: Vec<String>,
     /// Text the `batched` group cuts its teacher-forced sequences from.
     #[arg(long, default_value = "scripts/tokenizer_corpus.txt")]
@@ -54,6 +55,9 @@ pub fn gpu_check(a: GpuCheckArgs) -> Result<()> {
         for d in &dirs {
             show(check_fixture(d, a.device).map_err(|e| anyhow::anyhow!("{}: {e}", d.display()))?);
         }
+    }
+    if run("stored") {
+        show(check_stored(a.device).map_err(|e| anyhow::anyhow!("stored FP8/FP4 weights: {e}"))?);
     }
     let mut figures = Vec::new();
     if run("graphs") {

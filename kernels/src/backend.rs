@@ -7,13 +7,15 @@ use crate::graph_cache::{GraphCache, GraphStats};
 use crate::kv_store::GpuKv;
 use crate::launch::dev_err;
 use crate::ops::indexer::{self, GpuSelection};
-use crate::ops::{attention, compress, dense, hc, moe, random, tensors};
+use crate::buf::shape_err;
+use crate::ops::{attention, compress, dense, hc, moe, random, stored, tensors};
 use crate::tensor::{stores_bf16, GpuTensor, WeightDtype};
 use crate::GraphMode;
 use pdserve_engine::backend::{
     BResult, BatchPlan, CompressedKeys, CompressorParams, HcParams, HcPre, HostTensor, KvStorage,
     MoeParams, TensorOps, WeightInit, WeightUse,
 };
+use pdserve_engine::checkpoint::{StoredWeight, WeightFormat};
 use pdserve_engine::kv::{KvLayout, PageId, StateSlot};
 use pdserve_engine::rope::Rope;
 use std::path::PathBuf;
@@ -222,6 +224,35 @@ impl TensorOps for CudaBackend {
     ) -> BResult<GpuTensor> {
         let bf16 = self.weight_is_bf16(usage);
         random::random_tensor(&self.gpu, rows, cols, bf16, init, seed)
+    }
+
+    /// Kept as stored under bf16 weights; the fp32 reference mode (`--cuda-weights f32`)
+    /// takes the exact values in fp32, like the CPU backend.
+    fn upload_stored(&self, w: StoredWeight, usage: WeightUse) -> BResult<GpuTensor> {
+        if self.weights == WeightDtype::F32 || usage != WeightUse::Matrix {
+            let (rows, cols) = (w.rows, w.cols);
+            let data = w
+                .dequantize()
+                .map_err(|detail| shape_err("upload_stored", detail))?;
+            return self.upload_weight(HostTensor { rows, cols, data }, usage);
+        }
+        stored::upload(&self.gpu, w)
+    }
+
+    fn random_stored(
+        &self,
+        shape: (usize, usize),
+        format: WeightFormat,
+        group_rows: usize,
+        init: WeightInit,
+        seed: u64,
+        usage: WeightUse,
+    ) -> BResult<GpuTensor> {
+        let t = stored::random(&self.gpu, shape, format, group_rows, init, seed)?;
+        if self.weights == WeightDtype::F32 || usage != WeightUse::Matrix {
+            return self.upload_weight(self.to_host(&t)?, usage);
+        }
+        Ok(t)
     }
 
     fn to_host(&self, t: &GpuTensor) -> BResult<HostTensor> {

@@ -293,6 +293,17 @@ kernels! {
             act: DevPtr, down: DevPtr, list: DevPtr, active: DevPtr, count: DevPtr, y: DevPtr,
             rows: i32, e: i32, h: i32, i: i32,
         }
+        /// [`MoeGateUpGrouped`] over weights in a stored format (`fmt`: FP8 or FP4).
+        MoeGateUpGroupedQ = "k_moe_gate_up_grouped_q" {
+            x: DevPtr, q: DevPtr, s: DevPtr, fmt: i32, group_rows: i32, list: DevPtr,
+            active: DevPtr, count: DevPtr, act: DevPtr, rows: i32, e: i32, h: i32, i: i32,
+            k: i32, limit: f32,
+        }
+        /// [`MoeDownGrouped`] over weights in a stored format.
+        MoeDownGroupedQ = "k_moe_down_grouped_q" {
+            act: DevPtr, q: DevPtr, s: DevPtr, fmt: i32, group_rows: i32, list: DevPtr,
+            active: DevPtr, count: DevPtr, y: DevPtr, rows: i32, e: i32, h: i32, i: i32,
+        }
         /// Picks of each expert gathered into padded bf16 batches for one batched GEMM.
         MoeGatherPadded = "k_moe_gather_padded" {
             x: DevPtr, list: DevPtr, count: DevPtr, xp: DevPtr, rows: i32, h: i32, k: i32,
@@ -308,6 +319,26 @@ kernels! {
         /// Weighted sum of each row's picks plus the shared expert.
         MoeCombine = "k_moe_combine" {
             y: DevPtr, ids: DevPtr, wts: DevPtr, shared: DevPtr, out: DevPtr, h: i32, k: i32,
+        }
+    }
+    module "quant" {
+        /// `x @ w^T` over a stored FP8/FP4 weight, dequantized in the inner loop (small
+        /// batches; batch-invariant); activations fp32 `x` or bf16 `xb` (the other null).
+        MatmulQ = "k_matmul_q" {
+            x: DevPtr, xb: DevPtr, q: DevPtr, s: DevPtr, fmt: i32, group_rows: i32, y: DevPtr,
+            m: i32, n: i32, k: i32, ldx: i32, dout: i32,
+        }
+        /// A stored FP8/FP4 weight as bf16 (exact), for the tensor-core GEMMs.
+        DequantBf16 = "k_dequant_bf16" {
+            q: DevPtr, s: DevPtr, fmt: i32, group_rows: i32, out: DevPtr, rows: i32, cols: i32,
+        }
+        /// fp32 values to block-scaled FP8, one block per 128x128 block.
+        QuantizeFp8 = "k_quantize_fp8" {
+            x: DevPtr, q: DevPtr, s: DevPtr, rows: i32, cols: i32, group_rows: i32,
+        }
+        /// fp32 values to group-scaled FP4.
+        QuantizeFp4 = "k_quantize_fp4" {
+            x: DevPtr, q: DevPtr, s: DevPtr, rows: i32, cols: i32,
         }
     }
     module "random" {

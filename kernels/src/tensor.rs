@@ -1,6 +1,8 @@
-//! Device tensors: fp32 activations, bf16 weight matrices.
+//! Device tensors: fp32 activations, bf16 weight matrices, weights kept in DeepSeek's
+//! stored FP8/FP4 formats.
 
 use crate::devmem::DevMem;
+use pdserve_engine::checkpoint::{StoredWeight, WeightFormat};
 
 /// Storage of a [`GpuTensor`].
 #[derive(Debug)]
@@ -8,6 +10,40 @@ pub enum Buf {
     F32(DevMem<f32>),
     /// bf16 bits.
     Bf16(DevMem<u16>),
+    /// A weight as the checkpoint stores it (FP8 block-scaled or FP4 group-scaled).
+    Stored(StoredBuf),
+}
+
+/// The bytes and ue8m0 scales of a stored weight, laid out as [`StoredWeight`] describes.
+#[derive(Debug)]
+pub struct StoredBuf {
+    pub format: WeightFormat,
+    /// Rows per scale grid (see [`StoredWeight::group_rows`]).
+    pub group_rows: usize,
+    pub q: DevMem<u8>,
+    pub s: DevMem<u8>,
+}
+
+impl StoredBuf {
+    /// The kernels' `fmt` code (`WF_FP8` / `WF_FP4` in cu/common.cuh).
+    pub(crate) fn fmt(&self) -> i32 {
+        match self.format {
+            WeightFormat::Fp8Block => 1,
+            _ => 2,
+        }
+    }
+
+    /// Device addresses of the values and scales of the rows from `row0` on (`cols`
+    /// columns), with `row0` at the start of a scale grid (an expert's first row).
+    pub(crate) fn rows_from(&self, row0: usize, cols: usize) -> Option<(u64, u64)> {
+        if !row0.is_multiple_of(self.group_rows.max(1)) {
+            return None;
+        }
+        let (sr, sc) = StoredWeight::scale_grid(self.format, self.group_rows, cols);
+        let q = row0 * StoredWeight::row_bytes(self.format, cols);
+        let s = (row0 / self.group_rows) * sr * sc;
+        Some((self.q.ptr() + q as u64, self.s.ptr() + s as u64))
+    }
 }
 
 /// A row-major 2-D tensor on the device.
@@ -29,6 +65,14 @@ impl GpuTensor {
 
     pub fn is_bf16(&self) -> bool {
         matches!(self.buf, Buf::Bf16(_))
+    }
+
+    /// The stored-format weight, if this is one.
+    pub fn stored(&self) -> Option<&StoredBuf> {
+        match &self.buf {
+            Buf::Stored(s) => Some(s),
+            _ => None,
+        }
     }
 }
 

@@ -40,6 +40,13 @@ pub struct ModelFlags {
     /// or f32.
     #[arg(long, default_value = "bf16")]
     pub cuda_weights: String,
+    /// Format of the synthetic weights, as DeepSeek's checkpoints store them: bf16;
+    /// fp8 (attention, shared-expert and routed-expert matrices block-scaled FP8, as the
+    /// base checkpoints); fp8-fp4 (routed experts FP4, as the instruct checkpoints). The
+    /// CUDA backend keeps FP8/FP4 weights as stored, and the decode floor counts the
+    /// stored bytes.
+    #[arg(long, default_value = "bf16", value_parser = ["bf16", "fp8", "fp8-fp4"])]
+    pub weights: String,
     /// Batch-invariant CUDA kernels (`--deterministic`): measures what the mode costs.
     #[arg(long)]
     pub deterministic: bool,
@@ -123,6 +130,17 @@ impl ModelFlags {
                 dst.insert(k.clone(), val.clone());
             }
         }
+        if let Some(experts) = match self.weights.as_str() {
+            "fp8" => Some("fp8"),
+            "fp8-fp4" => Some("fp4"),
+            _ => None,
+        } {
+            v["quantization_config"] = json!({
+                "quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
+                "weight_block_size": [128, 128], "activation_scheme": "dynamic",
+            });
+            v["expert_dtype"] = json!(experts);
+        }
         Ok(v)
     }
 
@@ -177,6 +195,7 @@ mod tests {
             kv_dtype: "bf16".into(),
             index_k_dtype: "bf16".into(),
             cuda_weights: "bf16".into(),
+            weights: "bf16".into(),
             deterministic: false,
         }
     }

@@ -2,16 +2,15 @@
 //! against the floor `bytes the step must read / measured memory bandwidth`.
 
 use super::config::ModelFlags;
-use super::device::BenchBackend;
+use super::device::{self, BenchBackend};
 use super::peer::{self, Peer};
 use super::stats::median;
 use super::table::{mb, num, Table};
-use super::traffic::{step_bytes, weight_bytes, StepBytes};
+use super::traffic::{step_bytes, StepBytes};
 use super::{kvfill, progress, Prepared};
 use anyhow::{bail, Result};
 use pdserve_engine::backend::{BatchPlan, SeqPlan};
 use pdserve_engine::kv::KvLayout;
-use pdserve_engine::model::weights::weight_use;
 use pdserve_kernels::GraphMode;
 use rand::{Rng, SeedableRng};
 use std::path::PathBuf;
@@ -104,9 +103,7 @@ pub fn run<B: BenchBackend>(a: &DecodeArgs, mut backend: B) -> Result<Vec<Decode
     }
     let bw = backend.memory_bandwidth()?;
     println!("memory bandwidth: {:.1} GB/s ({})", bw.rate / 1e9, bw.how);
-    let wb = weight_bytes(cfg, |n, r, c| {
-        backend.weight_elem_bytes(weight_use(n, r, c))
-    });
+    let wb = device::weight_bytes_on(cfg, &backend);
     let tid2eid: Vec<Option<&[u32]>> = p
         .model
         .weights
@@ -403,6 +400,7 @@ mod tests {
             kv_dtype: "bf16".into(),
             index_k_dtype: "bf16".into(),
             cuda_weights: "bf16".into(),
+            weights: "bf16".into(),
             deterministic: false,
         };
         let cfg = f.config().unwrap();

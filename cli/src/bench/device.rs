@@ -3,7 +3,12 @@
 
 use super::stats::median;
 use anyhow::{anyhow, Result};
-use pdserve_engine::backend::{counter_rng, BResult, Backend, TensorOps, WeightInit, WeightUse};
+use pdserve_engine::backend::{counter_rng, BResult, Backend, TensorOps, WeightInit};
+use super::traffic::{weight_bytes, WeightBytes};
+use pdserve_engine::checkpoint::{weight_format, StoredWeight, WeightFormat};
+use pdserve_engine::config::ModelConfig;
+use pdserve_engine::model::random_weights::stored_group_rows;
+use pdserve_engine::model::weights::weight_use;
 use pdserve_engine::CpuBackend;
 use pdserve_kernels::{CudaBackend, GraphMode};
 use rayon::prelude::*;
@@ -18,8 +23,9 @@ pub struct Ceiling {
 }
 
 pub trait BenchBackend: Backend + Sized {
-    /// Bytes per value of a weight the model uses as `usage`, as this backend stores it.
-    fn weight_elem_bytes(&self, usage: WeightUse) -> usize;
+    /// Bytes a `rows x cols` weight of `cfg` named `name` occupies on this backend.
+    fn weight_tensor_bytes(&self, cfg: &ModelConfig, name: &str, rows: usize, cols: usize)
+        -> u64;
     /// Wait until every queued operation has finished.
     fn sync(&self) -> BResult<()>;
     /// Memory bandwidth (bytes/s) measured now: the decode floor's denominator.
@@ -31,8 +37,9 @@ pub trait BenchBackend: Backend + Sized {
 }
 
 impl BenchBackend for CpuBackend {
-    fn weight_elem_bytes(&self, _: WeightUse) -> usize {
-        4
+    /// The CPU holds every weight in fp32 (stored formats dequantized).
+    fn weight_tensor_bytes(&self, _: &ModelConfig, _: &str, rows: usize, cols: usize) -> u64 {
+        (4 * rows * cols) as u64
     }
 
     fn sync(&self) -> BResult<()> {
@@ -93,6 +100,24 @@ impl BenchBackend for CpuBackend {
     }
 }
 
+/// Bytes of one weight on the CUDA backend: `reduced` (a matrix under bf16 weights) keeps a
+/// stored FP8/FP4 weight as stored and any other in bf16; otherwise fp32.
+fn cuda_tensor_bytes(cfg: &ModelConfig, name: &str, (rows, cols): (usize, usize), reduced: bool) -> u64 {
+    match weight_format(cfg, name) {
+        format @ (WeightFormat::Fp8Block | WeightFormat::Fp4Packed) if reduced => {
+            let group = stored_group_rows(cfg, name, rows);
+            StoredWeight::stored_bytes(format, rows, cols, group)
+        }
+        _ if reduced => (2 * rows * cols) as u64,
+        _ => (4 * rows * cols) as u64,
+    }
+}
+
+/// Weight bytes of `cfg` as `backend` stores them: the decode floor's weight term.
+pub fn weight_bytes_on<B: BenchBackend>(cfg: &ModelConfig, backend: &B) -> WeightBytes {
+    weight_bytes(cfg, |n, r, c| backend.weight_tensor_bytes(cfg, n, r, c))
+}
+
 /// THE one place the bench switches the CUDA backend's decode graph mode; returns the
 /// label of rows run in `mode`.
 pub fn set_graph_mode(backend: &mut CudaBackend, mode: GraphMode) -> String {
@@ -101,12 +126,11 @@ pub fn set_graph_mode(backend: &mut CudaBackend, mode: GraphMode) -> String {
 }
 
 impl BenchBackend for CudaBackend {
-    fn weight_elem_bytes(&self, usage: WeightUse) -> usize {
-        if self.weight_is_bf16(usage) {
-            2
-        } else {
-            4
-        }
+    /// Stored FP8/FP4 matrices as stored (under bf16 weights), other matrices bf16,
+    /// the rest fp32 — what `upload_stored` / `upload_weight` keep.
+    fn weight_tensor_bytes(&self, cfg: &ModelConfig, name: &str, rows: usize, cols: usize) -> u64 {
+        let reduced = self.weight_is_bf16(weight_use(name, rows, cols));
+        cuda_tensor_bytes(cfg, name, (rows, cols), reduced)
     }
 
     fn sync(&self) -> BResult<()> {
@@ -139,5 +163,56 @@ impl BenchBackend for CudaBackend {
 
     fn apply_graph_mode(&mut self, mode: GraphMode) -> String {
         set_graph_mode(self, mode)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use crate::bench::config::ModelFlags;
+    use pdserve_engine::model::weights::weight_use;
+
+    fn flash(weights: &str) -> ModelConfig {
+        ModelFlags {
+            device: "cpu".into(),
+            layers: 4,
+            experts: 8,
+            tiny: false,
+            seed: 0,
+            kv_dtype: "bf16".into(),
+            index_k_dtype: "bf16".into(),
+            cuda_weights: "bf16".into(),
+            weights: weights.into(),
+            deterministic: false,
+        }
+        .config()
+        .unwrap()
+    }
+
+    fn cuda_bytes(cfg: &ModelConfig) -> WeightBytes {
+        weight_bytes(cfg, |n, r, c| {
+            let reduced = weight_use(n, r, c) == pdserve_engine::backend::WeightUse::Matrix;
+            cuda_tensor_bytes(cfg, n, (r, c), reduced)
+        })
+    }
+
+    /// The floor counts stored bytes: an FP4 expert (3 x 2048 x 4096 values) is a quarter
+    /// of its bf16 size plus one scale byte per 32 values; FP8 experts half plus one per
+    /// 128x128 block.
+    #[test]
+    fn stored_formats_shrink_the_expert_bytes_by_their_width() {
+        let bf16 = cuda_bytes(&flash("bf16"));
+        let fp8 = cuda_bytes(&flash("fp8"));
+        let fp4 = cuda_bytes(&flash("fp8-fp4"));
+        let values = 3 * 2048 * 4096u64;
+        assert_eq!(bf16.expert_per_layer[3], 2 * values);
+        assert_eq!(fp8.expert_per_layer[3], values + values / (128 * 128));
+        assert_eq!(fp4.expert_per_layer[3], values / 2 + values / 32);
+        // Attention and shared-expert matrices are FP8 in both quantized formats; the
+        // embedding and head stay bf16.
+        assert_eq!(fp8.dense_per_layer, fp4.dense_per_layer);
+        assert!(fp8.dense_per_layer[2] < bf16.dense_per_layer[2] * 6 / 10);
+        assert_eq!(fp8.head, bf16.head);
     }
 }

@@ -21,7 +21,6 @@ use device::BenchBackend;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use pdserve_engine::backend::Backend;
 use pdserve_engine::kv::KvLayout;
-use pdserve_engine::model::weights::weight_use;
 use pdserve_engine::model::{Model, ModelWeights};
 use pdserve_engine::CpuBackend;
 use pdserve_kernels::{CudaBackend, GraphMode};
@@ -98,9 +97,7 @@ impl<B: BenchBackend> Prepared<B> {
     fn new(flags: &ModelFlags, backend: &B) -> Result<Self> {
         let cfg = flags.config()?;
         let layout = flags.layout(&cfg)?;
-        let wb = traffic::weight_bytes(&cfg, |n, r, c| {
-            backend.weight_elem_bytes(weight_use(n, r, c))
-        });
+        let wb = device::weight_bytes_on(&cfg, backend);
         let kinds: Vec<String> = cfg
             .layer_types
             .iter()

@@ -46,10 +46,11 @@ fn is_expert(name: &str) -> bool {
     name.ends_with("experts.gate_up_proj") || name.ends_with("experts.down_proj")
 }
 
-/// `elem_bytes(name, rows, cols)`: bytes per value of that weight on the backend.
+/// `tensor_bytes(name, rows, cols)`: bytes that weight occupies on the backend (stored
+/// FP8/FP4 weights: their bytes and scales).
 pub fn weight_bytes(
     cfg: &ModelConfig,
-    elem_bytes: impl Fn(&str, usize, usize) -> usize,
+    tensor_bytes: impl Fn(&str, usize, usize) -> u64,
 ) -> WeightBytes {
     let n = cfg.num_hidden_layers;
     let mut w = WeightBytes {
@@ -62,7 +63,7 @@ pub fn weight_bytes(
             continue; // tid2eid stays on the host
         }
         let (rows, cols) = rows_cols(&t.shape);
-        let bytes = (rows * cols * elem_bytes(&t.name, rows, cols)) as u64;
+        let bytes = tensor_bytes(&t.name, rows, cols);
         w.total += bytes;
         match layer_of(&t.name) {
             Some(l) if is_expert(&t.name) => {
@@ -220,6 +221,7 @@ mod tests {
             kv_dtype: "bf16".into(),
             index_k_dtype: "bf16".into(),
             cuda_weights: "bf16".into(),
+            weights: "bf16".into(),
             deterministic: false,
         };
         let cfg = f.config().unwrap();
@@ -230,7 +232,7 @@ mod tests {
     #[test]
     fn weight_bytes_of_flash_layers() {
         let (cfg, _) = flash(4, 64);
-        let w = weight_bytes(&cfg, |_, _, _| 2);
+        let w = weight_bytes(&cfg, |_, r, c| (2 * r * c) as u64);
         // One expert: gate+up [2*2048, 4096] and down [4096, 2048], bf16.
         assert_eq!(w.expert_per_layer, vec![3 * 2048 * 4096 * 2; 4]);
         assert_eq!(w.embed_row, 4096 * 2);

@@ -3,9 +3,10 @@
 
 use super::counter_rng::{self, WeightInit};
 use super::{
-    BResult, BatchPlan, CompressedKeys, CompressorParams, HcParams, HcPre, HostTensor, KvStorage,
+    BResult, BackendError, BatchPlan, CompressedKeys, CompressorParams, HcParams, HcPre, HostTensor, KvStorage,
     MoeParams,
 };
+use crate::checkpoint::{StoredWeight, WeightFormat};
 use crate::kv::KvLayout;
 use crate::rope::Rope;
 
@@ -52,6 +53,39 @@ pub trait TensorOps: KvStorage {
         usage: WeightUse,
     ) -> BResult<Self::Tensor> {
         self.upload_weight(counter_rng::host_tensor(rows, cols, init, seed), usage)
+    }
+    /// Upload a weight kept in its stored format (block-scaled FP8, group-scaled FP4). The
+    /// CUDA backend keeps the bytes and computes on them; the default (the CPU backend, the
+    /// oracle) takes the exact f32 values ([`StoredWeight::dequantize`]).
+    fn upload_stored(&self, w: StoredWeight, usage: WeightUse) -> BResult<Self::Tensor> {
+        let (rows, cols) = (w.rows, w.cols);
+        let data = w.dequantize().map_err(|detail| BackendError::Shape {
+            op: "upload_stored",
+            detail,
+        })?;
+        self.upload_weight(HostTensor { rows, cols, data }, usage)
+    }
+    /// A synthetic weight in stored `format` (groups of `group_rows` rows, see
+    /// [`StoredWeight`]): the values [`TensorOps::random_weight`] draws, quantized as
+    /// [`StoredWeight::quantize`] does, then stored as [`TensorOps::upload_stored`] stores
+    /// them. Default: on the host; the CUDA backend quantizes on the device.
+    #[allow(clippy::too_many_arguments)]
+    fn random_stored(
+        &self,
+        (rows, cols): (usize, usize),
+        format: WeightFormat,
+        group_rows: usize,
+        init: WeightInit,
+        seed: u64,
+        usage: WeightUse,
+    ) -> BResult<Self::Tensor> {
+        let t = counter_rng::host_tensor(rows, cols, init, seed);
+        let w = StoredWeight::quantize(format, &t.data, rows, cols, group_rows)
+            .map_err(|detail| BackendError::Shape {
+                op: "random_stored",
+                detail,
+            })?;
+        self.upload_stored(w, usage)
     }
     fn to_host(&self, t: &Self::Tensor) -> BResult<HostTensor>;
     /// Rows `rows` of `t`, in that order.

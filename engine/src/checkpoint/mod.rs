@@ -6,6 +6,7 @@ pub mod dequant;
 mod formats;
 pub mod names;
 mod reader;
+pub mod stored;
 
 use std::collections::BTreeSet;
 use std::fmt;
@@ -19,6 +20,7 @@ pub use reader::{scale_name, Checkpoint, CheckpointTensor, RawTensor, StoredPart
 use crate::config::{LayerKind, MlpKind, ModelConfig};
 
 pub use formats::{weight_format, WeightFormat};
+pub use stored::StoredWeight;
 
 /// Element type of a tensor as stored on disk.
 pub use safetensors::Dtype as DiskDtype;

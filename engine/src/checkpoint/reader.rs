@@ -16,7 +16,8 @@ use safetensors::SafeTensors;
 
 use super::dequant::{fp4_group_scaled, fp8_block_scaled};
 use super::names::{canonical, Canonical, ExpertPart};
-use super::{CheckpointError, DiskDtype, CONVERT_CHUNK, INDEX_FILE, SINGLE_FILE};
+use super::stored::StoredWeight;
+use super::{CheckpointError, DiskDtype, WeightFormat, CONVERT_CHUNK, INDEX_FILE, SINGLE_FILE};
 
 /// A checkpoint tensor converted to f32 on the host, in its stored shape.
 #[derive(Debug, Clone, PartialEq)]
@@ -467,6 +468,81 @@ impl Checkpoint {
             shape: vec![rows, cols],
             data: data.map_err(|reason| corrupt(name, reason))?,
         })
+    }
+
+    /// Canonical `name` as stored when it is quantized (FP8 block-scaled or FP4, every
+    /// part with its scale), parts concatenated along rows with one scale grid per part;
+    /// `None` for a float tensor. For a backend that computes on the stored bytes.
+    pub fn stored_weight(&self, name: &str) -> Result<Option<StoredWeight>, CheckpointError> {
+        let parts = self.part_names(name);
+        let Some(first) = parts.first() else {
+            return Err(CheckpointError::NotFound {
+                name: name.to_string(),
+            });
+        };
+        let quantized = |d: &str| {
+            self.scales.contains_key(d)
+                && matches!(
+                    self.disk.get(d).map(|e| e.dtype),
+                    Some(DiskDtype::F8_E4M3 | DiskDtype::I8)
+                )
+        };
+        if !quantized(first) {
+            return Ok(None);
+        }
+        let mut out: Option<StoredWeight> = None;
+        for d in parts {
+            let raw = self.raw_disk(d)?;
+            let scale_name = self
+                .scales
+                .get(d)
+                .ok_or_else(|| corrupt(d, "quantized part without its .scale".into()))?;
+            let scale = self.raw_disk(scale_name)?;
+            let (format, cols) = match (raw.dtype, raw.shape) {
+                (DiskDtype::F8_E4M3, &[_, c]) => (WeightFormat::Fp8Block, c),
+                (DiskDtype::I8, &[_, c]) => (WeightFormat::Fp4Packed, 2 * c),
+                (dtype, shape) => {
+                    return Err(corrupt(
+                        d,
+                        format!("{dtype:?} part of shape {shape:?} next to quantized parts"),
+                    ))
+                }
+            };
+            if scale.dtype != DiskDtype::F8_E8M0 {
+                return Err(CheckpointError::Dtype {
+                    name: scale_name.clone(),
+                    dtype: scale.dtype,
+                    expected: "F8_E8M0",
+                });
+            }
+            // A NaN scale (0xff) decodes to NaN weights: refused here, naming the weight,
+            // whichever backend computes on the bytes.
+            if let Some(i) = scale.bytes.iter().position(|&b| b == 0xff) {
+                return Err(corrupt(d, format!("scale element {i} is NaN (0xff)")));
+            }
+            let rows = raw.shape[0];
+            let w = out.get_or_insert_with(|| StoredWeight {
+                format,
+                rows: 0,
+                cols,
+                group_rows: rows,
+                data: Vec::new(),
+                scale: Vec::new(),
+            });
+            if (w.format, w.cols, w.group_rows) != (format, cols, rows) {
+                return Err(corrupt(
+                    d,
+                    format!("{format:?} {rows}x{cols} part unlike the first part of `{name}`"),
+                ));
+            }
+            w.rows += rows;
+            w.data.extend_from_slice(raw.bytes);
+            w.scale.extend_from_slice(scale.bytes);
+        }
+        if let Some(w) = &out {
+            w.check().map_err(|reason| corrupt(name, reason))?;
+        }
+        Ok(out)
     }
 
     /// An integer tensor (I64 or I32 on disk), e.g. `tid2eid`.

@@ -7,7 +7,7 @@
 use super::weights::{rows_cols, weight_use, LoadError, TensorSource};
 use crate::backend::counter_rng::tensor_seed;
 use crate::backend::{Backend, WeightInit};
-use crate::checkpoint::{expected_tensors, LoadProgress};
+use crate::checkpoint::{expected_tensors, weight_format, LoadProgress, WeightFormat};
 use crate::config::ModelConfig;
 use rand::seq::index::sample;
 use rand::SeedableRng;
@@ -46,9 +46,24 @@ pub fn init_for(name: &str, cols: usize) -> Option<WeightInit> {
     }
 }
 
+/// Rows per scale grid of a stored weight, as a checkpoint stores it: stacked routed
+/// experts one grid per part (gate, up, down of each expert), any other weight one grid.
+pub fn stored_group_rows(cfg: &ModelConfig, name: &str, rows: usize) -> usize {
+    if name.ends_with("experts.gate_up_proj") {
+        cfg.moe_intermediate_size
+    } else if name.ends_with("experts.down_proj") {
+        cfg.hidden_size
+    } else {
+        rows
+    }
+}
+
 /// Tensors drawn by the backend's [`crate::backend::TensorOps::random_weight`].
 pub struct RandomSource {
     shapes: HashMap<String, Vec<usize>>,
+    /// The config, for each tensor's stored format ([`weight_format`]): synthetic weights
+    /// of a quantized config are drawn directly in DeepSeek's stored formats.
+    cfg: ModelConfig,
     seed: u64,
     progress: LoadProgress,
 }
@@ -65,6 +80,7 @@ impl RandomSource {
             .sum();
         RandomSource {
             shapes,
+            cfg: cfg.clone(),
             seed,
             progress: LoadProgress::with_label(values * 4, "generating random weights"),
         }
@@ -89,7 +105,14 @@ impl<B: Backend> TensorSource<B> for RandomSource {
             reason: "no random-init rule for this tensor".into(),
         })?;
         let seed = tensor_seed(self.seed, name);
-        let t = backend.random_weight(rows, cols, init, seed, weight_use(name, rows, cols))?;
+        let usage = weight_use(name, rows, cols);
+        let t = match weight_format(&self.cfg, name) {
+            WeightFormat::Float => backend.random_weight(rows, cols, init, seed, usage)?,
+            format => {
+                let group_rows = stored_group_rows(&self.cfg, name, rows);
+                backend.random_stored((rows, cols), format, group_rows, init, seed, usage)?
+            }
+        };
         self.progress.advance((rows * cols * 4) as u64);
         Ok(t)
     }

@@ -91,9 +91,13 @@ struct CheckpointSource<'a> {
 
 impl<B: Backend> TensorSource<B> for CheckpointSource<'_> {
     fn float(&mut self, backend: &B, name: &str) -> Result<B::Tensor, LoadError> {
-        // FP8/FP4 weights are dequantized exactly to f32 here (checkpoint::dequant). A backend
-        // that keeps them as stored (the CUDA FP8/FP4 GEMMs) will take the raw weight and
-        // scale bytes (`Checkpoint::stored_parts` / `raw`) at this point instead.
+        // FP8/FP4 weights go to the backend as stored: the CUDA backend keeps the bytes, the
+        // CPU backend dequantizes them exactly (checkpoint::dequant).
+        if let Some(w) = self.ckpt.stored_weight(name)? {
+            self.progress.advance(self.ckpt.tensor_bytes(name));
+            let usage = weight_use(name, w.rows, w.cols);
+            return Ok(backend.upload_stored(w, usage)?);
+        }
         let t = self.ckpt.tensor_f32(name)?;
         self.progress.advance(self.ckpt.tensor_bytes(name));
         let (rows, cols) = rows_cols(&t.shape);

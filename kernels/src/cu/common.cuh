@@ -123,3 +123,127 @@ __device__ __forceinline__ float swiglu_(float g, float u, float limit) {
 #define SEQ_PT 4
 #define SEQ_NPAGES 5
 #define SEQ_INTS 6
+
+// ---- Weight matrices as the kernels read them: bf16, f32, or DeepSeek's stored formats.
+// A `Mat*` gives row `r` as a `Row*`, whose `ld(c)` is weight c of the row as an exact f32
+// (the value pdserve_engine::checkpoint::StoredWeight::dequantize gives), and `ld8(c, o)`
+// weights c..c+8 in one load where `vec8(n)` says a row of n weights allows it (c % 8 == 0).
+
+// Stored weight formats (the `fmt` argument): FP8 e4m3 with one ue8m0 scale per 128x128
+// block of each group of `group_rows` rows; FP4 e2m1 two per byte (element 2k in the low
+// nibble of byte k) with one ue8m0 scale per 32 inputs of a row.
+#define WF_FP8 1
+#define WF_FP4 2
+
+// 2^(b-127) of a ue8m0 byte; b = 0 is the subnormal 2^-127.
+__device__ __forceinline__ float e8m0_to_f(unsigned char b) {
+    return b == 0 ? __uint_as_float(1u << 22) : __uint_as_float((u32)b << 23);
+}
+
+// An e4m3 byte's value (no NaN codes in weights): its exponent and mantissa bits placed
+// in an f32's low exponent / high mantissa bits, then scaled by 2^(127-7); subnormals come
+// out right because the f32 is then subnormal too.
+__device__ __forceinline__ float e4m3w(u32 b) {
+    return __uint_as_float(((b & 0x80u) << 24) | ((b & 0x7fu) << 20)) * 0x1p120f;
+}
+
+// An e2m1 nibble's value, the same way (scaled by 2^(127-1)).
+__device__ __forceinline__ float e2m1w(u32 n) {
+    return __uint_as_float(((n & 8u) << 28) | ((n & 7u) << 22)) * 0x1p126f;
+}
+
+__device__ __forceinline__ void ld8f(const float* p, float* out) {
+    float4 a = *reinterpret_cast<const float4*>(p), b = *reinterpret_cast<const float4*>(p + 4);
+    out[0] = a.x; out[1] = a.y; out[2] = a.z; out[3] = a.w;
+    out[4] = b.x; out[5] = b.y; out[6] = b.z; out[7] = b.w;
+}
+
+struct RowBf16 {
+    const bf16_t* p;
+    __device__ bool vec8(int n) const { return n % 8 == 0 && ((unsigned long long)p & 15) == 0; }
+    __device__ float ld(int c) const { return bf16_to_f(p[c]); }
+    __device__ void ld8(int c, float* o) const {
+        uint4 v = *reinterpret_cast<const uint4*>(p + c);
+        u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            o[2 * q] = __uint_as_float(w[q] << 16);
+            o[2 * q + 1] = __uint_as_float(w[q] & 0xffff0000u);
+        }
+    }
+};
+
+struct RowF32 {
+    const float* p;
+    __device__ bool vec8(int) const { return false; }
+    __device__ float ld(int c) const { return p[c]; }
+    __device__ void ld8(int c, float* o) const {
+#pragma unroll
+        for (int q = 0; q < 8; q++) o[q] = p[c + q];
+    }
+};
+
+// s: the row's scales, one per 128 columns.
+struct RowFp8 {
+    const unsigned char* q;
+    const unsigned char* s;
+    __device__ bool vec8(int n) const { return n % 8 == 0 && ((unsigned long long)q & 7) == 0; }
+    __device__ float ld(int c) const { return e4m3w(q[c]) * e8m0_to_f(s[c >> 7]); }
+    __device__ void ld8(int c, float* o) const {
+        uint2 v = *reinterpret_cast<const uint2*>(q + c);
+        float sc = e8m0_to_f(s[c >> 7]);
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            o[k] = e4m3w(v.x >> (8 * k)) * sc;
+            o[4 + k] = e4m3w(v.y >> (8 * k)) * sc;
+        }
+    }
+};
+
+// q: the row's packed bytes; s: its scales, one per 32 columns.
+struct RowFp4 {
+    const unsigned char* q;
+    const unsigned char* s;
+    __device__ bool vec8(int n) const { return n % 8 == 0 && ((unsigned long long)q & 3) == 0; }
+    __device__ float ld(int c) const {
+        return e2m1w((u32)q[c >> 1] >> ((c & 1) * 4)) * e8m0_to_f(s[c >> 5]);
+    }
+    __device__ void ld8(int c, float* o) const {
+        u32 v = *reinterpret_cast<const u32*>(q + (c >> 1));
+        float sc = e8m0_to_f(s[c >> 5]);
+#pragma unroll
+        for (int k = 0; k < 8; k++) o[k] = e2m1w(v >> (4 * k)) * sc;
+    }
+};
+
+struct MatBf16 {
+    const bf16_t* w;
+    int cols;
+    __device__ RowBf16 row(i64 r) const { return RowBf16{w + r * cols}; }
+};
+
+struct MatF32 {
+    const float* w;
+    int cols;
+    __device__ RowF32 row(i64 r) const { return RowF32{w + r * cols}; }
+};
+
+struct MatFp8 {
+    const unsigned char* q;
+    const unsigned char* s;
+    int cols, group_rows;
+    __device__ RowFp8 row(i64 r) const {
+        i64 scols = (cols + 127) / 128, grid_rows = (group_rows + 127) / 128;
+        i64 srow = (r / group_rows) * grid_rows + (r % group_rows) / 128;
+        return RowFp8{q + r * cols, s + srow * scols};
+    }
+};
+
+struct MatFp4 {
+    const unsigned char* q;
+    const unsigned char* s;
+    int cols;
+    __device__ RowFp4 row(i64 r) const {
+        return RowFp4{q + r * (cols / 2), s + r * ((cols + 31) / 32)};
+    }
+};

@@ -41,9 +41,6 @@ extern "C" __global__ void k_moe_route(float* logits, const float* bias, const u
     for (int j = 0; j < k; j++) wts[(i64)r * k + j] = s[id[j]] / sum * routed_scaling;
 }
 
-__device__ __forceinline__ float ldw(const bf16_t* p, i64 i) { return bf16_to_f(p[i]); }
-__device__ __forceinline__ float ldw(const float* p, i64 i) { return p[i]; }
-
 // Tokens per expert: list[e * rows + j] = the j-th pick (row * k + slot, ascending) that
 // chose expert e; count[e] = how many; active[0..count of used experts) = the used experts in
 // ascending order, active[E] = how many there are. One block.
@@ -64,43 +61,15 @@ extern "C" __global__ void k_moe_lists(const int* ids, int* list, int* count, in
     }
 }
 
-// Whether a weight row can be read 8 values (16 bytes) at a time: bf16 rows whose length
-// is a multiple of 8 and whose start is 16-byte aligned.
-__device__ __forceinline__ bool vec8(const bf16_t* row, int n) {
-    return n % 8 == 0 && ((unsigned long long)row & 15) == 0;
-}
-__device__ __forceinline__ bool vec8(const float*, int) { return false; }
-
-// 8 consecutive bf16 weights as floats (one 16-byte load).
-__device__ __forceinline__ void ld8(const bf16_t* p, float* out) {
-    uint4 v = *reinterpret_cast<const uint4*>(p);
-    u32 w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-    for (int q = 0; q < 4; q++) {
-        out[2 * q] = __uint_as_float(w[q] << 16);
-        out[2 * q + 1] = __uint_as_float(w[q] & 0xffff0000u);
-    }
-}
-__device__ __forceinline__ void ld8(const float* p, float* out) {
-#pragma unroll
-    for (int q = 0; q < 8; q++) out[q] = p[q];
-}
-
-// 8 consecutive floats (two 16-byte loads; `p` 16-byte aligned).
-__device__ __forceinline__ void ld8f(const float* p, float* out) {
-    float4 a = *reinterpret_cast<const float4*>(p), b = *reinterpret_cast<const float4*>(p + 4);
-    out[0] = a.x; out[1] = a.y; out[2] = a.z; out[3] = a.w;
-    out[4] = b.x; out[5] = b.y; out[6] = b.z; out[7] = b.w;
-}
-
 // Picks handled per pass over an expert's weights (per-lane accumulators in registers).
 #define MOE_TILE 8
 
 // grid (E, ceil(I / warps)): each warp owns one intermediate unit of one expert and runs
 // every pick of that expert against it, reading the weight rows once per MOE_TILE picks.
 // Per pick the sums are formed exactly as in moe_gate_up (lane-strided, then warp_sum).
-template <typename W>
-__device__ void moe_gate_up_grouped(const float* x, const W* gu, const int* list, const int* count,
+// `gu` is any weight matrix of common.cuh (bf16, f32, stored FP8/FP4).
+template <typename M>
+__device__ void moe_gate_up_grouped(const float* x, M gu, const int* list, const int* count,
                                     const int* active, float* act, int rows, int E, int H, int I, int k,
                                     float limit) {
     if ((int)blockIdx.x >= active[E]) return;
@@ -108,8 +77,8 @@ __device__ void moe_gate_up_grouped(const float* x, const W* gu, const int* list
     int i = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5);
     int n = count[e];
     if (i >= I) return;
-    const W* g = gu + ((i64)e * 2 * I + i) * H;
-    const W* u = gu + ((i64)e * 2 * I + I + i) * H;
+    auto g = gu.row((i64)e * 2 * I + i);
+    auto u = gu.row((i64)e * 2 * I + I + i);
     const int* picks = list + (i64)e * rows;
     for (int t0 = 0; t0 < n; t0 += MOE_TILE) {
         int nt = min(MOE_TILE, n - t0);
@@ -120,12 +89,12 @@ __device__ void moe_gate_up_grouped(const float* x, const W* gu, const int* list
             du[t] = 0.f;
             xr[t] = x + (i64)(picks[t0 + min(t, nt - 1)] / k) * H;
         }
-        if (vec8(g, H) && vec8(u, H)) {
-            // 8 weights (16 bytes) per lane per load: 512 contiguous bytes per warp.
+        if (g.vec8(H) && u.vec8(H)) {
+            // 8 weights per lane per load: a warp reads 256 consecutive weights of a row.
             for (int c = lane * 8; c < H; c += 256) {
                 float wg[8], wu[8];
-                ld8(g + c, wg);
-                ld8(u + c, wu);
+                g.ld8(c, wg);
+                u.ld8(c, wu);
 #pragma unroll
                 for (int t = 0; t < MOE_TILE; t++) {
                     if (t < nt) {
@@ -141,7 +110,7 @@ __device__ void moe_gate_up_grouped(const float* x, const W* gu, const int* list
             }
         } else {
             for (int c = lane; c < H; c += 32) {
-                float wg = ldw(g, c), wu = ldw(u, c);
+                float wg = g.ld(c), wu = u.ld(c);
 #pragma unroll
                 for (int t = 0; t < MOE_TILE; t++) {
                     float xv = xr[t][c];
@@ -162,26 +131,39 @@ extern "C" __global__ void k_moe_gate_up_grouped_bf16(const float* x, const bf16
                                                       const int* active,
                                                       const int* count, float* act, int rows, int E, int H, int I,
                                                       int k, float limit) {
-    moe_gate_up_grouped(x, gu, list, count, active, act, rows, E, H, I, k, limit);
+    moe_gate_up_grouped(x, MatBf16{gu, H}, list, count, active, act, rows, E, H, I, k, limit);
 }
 
 extern "C" __global__ void k_moe_gate_up_grouped_f32(const float* x, const float* gu, const int* list,
                                                       const int* active,
                                                      const int* count, float* act, int rows, int E, int H, int I,
                                                      int k, float limit) {
-    moe_gate_up_grouped(x, gu, list, count, active, act, rows, E, H, I, k, limit);
+    moe_gate_up_grouped(x, MatF32{gu, H}, list, count, active, act, rows, E, H, I, k, limit);
+}
+
+// The stored formats: `q` the weight bytes, `s` the ue8m0 scales, `fmt` WF_FP8 (scale
+// grids of `group_rows` rows) or WF_FP4.
+extern "C" __global__ void k_moe_gate_up_grouped_q(const float* x, const unsigned char* q,
+                                                   const unsigned char* s, int fmt, int group_rows,
+                                                   const int* list, const int* active, const int* count,
+                                                   float* act, int rows, int E, int H, int I, int k,
+                                                   float limit) {
+    if (fmt == WF_FP8)
+        moe_gate_up_grouped(x, MatFp8{q, s, H, group_rows}, list, count, active, act, rows, E, H, I, k, limit);
+    else
+        moe_gate_up_grouped(x, MatFp4{q, s, H}, list, count, active, act, rows, E, H, I, k, limit);
 }
 
 // grid (E, ceil(H / warps)); the down projection of every pick of expert e, as moe_down.
-template <typename W>
-__device__ void moe_down_grouped(const float* act, const W* down, const int* list, const int* count,
+template <typename M>
+__device__ void moe_down_grouped(const float* act, M down, const int* list, const int* count,
                                  const int* active, float* y, int rows, int E, int H, int I) {
     if ((int)blockIdx.x >= active[E]) return;
     int e = active[blockIdx.x], lane = threadIdx.x & 31;
     int hh = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5);
     int n = count[e];
     if (hh >= H) return;
-    const W* w = down + ((i64)e * H + hh) * I;
+    auto w = down.row((i64)e * H + hh);
     const int* picks = list + (i64)e * rows;
     for (int t0 = 0; t0 < n; t0 += MOE_TILE) {
         int nt = min(MOE_TILE, n - t0);
@@ -191,10 +173,10 @@ __device__ void moe_down_grouped(const float* act, const W* down, const int* lis
             d[t] = 0.f;
             ar[t] = act + (i64)picks[t0 + min(t, nt - 1)] * I;
         }
-        if (vec8(w, I)) {
+        if (w.vec8(I)) {
             for (int c = lane * 8; c < I; c += 256) {
                 float wv[8];
-                ld8(w + c, wv);
+                w.ld8(c, wv);
 #pragma unroll
                 for (int t = 0; t < MOE_TILE; t++) {
                     if (t < nt) {
@@ -207,7 +189,7 @@ __device__ void moe_down_grouped(const float* act, const W* down, const int* lis
             }
         } else {
             for (int c = lane; c < I; c += 32) {
-                float wv = ldw(w, c);
+                float wv = w.ld(c);
 #pragma unroll
                 for (int t = 0; t < MOE_TILE; t++) d[t] += ar[t][c] * wv;
             }
@@ -223,13 +205,23 @@ __device__ void moe_down_grouped(const float* act, const W* down, const int* lis
 extern "C" __global__ void k_moe_down_grouped_bf16(const float* act, const bf16_t* down, const int* list,
                                                    const int* active,
                                                    const int* count, float* y, int rows, int E, int H, int I) {
-    moe_down_grouped(act, down, list, count, active, y, rows, E, H, I);
+    moe_down_grouped(act, MatBf16{down, I}, list, count, active, y, rows, E, H, I);
 }
 
 extern "C" __global__ void k_moe_down_grouped_f32(const float* act, const float* down, const int* list,
                                                    const int* active,
                                                   const int* count, float* y, int rows, int E, int H, int I) {
-    moe_down_grouped(act, down, list, count, active, y, rows, E, H, I);
+    moe_down_grouped(act, MatF32{down, I}, list, count, active, y, rows, E, H, I);
+}
+
+extern "C" __global__ void k_moe_down_grouped_q(const float* act, const unsigned char* q,
+                                                const unsigned char* s, int fmt, int group_rows,
+                                                const int* list, const int* active, const int* count,
+                                                float* y, int rows, int E, int H, int I) {
+    if (fmt == WF_FP8)
+        moe_down_grouped(act, MatFp8{q, s, I, group_rows}, list, count, active, y, rows, E, H, I);
+    else
+        moe_down_grouped(act, MatFp4{q, s, I}, list, count, active, y, rows, E, H, I);
 }
 
 // Padded per-expert batches for one strided-batched GEMM: xp[e, t] = bf16(x[row of the

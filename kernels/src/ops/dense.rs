@@ -4,8 +4,9 @@
 use crate::buf::{f32_buf, out_ptr, shape_err, storage};
 use crate::device::Gpu;
 use crate::devmem::DevMem;
-use crate::kernels::{self, DevPtr, Elem};
+use crate::kernels::{self, DevPtr};
 use crate::launch::{dev_err, BLOCK};
+use crate::ops::stored;
 use crate::ops::tensors::{new_f32, param_f32, to_bf16};
 use crate::tensor::{Buf, GpuTensor};
 use pdserve_engine::backend::{shapes, BResult};
@@ -21,7 +22,7 @@ pub(crate) fn embed(
     let h = table.cols;
     let toks = g.upload(tokens)?;
     let out = new_f32(g, tokens.len(), copies * h)?;
-    let (elem, tp) = storage(table);
+    let (elem, tp) = storage(table, "embed")?;
     g.launch(
         (tokens.len() as u32, 1, 1),
         0,
@@ -90,10 +91,8 @@ fn matmul_rows(
     let (m, n) = (out.rows, out.cols);
     let to_i =
         |v: usize| i32::try_from(v).map_err(|_| dev_err(format!("matmul dim {v} too large")));
-    let (elem, wp) = match &w.buf {
-        Buf::Bf16(wb) => (Elem::Bf16, DevPtr::of(wb)),
-        Buf::F32(wf) => (Elem::F32, DevPtr::of(wf)),
-    };
+    let (elem, wp) = storage(w, "matmul")?;
+    let wp = DevPtr(wp);
     let warps = (BLOCK / 32) as usize;
     let grid = (n.div_ceil(warps) as u32, m.div_ceil(MM_TILE) as u32, 1);
     g.launch(
@@ -125,13 +124,33 @@ fn matmul_into(g: &Gpu, x: &GpuTensor, w: &GpuTensor, groups: usize) -> BResult<
         return Err(dev_err("output buffer"));
     };
     let (din, dout) = (w.cols, w.rows / groups);
-    if g.deterministic {
+    if let Buf::Stored(sw) = &w.buf {
+        // Small batches (and every batch under --deterministic, for batch invariance) read
+        // the stored bytes directly; larger ones pay one exact bf16 copy for cuBLAS.
+        if g.deterministic {
+            let xa = stored::Activations::F32(xs);
+            stored::matmul_fused(g, (xa, x.cols, x.rows), (sw, w.rows), o, (din, dout))?;
+            return Ok(out);
+        }
+        if x.rows <= stored::FUSED_MAX_ROWS {
+            let xb = to_bf16(g, xs)?;
+            let xa = stored::Activations::Bf16(&xb);
+            stored::matmul_fused(g, (xa, x.cols, x.rows), (sw, w.rows), o, (din, dout))?;
+            return Ok(out);
+        }
+    } else if g.deterministic {
         return matmul_rows(g, (xs, x.cols), w, out, din, dout);
     }
     let dims = (x.rows, dout, din);
     let lds = (x.cols, din, w.rows);
     let strides = (din as i64, (dout * din) as i64, dout as i64);
     match &w.buf {
+        Buf::Stored(sw) => {
+            let wb = stored::dequant(g, w, sw)?;
+            let xb = to_bf16(g, xs)?;
+            let (xp, wp, op) = (xb.ptr(), wb.ptr(), o.ptr());
+            g.gemm_nt(xp, wp, op, dims, lds, strides, groups, true)?;
+        }
         Buf::Bf16(wb) => {
             let xb = to_bf16(g, xs)?;
             let (xp, wp, op) = (xb.ptr(), wb.ptr(), o.ptr());

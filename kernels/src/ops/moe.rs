@@ -1,5 +1,5 @@
 //! MoE of [`CudaBackend`]: router GEMM (cuBLAS), routing kernel, picks grouped by expert,
-//! routed experts over bf16 or fp32 weights (one warp per output unit of an expert, run
+//! routed experts over bf16, fp32 or stored FP8/FP4 weights (one warp per output unit of an expert, run
 //! against all of that expert's picks; fp32 accumulation), shared expert, combine.
 
 use crate::buf::{f32_buf, out_ptr, shape_err, storage};
@@ -140,44 +140,94 @@ fn routed_grouped(
     let act = g.uninit::<f32>(n * k * inter)?;
     let y = g.uninit::<f32>(n * k * h)?;
     let xs = f32_buf(x, "moe")?;
-    let (gu_elem, gu_ptr) = storage(p.gate_up);
-    let (down_elem, down_ptr) = storage(p.down);
-    g.launch(
-        (slots, inter.div_ceil(WARPS) as u32, 1),
-        0,
-        &kernels::MoeGateUpGrouped {
-            elem: gu_elem,
-            x: DevPtr::of(xs),
-            gu: DevPtr(gu_ptr),
-            list: DevPtr::of(&list),
-            active: DevPtr::of(&active),
-            count: DevPtr::of(&count),
-            act: DevPtr::of(&act),
-            rows: n as i32,
-            e: e as i32,
-            h: h as i32,
-            i: inter as i32,
-            k: k as i32,
-            limit: p.swiglu_limit,
-        },
-    )?;
-    g.launch(
-        (slots, h.div_ceil(WARPS) as u32, 1),
-        0,
-        &kernels::MoeDownGrouped {
-            elem: down_elem,
-            act: DevPtr::of(&act),
-            down: DevPtr(down_ptr),
-            list: DevPtr::of(&list),
-            active: DevPtr::of(&active),
-            count: DevPtr::of(&count),
-            y: DevPtr::of(&y),
-            rows: n as i32,
-            e: e as i32,
-            h: h as i32,
-            i: inter as i32,
-        },
-    )?;
+    let lists = (DevPtr::of(&list), DevPtr::of(&active), DevPtr::of(&count));
+    let dims = (n as i32, e as i32, h as i32, inter as i32);
+    let gate_up_grid = (slots, inter.div_ceil(WARPS) as u32, 1);
+    let down_grid = (slots, h.div_ceil(WARPS) as u32, 1);
+    match (p.gate_up.stored(), p.down.stored()) {
+        (Some(gu), Some(down)) => {
+            g.launch(
+                gate_up_grid,
+                0,
+                &kernels::MoeGateUpGroupedQ {
+                    x: DevPtr::of(xs),
+                    q: DevPtr::of(&gu.q),
+                    s: DevPtr::of(&gu.s),
+                    fmt: gu.fmt(),
+                    group_rows: gu.group_rows as i32,
+                    list: lists.0,
+                    active: lists.1,
+                    count: lists.2,
+                    act: DevPtr::of(&act),
+                    rows: dims.0,
+                    e: dims.1,
+                    h: dims.2,
+                    i: dims.3,
+                    k: k as i32,
+                    limit: p.swiglu_limit,
+                },
+            )?;
+            g.launch(
+                down_grid,
+                0,
+                &kernels::MoeDownGroupedQ {
+                    act: DevPtr::of(&act),
+                    q: DevPtr::of(&down.q),
+                    s: DevPtr::of(&down.s),
+                    fmt: down.fmt(),
+                    group_rows: down.group_rows as i32,
+                    list: lists.0,
+                    active: lists.1,
+                    count: lists.2,
+                    y: DevPtr::of(&y),
+                    rows: dims.0,
+                    e: dims.1,
+                    h: dims.2,
+                    i: dims.3,
+                },
+            )?;
+        }
+        _ => {
+            let (gu_elem, gu_ptr) = storage(p.gate_up, "moe")?;
+            let (down_elem, down_ptr) = storage(p.down, "moe")?;
+            g.launch(
+                gate_up_grid,
+                0,
+                &kernels::MoeGateUpGrouped {
+                    elem: gu_elem,
+                    x: DevPtr::of(xs),
+                    gu: DevPtr(gu_ptr),
+                    list: lists.0,
+                    active: lists.1,
+                    count: lists.2,
+                    act: DevPtr::of(&act),
+                    rows: dims.0,
+                    e: dims.1,
+                    h: dims.2,
+                    i: dims.3,
+                    k: k as i32,
+                    limit: p.swiglu_limit,
+                },
+            )?;
+            g.launch(
+                down_grid,
+                0,
+                &kernels::MoeDownGrouped {
+                    elem: down_elem,
+                    act: DevPtr::of(&act),
+                    down: DevPtr(down_ptr),
+                    list: lists.0,
+                    active: lists.1,
+                    count: lists.2,
+                    y: DevPtr::of(&y),
+                    rows: dims.0,
+                    e: dims.1,
+                    h: dims.2,
+                    i: dims.3,
+                },
+            )?;
+        }
+    }
     Ok(y)
 }
 

@@ -6,10 +6,11 @@
 use crate::buf::{f32_buf, storage};
 use crate::device::Gpu;
 use crate::devmem::DevMem;
-use crate::kernels::{self, DevPtr, Elem};
+use crate::kernels::{self, DevPtr};
 use crate::launch::grid_1d;
+use crate::ops::stored;
 use crate::ops::tensors::to_bf16;
-use crate::tensor::GpuTensor;
+use crate::tensor::{Buf, GpuTensor};
 use pdserve_engine::backend::{BResult, MoeParams};
 
 /// Whether the GEMM path pays: outside decode steps, with enough picks per expert on
@@ -90,10 +91,9 @@ pub(crate) fn routed(
             cols: h as i32,
         },
     )?;
-    let (gu_elem, gu_ptr) = storage(p.gate_up);
-    let (down_elem, down_ptr) = storage(p.down);
-    let (gu_bf16, down_bf16) = (gu_elem == Elem::Bf16, down_elem == Elem::Bf16);
-    let wsz = |bf16: bool| if bf16 { 2u64 } else { 4 };
+    let gu_w = ExpertWeights::new(g, p.gate_up, 2 * inter)?;
+    let down_w = ExpertWeights::new(g, p.down, h)?;
+    let (gu_bf16, down_bf16) = (gu_w.bf16, down_w.bf16);
     // Gate and up rows of every pick: [picks, 2I].
     let xin = gu_bf16.then(|| to_bf16(g, &xs)).transpose()?;
     let a = xin.as_ref().map_or(xs.ptr(), |t| t.ptr());
@@ -102,7 +102,7 @@ pub(crate) fn routed(
         if count == 0 {
             continue;
         }
-        let w = gu_ptr + (ex * 2 * inter * h) as u64 * wsz(gu_bf16);
+        let w = gu_w.expert(g, ex)?;
         let c = gu.ptr() + (first * 2 * inter * 4) as u64;
         span_gemm(g, (a, first * h), w, c, count, 2 * inter, h, gu_bf16)?;
     }
@@ -125,7 +125,7 @@ pub(crate) fn routed(
         if count == 0 {
             continue;
         }
-        let w = down_ptr + (ex * h * inter) as u64 * wsz(down_bf16);
+        let w = down_w.expert(g, ex)?;
         let c = ys.ptr() + (first * h * 4) as u64;
         span_gemm(g, (a, first * inter), w, c, count, h, inter, down_bf16)?;
     }
@@ -143,6 +143,45 @@ pub(crate) fn routed(
         },
     )?;
     Ok(y)
+}
+
+/// One projection of every expert (`per` rows each) as GEMM operands: bf16 or fp32 rows
+/// in place, or a stored FP8/FP4 weight whose expert is dequantized into one reused bf16
+/// buffer just before its GEMM (the only bf16 copy, one expert at a time).
+struct ExpertWeights<'a> {
+    w: &'a GpuTensor,
+    per: usize,
+    bf16: bool,
+    scratch: Option<DevMem<u16>>,
+}
+
+impl<'a> ExpertWeights<'a> {
+    fn new(g: &Gpu, w: &'a GpuTensor, per: usize) -> BResult<Self> {
+        let scratch = w.stored().map(|_| g.uninit::<u16>(per * w.cols)).transpose()?;
+        Ok(ExpertWeights {
+            w,
+            per,
+            bf16: !matches!(w.buf, Buf::F32(_)),
+            scratch,
+        })
+    }
+
+    /// Device address of expert `ex`'s rows, as the GEMM reads them. The same stream
+    /// runs each GEMM before the next dequantization overwrites the buffer.
+    fn expert(&self, g: &Gpu, ex: usize) -> BResult<u64> {
+        let row0 = ex * self.per;
+        match (&self.w.buf, &self.scratch) {
+            (Buf::Stored(sw), Some(buf)) => {
+                stored::dequant_into(g, sw, (row0, self.per, self.w.cols), buf)?;
+                Ok(buf.ptr())
+            }
+            _ => {
+                let (_, ptr) = storage(self.w, "moe")?;
+                let esz = if self.bf16 { 2 } else { 4 };
+                Ok(ptr + (row0 * self.w.cols * esz) as u64)
+            }
+        }
+    }
 }
 
 /// Whether the padded-batch GEMM path pays inside a decode step: bf16 experts and at least
@@ -169,8 +208,8 @@ pub(crate) fn routed_padded(
 ) -> BResult<DevMem<f32>> {
     let (n, h) = (x.rows, x.cols);
     let (e, k, inter) = (p.n_experts, p.top_k, p.intermediate);
-    let (_, gu_ptr) = storage(p.gate_up);
-    let (_, down_ptr) = storage(p.down);
+    let (_, gu_ptr) = storage(p.gate_up, "moe")?;
+    let (_, down_ptr) = storage(p.down, "moe")?;
     let xp = g.uninit::<u16>(e * n * h)?;
     let grid = (e as u32, n as u32, 1);
     g.launch(

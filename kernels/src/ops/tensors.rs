@@ -6,6 +6,7 @@ use crate::device::Gpu;
 use crate::devmem::DevMem;
 use crate::kernels::{self, DevPtr};
 use crate::launch::grid_1d;
+use crate::ops::stored;
 use crate::tensor::{Buf, GpuTensor};
 use pdserve_engine::backend::{BResult, HostTensor};
 
@@ -38,17 +39,20 @@ pub(crate) fn upload(g: &Gpu, t: HostTensor, bf16: bool) -> BResult<GpuTensor> {
 pub(crate) fn to_host(g: &Gpu, t: &GpuTensor) -> BResult<HostTensor> {
     let data = match &t.buf {
         Buf::F32(s) => g.download(s, t.len())?,
-        Buf::Bf16(s) => g
-            .download(s, t.len())?
-            .into_iter()
-            .map(|b| half::bf16::from_bits(b).to_f32())
-            .collect(),
+        Buf::Bf16(s) => widen(g.download(s, t.len())?),
+        Buf::Stored(w) => widen(g.download(&stored::dequant(g, t, w)?, t.len())?),
     };
     Ok(HostTensor {
         rows: t.rows,
         cols: t.cols,
         data,
     })
+}
+
+fn widen(bits: Vec<u16>) -> Vec<f32> {
+    bits.into_iter()
+        .map(|b| half::bf16::from_bits(b).to_f32())
+        .collect()
 }
 
 /// An fp32 output tensor; every caller's kernel writes all of it.
@@ -77,6 +81,10 @@ pub(crate) fn param_f32(g: &Gpu, t: &GpuTensor) -> BResult<DevMem<f32>> {
             )?;
             Ok(out)
         }
+        Buf::Stored(_) => Err(shape_err(
+            "param_f32",
+            format!("a stored FP8/FP4 [{}x{}] weight is not a vector parameter", t.rows, t.cols),
+        )),
     }
 }
 

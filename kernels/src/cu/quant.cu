@@ -1,0 +1,186 @@
+// Weights kept in DeepSeek's stored formats (WF_FP8 / WF_FP4, see common.cuh): the fused
+// GEMM of small batches (weights dequantized in the inner loop), dequantization to bf16
+// for the tensor-core GEMMs of larger batches, and quantization of synthetic f32 weights
+// exactly as pdserve_engine::checkpoint::StoredWeight::quantize does it.
+
+// Rows of x per block row of k_matmul_q.
+#define QMM_TILE 8
+
+// fp32 activations read 8 at a time (two 16-byte loads; rows 16-byte aligned).
+struct XF32 {
+    const float* p;
+    __device__ bool vec8() const { return ((unsigned long long)p & 15) == 0; }
+    __device__ float ld(int c) const { return p[c]; }
+    __device__ void ld8(int c, float* o) const { ld8f(p + c, o); }
+};
+
+// bf16 activations (x rounded once, as the bf16 tensor-core path rounds it).
+struct XBf16 {
+    RowBf16 r;
+    __device__ bool vec8() const { return r.vec8(8); }
+    __device__ float ld(int c) const { return r.ld(c); }
+    __device__ void ld8(int c, float* o) const { r.ld8(c, o); }
+};
+
+__device__ __forceinline__ XF32 x_row(const float* x, i64 off) { return XF32{x + off}; }
+__device__ __forceinline__ XBf16 x_row(const bf16_t* x, i64 off) { return XBf16{RowBf16{x + off}}; }
+
+// y[r, j] = sum_c x[r, (j / dout) * K + c] * w[j, c]: one warp per output column j, QMM_TILE
+// rows per block row; each output's sum is lane-strided in 8-weight loads, then a butterfly:
+// a fixed order whatever the batch (batch-invariant). x is fp32 or bf16 (`T`).
+// grid (ceil(N / warps), ceil(M / QMM_TILE)).
+template <typename M, typename T>
+__device__ void matmul_q(const T* x, M w, float* y, int m, int n, int K, int ldx, int dout) {
+    int lane = threadIdx.x & 31;
+    int j = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    int r0 = blockIdx.y * QMM_TILE;
+    if (j >= n || r0 >= m) return;
+    int nt = min(QMM_TILE, m - r0);
+    auto wr = w.row(j);
+    i64 base = (i64)r0 * ldx + (i64)(j / dout) * K;
+    float d[QMM_TILE];
+#pragma unroll
+    for (int t = 0; t < QMM_TILE; t++) d[t] = 0.f;
+    bool x_vec = ldx % 8 == 0 && x_row(x, base).vec8();
+    if (wr.vec8(K) && x_vec) {
+        // Unrolled so several weight loads are in flight per lane (one warp streams a row).
+#pragma unroll 4
+        for (int c = lane * 8; c < K; c += 256) {
+            float wv[8];
+            wr.ld8(c, wv);
+#pragma unroll
+            for (int t = 0; t < QMM_TILE; t++) {
+                if (t < nt) {
+                    float xc[8];
+                    x_row(x, base + (i64)t * ldx).ld8(c, xc);
+#pragma unroll
+                    for (int q = 0; q < 8; q++) d[t] = fmaf(wv[q], xc[q], d[t]);
+                }
+            }
+        }
+    } else {
+        for (int c = lane; c < K; c += 32) {
+            float wv = wr.ld(c);
+#pragma unroll
+            for (int t = 0; t < QMM_TILE; t++)
+                if (t < nt) d[t] = fmaf(wv, x_row(x, base + (i64)t * ldx).ld(c), d[t]);
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < QMM_TILE; t++) d[t] = warp_sum(d[t]);
+    if (lane == 0)
+        for (int t = 0; t < nt; t++) y[(i64)(r0 + t) * n + j] = d[t];
+}
+
+template <typename T>
+__device__ void matmul_q_fmt(const T* x, const unsigned char* q, const unsigned char* s, int fmt, int group_rows,
+                             float* y, int m, int n, int k, int ldx, int dout) {
+    if (fmt == WF_FP8)
+        matmul_q(x, MatFp8{q, s, k, group_rows}, y, m, n, k, ldx, dout);
+    else
+        matmul_q(x, MatFp4{q, s, k}, y, m, n, k, ldx, dout);
+}
+
+// One of x (fp32) and xb (bf16) is given.
+extern "C" __global__ void k_matmul_q(const float* x, const bf16_t* xb, const unsigned char* q,
+                                      const unsigned char* s, int fmt, int group_rows, float* y, int m, int n,
+                                      int k, int ldx, int dout) {
+    if (xb)
+        matmul_q_fmt(xb, q, s, fmt, group_rows, y, m, n, k, ldx, dout);
+    else
+        matmul_q_fmt(x, q, s, fmt, group_rows, y, m, n, k, ldx, dout);
+}
+
+// out[r, c] = bf16 of the stored weight's value (exact: e4m3 and e2m1 values times a power
+// of two fit bf16). One thread per 8 values of a row (per value when cols % 8 != 0).
+template <typename M>
+__device__ void dequant_rows(M w, bf16_t* out, int rows, int cols) {
+    int step = cols % 8 == 0 ? 8 : 1;
+    i64 per_row = cols / step, n = (i64)rows * per_row;
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        i64 r = i / per_row;
+        int c = (int)(i % per_row) * step;
+        auto row = w.row(r);
+        bf16_t* o = out + r * cols + c;
+        if (step == 8 && row.vec8(cols)) {
+            float v[8];
+            row.ld8(c, v);
+#pragma unroll
+            for (int q = 0; q < 8; q++) o[q] = f_to_bf16(v[q]);
+        } else {
+            for (int q = 0; q < step; q++) o[q] = f_to_bf16(row.ld(c + q));
+        }
+    }
+}
+
+extern "C" __global__ void k_dequant_bf16(const unsigned char* q, const unsigned char* s, int fmt, int group_rows,
+                                          bf16_t* out, int rows, int cols) {
+    if (fmt == WF_FP8)
+        dequant_rows(MatFp8{q, s, cols, group_rows}, out, rows, cols);
+    else
+        dequant_rows(MatFp4{q, s, cols}, out, rows, cols);
+}
+
+// The ue8m0 byte of the smallest power of two >= x (at least 2^-126, at most 2^127).
+__device__ __forceinline__ unsigned char ue8m0_at_least(float x) {
+    if (!(x > 1.17549435e-38f)) return 1;
+    u32 bits = __float_as_uint(x);
+    int e = (int)(bits >> 23) + ((bits & 0x7fffffu) != 0);
+    return (unsigned char)min(max(e, 1), 254);
+}
+
+// The e2m1 nibble nearest to x (ties to the even code), saturating at +-6.
+__device__ __forceinline__ u32 f_to_e2m1(float x) {
+    const float mag[8] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f};
+    u32 sign = signbit(x) ? 8u : 0u;
+    float a = fabsf(x);
+    if (isnan(a)) return 7u;
+    u32 code = 7u;
+    for (int i = 0; i < 7; i++) {
+        float mid = (mag[i] + mag[i + 1]) * 0.5f;
+        if (a < mid || (a == mid && i % 2 == 0)) { code = (u32)i; break; }
+    }
+    return code == 0 ? 0u : (sign | code);
+}
+
+// One block per 128x128 block of a group: amax, its ue8m0 scale, then every value's code.
+// grid (ceil(group_rows/128) * (rows / group_rows), ceil(cols/128)).
+extern "C" __global__ void k_quantize_fp8(const float* x, unsigned char* q, unsigned char* s, int rows, int cols,
+                                          int group_rows) {
+    __shared__ float sh[32];
+    int grid_rows = (group_rows + 127) / 128, scols = (cols + 127) / 128;
+    int g = blockIdx.x / grid_rows, br = blockIdx.x % grid_rows, bc = blockIdx.y;
+    int r0 = g * group_rows + br * 128, r1 = min(r0 + 128, (g + 1) * group_rows);
+    int c0 = bc * 128, c1 = min(c0 + 128, cols);
+    int w = c1 - c0, n = (r1 - r0) * w;
+    float amax = 0.f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x)
+        amax = fmaxf(amax, fabsf(x[(i64)(r0 + i / w) * cols + c0 + i % w]));
+    amax = block_max(amax, sh);
+    unsigned char b = ue8m0_at_least(amax / 448.f);
+    if (threadIdx.x == 0) s[(i64)blockIdx.x * scols + bc] = b;
+    float sc = e8m0_to_f(b);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        i64 at = (i64)(r0 + i / w) * cols + c0 + i % w;
+        q[at] = f_to_e4m3(x[at] / sc);
+    }
+}
+
+// One thread per 32 inputs of a row: scale, then 16 packed bytes. grid-stride.
+extern "C" __global__ void k_quantize_fp4(const float* x, unsigned char* q, unsigned char* s, int rows, int cols) {
+    int scols = (cols + 31) / 32;
+    i64 n = (i64)rows * scols;
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        i64 r = i / scols;
+        int c0 = (int)(i % scols) * 32, c1 = min(c0 + 32, cols);
+        const float* xr = x + r * cols;
+        float amax = 0.f;
+        for (int c = c0; c < c1; c++) amax = fmaxf(amax, fabsf(xr[c]));
+        unsigned char b = ue8m0_at_least(amax / 6.f);
+        s[i] = b;
+        float sc = e8m0_to_f(b);
+        unsigned char* qr = q + r * (cols / 2);
+        for (int c = c0; c < c1; c += 2)
+            qr[c / 2] = (unsigned char)(f_to_e2m1(xr[c] / sc) | (f_to_e2m1(xr[c + 1] / sc) << 4));
+    }
+}
