@@ -128,6 +128,8 @@ __device__ __forceinline__ float swiglu_(float g, float u, float limit) {
 // A `Mat*` gives row `r` as a `Row*`, whose `ld(c)` is weight c of the row as an exact f32
 // (the value pdserve_engine::checkpoint::StoredWeight::dequantize gives), and `ld8(c, o)`
 // weights c..c+8 in one load where `vec8(n)` says a row of n weights allows it (c % 8 == 0).
+// The stored formats also have `ldv`/`vecv`: VEC weights in one 16-byte load (16 FP8, 32
+// FP4 values).
 
 // Stored weight formats (the `fmt` argument): FP8 e4m3 with one ue8m0 scale per 128x128
 // block of each group of `group_rows` rows; FP4 e2m1 two per byte (element 2k in the low
@@ -185,9 +187,19 @@ struct RowF32 {
 
 // s: the row's scales, one per 128 columns.
 struct RowFp8 {
+    static constexpr int VEC = 16;
     const unsigned char* q;
     const unsigned char* s;
     __device__ bool vec8(int n) const { return n % 8 == 0 && ((unsigned long long)q & 7) == 0; }
+    __device__ bool vecv(int n) const { return n % 16 == 0 && ((unsigned long long)q & 15) == 0; }
+    // 16 weights of one 128-block (c % 16 == 0): one scale.
+    __device__ void ldv(int c, float* o) const {
+        uint4 v = *reinterpret_cast<const uint4*>(q + c);
+        float sc = e8m0_to_f(s[c >> 7]);
+        u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int i = 0; i < 16; i++) o[i] = e4m3w(w[i >> 2] >> (8 * (i & 3))) * sc;
+    }
     __device__ float ld(int c) const { return e4m3w(q[c]) * e8m0_to_f(s[c >> 7]); }
     __device__ void ld8(int c, float* o) const {
         uint2 v = *reinterpret_cast<const uint2*>(q + c);
@@ -202,9 +214,19 @@ struct RowFp8 {
 
 // q: the row's packed bytes; s: its scales, one per 32 columns.
 struct RowFp4 {
+    static constexpr int VEC = 32;
     const unsigned char* q;
     const unsigned char* s;
     __device__ bool vec8(int n) const { return n % 8 == 0 && ((unsigned long long)q & 3) == 0; }
+    __device__ bool vecv(int n) const { return n % 32 == 0 && ((unsigned long long)q & 15) == 0; }
+    // 32 weights of one scale group (c % 32 == 0).
+    __device__ void ldv(int c, float* o) const {
+        uint4 v = *reinterpret_cast<const uint4*>(q + (c >> 1));
+        float sc = e8m0_to_f(s[c >> 5]);
+        u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int i = 0; i < 32; i++) o[i] = e2m1w(w[i >> 3] >> (4 * (i & 7))) * sc;
+    }
     __device__ float ld(int c) const {
         return e2m1w((u32)q[c >> 1] >> ((c & 1) * 4)) * e8m0_to_f(s[c >> 5]);
     }

@@ -42,19 +42,23 @@ __device__ void matmul_q(const T* x, M w, float* y, int m, int n, int K, int ldx
 #pragma unroll
     for (int t = 0; t < QMM_TILE; t++) d[t] = 0.f;
     bool x_vec = ldx % 8 == 0 && x_row(x, base).vec8();
-    if (wr.vec8(K) && x_vec) {
-        // Unrolled so several weight loads are in flight per lane (one warp streams a row).
-#pragma unroll 4
-        for (int c = lane * 8; c < K; c += 256) {
-            float wv[8];
-            wr.ld8(c, wv);
+    constexpr int V = decltype(wr)::VEC;
+    if (wr.vecv(K) && x_vec) {
+        // V weights (one 16-byte load) per lane; unrolled so several loads are in flight
+        // per lane (one warp streams a row).
+#pragma unroll 2
+        for (int c = lane * V; c < K; c += 32 * V) {
+            float wv[V];
+            wr.ldv(c, wv);
 #pragma unroll
             for (int t = 0; t < QMM_TILE; t++) {
                 if (t < nt) {
-                    float xc[8];
-                    x_row(x, base + (i64)t * ldx).ld8(c, xc);
+                    auto xr = x_row(x, base + (i64)t * ldx);
+                    float xc[V];
 #pragma unroll
-                    for (int q = 0; q < 8; q++) d[t] = fmaf(wv[q], xc[q], d[t]);
+                    for (int h = 0; h < V; h += 8) xr.ld8(c + h, xc + h);
+#pragma unroll
+                    for (int q = 0; q < V; q++) d[t] = fmaf(wv[q], xc[q], d[t]);
                 }
             }
         }
