@@ -283,25 +283,16 @@ kernels! {
             ids: DevPtr, list: DevPtr, count: DevPtr, active: DevPtr, rows: i32, e: i32,
             k: i32,
         }
-        /// Routed experts' gate+up and SwiGLU over each expert's picks; one variant per weight storage.
-        MoeGateUpGrouped = "k_moe_gate_up_grouped_bf16" | "k_moe_gate_up_grouped_f32" {
-            x: DevPtr, gu: DevPtr, list: DevPtr, active: DevPtr, count: DevPtr, act: DevPtr,
-            rows: i32, e: i32, h: i32, i: i32, k: i32, limit: f32,
-        }
-        /// Routed experts' down projection over each expert's picks; one variant per weight storage.
-        MoeDownGrouped = "k_moe_down_grouped_bf16" | "k_moe_down_grouped_f32" {
-            act: DevPtr, down: DevPtr, list: DevPtr, active: DevPtr, count: DevPtr, y: DevPtr,
-            rows: i32, e: i32, h: i32, i: i32,
-        }
-        /// [`MoeGateUpGrouped`] over weights in a stored format (`fmt`: FP8 or FP4).
-        MoeGateUpGroupedQ = "k_moe_gate_up_grouped_q" {
-            x: DevPtr, q: DevPtr, s: DevPtr, fmt: i32, group_rows: i32, list: DevPtr,
+        /// Routed experts' gate+up and SwiGLU over each expert's picks, over weights `w`
+        /// in format `fmt` (f32, bf16, or stored FP8/FP4 with scales `s`).
+        MoeGateUpGrouped = "k_moe_gate_up_grouped" {
+            x: DevPtr, w: DevPtr, s: DevPtr, fmt: i32, group_rows: i32, list: DevPtr,
             active: DevPtr, count: DevPtr, act: DevPtr, rows: i32, e: i32, h: i32, i: i32,
             k: i32, limit: f32,
         }
-        /// [`MoeDownGrouped`] over weights in a stored format.
-        MoeDownGroupedQ = "k_moe_down_grouped_q" {
-            act: DevPtr, q: DevPtr, s: DevPtr, fmt: i32, group_rows: i32, list: DevPtr,
+        /// Routed experts' down projection over each expert's picks, as [`MoeGateUpGrouped`].
+        MoeDownGrouped = "k_moe_down_grouped" {
+            act: DevPtr, w: DevPtr, s: DevPtr, fmt: i32, group_rows: i32, list: DevPtr,
             active: DevPtr, count: DevPtr, y: DevPtr, rows: i32, e: i32, h: i32, i: i32,
         }
         /// Picks of each expert gathered into padded bf16 batches for one batched GEMM.

@@ -24,12 +24,45 @@ pub struct StoredBuf {
     pub s: DevMem<u8>,
 }
 
+/// A weight as the kernels that take any format read it (`WF_*` in cu/common.cuh).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct WeightOperand {
+    /// Values (f32, bf16 bits, FP8 bytes or packed FP4).
+    pub w: u64,
+    /// ue8m0 scales (stored formats; else 0).
+    pub s: u64,
+    pub fmt: i32,
+    pub group_rows: i32,
+}
+
+impl Buf {
+    /// This storage as a kernel operand.
+    pub(crate) fn operand(&self) -> WeightOperand {
+        let plain = |w, fmt| WeightOperand {
+            w,
+            s: 0,
+            fmt,
+            group_rows: 0,
+        };
+        match self {
+            Buf::F32(b) => plain(b.ptr(), 0),
+            Buf::Bf16(b) => plain(b.ptr(), 1),
+            Buf::Stored(st) => WeightOperand {
+                w: st.q.ptr(),
+                s: st.s.ptr(),
+                fmt: st.fmt(),
+                group_rows: i32::try_from(st.group_rows).unwrap_or(i32::MAX),
+            },
+        }
+    }
+}
+
 impl StoredBuf {
     /// The kernels' `fmt` code (`WF_FP8` / `WF_FP4` in cu/common.cuh).
     pub(crate) fn fmt(&self) -> i32 {
         match self.format {
-            WeightFormat::Fp8Block => 1,
-            _ => 2,
+            WeightFormat::Fp8Block => 2,
+            _ => 3,
         }
     }
 

@@ -131,11 +131,14 @@ __device__ __forceinline__ float swiglu_(float g, float u, float limit) {
 // The stored formats also have `ldv`/`vecv`: VEC weights in one 16-byte load (16 FP8, 32
 // FP4 values).
 
-// Stored weight formats (the `fmt` argument): FP8 e4m3 with one ue8m0 scale per 128x128
-// block of each group of `group_rows` rows; FP4 e2m1 two per byte (element 2k in the low
-// nibble of byte k) with one ue8m0 scale per 32 inputs of a row.
-#define WF_FP8 1
-#define WF_FP4 2
+// Weight formats (the `fmt` argument; kernels/src/tensor.rs `Buf::format_code`): f32,
+// bf16, and the stored ones: FP8 e4m3 with one ue8m0 scale per 128x128 block of each group
+// of `group_rows` rows; FP4 e2m1 two per byte (element 2k in the low nibble of byte k) with
+// one ue8m0 scale per 32 inputs of a row.
+#define WF_F32 0
+#define WF_BF16 1
+#define WF_FP8 2
+#define WF_FP4 3
 
 // 2^(b-127) of a ue8m0 byte; b = 0 is the subnormal 2^-127.
 __device__ __forceinline__ float e8m0_to_f(unsigned char b) {

@@ -130,31 +130,19 @@ __device__ void moe_gate_up_grouped(const float* x, M gu, const int* list, const
     }
 }
 
-extern "C" __global__ void k_moe_gate_up_grouped_bf16(const float* x, const bf16_t* gu, const int* list,
-                                                      const int* active,
-                                                      const int* count, float* act, int rows, int E, int H, int I,
-                                                      int k, float limit) {
-    moe_gate_up_grouped(x, MatBf16{gu, H}, list, count, active, act, rows, E, H, I, k, limit);
-}
-
-extern "C" __global__ void k_moe_gate_up_grouped_f32(const float* x, const float* gu, const int* list,
-                                                      const int* active,
-                                                     const int* count, float* act, int rows, int E, int H, int I,
-                                                     int k, float limit) {
-    moe_gate_up_grouped(x, MatF32{gu, H}, list, count, active, act, rows, E, H, I, k, limit);
-}
-
-// The stored formats: `q` the weight bytes, `s` the ue8m0 scales, `fmt` WF_FP8 (scale
-// grids of `group_rows` rows) or WF_FP4.
-extern "C" __global__ void k_moe_gate_up_grouped_q(const float* x, const unsigned char* q,
-                                                   const unsigned char* s, int fmt, int group_rows,
-                                                   const int* list, const int* active, const int* count,
-                                                   float* act, int rows, int E, int H, int I, int k,
-                                                   float limit) {
-    if (fmt == WF_FP8)
-        moe_gate_up_grouped(x, MatFp8{q, s, H, group_rows}, list, count, active, act, rows, E, H, I, k, limit);
+// `w` holds the weights in format `fmt` (WF_*), `s` their scales (stored formats only).
+extern "C" __global__ void k_moe_gate_up_grouped(const float* x, const unsigned char* w, const unsigned char* s,
+                                                 int fmt, int group_rows, const int* list, const int* active,
+                                                 const int* count, float* act, int rows, int E, int H, int I,
+                                                 int k, float limit) {
+    if (fmt == WF_BF16)
+        moe_gate_up_grouped(x, MatBf16{(const bf16_t*)w, H}, list, count, active, act, rows, E, H, I, k, limit);
+    else if (fmt == WF_F32)
+        moe_gate_up_grouped(x, MatF32{(const float*)w, H}, list, count, active, act, rows, E, H, I, k, limit);
+    else if (fmt == WF_FP8)
+        moe_gate_up_grouped(x, MatFp8{w, s, H, group_rows}, list, count, active, act, rows, E, H, I, k, limit);
     else
-        moe_gate_up_grouped(x, MatFp4{q, s, H}, list, count, active, act, rows, E, H, I, k, limit);
+        moe_gate_up_grouped(x, MatFp4{w, s, H}, list, count, active, act, rows, E, H, I, k, limit);
 }
 
 // grid (E, ceil(H / warps)); the down projection of every pick of expert e, as moe_down.
@@ -207,26 +195,17 @@ __device__ void moe_down_grouped(const float* act, M down, const int* list, cons
     }
 }
 
-extern "C" __global__ void k_moe_down_grouped_bf16(const float* act, const bf16_t* down, const int* list,
-                                                   const int* active,
-                                                   const int* count, float* y, int rows, int E, int H, int I) {
-    moe_down_grouped(act, MatBf16{down, I}, list, count, active, y, rows, E, H, I);
-}
-
-extern "C" __global__ void k_moe_down_grouped_f32(const float* act, const float* down, const int* list,
-                                                   const int* active,
-                                                  const int* count, float* y, int rows, int E, int H, int I) {
-    moe_down_grouped(act, MatF32{down, I}, list, count, active, y, rows, E, H, I);
-}
-
-extern "C" __global__ void k_moe_down_grouped_q(const float* act, const unsigned char* q,
-                                                const unsigned char* s, int fmt, int group_rows,
-                                                const int* list, const int* active, const int* count,
-                                                float* y, int rows, int E, int H, int I) {
-    if (fmt == WF_FP8)
-        moe_down_grouped(act, MatFp8{q, s, I, group_rows}, list, count, active, y, rows, E, H, I);
+extern "C" __global__ void k_moe_down_grouped(const float* act, const unsigned char* w, const unsigned char* s,
+                                              int fmt, int group_rows, const int* list, const int* active,
+                                              const int* count, float* y, int rows, int E, int H, int I) {
+    if (fmt == WF_BF16)
+        moe_down_grouped(act, MatBf16{(const bf16_t*)w, I}, list, count, active, y, rows, E, H, I);
+    else if (fmt == WF_F32)
+        moe_down_grouped(act, MatF32{(const float*)w, I}, list, count, active, y, rows, E, H, I);
+    else if (fmt == WF_FP8)
+        moe_down_grouped(act, MatFp8{w, s, I, group_rows}, list, count, active, y, rows, E, H, I);
     else
-        moe_down_grouped(act, MatFp4{q, s, I}, list, count, active, y, rows, E, H, I);
+        moe_down_grouped(act, MatFp4{w, s, I}, list, count, active, y, rows, E, H, I);
 }
 
 // Padded per-expert batches for one strided-batched GEMM: xp[e, t] = bf16(x[row of the

@@ -2,7 +2,7 @@
 //! routed experts over bf16, fp32 or stored FP8/FP4 weights (one warp per output unit of an expert, run
 //! against all of that expert's picks; fp32 accumulation), shared expert, combine.
 
-use crate::buf::{f32_buf, out_ptr, shape_err, storage};
+use crate::buf::{f32_buf, out_ptr, shape_err};
 use crate::device::Gpu;
 use crate::devmem::DevMem;
 use crate::kernels::{self, DevPtr};
@@ -142,92 +142,47 @@ fn routed_grouped(
     let xs = f32_buf(x, "moe")?;
     let lists = (DevPtr::of(&list), DevPtr::of(&active), DevPtr::of(&count));
     let dims = (n as i32, e as i32, h as i32, inter as i32);
-    let gate_up_grid = (slots, inter.div_ceil(WARPS) as u32, 1);
-    let down_grid = (slots, h.div_ceil(WARPS) as u32, 1);
-    match (p.gate_up.stored(), p.down.stored()) {
-        (Some(gu), Some(down)) => {
-            g.launch(
-                gate_up_grid,
-                0,
-                &kernels::MoeGateUpGroupedQ {
-                    x: DevPtr::of(xs),
-                    q: DevPtr::of(&gu.q),
-                    s: DevPtr::of(&gu.s),
-                    fmt: gu.fmt(),
-                    group_rows: gu.group_rows as i32,
-                    list: lists.0,
-                    active: lists.1,
-                    count: lists.2,
-                    act: DevPtr::of(&act),
-                    rows: dims.0,
-                    e: dims.1,
-                    h: dims.2,
-                    i: dims.3,
-                    k: k as i32,
-                    limit: p.swiglu_limit,
-                },
-            )?;
-            g.launch(
-                down_grid,
-                0,
-                &kernels::MoeDownGroupedQ {
-                    act: DevPtr::of(&act),
-                    q: DevPtr::of(&down.q),
-                    s: DevPtr::of(&down.s),
-                    fmt: down.fmt(),
-                    group_rows: down.group_rows as i32,
-                    list: lists.0,
-                    active: lists.1,
-                    count: lists.2,
-                    y: DevPtr::of(&y),
-                    rows: dims.0,
-                    e: dims.1,
-                    h: dims.2,
-                    i: dims.3,
-                },
-            )?;
-        }
-        _ => {
-            let (gu_elem, gu_ptr) = storage(p.gate_up, "moe")?;
-            let (down_elem, down_ptr) = storage(p.down, "moe")?;
-            g.launch(
-                gate_up_grid,
-                0,
-                &kernels::MoeGateUpGrouped {
-                    elem: gu_elem,
-                    x: DevPtr::of(xs),
-                    gu: DevPtr(gu_ptr),
-                    list: lists.0,
-                    active: lists.1,
-                    count: lists.2,
-                    act: DevPtr::of(&act),
-                    rows: dims.0,
-                    e: dims.1,
-                    h: dims.2,
-                    i: dims.3,
-                    k: k as i32,
-                    limit: p.swiglu_limit,
-                },
-            )?;
-            g.launch(
-                down_grid,
-                0,
-                &kernels::MoeDownGrouped {
-                    elem: down_elem,
-                    act: DevPtr::of(&act),
-                    down: DevPtr(down_ptr),
-                    list: lists.0,
-                    active: lists.1,
-                    count: lists.2,
-                    y: DevPtr::of(&y),
-                    rows: dims.0,
-                    e: dims.1,
-                    h: dims.2,
-                    i: dims.3,
-                },
-            )?;
-        }
-    }
+    let (gu, down) = (p.gate_up.buf.operand(), p.down.buf.operand());
+    g.launch(
+        (slots, inter.div_ceil(WARPS) as u32, 1),
+        0,
+        &kernels::MoeGateUpGrouped {
+            x: DevPtr::of(xs),
+            w: DevPtr(gu.w),
+            s: DevPtr(gu.s),
+            fmt: gu.fmt,
+            group_rows: gu.group_rows,
+            list: lists.0,
+            active: lists.1,
+            count: lists.2,
+            act: DevPtr::of(&act),
+            rows: dims.0,
+            e: dims.1,
+            h: dims.2,
+            i: dims.3,
+            k: k as i32,
+            limit: p.swiglu_limit,
+        },
+    )?;
+    g.launch(
+        (slots, h.div_ceil(WARPS) as u32, 1),
+        0,
+        &kernels::MoeDownGrouped {
+            act: DevPtr::of(&act),
+            w: DevPtr(down.w),
+            s: DevPtr(down.s),
+            fmt: down.fmt,
+            group_rows: down.group_rows,
+            list: lists.0,
+            active: lists.1,
+            count: lists.2,
+            y: DevPtr::of(&y),
+            rows: dims.0,
+            e: dims.1,
+            h: dims.2,
+            i: dims.3,
+        },
+    )?;
     Ok(y)
 }
 
