@@ -93,6 +93,34 @@ serve() {
   fi
 }
 
+# The decode loop's host time between steps (sampling, streaming, admission: the GPU idles
+# meanwhile) under 64 concurrent sessions, from the decode server's
+# pdserve_decode_step_gap_seconds on its side port (target: below 100 us). Info.
+step_gap() {
+  local port=$((20000 + RANDOM % 20000)) P D R out
+  P=$(start prefill "$BIN" prefill --device "$DEV" --listen 127.0.0.1:0) || return 1
+  D=$(start decode "$BIN" decode --device "$DEV" --cuda-graph "$GRAPH" --metrics-listen "127.0.0.1:$port" --listen 127.0.0.1:0) || return 1
+  R=$(start router "$BIN" router --prefill "$P" --decode "$D" --listen 127.0.0.1:0) || return 1
+  out=$(load "$R" 64 2 64 --no-reference)
+  python3 - "$port" "$out" <<'PY' || echo "decode loop host gap: no metrics ($out)"
+import re, sys, urllib.request
+text = urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/metrics", timeout=10).read().decode()
+def series(name, le=None):
+    for line in text.splitlines():
+        if line.startswith(name + "{") and (le is None or f'le="{le}"' in line):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+n = series("pdserve_decode_step_gap_seconds_count")
+mean = series("pdserve_decode_step_gap_seconds_sum") / max(n, 1) * 1e6
+under = series("pdserve_decode_step_gap_seconds_bucket", "0.0001") / max(n, 1) * 100
+batch = series("pdserve_decode_batch_size_sum") / max(series("pdserve_decode_batch_size_count"), 1)
+print(f"decode loop host time between steps, 64 sessions: mean {mean:.1f} us, {under:.1f}% below 100 us "
+      f"over {n:.0f} gaps, mean batch {batch:.1f}: info ({sys.argv[2]})")
+PY
+  stop_all
+}
+
+step_gap
 [ "$GRAPH" = capture ] && row "index-K bf16, graphs + --verify-graphs, 48 x 3 turns" bf16 capture
 row "index-K bf16, eager, 48 x 3 turns" bf16 eager
 [ "$GRAPH" = capture ] && row "index-K f32, graphs + --verify-graphs, 48 x 3 turns" f32 capture

@@ -41,6 +41,7 @@ fn expected(role: &str) -> Vec<(&'static str, &'static str)> {
         v.extend([
             ("pdserve_decode_step_seconds", "histogram"),
             ("pdserve_decode_batch_size", "histogram"),
+            ("pdserve_decode_step_gap_seconds", "histogram"),
             ("pdserve_cuda_graph_captures_total", "counter"),
             ("pdserve_cuda_graph_replays_total", "counter"),
             ("pdserve_graph_verify_mismatches_total", "counter"),
@@ -147,7 +148,15 @@ fn every_process_exports_its_own_series_with_their_prometheus_types() {
         s.value("pdserve_decode_batch_size_count", &[]),
         s.value("pdserve_decode_step_seconds_count", &[])
     );
-    assert!(s.value("pdserve_decode_step_seconds_count", &[]).unwrap() >= 10.0);
+    let steps = s.value("pdserve_decode_step_seconds_count", &[]).unwrap();
+    assert!(steps >= 10.0);
+    // Every step but the first of each busy stretch (two requests: one or two stretches)
+    // has a gap before it, in microsecond-scale buckets.
+    let gaps = s.value("pdserve_decode_step_gap_seconds_count", &[]).unwrap();
+    assert!((steps - 2.0..=steps - 1.0).contains(&gaps), "{gaps} gaps, {steps} steps");
+    assert!(s
+        .value("pdserve_decode_step_gap_seconds_bucket", &["le=\"0.0001\""])
+        .is_some());
     let r = scrape(&ra);
     for (name, kind) in ROUTER_SERIES {
         assert_eq!(

@@ -99,6 +99,7 @@ where
                 life,
                 steps: 0,
                 scribble,
+                gaps: StepGaps::default(),
             }
             .run(rx);
         })?;
@@ -176,12 +177,54 @@ struct Batch<B: Backend> {
     /// Decode steps run so far.
     steps: u64,
     scribble: Option<DebugScribble>,
+    /// The host time between steps (see [`StepGaps`]).
+    gaps: StepGaps,
+}
+
+/// Host time from the end of one decode step (its logits back, so its kernels done) to the
+/// start of the next one while the batch stays busy: the GPU idles that long (sampling,
+/// streaming, admission). Recorded as `pdserve_decode_step_gap_seconds`, and logged every
+/// [`StepGaps::REPORT_EVERY`] steps as quantiles of the last steps.
+#[derive(Default)]
+struct StepGaps {
+    /// When the last step's forward returned; `None` after the batch went idle.
+    last_end: Option<std::time::Instant>,
+    /// Gaps (seconds) since the last report.
+    recent: Vec<f64>,
+}
+
+impl StepGaps {
+    const REPORT_EVERY: usize = 1000;
+
+    /// A step starts now.
+    fn step_starts(&mut self, batch: usize) {
+        let Some(end) = self.last_end.take() else {
+            return;
+        };
+        let gap = end.elapsed().as_secs_f64();
+        pdserve_worker::metrics::decode_step_gap(gap);
+        self.recent.push(gap);
+        if self.recent.len() >= Self::REPORT_EVERY {
+            self.recent.sort_by(f64::total_cmp);
+            let at = |q: f64| self.recent[((self.recent.len() - 1) as f64 * q) as usize] * 1e6;
+            tracing::info!(
+                steps = self.recent.len(),
+                batch,
+                p50_us = format!("{:.1}", at(0.5)),
+                p99_us = format!("{:.1}", at(0.99)),
+                max_us = format!("{:.1}", at(1.0)),
+                "decode loop: host time between steps"
+            );
+            self.recent.clear();
+        }
+    }
 }
 
 impl<B: Backend> Batch<B> {
     fn run(mut self, mut rx: mpsc::Receiver<Admit>) {
         loop {
             if self.running.is_empty() {
+                self.gaps.last_end = None;
                 match rx.blocking_recv() {
                     Some(a) => self.admit(a),
                     None => break,
@@ -375,8 +418,10 @@ impl<B: Backend> Batch<B> {
                 logits: Logits::Last,
             })
             .collect();
+        self.gaps.step_starts(items.len());
         let t0 = std::time::Instant::now();
         let out = self.engine.forward_each(&mut items);
+        self.gaps.last_end = Some(std::time::Instant::now());
         drop(items);
         let logits = match out {
             Ok(l) => l,

@@ -20,6 +20,7 @@
 //! | `pdserve_request_prefill_time_seconds` | histogram | prefill compute of one prompt (prefill) |
 //! | `pdserve_decode_step_seconds` | histogram | one batched decode step, sampling included (decode) |
 //! | `pdserve_decode_batch_size` | histogram | requests in one decode step (decode) |
+//! | `pdserve_decode_step_gap_seconds` | histogram | host time from one decode step's end to the next one's start while the batch is busy: the GPU's idle time (decode) |
 
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use std::sync::OnceLock;
@@ -38,10 +39,15 @@ pub const QUEUE_TIME: &str = "pdserve_request_queue_time_seconds";
 pub const PREFILL_TIME: &str = "pdserve_request_prefill_time_seconds";
 pub const DECODE_STEP: &str = "pdserve_decode_step_seconds";
 pub const BATCH_SIZE: &str = "pdserve_decode_batch_size";
+pub const DECODE_STEP_GAP: &str = "pdserve_decode_step_gap_seconds";
 
 const SECONDS_BUCKETS: [f64; 17] = [
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
     60.0, 120.0,
+];
+/// The gap between decode steps is tens of microseconds (the target: below 100).
+const GAP_BUCKETS: [f64; 10] = [
+    1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2, 1e-1,
 ];
 const BATCH_BUCKETS: [f64; 10] = [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0];
 
@@ -56,7 +62,10 @@ pub fn install(model_name: &str, role: &str) -> Result<&'static PrometheusHandle
             let handle = PrometheusBuilder::new()
                 .add_global_label("model_name", model_name)
                 .add_global_label("role", role)
-                .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), &SECONDS_BUCKETS)
+                .set_buckets_for_metric(Matcher::Full(DECODE_STEP_GAP.into()), &GAP_BUCKETS)
+                .and_then(|b| {
+                    b.set_buckets_for_metric(Matcher::Suffix("_seconds".into()), &SECONDS_BUCKETS)
+                })
                 .and_then(|b| {
                     b.set_buckets_for_metric(Matcher::Full(BATCH_SIZE.into()), &BATCH_BUCKETS)
                 })
@@ -134,6 +143,11 @@ pub fn prefill_time(d: Duration) {
 pub fn decode_step(d: Duration, batch: usize) {
     metrics::histogram!(DECODE_STEP).record(d.as_secs_f64());
     metrics::histogram!(BATCH_SIZE).record(batch as f64);
+}
+
+/// Host time between two decode steps of a busy batch.
+pub fn decode_step_gap(seconds: f64) {
+    metrics::histogram!(DECODE_STEP_GAP).record(seconds);
 }
 
 /// The recorder, once [`install`] succeeded.
