@@ -483,6 +483,8 @@ const LAYERS: &[(&str, usize)] = &[
     ("kv::layout_table", 0),
     ("kv::sizing", 0),
     ("kv::fp8", 0),
+    ("kv::fp8_kv", 0),
+    ("numerics", 0),
     ("kv::peer", 0),
     ("kv::metrics", 0),
     ("kv::checksum", 0),

@@ -9,8 +9,9 @@
 //! 0. **foundation**: `config` (with `config::quant`, the stored weight formats), `rope`,
 //!    `checkpoint` (checkpoint files and their exact FP8/FP4 dequantization), `sampling`,
 //!    `embedded`, and the KV layout (`kv::layout`, `kv::layout_table`,
-//!    `kv::sizing`, `kv::fp8`, `kv::peer`, `kv::metrics`, `kv::checksum`): values and plain
-//!    algorithms.
+//!    `kv::sizing`, `kv::fp8`, `kv::fp8_kv`, `kv::peer`, `kv::metrics`, `kv::checksum`),
+//!    `numerics` (the numerics mode and DeepSeek's quantization functions): values and
+//!    plain algorithms.
 //! 1. **backend** (`backend`): the traits a backend implements (tensor ops, KV storage,
 //!    step running) and the CPU backend. It knows the layout, not who allocates pages.
 //! 2. **pools** (`kv::allocator`, `kv::device`, `kv::host`, `kv::audit`): page and state-slot
@@ -37,6 +38,7 @@ pub mod engine;
 pub mod generate;
 pub mod kv;
 pub mod model;
+pub mod numerics;
 pub mod rope;
 pub mod sampling;
 

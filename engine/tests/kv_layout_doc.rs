@@ -24,6 +24,7 @@ fn v4_flash_figures_match_the_serving_systems() {
         page_tokens: 256,
         kv_dtype: EntryDtype::Bf16,
         index_k_dtype: EntryDtype::Fp8E4m3,
+        ..KvLayoutSpec::default_for(&cfg)
     };
     let l = KvLayout::new(&cfg, spec).unwrap();
     let csa = l.layers.iter().find(|x| x.rate == 4).unwrap();
@@ -41,6 +42,26 @@ fn v4_flash_figures_match_the_serving_systems() {
     let ranges = l.state_ranges_live_at_cut();
     assert!(ranges.windows(2).all(|w| w[0].end < w[1].start));
     assert!(ranges.last().unwrap().end <= l.state_bytes);
+
+    // fp8 compressed KV in FlashMLA's V4 layout: 448 e4m3 + 64 bf16 (576 B rows), then
+    // 7 scale bytes + 1 pad per entry = 584 B; an HCA page (2 entries) is 1152 + 16 B.
+    let fp8 = KvLayout::new(
+        &cfg,
+        KvLayoutSpec {
+            kv_dtype: EntryDtype::Fp8E4m3,
+            ..spec
+        },
+    )
+    .unwrap();
+    assert_eq!(fp8.kv_entry_bytes(), 584);
+    let hca = fp8.layers.iter().find(|x| x.rate == 128).unwrap();
+    assert_eq!(hca.comp_scale_offset - hca.comp_page_offset, 2 * 576);
+    let csa = fp8.layers.iter().find(|x| x.rate == 4).unwrap();
+    assert_eq!(csa.comp_scale_offset - csa.comp_page_offset, 64 * 576);
+    assert_eq!(csa.index_page_offset, csa.comp_scale_offset + 64 * 8);
+    // Windows hold the same entries: 128 x 584 B per layer in a prefix snapshot.
+    let want = 43 * 128 * 584 + 20 * (8 * 2048 * 4 + 8 * 512 * 4);
+    assert_eq!(fp8.cut_snapshot_bytes(), want);
 }
 
 #[test]

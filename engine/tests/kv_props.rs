@@ -36,7 +36,7 @@ fn pool_op() -> impl Strategy<Value = PoolOp> {
 
 fn dtypes() -> impl Strategy<Value = (EntryDtype, EntryDtype)> {
     (
-        prop::sample::select(vec![EntryDtype::F32, EntryDtype::Bf16]),
+        prop::sample::select(EntryDtype::ALL.to_vec()),
         prop::sample::select(EntryDtype::ALL.to_vec()),
     )
 }

@@ -11,8 +11,10 @@ use super::{
 };
 use crate::config::ScoringFunc;
 use crate::kv::{KvLayout, PageId, StateSlot};
+use crate::numerics::{act_quant, ACT_BLOCK};
 use crate::rope::Rope;
 use rayon::prelude::*;
+use std::borrow::Cow;
 
 /// The CPU backend; matmuls use rayon's global pool.
 #[derive(Debug, Default, Clone)]
@@ -23,6 +25,15 @@ impl CpuBackend {
         let mut out = HostTensor::zeros(n, m);
         matmul_nt(x, n, k, w, m, &mut out.data);
         out
+    }
+
+    /// `x`, FP8-quantized per 128 when `quantize` ([`TensorOps::act_quant`]).
+    fn act_quant_if<'a>(&self, quantize: bool, x: &'a HostTensor) -> BResult<Cow<'a, HostTensor>> {
+        Ok(if quantize {
+            Cow::Owned(self.act_quant(x, ACT_BLOCK)?)
+        } else {
+            Cow::Borrowed(x)
+        })
     }
 
     /// Clamped SwiGLU of `[gate | up]` halves.
@@ -375,6 +386,14 @@ impl TensorOps for CpuBackend {
         cpu_attention::window_store(kv, layout, layer, kv_new, plan)
     }
 
+    fn act_quant(&self, x: &HostTensor, block: usize) -> BResult<HostTensor> {
+        let mut out = x.clone();
+        out.data
+            .par_chunks_mut(x.cols.max(1))
+            .for_each(|row| act_quant(row, block));
+        Ok(out)
+    }
+
     fn moe(&self, x: &HostTensor, p: &MoeParams<'_, HostTensor>) -> BResult<HostTensor> {
         let (n, h) = (x.rows, x.cols);
         let (e, k, inter) = (p.n_experts, p.top_k, p.intermediate);
@@ -426,6 +445,7 @@ impl TensorOps for CpuBackend {
         }
         let mut out = HostTensor::zeros(n, h);
         let mut act = Vec::new();
+        let xr = self.act_quant_if(p.act_quant_routed, x)?;
         for ex in 0..e {
             let rows: Vec<(usize, f32)> = picks
                 .iter()
@@ -441,7 +461,7 @@ impl TensorOps for CpuBackend {
             }
             let xs: Vec<f32> = rows
                 .iter()
-                .flat_map(|(r, _)| x.row(*r).iter().copied())
+                .flat_map(|(r, _)| xr.row(*r).iter().copied())
                 .collect();
             let gu = &p.gate_up.data[ex * 2 * inter * h..(ex + 1) * 2 * inter * h];
             let y = self.mm(&xs, rows.len(), h, gu, 2 * inter);
@@ -454,17 +474,24 @@ impl TensorOps for CpuBackend {
                     p.swiglu_limit,
                     &mut act[i * inter..(i + 1) * inter],
                 );
+                if p.act_quant_routed {
+                    let a = &mut act[i * inter..(i + 1) * inter];
+                    a.iter_mut().for_each(|v| *v *= rows[i].1);
+                    act_quant(a, ACT_BLOCK);
+                }
             }
             let dw = &p.down.data[ex * h * inter..(ex + 1) * h * inter];
             let d = self.mm(&act, rows.len(), inter, dw, h);
             for (i, (r, w)) in rows.iter().enumerate() {
+                let w = if p.act_quant_routed { 1.0 } else { *w };
                 for (o, v) in out.data[r * h..(r + 1) * h].iter_mut().zip(d.row(i)) {
                     *o += v * w;
                 }
             }
         }
-        let g = self.matmul(x, p.shared_gate)?;
-        let u = self.matmul(x, p.shared_up)?;
+        let xs = self.act_quant_if(p.act_quant_shared, x)?;
+        let g = self.matmul(&xs, p.shared_gate)?;
+        let u = self.matmul(&xs, p.shared_up)?;
         let si = p.shared_gate.rows;
         let mut sact = HostTensor::zeros(n, si);
         for r in 0..n {
@@ -474,6 +501,9 @@ impl TensorOps for CpuBackend {
                 p.swiglu_limit,
                 &mut sact.data[r * si..(r + 1) * si],
             );
+        }
+        if p.act_quant_shared {
+            sact = self.act_quant(&sact, ACT_BLOCK)?;
         }
         let shared = self.matmul(&sact, p.shared_down)?;
         for (o, s) in out.data.iter_mut().zip(&shared.data) {

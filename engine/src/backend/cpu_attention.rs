@@ -4,7 +4,7 @@
 //! Keys are always visited in position order (window by position, compressed entries
 //! by index), so a row's result does not depend on how the sequence was chunked.
 
-use super::cpu_kv::{quantize, CpuKv, EntryLoc, Region};
+use super::cpu_kv::{round_through_kv, Codec, CpuKv, EntryLoc, Region};
 use super::cpu_math::{rms_norm_into, softmax};
 use super::gemm::dot;
 use super::{
@@ -13,6 +13,7 @@ use super::{
 };
 use crate::config::LayerKind;
 use crate::kv::{EntryDtype, KvLayout, LayerKvLayout};
+use crate::numerics::{fp4_act_quant, hadamard, Numerics, FP4_BLOCK};
 use rayon::prelude::*;
 
 fn kv_err(msg: String) -> BackendError {
@@ -43,13 +44,15 @@ fn entry_loc(
     })?;
     Ok(match part {
         CompressorPart::Main => {
-            let slot = w % l.comp_entries_per_page;
-            let bytes = layout.head_dim * layout.kv_dtype.bytes();
+            let (off, scale_off) = layout.kv_entry_offsets(
+                l.comp_page_offset,
+                l.comp_scale_offset,
+                w % l.comp_entries_per_page,
+            );
             EntryLoc {
                 region: Region::Page(page),
-                off: l.comp_page_offset + slot * bytes,
-                scale_off: None,
-                dtype: layout.kv_dtype,
+                off,
+                codec: Codec::of(layout.kv_dtype, scale_off, layout.fp8_kv_format())?,
                 dim: layout.head_dim,
             }
         }
@@ -58,12 +61,35 @@ fn entry_loc(
             EntryLoc {
                 region: Region::Page(page),
                 off,
-                scale_off,
-                dtype: layout.index_k_dtype,
+                codec: Codec::of(layout.index_k_dtype, scale_off, None)?,
                 dim: layout.index_head_dim,
             }
         }
     })
+}
+
+/// Byte location of the sliding-window ring entry holding position `pos` of a sequence.
+fn window_loc(layout: &KvLayout, l: &LayerKvLayout, seq: &SeqPlan, pos: usize) -> BResult<EntryLoc> {
+    let (off, scale_off) = layout.kv_entry_offsets(
+        l.window_state_offset,
+        l.window_scale_offset,
+        pos % layout.sliding_window,
+    );
+    Ok(EntryLoc {
+        region: Region::State(seq.state),
+        off,
+        codec: Codec::of(layout.kv_dtype, scale_off, layout.fp8_kv_format())?,
+        dim: layout.head_dim,
+    })
+}
+
+/// `deepseek` numerics: the indexer's `rotate_activation` then `fp4_act_quant`, on every
+/// `head_dim`-wide head of `vals` (queries after their rope; keys after norm and rope).
+fn rotate_fp4(vals: &mut [f32], head_dim: usize) {
+    for head in vals.chunks_mut(head_dim) {
+        hadamard(head);
+        fp4_act_quant(head, FP4_BLOCK);
+    }
 }
 
 /// Read compressed entries `ids` of one sequence into a `[ids.len(), dim]` buffer.
@@ -174,6 +200,9 @@ pub fn compress(
             rms_norm_into(&pooled, Some(&p.norm_weight.data), p.eps, &mut entry);
             p.rope.cos_sin(w * rate, &mut cos, &mut sin);
             p.rope.apply(&mut entry, &cos, &sin, false);
+            if layout.numerics == Numerics::Deepseek && p.part == CompressorPart::Index {
+                rotate_fp4(&mut entry, dim);
+            }
             let loc = entry_loc(layout, &l, p.part, seq, w)?;
             kv.write_entry(&loc, &entry)?;
         }
@@ -200,6 +229,15 @@ pub fn index_select(
             detail: format!("q cols {}, weights cols {}", q.cols, weights.cols),
         });
     }
+    let rotated;
+    let q = if layout.numerics == Numerics::Deepseek {
+        let mut r = q.clone();
+        rotate_fp4(&mut r.data, ihd);
+        rotated = r;
+        &rotated
+    } else {
+        q
+    };
     let softmax_scale = (ihd as f32).powf(-0.5);
     let weight_scale = (n_heads as f32).powf(-0.5);
     let mut out = vec![Vec::new(); plan.rows()];
@@ -269,16 +307,14 @@ pub fn attention(
     let scale = (hd as f32).powf(-0.5);
     let mut out = HostTensor::zeros(plan.rows(), n_heads * hd);
     for seq in &plan.seqs {
-        let state = Region::State(seq.state);
         // Ring entries this forward may read: positions [start - window + 1, start).
         let lo_ring = (seq.start + 1).saturating_sub(window);
         let mut ring = vec![0f32; (seq.start - lo_ring) * hd];
         for (i, pos) in (lo_ring..seq.start).enumerate() {
-            let off = l.window_state_offset + (pos % window) * hd * layout.kv_dtype.bytes();
-            kv.read(state, off, layout.kv_dtype, &mut ring[i * hd..(i + 1) * hd])?;
+            kv.read_entry(&window_loc(layout, l, seq, pos)?, &mut ring[i * hd..(i + 1) * hd])?;
         }
         let mut fresh: Vec<f32> = kv_new.data[seq.row0 * hd..(seq.row0 + seq.len) * hd].to_vec();
-        quantize(layout.kv_dtype, &mut fresh);
+        round_through_kv(layout, &mut fresh);
         let last = seq.start + seq.len;
         let all_visible = last / l.rate.max(1);
         let comp = match &compressed {
@@ -361,16 +397,12 @@ pub fn window_store(
     plan: &BatchPlan,
 ) -> BResult<()> {
     let l = layer_of(layout, layer)?;
-    let hd = layout.head_dim;
     let window = layout.sliding_window;
     for seq in &plan.seqs {
         let end = seq.start + seq.len;
         for pos in end.saturating_sub(window).max(seq.start)..end {
-            let off = l.window_state_offset + (pos % window) * hd * layout.kv_dtype.bytes();
-            kv.write(
-                Region::State(seq.state),
-                off,
-                layout.kv_dtype,
+            kv.write_entry(
+                &window_loc(layout, l, seq, pos)?,
                 kv_new.row(seq.row0 + pos - seq.start),
             )?;
         }

@@ -3,6 +3,7 @@
 use super::{BResult, BackendError};
 use crate::kv::checksum::checksum;
 use crate::kv::fp8;
+use crate::kv::fp8_kv::Fp8KvFormat;
 use crate::kv::{EntryDtype, KvLayout, PageId, StateSlot};
 use half::bf16;
 
@@ -95,44 +96,48 @@ impl CpuKv {
         Ok(())
     }
 
-    /// Read one entry at `loc` (dequantising fp8 with its scale).
+    /// Read one entry at `loc` (dequantising fp8 with its scales).
     pub fn read_entry(&self, loc: &EntryLoc, out: &mut [f32]) -> BResult<()> {
-        match (loc.dtype, loc.scale_off) {
-            (EntryDtype::Fp8E4m3, Some(so)) => {
+        match loc.codec {
+            Codec::Plain(dt) => self.read(loc.region, loc.off, dt, out),
+            Codec::Fp8Index { scale_off } => {
                 let bytes: &[u8] = bytemuck::cast_slice(self.words(loc.region)?);
-                let codes = bytes.get(loc.off..loc.off + out.len()).ok_or_else(|| {
-                    BackendError::Kv(format!("read past region at byte {}", loc.off))
-                })?;
-                let scale = read_f32_le(bytes, so)?;
+                let codes = span(bytes, loc.off, out.len())?;
+                let scale = read_f32_le(bytes, scale_off)?;
                 fp8::dequantize_entry(codes, scale, out);
                 Ok(())
             }
-            (EntryDtype::Fp8E4m3, None) => {
-                Err(BackendError::Kv("fp8 entry without a scale".into()))
+            Codec::Fp8Kv { format, scale_off } => {
+                let bytes: &[u8] = bytemuck::cast_slice(self.words(loc.region)?);
+                let row = span(bytes, loc.off, format.row_bytes())?;
+                let scales = span(bytes, scale_off, format.scale_bytes())?;
+                format.decode(row, scales, out);
+                Ok(())
             }
-            (dt, _) => self.read(loc.region, loc.off, dt, out),
         }
     }
 
-    /// Write one entry at `loc` (quantising fp8 with scale amax/448).
+    /// Write one entry at `loc` (quantising fp8: index-K with scale amax/448, compressed
+    /// KV in FlashMLA's V4 format).
     pub fn write_entry(&mut self, loc: &EntryLoc, vals: &[f32]) -> BResult<()> {
-        match (loc.dtype, loc.scale_off) {
-            (EntryDtype::Fp8E4m3, Some(so)) => {
+        match loc.codec {
+            Codec::Plain(dt) => self.write(loc.region, loc.off, dt, vals),
+            Codec::Fp8Index { scale_off } => {
                 let bytes: &mut [u8] = bytemuck::cast_slice_mut(self.words_mut(loc.region)?);
-                if loc.off + vals.len() > bytes.len() || so + 4 > bytes.len() {
-                    return Err(BackendError::Kv(format!(
-                        "write past region at byte {}",
-                        loc.off
-                    )));
-                }
-                let scale = fp8::quantize_entry(vals, &mut bytes[loc.off..loc.off + vals.len()]);
-                bytes[so..so + 4].copy_from_slice(&scale.to_le_bytes());
+                let codes = span_mut(bytes, loc.off, vals.len())?;
+                let scale = fp8::quantize_entry(vals, codes);
+                span_mut(bytes, scale_off, 4)?.copy_from_slice(&scale.to_le_bytes());
                 Ok(())
             }
-            (EntryDtype::Fp8E4m3, None) => {
-                Err(BackendError::Kv("fp8 entry without a scale".into()))
+            Codec::Fp8Kv { format, scale_off } => {
+                let bytes: &mut [u8] = bytemuck::cast_slice_mut(self.words_mut(loc.region)?);
+                let mut row = vec![0u8; format.row_bytes()];
+                let mut scales = vec![0u8; format.scale_bytes()];
+                format.encode(vals, &mut row, &mut scales);
+                span_mut(bytes, loc.off, row.len())?.copy_from_slice(&row);
+                span_mut(bytes, scale_off, scales.len())?.copy_from_slice(&scales);
+                Ok(())
             }
-            (dt, _) => self.write(loc.region, loc.off, dt, vals),
         }
     }
 
@@ -200,15 +205,61 @@ impl CpuKv {
     }
 }
 
-/// Where one compressed / index-K entry lives.
+/// Where one compressed-KV, window or index-K entry lives.
 #[derive(Debug, Clone, Copy)]
 pub struct EntryLoc {
     pub region: Region,
+    /// Byte offset of the entry's values (fp8: its codes / row).
     pub off: usize,
-    /// fp8: byte offset of the entry's fp32 scale.
-    pub scale_off: Option<usize>,
-    pub dtype: EntryDtype,
+    pub codec: Codec,
     pub dim: usize,
+}
+
+/// How an entry's bytes encode its values.
+#[derive(Debug, Clone, Copy)]
+pub enum Codec {
+    /// f32 or bf16 values (fp8 needs one of the scaled forms).
+    Plain(EntryDtype),
+    /// fp8 index-K: e4m3 codes and one fp32 scale at `scale_off`.
+    Fp8Index { scale_off: usize },
+    /// fp8 compressed KV / window: a FlashMLA V4 row and its scale bytes at `scale_off`.
+    Fp8Kv {
+        format: Fp8KvFormat,
+        scale_off: usize,
+    },
+}
+
+impl Codec {
+    /// The codec of an entry of `dtype` whose scales (fp8) sit at `scale_off`, in the
+    /// index-K form or the compressed-KV form (`kv_format`).
+    pub fn of(
+        dtype: EntryDtype,
+        scale_off: Option<usize>,
+        kv_format: Option<Fp8KvFormat>,
+    ) -> BResult<Self> {
+        match (dtype, scale_off, kv_format) {
+            (EntryDtype::Fp8E4m3, Some(scale_off), Some(format)) => {
+                Ok(Codec::Fp8Kv { format, scale_off })
+            }
+            (EntryDtype::Fp8E4m3, Some(scale_off), None) => Ok(Codec::Fp8Index { scale_off }),
+            (EntryDtype::Fp8E4m3, None, _) => {
+                Err(BackendError::Kv("fp8 entry without scales".into()))
+            }
+            (dt, _, _) => Ok(Codec::Plain(dt)),
+        }
+    }
+}
+
+fn span(bytes: &[u8], at: usize, len: usize) -> BResult<&[u8]> {
+    bytes
+        .get(at..at + len)
+        .ok_or_else(|| BackendError::Kv(format!("read past region at byte {at}")))
+}
+
+fn span_mut(bytes: &mut [u8], at: usize, len: usize) -> BResult<&mut [u8]> {
+    bytes
+        .get_mut(at..at + len)
+        .ok_or_else(|| BackendError::Kv(format!("write past region at byte {at}")))
 }
 
 fn read_f32_le(bytes: &[u8], at: usize) -> BResult<f32> {
@@ -225,12 +276,21 @@ fn slice_f32(w: &[u32], off: usize, len: usize) -> BResult<&[f32]> {
         .ok_or_else(|| BackendError::Kv(format!("read past region at byte {off}")))
 }
 
-/// Round values through `dtype` (what a store then load would give).
-pub fn quantize(dtype: EntryDtype, vals: &mut [f32]) {
-    if dtype == EntryDtype::Bf16 {
-        for v in vals {
-            *v = bf16::from_f32(*v).to_f32();
+/// Round compressed-KV / window entries (`vals`, whole entries of `layout.head_dim`)
+/// through the layout's storage: what a store then load would give.
+pub fn round_through_kv(layout: &KvLayout, vals: &mut [f32]) {
+    match (layout.kv_dtype, layout.fp8_kv_format()) {
+        (_, Some(format)) => {
+            for entry in vals.chunks_mut(layout.head_dim) {
+                format.round_trip(entry);
+            }
         }
+        (EntryDtype::Bf16, None) => {
+            for v in vals {
+                *v = bf16::from_f32(*v).to_f32();
+            }
+        }
+        (EntryDtype::F32 | EntryDtype::Fp8E4m3, None) => {}
     }
 }
 

@@ -135,6 +135,12 @@ pub struct MoeParams<'a, T> {
     pub scoring: crate::config::ScoringFunc,
     pub routed_scaling: f32,
     pub swiglu_limit: f32,
+    /// `deepseek` numerics, where the routed experts' / the shared expert's weights are
+    /// stored FP8/FP4: their linears' inputs are quantized ([`TensorOps::act_quant`]), and
+    /// a routed expert's routing weight scales its activation before `down`, as DeepSeek's
+    /// reference does.
+    pub act_quant_routed: bool,
+    pub act_quant_shared: bool,
 }
 
 /// Hyper-connection parameters of one site.

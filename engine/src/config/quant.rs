@@ -32,7 +32,8 @@ pub enum ScaleFormat {
 }
 
 /// `quantization_config.activation_scheme`: how the reference quantizes activations.
-/// Recorded only: the CPU engine dequantizes weights and keeps activations in f32.
+/// Under `--numerics deepseek` the engine does the same (`crate::numerics::act_quant`);
+/// under the default `transformers` numerics activations stay f32.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ActivationScheme {

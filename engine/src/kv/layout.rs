@@ -12,7 +12,9 @@
 //!   pooled (and, for CSA, the previous window whose "Ca" half overlaps), and for CSA
 //!   layers the indexer's compressor ring.
 
+use super::fp8_kv::Fp8KvFormat;
 use crate::config::{LayerKind, ModelConfig};
+use crate::numerics::Numerics;
 use sha2::{Digest, Sha256};
 
 /// Index of a token page in a pool (pages are laid out by [`KvLayout::page_bytes`]).
@@ -25,8 +27,11 @@ pub type StateSlot = u32;
 pub enum EntryDtype {
     F32,
     Bf16,
-    /// fp8 e4m3 values plus one fp32 scale per entry (index-K only). In a page, all
-    /// keys of a layer's index region come first, then all their scales.
+    /// fp8 e4m3 values with scales, laid out per region. Index-K: one fp32 scale per
+    /// entry ([`EntryDtype::entry_bytes`]). Compressed KV and sliding window: FlashMLA's
+    /// DeepSeek-V4 layout, e4m3 non-rope values with one ue8m0 scale per 64, bf16 rope
+    /// values ([`Fp8KvFormat`], [`KvLayout::kv_entry_bytes`]). Either way all entries of a
+    /// region come first, then all their scales.
     Fp8E4m3,
 }
 
@@ -44,7 +49,8 @@ impl EntryDtype {
         }
     }
 
-    /// Bytes of one `dim`-wide entry, scale included.
+    /// Bytes of one `dim`-wide entry, scale included, as index-K stores it (compressed-KV
+    /// entries: [`KvLayout::kv_entry_bytes`]).
     pub fn entry_bytes(self, dim: usize) -> usize {
         dim * self.bytes() + self.scale_bytes()
     }
@@ -93,6 +99,9 @@ pub struct KvLayoutSpec {
     pub kv_dtype: EntryDtype,
     /// Dtype of the indexer's index-K entries.
     pub index_k_dtype: EntryDtype,
+    /// Numerics mode: under `deepseek` the entries hold DeepSeek's quantized values
+    /// (index-K Hadamard-rotated), so it is part of the layout.
+    pub numerics: Numerics,
 }
 
 impl KvLayoutSpec {
@@ -103,6 +112,7 @@ impl KvLayoutSpec {
             page_tokens: default_page_tokens(cfg),
             kv_dtype: EntryDtype::F32,
             index_k_dtype: EntryDtype::F32,
+            numerics: Numerics::Transformers,
         }
     }
 }
@@ -133,6 +143,9 @@ pub struct LayerKvLayout {
     /// Compressed-KV entries per page (0 for sliding layers).
     pub comp_entries_per_page: usize,
     pub comp_page_offset: usize,
+    /// fp8 compressed KV: where the entries' scales start (after all rows); equal to the
+    /// end of the entries for dtypes without scales.
+    pub comp_scale_offset: usize,
     /// Index-K entries per page (CSA only).
     pub index_entries_per_page: usize,
     pub index_page_offset: usize,
@@ -141,6 +154,8 @@ pub struct LayerKvLayout {
     pub index_scale_offset: usize,
     /// Sliding-window ring in the state slot: `window` entries of `head_dim`.
     pub window_state_offset: usize,
+    /// fp8: where the ring entries' scales start (as `comp_scale_offset`).
+    pub window_scale_offset: usize,
     /// Compressor ring in the state slot: `comp_ring_slots` rows of `comp_row_floats` f32
     /// (projected kv then gate, each `comp_width` wide).
     pub comp_state_offset: usize,
@@ -169,9 +184,12 @@ pub struct KvLayout {
     pub page_tokens: usize,
     pub head_dim: usize,
     pub index_head_dim: usize,
+    /// Trailing rope channels of a compressed-KV entry (kept bf16 by fp8 storage).
+    pub rope_dim: usize,
     pub sliding_window: usize,
     pub kv_dtype: EntryDtype,
     pub index_k_dtype: EntryDtype,
+    pub numerics: Numerics,
     pub layers: Vec<LayerKvLayout>,
     /// Bytes of one token page (all layers).
     pub page_bytes: usize,
@@ -196,6 +214,56 @@ fn align16(n: usize) -> usize {
     n.div_ceil(16) * 16
 }
 
+/// `n` compressed-KV / window entries from byte `base`: where their scales start and where
+/// the region ends. fp8 rows first, then (16-aligned) every entry's scales; other dtypes
+/// have no scales (both offsets are the end of the rows).
+fn kv_region(
+    dtype: EntryDtype,
+    fp8: Option<Fp8KvFormat>,
+    head_dim: usize,
+    base: usize,
+    n: usize,
+) -> (usize, usize) {
+    match fp8 {
+        Some(f) => {
+            let scales = align16(base + n * f.row_bytes());
+            (scales, scales + n * f.scale_bytes())
+        }
+        None => {
+            let end = base + n * head_dim * dtype.bytes();
+            (end, end)
+        }
+    }
+}
+
+/// What `deepseek` numerics needs of the layout: fp8 compressed-KV storage (its
+/// quantization is the reference's), and power-of-two indexer heads (the Hadamard
+/// rotation).
+fn check_numerics(cfg: &ModelConfig, spec: &KvLayoutSpec) -> Result<(), LayoutError> {
+    if spec.numerics != Numerics::Deepseek {
+        return Ok(());
+    }
+    if spec.kv_dtype != EntryDtype::Fp8E4m3 {
+        return Err(LayoutError::Invalid {
+            field: "kv_dtype",
+            reason: format!(
+                "deepseek numerics stores compressed KV and the sliding window as fp8 (FlashMLA's V4 layout), not {}: use --kv-dtype fp8",
+                spec.kv_dtype
+            ),
+        });
+    }
+    if !cfg.index_head_dim.is_power_of_two() {
+        return Err(LayoutError::Invalid {
+            field: "index_head_dim",
+            reason: format!(
+                "deepseek numerics Hadamard-rotates the indexer's heads, which needs a power of two, not {}",
+                cfg.index_head_dim
+            ),
+        });
+    }
+    Ok(())
+}
+
 impl KvLayout {
     pub fn new(cfg: &ModelConfig, spec: KvLayoutSpec) -> Result<Self, LayoutError> {
         if spec.page_tokens == 0 {
@@ -204,14 +272,12 @@ impl KvLayout {
                 reason: "must be positive".into(),
             });
         }
-        if spec.kv_dtype == EntryDtype::Fp8E4m3 {
-            return Err(LayoutError::Invalid {
-                field: "kv_dtype",
-                reason: "fp8 is only supported for index-K entries (use f32 or bf16)".into(),
-            });
-        }
         let hd = cfg.head_dim;
         let ihd = cfg.index_head_dim;
+        check_numerics(cfg, &spec)?;
+        let fp8_kv = (spec.kv_dtype == EntryDtype::Fp8E4m3)
+            .then(|| Fp8KvFormat::new(hd, cfg.qk_rope_head_dim));
+        let region = |base: usize, n: usize| kv_region(spec.kv_dtype, fp8_kv, hd, base, n);
         let mut page = 0usize;
         let mut state = 0usize;
         let mut layers = Vec::with_capacity(cfg.layer_types.len());
@@ -227,16 +293,19 @@ impl KvLayout {
                 });
             }
             let window_state_offset = state;
-            state = align16(state + cfg.sliding_window * hd * spec.kv_dtype.bytes());
+            let (window_scale_offset, window_end) = region(state, cfg.sliding_window);
+            state = align16(window_end);
             let mut l = LayerKvLayout {
                 kind,
                 rate,
                 comp_entries_per_page: 0,
                 comp_page_offset: page,
+                comp_scale_offset: page,
                 index_entries_per_page: 0,
                 index_page_offset: page,
                 index_scale_offset: page,
                 window_state_offset,
+                window_scale_offset,
                 comp_state_offset: state,
                 comp_ring_slots: 0,
                 comp_width: 0,
@@ -248,14 +317,18 @@ impl KvLayout {
                 LayerKind::Sliding => {}
                 LayerKind::Hca => {
                     l.comp_entries_per_page = spec.page_tokens / rate;
-                    page = align16(page + l.comp_entries_per_page * hd * spec.kv_dtype.bytes());
+                    let (scales, end) = region(page, l.comp_entries_per_page);
+                    l.comp_scale_offset = scales;
+                    page = align16(end);
                     l.comp_ring_slots = rate;
                     l.comp_width = hd;
                     state = align16(state + l.comp_ring_slots * l.comp_row_floats() * 4);
                 }
                 LayerKind::Csa => {
                     l.comp_entries_per_page = spec.page_tokens / rate;
-                    page = align16(page + l.comp_entries_per_page * hd * spec.kv_dtype.bytes());
+                    let (scales, end) = region(page, l.comp_entries_per_page);
+                    l.comp_scale_offset = scales;
+                    page = align16(end);
                     l.index_page_offset = page;
                     l.index_entries_per_page = spec.page_tokens / rate;
                     let keys = l.index_entries_per_page * ihd * spec.index_k_dtype.bytes();
@@ -282,13 +355,42 @@ impl KvLayout {
             page_tokens: spec.page_tokens,
             head_dim: hd,
             index_head_dim: ihd,
+            rope_dim: cfg.qk_rope_head_dim,
             sliding_window: cfg.sliding_window,
             kv_dtype: spec.kv_dtype,
             index_k_dtype: spec.index_k_dtype,
+            numerics: spec.numerics,
             layers,
             page_bytes: page.max(16),
             state_bytes: state.max(16),
         })
+    }
+
+    /// The fp8 compressed-KV entry format (`kv_dtype` fp8), else `None`.
+    pub fn fp8_kv_format(&self) -> Option<Fp8KvFormat> {
+        (self.kv_dtype == EntryDtype::Fp8E4m3)
+            .then(|| Fp8KvFormat::new(self.head_dim, self.rope_dim))
+    }
+
+    /// Bytes of one compressed-KV / sliding-window entry, scales included (V4 fp8: 584).
+    pub fn kv_entry_bytes(&self) -> usize {
+        self.kv_row_bytes() + self.fp8_kv_format().map_or(0, |f| f.scale_bytes())
+    }
+
+    /// Bytes of one compressed-KV / window entry's row (without fp8 scales).
+    pub fn kv_row_bytes(&self) -> usize {
+        self.fp8_kv_format()
+            .map_or(self.head_dim * self.kv_dtype.bytes(), |f| f.row_bytes())
+    }
+
+    /// Byte offsets of compressed-KV / window entry `slot` of the region whose rows start
+    /// at `rows` and whose scales start at `scales`: the row, and for fp8 its scales.
+    pub fn kv_entry_offsets(&self, rows: usize, scales: usize, slot: usize) -> (usize, Option<usize>) {
+        let row = rows + slot * self.kv_row_bytes();
+        let scale = self
+            .fp8_kv_format()
+            .map(|f| scales + slot * f.scale_bytes());
+        (row, scale)
     }
 
     /// Pages needed to hold `len` positions.
@@ -312,9 +414,15 @@ impl KvLayout {
     /// pools is written after the cut. Sorted, disjoint, adjacent ranges merged.
     pub fn state_ranges_live_at_cut(&self) -> Vec<std::ops::Range<usize>> {
         let mut r: Vec<std::ops::Range<usize>> = Vec::new();
-        let window = self.sliding_window * self.head_dim * self.kv_dtype.bytes();
         for l in &self.layers {
-            r.push(l.window_state_offset..l.window_state_offset + window);
+            let (_, end) = kv_region(
+                self.kv_dtype,
+                self.fp8_kv_format(),
+                self.head_dim,
+                l.window_state_offset,
+                self.sliding_window,
+            );
+            r.push(l.window_state_offset..end);
             if l.kind == LayerKind::Csa {
                 let comp = l.comp_ring_slots * l.comp_row_floats() * 4;
                 r.push(l.comp_state_offset..l.comp_state_offset + comp);
@@ -354,8 +462,10 @@ impl KvLayout {
                 "sliding_window".to_string(),
                 self.sliding_window.to_string(),
             ),
+            ("rope_dim".to_string(), self.rope_dim.to_string()),
             ("kv_dtype".to_string(), self.kv_dtype.to_string()),
             ("index_k_dtype".to_string(), self.index_k_dtype.to_string()),
+            ("numerics".to_string(), self.numerics.to_string()),
             ("num_layers".to_string(), self.layers.len().to_string()),
             ("page_bytes".to_string(), self.page_bytes.to_string()),
             ("state_bytes".to_string(), self.state_bytes.to_string()),
@@ -366,6 +476,7 @@ impl KvLayout {
             push("rate", l.rate.to_string());
             push("comp_entries_per_page", l.comp_entries_per_page.to_string());
             push("comp_page_offset", l.comp_page_offset.to_string());
+            push("comp_scale_offset", l.comp_scale_offset.to_string());
             push(
                 "index_entries_per_page",
                 l.index_entries_per_page.to_string(),
@@ -373,6 +484,7 @@ impl KvLayout {
             push("index_page_offset", l.index_page_offset.to_string());
             push("index_scale_offset", l.index_scale_offset.to_string());
             push("window_state_offset", l.window_state_offset.to_string());
+            push("window_scale_offset", l.window_scale_offset.to_string());
             push("comp_state_offset", l.comp_state_offset.to_string());
             push("index_state_offset", l.index_state_offset.to_string());
         }

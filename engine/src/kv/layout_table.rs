@@ -32,10 +32,7 @@ pub fn markdown(cfg: &ModelConfig, page_tokens: usize) -> Result<String, LayoutE
     );
     let _ = writeln!(w, "| --- | ---: | ---: |");
     for dt in EntryDtype::ALL {
-        let kv = match dt {
-            EntryDtype::Fp8E4m3 => "n/a (index-K only)".to_string(),
-            _ => dt.entry_bytes(hd).to_string(),
-        };
+        let kv = layout(cfg, page_tokens, dt, EntryDtype::F32)?.kv_entry_bytes();
         let _ = writeln!(w, "| {dt} | {kv} | {} |", dt.entry_bytes(ihd));
     }
     let _ = writeln!(
@@ -47,20 +44,15 @@ pub fn markdown(cfg: &ModelConfig, page_tokens: usize) -> Result<String, LayoutE
         "| kv dtype | index-K dtype | CSA layer: comp-KV + index-K per page | HCA layer per page | page (all layers) | state slot | prefix snapshot per cut | fingerprint |"
     );
     let _ = writeln!(w, "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |");
-    for kv in [EntryDtype::F32, EntryDtype::Bf16] {
+    for kv in EntryDtype::ALL {
         for ik in EntryDtype::ALL {
-            let spec = KvLayoutSpec {
-                page_tokens,
-                kv_dtype: kv,
-                index_k_dtype: ik,
-            };
-            let l = KvLayout::new(cfg, spec)?;
+            let l = layout(cfg, page_tokens, kv, ik)?;
             let per_layer = |k: LayerKind| -> String {
                 let Some(li) = l.layers.iter().position(|x| x.kind == k) else {
                     return "-".into();
                 };
                 let x = &l.layers[li];
-                let comp = x.comp_entries_per_page * kv.entry_bytes(hd);
+                let comp = x.comp_entries_per_page * l.kv_entry_bytes();
                 match k {
                     LayerKind::Csa => format!(
                         "{comp} + {}",
@@ -82,4 +74,19 @@ pub fn markdown(cfg: &ModelConfig, page_tokens: usize) -> Result<String, LayoutE
         }
     }
     Ok(s)
+}
+
+fn layout(
+    cfg: &ModelConfig,
+    page_tokens: usize,
+    kv_dtype: EntryDtype,
+    index_k_dtype: EntryDtype,
+) -> Result<KvLayout, LayoutError> {
+    let spec = KvLayoutSpec {
+        page_tokens,
+        kv_dtype,
+        index_k_dtype,
+        ..KvLayoutSpec::default_for(cfg)
+    };
+    KvLayout::new(cfg, spec)
 }

@@ -6,6 +6,7 @@ pub mod audit;
 pub mod checksum;
 pub mod device;
 pub mod fp8;
+pub mod fp8_kv;
 pub mod host;
 pub mod layout;
 pub mod layout_table;

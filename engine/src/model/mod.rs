@@ -1,5 +1,6 @@
 //! The DeepSeek-V4 forward pass, written once against [`Backend`].
 
+mod quantized_linears;
 pub mod random_weights;
 pub mod weights;
 
@@ -9,7 +10,9 @@ use crate::backend::{
 };
 use crate::config::{LayerKind, MlpKind, ModelConfig};
 use crate::kv::KvLayout;
+use crate::numerics::{Numerics, ACT_BLOCK};
 use crate::rope::Rope;
+use quantized_linears::QuantizedLinears;
 use weights::{CompressorWeights, HcWeights, LayerWeights};
 pub use weights::{LoadError, ModelWeights, TensorSource};
 
@@ -18,17 +21,40 @@ pub struct Model<B: Backend> {
     pub weights: ModelWeights<B>,
     rope_main: Rope,
     rope_compress: Rope,
+    /// Per layer, which linears take FP8 inputs under `deepseek` numerics.
+    quantized: Vec<QuantizedLinears>,
 }
 
 impl<B: Backend> Model<B> {
     pub fn new(cfg: ModelConfig, weights: ModelWeights<B>) -> Self {
         let rope_main = Rope::new(&cfg.rope_main, cfg.qk_rope_head_dim);
         let rope_compress = Rope::new(&cfg.rope_compress, cfg.qk_rope_head_dim);
+        let quantized = (0..cfg.layer_types.len())
+            .map(|li| QuantizedLinears::of(&cfg, li))
+            .collect();
         Model {
             cfg,
             weights,
             rope_main,
             rope_compress,
+            quantized,
+        }
+    }
+
+    /// `x @ w^T`, its input first FP8-quantized per 128 when `deepseek` numerics run this
+    /// linear as DeepSeek's reference does (an FP8/FP4-stored weight, `stored_quantized`).
+    fn linear(
+        &self,
+        b: &B,
+        layout: &KvLayout,
+        x: &B::Tensor,
+        w: &B::Tensor,
+        stored_quantized: bool,
+    ) -> BResult<B::Tensor> {
+        if stored_quantized && layout.numerics == Numerics::Deepseek {
+            b.matmul(&b.act_quant(x, ACT_BLOCK)?, w)
+        } else {
+            b.matmul(x, w)
         }
     }
 
@@ -100,7 +126,7 @@ impl<B: Backend> Model<B> {
                 cfg.hidden_size,
                 cfg.rms_norm_eps,
             )?;
-            let mlp = self.moe(b, lw, &h, plan)?;
+            let mlp = self.moe(b, layout, li, lw, &h, plan)?;
             x = b.hc_post(&x, &mlp, &pre, cfg.hc_mult)?;
         }
         let x = b.gather_rows(&x, logit_rows)?;
@@ -167,15 +193,18 @@ impl<B: Backend> Model<B> {
         } else {
             &self.rope_compress
         };
+        let quant = self.quantized[li];
         let q_res = b.rms_norm(
-            &b.matmul(h, &lw.q_a_proj)?,
+            &self.linear(b, layout, h, &lw.q_a_proj, quant.q_a)?,
             Some(&lw.q_a_norm),
             cfg.q_lora_rank,
             eps,
         )?;
-        let mut q = b.rms_norm(&b.matmul(&q_res, &lw.q_b_proj)?, None, hd, eps)?;
+        let q_b = self.linear(b, layout, &q_res, &lw.q_b_proj, quant.q_b)?;
+        let mut q = b.rms_norm(&q_b, None, hd, eps)?;
         b.rope(&mut q, hd, rope, &plan.positions, false)?;
-        let mut kv_new = b.rms_norm(&b.matmul(h, &lw.kv_proj)?, Some(&lw.kv_norm), hd, eps)?;
+        let kv_proj = self.linear(b, layout, h, &lw.kv_proj, quant.kv)?;
+        let mut kv_new = b.rms_norm(&kv_proj, Some(&lw.kv_norm), hd, eps)?;
         b.rope(&mut kv_new, hd, rope, &plan.positions, false)?;
 
         if let Some(cw) = &lw.compressor {
@@ -193,7 +222,7 @@ impl<B: Backend> Model<B> {
                     h,
                     plan,
                 )?;
-                let mut qi = b.matmul(&q_res, &iw.q_b_proj)?;
+                let mut qi = self.linear(b, layout, &q_res, &iw.q_b_proj, quant.index_q_b)?;
                 b.rope(
                     &mut qi,
                     cfg.index_head_dim,
@@ -236,18 +265,21 @@ impl<B: Backend> Model<B> {
         // K = V carries rope: rotate the output's rope slice back at the query position.
         b.rope(&mut o, hd, rope, &plan.positions, true)?;
         let g = b.grouped_matmul(&o, &lw.o_a_proj, cfg.o_groups)?;
-        b.matmul(&g, &lw.o_b_proj)
+        self.linear(b, layout, &g, &lw.o_b_proj, quant.o_b)
     }
 
     fn moe(
         &self,
         b: &B,
+        layout: &KvLayout,
+        li: usize,
         lw: &LayerWeights<B>,
         h: &B::Tensor,
         plan: &BatchPlan,
     ) -> BResult<B::Tensor> {
         let cfg = &self.cfg;
         let k = cfg.num_experts_per_tok;
+        let deepseek = layout.numerics == Numerics::Deepseek;
         let hash: Option<Vec<u32>> = match (lw.mlp_kind, &lw.tid2eid) {
             (MlpKind::HashMoe, Some(table)) => Some(
                 plan.tokens
@@ -274,6 +306,8 @@ impl<B: Backend> Model<B> {
                 scoring: cfg.scoring_func,
                 routed_scaling: cfg.routed_scaling_factor,
                 swiglu_limit: cfg.swiglu_limit,
+                act_quant_routed: deepseek && self.quantized[li].routed,
+                act_quant_shared: deepseek && self.quantized[li].shared,
             },
         )
     }
