@@ -103,7 +103,9 @@ pub fn weight_dtype(s: &str) -> Result<WeightDtype> {
 /// `--numerics`: transformers (f32 activations, exact against transformers) or deepseek
 /// (DeepSeek's reference quantization; CPU only, with `--kv-dtype fp8`).
 pub fn numerics(s: &str) -> Result<Numerics> {
-    Numerics::parse(s).map_err(anyhow::Error::msg).context("--numerics")
+    Numerics::parse(s)
+        .map_err(anyhow::Error::msg)
+        .context("--numerics")
 }
 
 /// Why a layout spec cannot run on the CUDA backend yet (`None`: it can): its kernels

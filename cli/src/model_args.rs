@@ -1,7 +1,8 @@
 //! Flags shared by every command that loads a model.
 
 use crate::engine_spec::{
-    cuda_refusal, layout_spec, numerics, open_engine, weight_dtype, CudaSpec, Device, EngineSpec, GraphChoice,
+    cuda_refusal, layout_spec, numerics, open_engine, weight_dtype, CudaSpec, Device, EngineSpec,
+    GraphChoice,
 };
 use anyhow::{Context, Result};
 use pdserve_engine::backend::Backend;

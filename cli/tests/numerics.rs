@@ -11,7 +11,13 @@ use support::*;
 fn logits(extra: &[&str]) -> Result<Vec<Vec<f32>>, String> {
     let out_file = tempfile::NamedTempFile::new().unwrap();
     let out = bin()
-        .args(["logits", "--tokens", "5,17,2,9,30,41,7,8,12", "--prefill-len", "5"])
+        .args([
+            "logits",
+            "--tokens",
+            "5,17,2,9,30,41,7,8,12",
+            "--prefill-len",
+            "5",
+        ])
         .arg("--out")
         .arg(out_file.path())
         .args(extra)
@@ -33,11 +39,24 @@ fn logits_run_under_deepseek_numerics_and_need_fp8_kv() {
     assert!(ds.iter().flatten().all(|v| v.is_finite()));
     assert_ne!(base, ds, "deepseek numerics changed no logit");
     let err = logits(&["--numerics", "deepseek"]).unwrap_err();
-    assert!(err.contains("kv_dtype") && err.contains("--kv-dtype fp8"), "{err}");
+    assert!(
+        err.contains("kv_dtype") && err.contains("--kv-dtype fp8"),
+        "{err}"
+    );
     let err = logits(&["--numerics", "bf16"]).unwrap_err();
-    assert!(err.contains("--numerics") && err.contains("deepseek"), "{err}");
-    let err = logits(&["--numerics", "deepseek", "--kv-dtype", "fp8", "--device", "cuda:0"])
-        .unwrap_err();
+    assert!(
+        err.contains("--numerics") && err.contains("deepseek"),
+        "{err}"
+    );
+    let err = logits(&[
+        "--numerics",
+        "deepseek",
+        "--kv-dtype",
+        "fp8",
+        "--device",
+        "cuda:0",
+    ])
+    .unwrap_err();
     assert!(err.contains("CPU backend only"), "{err}");
 }
 
@@ -47,7 +66,11 @@ fn inspect_shows_numerics_and_the_fp8_entry_size() {
         .args(["inspect", "--numerics", "deepseek", "--kv-dtype", "fp8"])
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["kv_layout"]["numerics"], "deepseek");
     assert_eq!(v["kv_layout"]["kv_dtype"], "Fp8E4m3");
@@ -64,7 +87,11 @@ fn prefill_and_decode_disagreeing_on_numerics_refuse_naming_it() {
     ]);
     let t0 = Instant::now();
     let (st, body) = complete(&up.addr, &greedy(&prompt(1, 10), 4)).unwrap_err();
-    assert!(t0.elapsed() < Duration::from_secs(5), "took {:?}", t0.elapsed());
+    assert!(
+        t0.elapsed() < Duration::from_secs(5),
+        "took {:?}",
+        t0.elapsed()
+    );
     assert_eq!(st, 502, "{body}");
     assert!(body.contains("numerics"), "{body}");
 }

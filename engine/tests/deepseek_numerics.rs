@@ -32,10 +32,22 @@ const FP8_NAMES: &[(&str, &str)] = &[
     ("self_attn.kv_proj.weight", "attn.wkv.weight"),
     ("self_attn.o_a_proj.weight", "attn.wo_a.weight"),
     ("self_attn.o_b_proj.weight", "attn.wo_b.weight"),
-    ("mlp.shared_experts.gate_proj.weight", "ffn.shared_experts.w1.weight"),
-    ("mlp.shared_experts.up_proj.weight", "ffn.shared_experts.w3.weight"),
-    ("mlp.shared_experts.down_proj.weight", "ffn.shared_experts.w2.weight"),
-    ("self_attn.compressor.indexer.q_b_proj.weight", "attn.indexer.wq_b.weight"),
+    (
+        "mlp.shared_experts.gate_proj.weight",
+        "ffn.shared_experts.w1.weight",
+    ),
+    (
+        "mlp.shared_experts.up_proj.weight",
+        "ffn.shared_experts.w3.weight",
+    ),
+    (
+        "mlp.shared_experts.down_proj.weight",
+        "ffn.shared_experts.w2.weight",
+    ),
+    (
+        "self_attn.compressor.indexer.q_b_proj.weight",
+        "attn.indexer.wq_b.weight",
+    ),
 ];
 
 fn config_json() -> Value {
@@ -89,7 +101,10 @@ fn fp8_weight(v: &[f32], rows: usize, cols: usize) -> (Tensor, Tensor) {
         let b = (k / cols / 128) * sc + (k % cols) / 128;
         scales[b] = scales[b].max(x.abs());
     }
-    let scales: Vec<f32> = scales.iter().map(|&a| pow2_scale(a.max(1e-12), 1.0 / 448.0)).collect();
+    let scales: Vec<f32> = scales
+        .iter()
+        .map(|&a| pow2_scale(a.max(1e-12), 1.0 / 448.0))
+        .collect();
     let codes = v
         .iter()
         .enumerate()
@@ -97,7 +112,11 @@ fn fp8_weight(v: &[f32], rows: usize, cols: usize) -> (Tensor, Tensor) {
         .collect();
     (
         (DiskDtype::F8_E4M3, vec![rows, cols], codes),
-        (DiskDtype::F8_E8M0, vec![sr, sc], scales.iter().map(|&s| e8m0(s)).collect()),
+        (
+            DiskDtype::F8_E8M0,
+            vec![sr, sc],
+            scales.iter().map(|&s| e8m0(s)).collect(),
+        ),
     )
 }
 
@@ -113,7 +132,11 @@ fn fp4_weight(v: &[f32], rows: usize, cols: usize) -> (Tensor, Tensor) {
         .collect();
     (
         (DiskDtype::I8, vec![rows, cols / 2], packed),
-        (DiskDtype::F8_E8M0, vec![rows, cols / 32], scales.iter().map(|&s| e8m0(s)).collect()),
+        (
+            DiskDtype::F8_E8M0,
+            vec![rows, cols / 32],
+            scales.iter().map(|&s| e8m0(s)).collect(),
+        ),
     )
 }
 
@@ -148,7 +171,11 @@ fn tensors(cfg: &ModelConfig) -> Vec<(String, Tensor)> {
             .collect();
         let fp8 = FP8_NAMES.iter().find(|(c, _)| n.ends_with(c));
         if let Some((canon, upstream)) = fp8 {
-            let stem = n.strip_prefix("model.").unwrap().strip_suffix(canon).unwrap();
+            let stem = n
+                .strip_prefix("model.")
+                .unwrap()
+                .strip_suffix(canon)
+                .unwrap();
             let (w, s) = fp8_weight(&v, t.shape[0], t.shape[1]);
             let disk = format!("{stem}{upstream}");
             out.push((disk.replace(".weight", ".scale"), s));
@@ -156,7 +183,11 @@ fn tensors(cfg: &ModelConfig) -> Vec<(String, Tensor)> {
         } else if let Some((layer, packed)) = n.rsplit_once(".mlp.experts.") {
             let layer = layer.strip_prefix("model.").unwrap();
             let (rows, cols) = (t.shape[1], t.shape[2]);
-            let parts: &[&str] = if packed == "gate_up_proj" { &["w1", "w3"] } else { &["w2"] };
+            let parts: &[&str] = if packed == "gate_up_proj" {
+                &["w1", "w3"]
+            } else {
+                &["w2"]
+            };
             let part_rows = rows / parts.len();
             for (i, chunk) in v.chunks(part_rows * cols).enumerate() {
                 let (e, part) = (i / parts.len(), parts[i % parts.len()]);
@@ -165,7 +196,10 @@ fn tensors(cfg: &ModelConfig) -> Vec<(String, Tensor)> {
                 out.push((format!("{layer}.ffn.experts.{e}.{part}.scale"), s));
             }
         } else {
-            let bytes = v.iter().flat_map(|&x| bf16::from_f32(x).to_le_bytes()).collect();
+            let bytes = v
+                .iter()
+                .flat_map(|&x| bf16::from_f32(x).to_le_bytes())
+                .collect();
             out.push((n, (DiskDtype::BF16, t.shape, bytes)));
         }
     }
@@ -194,7 +228,16 @@ fn engine(dir: &Path, numerics: Numerics, kv: EntryDtype) -> Engine<CpuBackend> 
         numerics,
         page_tokens: 16,
     };
-    Engine::load(dir, CpuBackend, Some(spec), PoolSize { pages: 64, states: 4 }).unwrap()
+    Engine::load(
+        dir,
+        CpuBackend,
+        Some(spec),
+        PoolSize {
+            pages: 64,
+            states: 4,
+        },
+    )
+    .unwrap()
 }
 
 #[test]
@@ -216,7 +259,8 @@ fn deepseek_numerics_run_close_to_transformers_and_chunk_invariantly() {
     // once, or in chunks of 7, gives the same bits as prefill 20 + decode.
     for (prefill, chunk) in [(48, 0), (48, 7)] {
         let other = logits_prefill_decode(&mut ds, &tokens, prefill, chunk).unwrap();
-        let bits = |l: &[Vec<f32>]| -> Vec<u32> { l.iter().flatten().map(|v| v.to_bits()).collect() };
+        let bits =
+            |l: &[Vec<f32>]| -> Vec<u32> { l.iter().flatten().map(|v| v.to_bits()).collect() };
         assert_eq!(bits(&other), bits(&got), "prefill {prefill} chunk {chunk}");
     }
 
@@ -224,13 +268,18 @@ fn deepseek_numerics_run_close_to_transformers_and_chunk_invariantly() {
     // much this (random, untrained) model amplifies storage rounding.
     let mut bf16_kv = engine(tmp.path(), Numerics::Transformers, EntryDtype::Bf16);
     let bf16 = logits_prefill_decode(&mut bf16_kv, &tokens, 20, 0).unwrap();
-    let mean = |l: &[Vec<f32>]| l.iter().zip(&want).map(|(g, w)| rel_err(g, w)).sum::<f64>() / l.len() as f64;
+    let mean = |l: &[Vec<f32>]| {
+        l.iter().zip(&want).map(|(g, w)| rel_err(g, w)).sum::<f64>() / l.len() as f64
+    };
     let (ds_mean, bf16_mean) = (mean(&got), mean(&bf16));
     let (worst, row) = max_rel_err(&got, &want);
     println!(
         "deepseek vs transformers: mean rel err {ds_mean:.4} (worst {worst:.4} at row {row}); bf16 KV alone: mean {bf16_mean:.4}"
     );
-    assert!(ds_mean > bf16_mean && ds_mean > 1e-3, "deepseek numerics changed too little: {ds_mean}");
+    assert!(
+        ds_mean > bf16_mean && ds_mean > 1e-3,
+        "deepseek numerics changed too little: {ds_mean}"
+    );
     assert!(ds_mean <= TOLERANCE, "mean rel err {ds_mean} > {TOLERANCE}");
 }
 
@@ -244,7 +293,7 @@ fn deepseek_numerics_run_close_to_transformers_and_chunk_invariantly() {
 const TOLERANCE: f64 = 0.25;
 
 #[test]
-fn deepseek_numerics_needs_fp8_kv_and_power_of_two_indexer_heads() {
+fn deepseek_numerics_needs_fp8_kv_and_power_of_two_indexer_heads_and_is_a_layout_field() {
     let config = config_json();
     let mut cfg = ModelConfig::from_json_str(&config.to_string()).unwrap();
     let spec = KvLayoutSpec {
@@ -260,7 +309,29 @@ fn deepseek_numerics_needs_fp8_kv_and_power_of_two_indexer_heads() {
         kv_dtype: EntryDtype::Fp8E4m3,
         ..spec
     };
-    KvLayout::new(&cfg, spec).unwrap();
+    let deepseek = KvLayout::new(&cfg, spec).unwrap();
+    // The same fp8 entries under the other mode: a peer refuses it naming `numerics`.
+    let transformers = KvLayout::new(
+        &cfg,
+        KvLayoutSpec {
+            numerics: Numerics::Transformers,
+            ..spec
+        },
+    )
+    .unwrap();
+    match deepseek.check_compatible(&transformers) {
+        Err(LayoutError::Mismatch {
+            field,
+            ours,
+            theirs,
+        }) => {
+            assert_eq!(
+                (field.as_str(), ours.as_str(), theirs.as_str()),
+                ("numerics", "deepseek", "transformers")
+            );
+        }
+        other => panic!("peer with other numerics accepted: {other:?}"),
+    }
     cfg.index_head_dim = 48;
     assert_eq!(field(KvLayout::new(&cfg, spec)), "index_head_dim");
 }
