@@ -8,6 +8,7 @@ use anyhow::{bail, Context, Result};
 use pdserve_engine::backend::{Backend, BackendError};
 use pdserve_engine::config::ModelConfig;
 use pdserve_engine::kv::{EntryDtype, KvLayoutSpec};
+use pdserve_engine::numerics::Numerics;
 use pdserve_engine::{Engine, EngineError, PoolSize};
 use pdserve_kernels::{CudaBackend, GraphMode, WeightDtype};
 use std::path::PathBuf;
@@ -97,6 +98,22 @@ pub fn weight_dtype(s: &str) -> Result<WeightDtype> {
     s.parse()
         .map_err(anyhow::Error::msg)
         .context("--cuda-weights")
+}
+
+/// `--numerics`: transformers (f32 activations, exact against transformers) or deepseek
+/// (DeepSeek's reference quantization; CPU only, with `--kv-dtype fp8`).
+pub fn numerics(s: &str) -> Result<Numerics> {
+    Numerics::parse(s)
+        .map_err(anyhow::Error::msg)
+        .context("--numerics")
+}
+
+/// Why a layout spec cannot run on the CUDA backend yet (`None`: it can): its kernels
+/// read f32/bf16 compressed KV and run no activation quantization.
+pub fn cuda_refusal(spec: &KvLayoutSpec) -> Option<&'static str> {
+    (spec.numerics == Numerics::Deepseek || spec.kv_dtype == EntryDtype::Fp8E4m3).then_some(
+        "--numerics deepseek and --kv-dtype fp8 run on the CPU backend only for now (the CUDA kernels read f32/bf16 compressed KV and quantize no activations); use --device cpu",
+    )
 }
 
 /// The KV layout spec of `cfg` with the dtype and page flags applied.

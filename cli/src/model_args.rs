@@ -1,12 +1,13 @@
 //! Flags shared by every command that loads a model.
 
 use crate::engine_spec::{
-    layout_spec, open_engine, weight_dtype, CudaSpec, Device, EngineSpec, GraphChoice,
+    cuda_refusal, layout_spec, numerics, open_engine, weight_dtype, CudaSpec, Device, EngineSpec,
+    GraphChoice,
 };
 use anyhow::{Context, Result};
 use pdserve_engine::backend::Backend;
 use pdserve_engine::kv::sizing::{self, DeviceSize, HostSize};
-use pdserve_engine::kv::KvLayout;
+use pdserve_engine::kv::{KvLayout, KvLayoutSpec};
 use pdserve_engine::{CpuBackend, Engine, PoolSize};
 use pdserve_tokenizer::Tokenizer;
 use std::path::PathBuf;
@@ -44,9 +45,17 @@ pub struct ModelArgs {
     /// Below f32, near-ties in indexer scores can pick different entries.
     #[arg(long, default_value = "f32")]
     pub index_k_dtype: String,
-    /// Storage dtype of compressed-KV and sliding-window entries: f32 or bf16.
+    /// Storage dtype of compressed-KV and sliding-window entries: f32, bf16 or fp8
+    /// (FlashMLA's DeepSeek-V4 layout: e4m3 with one power-of-two scale per 64 non-rope
+    /// values, rope in bf16; 584 B per V4 entry; CPU only for now).
     #[arg(long, default_value = "f32")]
     pub kv_dtype: String,
+    /// Numerics: `transformers` (f32 activations, exact against transformers' forward) or
+    /// `deepseek` (DeepSeek's reference quantization: FP8 activations per 128 before every
+    /// FP8/FP4 linear, fp8 compressed KV, Hadamard + FP4 simulation in the indexer; needs
+    /// --kv-dtype fp8; CPU only for now).
+    #[arg(long, default_value = "transformers")]
+    pub numerics: String,
     /// Positions per KV page (a multiple of every compress rate). Default: 256 rounded up to one.
     #[arg(long)]
     pub page_tokens: Option<usize>,
@@ -121,6 +130,13 @@ impl ModelArgs {
         Ok((device_pages, host_pages))
     }
 
+    /// The KV layout spec the flags give for `cfg`.
+    pub fn layout_spec(&self, cfg: &pdserve_engine::config::ModelConfig) -> Result<KvLayoutSpec> {
+        let mut spec = layout_spec(cfg, &self.index_k_dtype, &self.kv_dtype, self.page_tokens)?;
+        spec.numerics = numerics(&self.numerics)?;
+        Ok(spec)
+    }
+
     pub fn model_dir(&self) -> Result<PathBuf> {
         match &self.model {
             Some(d) => Ok(d.clone()),
@@ -138,6 +154,14 @@ impl ModelArgs {
             verify_graphs_every: u32::from(self.verify_graphs),
             deterministic: self.deterministic,
         };
+        let cfg = pdserve_engine::config::ModelConfig::from_model_dir(&self.model_dir()?)?;
+        if let Some(reason) = cuda_refusal(&self.layout_spec(&cfg)?) {
+            match device {
+                Device::Cuda(_) => anyhow::bail!("{reason}"),
+                Device::Auto => return cmd.run(self.load(CpuBackend)?),
+                Device::Cpu => {}
+            }
+        }
         match device {
             Device::Cpu => cmd.run(self.load(CpuBackend)?),
             Device::Cuda(n) => {
@@ -157,7 +181,7 @@ impl ModelArgs {
     pub fn load<B: Backend>(&self, backend: B) -> Result<Loaded<B>> {
         let dir = self.model_dir()?;
         let cfg = pdserve_engine::config::ModelConfig::from_model_dir(&dir)?;
-        let layout = layout_spec(&cfg, &self.index_k_dtype, &self.kv_dtype, self.page_tokens)?;
+        let layout = self.layout_spec(&cfg)?;
         let (device_pages, host_pages) = self.pool_pages(
             &KvLayout::new(&cfg, layout).context("KV layout")?,
             STATE_SLOTS,

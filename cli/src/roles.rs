@@ -4,7 +4,7 @@
 use crate::engine_spec::{Device, GraphChoice};
 use crate::layered::{self, flag, Entry, Flags};
 use anyhow::{bail, Result};
-use pdserve_engine::kv::EntryDtype;
+use pdserve_engine::kv::{EntryDtype, KvLayoutSpec};
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 
@@ -31,6 +31,7 @@ pub struct WorkerConfig {
     pub device: String,
     pub index_k_dtype: String,
     pub kv_dtype: String,
+    pub numerics: String,
     pub page_tokens: Option<usize>,
     pub kv_pages: usize,
     pub max_batch: usize,
@@ -59,6 +60,7 @@ pub const WORKER_KEYS: &[&str] = &[
     "device",
     "index_k_dtype",
     "kv_dtype",
+    "numerics",
     "page_tokens",
     "kv_pages",
     "max_batch",
@@ -86,6 +88,7 @@ impl WorkerConfig {
             device: "cpu".into(),
             index_k_dtype: "f32".into(),
             kv_dtype: "f32".into(),
+            numerics: "transformers".into(),
             page_tokens: None,
             kv_pages: 1024,
             max_batch: 64,
@@ -128,7 +131,17 @@ impl WorkerConfig {
         let cuda = matches!(self.device()?, Device::Cuda(_));
         EntryDtype::parse(&self.index_k_dtype)
             .map_err(|e| anyhow::anyhow!("--index-k-dtype: {e}"))?;
-        EntryDtype::parse(&self.kv_dtype).map_err(|e| anyhow::anyhow!("--kv-dtype: {e}"))?;
+        let kv_dtype =
+            EntryDtype::parse(&self.kv_dtype).map_err(|e| anyhow::anyhow!("--kv-dtype: {e}"))?;
+        let spec = KvLayoutSpec {
+            kv_dtype,
+            numerics: crate::engine_spec::numerics(&self.numerics)?,
+            page_tokens: 0,
+            index_k_dtype: EntryDtype::F32,
+        };
+        if let Some(reason) = crate::engine_spec::cuda_refusal(&spec).filter(|_| cuda) {
+            bail!("{reason}");
+        }
         match self.transfer.as_str() {
             "grpc" => {}
             "nccl" if !cuda => bail!(
@@ -220,9 +233,15 @@ pub struct WorkerFlags {
     /// Index-K storage dtype: f32 or bf16. Must match between prefill and decode.
     #[arg(long)]
     pub index_k_dtype: Option<String>,
-    /// Compressed-KV and sliding-window storage dtype: f32 or bf16.
+    /// Compressed-KV and sliding-window storage dtype: f32, bf16 or fp8 (FlashMLA's V4
+    /// layout; CPU only for now). Must match between prefill and decode.
     #[arg(long)]
     pub kv_dtype: Option<String>,
+    /// Numerics: transformers (f32 activations, exact against transformers) or deepseek
+    /// (DeepSeek's reference quantization; needs --kv-dtype fp8; CPU only for now). Part of
+    /// the KV layout: prefill and decode must agree.
+    #[arg(long)]
+    pub numerics: Option<String>,
     /// Positions per KV page (a multiple of every compress rate).
     #[arg(long)]
     pub page_tokens: Option<usize>,
@@ -350,6 +369,7 @@ impl WorkerFlags {
         flag(&mut f, "device", &self.device);
         flag(&mut f, "index_k_dtype", &self.index_k_dtype);
         flag(&mut f, "kv_dtype", &self.kv_dtype);
+        flag(&mut f, "numerics", &self.numerics);
         flag(&mut f, "page_tokens", &self.page_tokens);
         flag(&mut f, "kv_pages", &self.kv_pages);
         flag(&mut f, "max_batch", &self.max_batch);

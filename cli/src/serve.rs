@@ -1,6 +1,6 @@
 //! `pdserve prefill`, `pdserve decode`, `pdserve router`: one role per process.
 
-use crate::engine_spec::{layout_spec, open_engine, CudaSpec, Device, EngineSpec};
+use crate::engine_spec::{layout_spec, numerics, open_engine, CudaSpec, Device, EngineSpec};
 use crate::layered::{render, Entry};
 use crate::roles::{RouterFlags, WorkerConfig, WorkerFlags, WorkerRole};
 use anyhow::{Context, Result};
@@ -108,7 +108,8 @@ fn engine_factory<B: Backend + 'static>(
 ) -> Result<(EngineFactory<B>, usize)> {
     let mcfg =
         ModelConfig::from_model_dir(&dir).with_context(|| format!("reading {}", dir.display()))?;
-    let layout = layout_spec(&mcfg, &cfg.index_k_dtype, &cfg.kv_dtype, cfg.page_tokens)?;
+    let mut layout = layout_spec(&mcfg, &cfg.index_k_dtype, &cfg.kv_dtype, cfg.page_tokens)?;
+    layout.numerics = numerics(&cfg.numerics)?;
     let host = match (cfg.hicache_size, cfg.hicache_ratio) {
         (Some(gb), _) => Some(HostSize::Gb(gb)),
         (None, r) if r > 0.0 => Some(HostSize::Ratio(r)),

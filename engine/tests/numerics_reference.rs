@@ -103,7 +103,11 @@ fn fp8_kv_entry_bytes_match_flashmla_v4_layout() {
         let mut scales = vec![0u8; f.scale_bytes()];
         f.encode(&x, &mut row, &mut scales);
         assert_eq!(hex(&row), c["row_hex"].as_str().unwrap(), "row bytes");
-        assert_eq!(hex(&scales), c["scales_hex"].as_str().unwrap(), "scale bytes");
+        assert_eq!(
+            hex(&scales),
+            c["scales_hex"].as_str().unwrap(),
+            "scale bytes"
+        );
         // Decoding gives the reference's simulated values: act_quant(nope, 64), bf16 rope.
         let mut back = vec![0f32; x.len()];
         f.decode(&row, &scales, &mut back);

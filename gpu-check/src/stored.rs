@@ -239,6 +239,8 @@ fn moe_params<'a, T>(
         scoring: ScoringFunc::SqrtSoftplus,
         routed_scaling: 1.5,
         swiglu_limit: 10.0,
+        act_quant_routed: false,
+        act_quant_shared: false,
     }
 }
 

@@ -69,7 +69,12 @@ fn entry_loc(
 }
 
 /// Byte location of the sliding-window ring entry holding position `pos` of a sequence.
-fn window_loc(layout: &KvLayout, l: &LayerKvLayout, seq: &SeqPlan, pos: usize) -> BResult<EntryLoc> {
+fn window_loc(
+    layout: &KvLayout,
+    l: &LayerKvLayout,
+    seq: &SeqPlan,
+    pos: usize,
+) -> BResult<EntryLoc> {
     let (off, scale_off) = layout.kv_entry_offsets(
         l.window_state_offset,
         l.window_scale_offset,
@@ -311,7 +316,10 @@ pub fn attention(
         let lo_ring = (seq.start + 1).saturating_sub(window);
         let mut ring = vec![0f32; (seq.start - lo_ring) * hd];
         for (i, pos) in (lo_ring..seq.start).enumerate() {
-            kv.read_entry(&window_loc(layout, l, seq, pos)?, &mut ring[i * hd..(i + 1) * hd])?;
+            kv.read_entry(
+                &window_loc(layout, l, seq, pos)?,
+                &mut ring[i * hd..(i + 1) * hd],
+            )?;
         }
         let mut fresh: Vec<f32> = kv_new.data[seq.row0 * hd..(seq.row0 + seq.len) * hd].to_vec();
         round_through_kv(layout, &mut fresh);

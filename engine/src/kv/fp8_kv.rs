@@ -114,14 +114,19 @@ mod tests {
     #[test]
     fn v4_entry_is_584_bytes() {
         let f = Fp8KvFormat::new(512, 64);
-        assert_eq!((f.nope, f.tiles(), f.row_bytes(), f.scale_bytes()), (448, 7, 576, 8));
+        assert_eq!(
+            (f.nope, f.tiles(), f.row_bytes(), f.scale_bytes()),
+            (448, 7, 576, 8)
+        );
         assert_eq!(f.entry_bytes(), 584);
     }
 
     #[test]
     fn round_trip_is_idempotent_and_keeps_rope_in_bf16() {
         let f = Fp8KvFormat::new(144, 16);
-        let mut v: Vec<f32> = (0..144).map(|i| ((i * 29) % 83) as f32 / 9.0 - 4.0).collect();
+        let mut v: Vec<f32> = (0..144)
+            .map(|i| ((i * 29) % 83) as f32 / 9.0 - 4.0)
+            .collect();
         let orig = v.clone();
         f.round_trip(&mut v);
         let once = v.clone();

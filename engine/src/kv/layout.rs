@@ -385,7 +385,12 @@ impl KvLayout {
 
     /// Byte offsets of compressed-KV / window entry `slot` of the region whose rows start
     /// at `rows` and whose scales start at `scales`: the row, and for fp8 its scales.
-    pub fn kv_entry_offsets(&self, rows: usize, scales: usize, slot: usize) -> (usize, Option<usize>) {
+    pub fn kv_entry_offsets(
+        &self,
+        rows: usize,
+        scales: usize,
+        slot: usize,
+    ) -> (usize, Option<usize>) {
         let row = rows + slot * self.kv_row_bytes();
         let scale = self
             .fp8_kv_format()

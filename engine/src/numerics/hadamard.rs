@@ -41,7 +41,14 @@ mod tests {
             let want: f64 = x
                 .iter()
                 .enumerate()
-                .map(|(i, &xi)| f64::from(xi) * if (i & j).count_ones() % 2 == 0 { 1.0 } else { -1.0 })
+                .map(|(i, &xi)| {
+                    f64::from(xi)
+                        * if (i & j).count_ones() % 2 == 0 {
+                            1.0
+                        } else {
+                            -1.0
+                        }
+                })
                 .sum::<f64>()
                 / (n as f64).sqrt();
             assert!((f64::from(yj) - want).abs() < 1e-6);

@@ -1,0 +1,97 @@
+//! `--numerics deepseek` from the command line: the logits command runs it (and refuses it
+//! without fp8 compressed KV), inspect shows it in the KV layout, and a prefill and a
+//! decode server that disagree on it refuse each other naming the field.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod support;
+
+use std::time::{Duration, Instant};
+use support::*;
+
+fn logits(extra: &[&str]) -> Result<Vec<Vec<f32>>, String> {
+    let out_file = tempfile::NamedTempFile::new().unwrap();
+    let out = bin()
+        .args([
+            "logits",
+            "--tokens",
+            "5,17,2,9,30,41,7,8,12",
+            "--prefill-len",
+            "5",
+        ])
+        .arg("--out")
+        .arg(out_file.path())
+        .args(extra)
+        .output()
+        .unwrap();
+    if !out.status.success() {
+        return Err(String::from_utf8_lossy(&out.stderr).into_owned());
+    }
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out_file.path()).unwrap()).unwrap();
+    Ok(serde_json::from_value(v["logits"].clone()).unwrap())
+}
+
+#[test]
+fn logits_run_under_deepseek_numerics_and_need_fp8_kv() {
+    let base = logits(&[]).unwrap();
+    let ds = logits(&["--numerics", "deepseek", "--kv-dtype", "fp8"]).unwrap();
+    assert_eq!(base.len(), ds.len());
+    assert!(ds.iter().flatten().all(|v| v.is_finite()));
+    assert_ne!(base, ds, "deepseek numerics changed no logit");
+    let err = logits(&["--numerics", "deepseek"]).unwrap_err();
+    assert!(
+        err.contains("kv_dtype") && err.contains("--kv-dtype fp8"),
+        "{err}"
+    );
+    let err = logits(&["--numerics", "bf16"]).unwrap_err();
+    assert!(
+        err.contains("--numerics") && err.contains("deepseek"),
+        "{err}"
+    );
+    let err = logits(&[
+        "--numerics",
+        "deepseek",
+        "--kv-dtype",
+        "fp8",
+        "--device",
+        "cuda:0",
+    ])
+    .unwrap_err();
+    assert!(err.contains("CPU backend only"), "{err}");
+}
+
+#[test]
+fn inspect_shows_numerics_and_the_fp8_entry_size() {
+    let out = bin()
+        .args(["inspect", "--numerics", "deepseek", "--kv-dtype", "fp8"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["kv_layout"]["numerics"], "deepseek");
+    assert_eq!(v["kv_layout"]["kv_dtype"], "Fp8E4m3");
+}
+
+#[test]
+fn prefill_and_decode_disagreeing_on_numerics_refuse_naming_it() {
+    // Same fp8 compressed KV on both sides: only the numerics differ.
+    let up = Up::start(&[
+        "--prefill-args",
+        "--numerics deepseek --kv-dtype fp8",
+        "--decode-args",
+        "--kv-dtype fp8",
+    ]);
+    let t0 = Instant::now();
+    let (st, body) = complete(&up.addr, &greedy(&prompt(1, 10), 4)).unwrap_err();
+    assert!(
+        t0.elapsed() < Duration::from_secs(5),
+        "took {:?}",
+        t0.elapsed()
+    );
+    assert_eq!(st, 502, "{body}");
+    assert!(body.contains("numerics"), "{body}");
+}
