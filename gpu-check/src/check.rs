@@ -274,25 +274,32 @@ pub fn check_fixture(
             ));
         }
     }
-    out.extend(fp8_index_k_rows(dir, &fname, &fx, ordinal)?);
+    let fp8 = EntryDtype::Fp8E4m3;
+    for (kv, ik) in [(EntryDtype::F32, fp8), (fp8, EntryDtype::F32), (fp8, fp8)] {
+        out.extend(fp8_rows(dir, &fname, &fx, ordinal, kv, ik)?);
+    }
     Ok(out)
 }
 
-/// fp8 index-K (e4m3 + one f32 scale per entry) on the GPU against the CPU engine with the
-/// same layout: both quantize the same pooled entries the same way (`kv::fp8`), so with
-/// fp32 weights only summation order differs; pages move between the two unchanged.
-fn fp8_index_k_rows(
+/// fp8 entries on the GPU against the CPU engine with the same layout: index-K (e4m3 + one
+/// f32 scale per entry, `kv::fp8`) and compressed KV / window (FlashMLA's V4 entry,
+/// `kv::fp8_kv`). Both backends quantize the same values the same way, so with fp32
+/// weights only summation order differs (a value at a rounding boundary may take the
+/// neighbouring code); pages move between the two unchanged.
+fn fp8_rows(
     dir: &Path,
     fname: &str,
     fx: &Fixture,
     ordinal: usize,
+    kv: EntryDtype,
+    ik: EntryDtype,
 ) -> Result<Vec<CheckRow>, Box<dyn std::error::Error>> {
-    let mut s = spec(dir, EntryDtype::F32)?;
-    s.index_k_dtype = EntryDtype::Fp8E4m3;
+    let mut s = spec(dir, kv)?;
+    s.index_k_dtype = ik;
     let mut cpu = Engine::load(dir, CpuBackend, Some(s), POOL)?;
     let gpu_b = CudaBackend::with_weights(ordinal, None, WeightDtype::F32)?;
     let mut gpu = Engine::load(dir, gpu_b, Some(s), POOL)?;
-    let tag = format!("{fname} w=f32 kv=f32 ik=fp8");
+    let tag = format!("{fname} w=f32 kv={kv} ik={ik}");
     let mut out = Vec::new();
     for &k in &fx.prefill_lens[..2.min(fx.prefill_lens.len())] {
         let want = logits_prefill_decode(&mut cpu, &fx.tokens, k, 0)?;

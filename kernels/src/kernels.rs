@@ -264,12 +264,18 @@ kernels! {
             pt: DevPtr, row_seq: DevPtr, positions: DevPtr, q: DevPtr, kv_new: DevPtr,
             sinks: DevPtr, sel: DevPtr, topk: i32, out: DevPtr, n_heads: i32, hd: i32,
             window: i32, win_off: i64, rate: i32, mode: i32, comp_off: i64, comp_epp: i32,
-            page_tokens: i32, dt: i32, scale: f32, max_keys: i32, g: i32,
+            page_tokens: i32, dt: i32, scale: f32, max_keys: i32, g: i32, rd: i32,
+            win_scale_off: i64, comp_scale_off: i64,
         }
         /// New keys into each sequence's sliding-window ring.
         WindowStore = "k_window_store" {
             states: DevPtr, state_bytes: i64, seq: DevPtr, row_seq: DevPtr, positions: DevPtr,
-            kv_new: DevPtr, hd: i32, window: i32, win_off: i64, dt: i32,
+            kv_new: DevPtr, hd: i32, window: i32, win_off: i64, dt: i32, rd: i32,
+            win_scale_off: i64,
+        }
+        /// fp8 KV: rows as storing and loading one entry gives them (this forward's keys).
+        KvRoundTrip = "k_kv_round_trip" {
+            x: DevPtr, out: DevPtr, hd: i32, rd: i32,
         }
     }
     module "moe" {

@@ -7,6 +7,7 @@ use crate::kernels::{self, DevPtr};
 use crate::launch::dev_err;
 use pdserve_engine::backend::{BResult, BackendError, BatchPlan};
 use pdserve_engine::kv::{EntryDtype, KvLayout, PageId, StateSlot};
+use pdserve_engine::numerics::Numerics;
 
 /// All pages and state slots of one pool on the device, plus one dummy page and one dummy
 /// state slot past the pool's ids that the padded rows of a decode graph write to.
@@ -27,15 +28,15 @@ fn kv_err(msg: String) -> BackendError {
 
 impl GpuKv {
     pub(crate) fn new(gpu: &Gpu, layout: &KvLayout, pages: usize, states: usize) -> BResult<Self> {
-        // Refuse layouts the kernels cannot address before any memory is taken: fp8 (with
-        // its per-entry scale) is an index-K storage only.
-        if layout.kv_dtype == EntryDtype::Fp8E4m3 {
+        // Refuse layouts the kernels cannot compute before any memory is taken: `deepseek`
+        // numerics (activation quantization, the indexer's Hadamard + FP4) runs on the CPU.
+        if layout.numerics == Numerics::Deepseek {
             return Err(kv_err(
-                "fp8 compressed-KV entries are not supported by the CUDA backend: use --kv-dtype f32 or bf16"
+                "--numerics deepseek is implemented on the CPU backend only: use --numerics transformers on the GPU (fp8 KV with --kv-dtype fp8 works in either)"
                     .into(),
             ));
         }
-        dt_code(layout.kv_dtype)?;
+        kv_dt_code(layout)?;
         dt_code(layout.index_k_dtype)?;
         Ok(GpuKv {
             pages: gpu.zeros_owned::<u8>((pages + 1) * layout.page_bytes)?,
@@ -169,12 +170,21 @@ fn region_checksums(gpu: &Gpu, buf: &DevMem<u8>, items: usize, bytes: usize) -> 
     gpu.download(&out, items)
 }
 
-/// Kernel code of an entry dtype (`dt` in common.cuh).
+/// Kernel code of an index-K entry dtype (`dt` in common.cuh).
 pub(crate) fn dt_code(d: EntryDtype) -> BResult<i32> {
     match d {
         EntryDtype::F32 => Ok(0),
         EntryDtype::Bf16 => Ok(1),
         EntryDtype::Fp8E4m3 => Ok(2),
+    }
+}
+
+/// Kernel code of the compressed-KV / window entry dtype: fp8 is FlashMLA's V4 entry
+/// (`st_fp8kv` in common.cuh), the others as index-K.
+pub(crate) fn kv_dt_code(layout: &KvLayout) -> BResult<i32> {
+    match layout.fp8_kv_format() {
+        Some(_) => Ok(3),
+        None => dt_code(layout.kv_dtype),
     }
 }
 

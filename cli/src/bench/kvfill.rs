@@ -1,5 +1,6 @@
 //! Random KV contents laid out by [`KvLayout`]: every region a step can read holds valid
-//! values of its dtype (random normals; fp8 index-K keys with unit scales), so a decode
+//! values of its dtype (random normals; fp8 index-K keys with unit scales, fp8 KV entries
+//! quantized as the engine stores them), so a decode
 //! step at position `p` reads real-looking data without a `p`-token prefill.
 
 use pdserve_engine::backend::counter_rng::{bits, value};
@@ -28,18 +29,35 @@ fn fill(buf: &mut [u8], off: usize, n: usize, dtype: EntryDtype, seed: u64) {
     }
 }
 
+/// Write `n` compressed-KV / window entries of the layout's KV dtype: rows from `rows`,
+/// fp8 scales (FlashMLA's V4 entries, [`KvLayout::fp8_kv_format`]) from `scales`.
+fn fill_kv(buf: &mut [u8], layout: &KvLayout, (rows, scales): (usize, usize), n: usize, seed: u64) {
+    let Some(f) = layout.fp8_kv_format() else {
+        fill(buf, rows, n * layout.head_dim, layout.kv_dtype, seed);
+        return;
+    };
+    let hd = layout.head_dim;
+    let mut vals = vec![0f32; hd];
+    for e in 0..n {
+        for (j, v) in vals.iter_mut().enumerate() {
+            *v = value(INIT, seed, (e * hd + j) as u64);
+        }
+        let (row, Some(sc)) = layout.kv_entry_offsets(rows, scales, e) else {
+            continue;
+        };
+        let mut scale_buf = vec![0u8; f.scale_bytes()];
+        f.encode(&vals, &mut buf[row..row + f.row_bytes()], &mut scale_buf);
+        buf[sc..sc + f.scale_bytes()].copy_from_slice(&scale_buf);
+    }
+}
+
 /// One random page (`variant` picks among distinct contents).
 pub fn page(layout: &KvLayout, variant: u64) -> Vec<u8> {
     let mut buf = vec![0u8; layout.page_bytes];
     for (li, l) in layout.layers.iter().enumerate() {
         let seed = bits(variant, li as u64 * 4);
-        fill(
-            &mut buf,
-            l.comp_page_offset,
-            l.comp_entries_per_page * layout.head_dim,
-            layout.kv_dtype,
-            seed,
-        );
+        let comp = (l.comp_page_offset, l.comp_scale_offset);
+        fill_kv(&mut buf, layout, comp, l.comp_entries_per_page, seed);
         if l.index_entries_per_page > 0 {
             let n = l.index_entries_per_page * layout.index_head_dim;
             fill(
@@ -67,14 +85,8 @@ pub fn state(layout: &KvLayout, variant: u64) -> Vec<u8> {
     let mut buf = vec![0u8; layout.state_bytes];
     for (li, l) in layout.layers.iter().enumerate() {
         let seed = bits(variant ^ 0x5eed, li as u64 * 4);
-        let window = layout.sliding_window * layout.head_dim;
-        fill(
-            &mut buf,
-            l.window_state_offset,
-            window,
-            layout.kv_dtype,
-            seed,
-        );
+        let window = (l.window_state_offset, l.window_scale_offset);
+        fill_kv(&mut buf, layout, window, layout.sliding_window, seed);
         let comp = l.comp_ring_slots * l.comp_row_floats();
         fill(
             &mut buf,
@@ -103,7 +115,7 @@ mod tests {
 
     #[test]
     fn every_entry_region_is_filled_with_finite_values() {
-        for (kv, idx) in [("f32", "f32"), ("bf16", "bf16"), ("bf16", "fp8")] {
+        for (kv, idx) in [("f32", "f32"), ("bf16", "bf16"), ("bf16", "fp8"), ("fp8", "fp8")] {
             let f = ModelFlags {
                 device: "cpu".into(),
                 layers: 4,
@@ -122,6 +134,17 @@ mod tests {
             assert_eq!(p.len(), layout.page_bytes);
             assert_ne!(p, page(&layout, 2));
             let l = &layout.layers[2]; // CSA
+            if let Some(f) = layout.fp8_kv_format() {
+                // Every entry decodes to finite values, none all zero.
+                let mut vals = vec![0f32; layout.head_dim];
+                for slot in 0..l.comp_entries_per_page {
+                    let (row, sc) = layout.kv_entry_offsets(l.comp_page_offset, l.comp_scale_offset, slot);
+                    let sc = sc.unwrap();
+                    f.decode(&p[row..row + f.row_bytes()], &p[sc..sc + f.scale_bytes()], &mut vals);
+                    assert!(vals.iter().all(|v| v.is_finite()) && vals.iter().any(|&v| v != 0.0));
+                }
+                continue;
+            }
             let e = layout.kv_dtype.bytes();
             let region = &p[l.comp_page_offset
                 ..l.comp_page_offset + l.comp_entries_per_page * layout.head_dim * e];

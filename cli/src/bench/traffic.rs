@@ -102,7 +102,7 @@ pub fn experts_touched(
 
 /// KV bytes one decode row at absolute position `pos` reads, summed over layers.
 pub fn kv_read_bytes(cfg: &ModelConfig, layout: &KvLayout, pos: usize) -> u64 {
-    let kv_entry = layout.kv_dtype.entry_bytes(layout.head_dim) as u64;
+    let kv_entry = layout.kv_entry_bytes() as u64;
     let idx_entry = layout.index_k_dtype.entry_bytes(layout.index_head_dim) as u64;
     let window = pos.min(layout.sliding_window.saturating_sub(1)) as u64;
     layout

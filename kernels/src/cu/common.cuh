@@ -17,7 +17,8 @@ __device__ __forceinline__ bf16_t f_to_bf16(float f) {
 }
 
 // KV entry dtypes (EntryDtype): 0 = f32, 1 = bf16, 2 = fp8 e4m3 with one f32 scale per
-// entry stored apart (index-K only; see f_to_e4m3).
+// entry stored apart (index-K; see f_to_e4m3), 3 = fp8 compressed-KV / window entries in
+// FlashMLA's V4 layout (see st_fp8kv).
 __device__ __forceinline__ int dt_bytes(int dt) { return dt == 0 ? 4 : dt == 1 ? 2 : 1; }
 
 // e4m3fn exactly as pdserve_engine::kv::fp8 computes it: round to nearest even,
@@ -59,9 +60,10 @@ __device__ __forceinline__ void st_entry(unsigned char* p, int i, int dt, float 
     else ((bf16_t*)p)[i] = f_to_bf16(v);
 }
 
-// What a store then a load through `dt` gives.
+// What a store then a load through `dt` gives (f32 and bf16; fp8 entries round per
+// entry: k_kv_round_trip).
 __device__ __forceinline__ float round_dt(float v, int dt) {
-    return dt == 0 ? v : bf16_to_f(f_to_bf16(v));
+    return dt == 1 ? bf16_to_f(f_to_bf16(v)) : v;
 }
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -272,3 +274,51 @@ struct MatFp4 {
         return RowFp4{q + r * (cols / 2), s + r * ((cols + 31) / 32)};
     }
 };
+
+// ---- fp8 compressed-KV / window entries (dt 3), as pdserve_engine::kv::fp8_kv: a row of
+// `nope` e4m3 codes then `rope` bf16 values, and in the region's scale block one ue8m0
+// byte per 64 non-rope values, padded to 8 bytes. Quantization is DeepSeek's act_quant
+// (pdserve_engine::numerics::quantize_e4m3_block): scale = the power of two at or above
+// max(amax, 1e-4) / 448 (computed as a product with the f32 of 1/448), codes rounded to
+// nearest even after clamping to +-448.
+#define KV_TILE 64
+
+__device__ __forceinline__ int fp8kv_row_bytes(int nope, int rope) { return nope + 2 * rope; }
+__device__ __forceinline__ int fp8kv_scale_bytes(int nope) { return ((nope + KV_TILE - 1) / KV_TILE + 7) / 8 * 8; }
+
+__device__ __forceinline__ float fp8kv_scale(float amax) {
+    float x = fmaxf(amax, 1e-4f) * (float)(1.0 / 448.0);
+    u32 bits = __float_as_uint(x);
+    int e = (int)((bits >> 23) & 0xff) - 127 + ((bits & 0x7fffffu) != 0);
+    return __uint_as_float((u32)min(max(e + 127, 0), 255) << 23);
+}
+
+// Value c of an entry whose row is at `row` and scales at `sc`.
+__device__ __forceinline__ float ld_fp8kv(const unsigned char* row, const unsigned char* sc, int c, int nope) {
+    if (c < nope) return e4m3_to_f(row[c]) * e8m0_to_f(sc[c / KV_TILE]);
+    return bf16_to_f(((const bf16_t*)(row + nope))[c - nope]);
+}
+
+// Block-wide: store the nope + rope values `vals` as one entry. `tile_sc` is shared memory
+// for the tile scales (at least 8 floats). Every thread of the block must call it.
+__device__ void st_fp8kv(const float* vals, unsigned char* row, unsigned char* sc, int nope, int rope,
+                         float* tile_sc) {
+    int tiles = (nope + KV_TILE - 1) / KV_TILE, padded = fp8kv_scale_bytes(nope);
+    for (int t = threadIdx.x; t < padded; t += blockDim.x) {
+        if (t < tiles) {
+            float am = 0.f;
+            for (int c = t * KV_TILE; c < min(nope, (t + 1) * KV_TILE); c++) am = fmaxf(am, fabsf(vals[c]));
+            float s = fp8kv_scale(am);
+            tile_sc[t] = s;
+            sc[t] = (unsigned char)((__float_as_uint(s) >> 23) & 0xff);
+        } else {
+            sc[t] = 0;
+        }
+    }
+    __syncthreads();
+    for (int c = threadIdx.x; c < nope + rope; c += blockDim.x) {
+        if (c < nope) row[c] = f_to_e4m3(fminf(fmaxf(vals[c] / tile_sc[c / KV_TILE], -448.f), 448.f));
+        else ((bf16_t*)(row + nope))[c - nope] = f_to_bf16(vals[c]);
+    }
+    __syncthreads();
+}

@@ -5,7 +5,9 @@
 //
 // seq/pt: sequence table and page tables (common.cuh). bias: [rate, width];
 // norm_w: [dim]; cs/sn: [rows, rd/2], cos/sin at the window position of rows that close one.
-// Dynamic shared memory: dim floats. fp8 entries (dt 2) keep their scale at scale_off.
+// Dynamic shared memory: dim floats. fp8 index-K entries (dt 2) keep their scale at
+// scale_off; fp8 compressed-KV entries (dt 3, the last rd values the bf16 rope part) their
+// scale bytes at scale_off (st_fp8kv).
 extern "C" __global__ void k_compress(unsigned char* pages, unsigned char* states, i64 page_bytes, i64 state_bytes,
                                       const int* seq, const u32* pt, const float* proj_kv, const float* proj_gate,
                                       const float* bias, const float* norm_w, const float* cs, const float* sn,
@@ -14,6 +16,7 @@ extern "C" __global__ void k_compress(unsigned char* pages, unsigned char* state
                                       float eps) {
     extern __shared__ float pooled[];
     __shared__ float red[32];
+    __shared__ float tile_sc[32];
     const int* sq = seq + blockIdx.x * SEQ_INTS;
     int start = sq[SEQ_START], len = sq[SEQ_LEN], row0 = sq[SEQ_ROW0];
     float* ring = (float*)(states + (i64)sq[SEQ_STATE] * state_bytes + ring_off);
@@ -74,8 +77,13 @@ extern "C" __global__ void k_compress(unsigned char* pages, unsigned char* state
         }
         __syncthreads();
         u32 page = table[(i64)w * rate / page_tokens];
-        unsigned char* dst = pages + (i64)page * page_bytes + entry_off + (i64)(w % entries_per_page) * dim * dt_bytes(dt);
-        if (dt == 2) {
+        int slot_in_page = w % entries_per_page;
+        i64 row_bytes = dt == 3 ? fp8kv_row_bytes(dim - rd, rd) : (i64)dim * dt_bytes(dt);
+        unsigned char* dst = pages + (i64)page * page_bytes + entry_off + (i64)slot_in_page * row_bytes;
+        if (dt == 3) {
+            unsigned char* sc = pages + (i64)page * page_bytes + scale_off + (i64)slot_in_page * fp8kv_scale_bytes(dim - rd);
+            st_fp8kv(pooled, dst, sc, dim - rd, rd, tile_sc);
+        } else if (dt == 2) {
             // fp8: one scale per entry, amax / 448, as kv::fp8::quantize_entry.
             float am = 0.f;
             for (int c = threadIdx.x; c < dim; c += blockDim.x) am = fmaxf(am, fabsf(pooled[c]));

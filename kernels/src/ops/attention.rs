@@ -4,7 +4,8 @@
 use crate::buf::{f32_buf, out_ptr, shape_err};
 use crate::device::{Gpu, ATTENTION_SHARED};
 use crate::kernels::{self, DevPtr};
-use crate::kv_store::{dt_code, DevPlan, GpuKv};
+use crate::devmem::DevMem;
+use crate::kv_store::{kv_dt_code, DevPlan, GpuKv};
 use crate::ops::indexer::GpuSelection;
 use crate::ops::kv_reach::{check_visible_reach, entry_bucket, layer_of};
 use crate::ops::tensors::{new_f32, param_f32};
@@ -80,9 +81,11 @@ pub fn attention(
     } else {
         1
     };
-    // Queries and scores (fp32) plus one 8-byte key address per key, 8-byte aligned.
+    // Queries and scores (fp32) plus one 8-byte key address per key, 8-byte aligned, and
+    // for fp8 entries one 8-byte scale address per key.
+    let dt = kv_dt_code(layout)?;
     let floats = group * (hd + max_keys);
-    let shared = (floats + floats % 2) * 4 + max_keys * 8;
+    let shared = (floats + floats % 2) * 4 + max_keys * if dt == 3 { 16 } else { 8 };
     if shared > ATTENTION_SHARED || !hd.is_multiple_of(32) || hd > 32 * ATT_MAXQ {
         return Err(shape_err(
             "attention",
@@ -96,6 +99,25 @@ pub fn attention(
     let dp = DevPlan::upload(g, kv, plan)?;
     let sinks = param_f32(g, sinks)?;
     let out = new_f32(g, rows, n_heads * hd)?;
+    let kv_new = f32_buf(kv_new, "attention")?;
+    // fp8: this forward's keys as their stored entries will read back.
+    let rounded = (dt == 3)
+        .then(|| -> BResult<DevMem<f32>> {
+            let r = g.uninit::<f32>(rows * hd)?;
+            g.launch(
+                (rows as u32, 1, 1),
+                0,
+                &kernels::KvRoundTrip {
+                    x: DevPtr::of(kv_new),
+                    out: DevPtr::of(&r),
+                    hd: hd as i32,
+                    rd: layout.rope_dim as i32,
+                },
+            )?;
+            Ok(r)
+        })
+        .transpose()?;
+    let kv_new = rounded.as_ref().unwrap_or(kv_new);
     g.launch(
         (rows as u32, (n_heads / group) as u32, 1),
         shared as u32,
@@ -109,7 +131,7 @@ pub fn attention(
             row_seq: DevPtr::of(&dp.row_seq),
             positions: DevPtr::of(&dp.positions),
             q: DevPtr::of(f32_buf(q, "attention")?),
-            kv_new: DevPtr::of(f32_buf(kv_new, "attention")?),
+            kv_new: DevPtr::of(kv_new),
             sinks: DevPtr::of(&sinks),
             sel: sel_ptr,
             topk: topk as i32,
@@ -123,10 +145,13 @@ pub fn attention(
             comp_off: l.comp_page_offset as i64,
             comp_epp: l.comp_entries_per_page.max(1) as i32,
             page_tokens: layout.page_tokens as i32,
-            dt: dt_code(layout.kv_dtype)?,
+            dt,
             scale: (hd as f32).powf(-0.5),
             max_keys: max_keys as i32,
             g: group as i32,
+            rd: layout.rope_dim as i32,
+            win_scale_off: l.window_scale_offset as i64,
+            comp_scale_off: l.comp_scale_offset as i64,
         },
     )?;
     Ok(out)
@@ -162,7 +187,9 @@ pub fn window_store(
             hd: hd as i32,
             window: layout.sliding_window as i32,
             win_off: l.window_state_offset as i64,
-            dt: dt_code(layout.kv_dtype)?,
+            dt: kv_dt_code(layout)?,
+            rd: layout.rope_dim as i32,
+            win_scale_off: l.window_scale_offset as i64,
         },
     )
 }

@@ -4,7 +4,7 @@
 use crate::buf::{f32_buf, shape_err};
 use crate::device::Gpu;
 use crate::kernels::{self, DevPtr};
-use crate::kv_store::{check_entry_page, dt_code, DevPlan, GpuKv};
+use crate::kv_store::{check_entry_page, dt_code, kv_dt_code, DevPlan, GpuKv};
 use crate::ops::dense::rope_tables;
 use crate::ops::kv_reach::layer_of;
 use crate::ops::tensors::param_f32;
@@ -38,19 +38,27 @@ pub fn compress(
     let (entry_off, scale_off, epp, dt, want_dim) = match p.part {
         CompressorPart::Main => (
             l.comp_page_offset,
-            l.comp_page_offset,
+            l.comp_scale_offset,
             l.comp_entries_per_page,
-            layout.kv_dtype,
+            kv_dt_code(layout)?,
             layout.head_dim,
         ),
         CompressorPart::Index => (
             l.index_page_offset,
             l.index_scale_offset,
             l.index_entries_per_page,
-            layout.index_k_dtype,
+            dt_code(layout.index_k_dtype)?,
             layout.index_head_dim,
         ),
     };
+    // fp8 compressed-KV entries keep the trailing rope channels in bf16: the compressor's
+    // rope must cover exactly those.
+    if p.part == CompressorPart::Main && layout.fp8_kv_format().is_some() && p.rope.dim() != layout.rope_dim {
+        return Err(shape_err(
+            "compress",
+            format!("rope of {} channels for fp8 entries of {} rope channels", p.rope.dim(), layout.rope_dim),
+        ));
+    }
     if rate == 0
         || proj_kv.cols != width
         || proj_gate.cols != width
@@ -115,7 +123,7 @@ pub fn compress(
             scale_off: scale_off as i64,
             entries_per_page: epp as i32,
             page_tokens: layout.page_tokens as i32,
-            dt: dt_code(dt)?,
+            dt,
             rd: p.rope.dim() as i32,
             eps: p.eps,
         },

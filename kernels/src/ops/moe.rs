@@ -38,6 +38,12 @@ pub fn moe(g: &Gpu, x: &GpuTensor, p: &MoeParams<'_, GpuTensor>) -> BResult<GpuT
             ),
         ));
     }
+    if p.act_quant_routed || p.act_quant_shared {
+        return Err(shape_err(
+            "moe",
+            "--numerics deepseek (FP8 activation quantization) runs on the CPU backend only".into(),
+        ));
+    }
     let hash = match p.hash_experts {
         Some(hash) => {
             if hash.len() != n * k {
