@@ -221,7 +221,6 @@ fn write(dir: &Path, config: &Value, tensors: &[(String, Tensor)]) {
 }
 
 fn engine(dir: &Path, numerics: Numerics, kv: EntryDtype) -> Engine<CpuBackend> {
-    let cfg = ModelConfig::from_model_dir(dir).unwrap();
     let spec = KvLayoutSpec {
         kv_dtype: kv,
         index_k_dtype: EntryDtype::Bf16,
