@@ -1,6 +1,7 @@
 //! The DeepSeek-V4 forward pass, written once against [`Backend`].
 
 pub mod random_weights;
+pub mod storage;
 pub mod weights;
 
 use crate::backend::{
