@@ -6,8 +6,10 @@ Needs torch + transformers 5.17 + safetensors (the H200 machine has them; a CPU-
 float32, so the result does not depend on a GPU).
 
     gen_fixtures.py --out DIR [--only NAME ...] [--seed S]
-        For each fixture NAME (mixed, legacy, default_schedule) write DIR/NAME/:
+        For each fixture NAME (mixed, legacy, default_schedule, quantized) write DIR/NAME/:
           config.json, model.safetensors (or model.safetensors.index.json + shards),
+          (`quantized`: DeepSeek's released FP8/FP4 layout, scripts/released_layout.py;
+          its logits come from the float32 model holding the values it decodes to),
           expected.safetensors  {tokens: int64 [n], logits: float32 [n, vocab]},
           meta.json             {name, description, prefill_lens, seed, versions, ...}.
         `logits` is transformers' ONE-SHOT forward (use_cache=False) of the model loaded
@@ -189,6 +191,47 @@ FIXTURES = {
     },
 }
 
+# QUANTIZED_NOTE: DeepSeek's released layout (scripts/released_layout.py): FP8 block-scaled
+# attention / shared-expert / indexer-query weights, FP4 routed experts, BF16 rest. Widths
+# pass one 128-block without filling the next (hidden 160, q_lora 144, heads x head_dim 192,
+# o_groups x o_lora 160), so every FP8 weight has partial blocks in at least one dim.
+FIXTURES["quantized"] = {
+    "description": (
+        "DeepSeek's released layout: FP8 e4m3 weights with ue8m0 128x128 block scales "
+        "(partial blocks: hidden 160, q_lora 144, 2 heads x 96, o_lora 2x80), FP4 e2m1 routed "
+        "experts with ue8m0 scales per 32, BF16/F32 rest, upstream names without `model.`, "
+        "mtp.* present; CSA + HCA, hash_moe then moe, 72 tokens. Logits: transformers on the "
+        "decoded values"
+    ),
+    "seq_len": 72,
+    "prefill_lens": [1, 4, 17, 33, 71],
+    "sharded": False,
+    "released_layout": True,
+    "config": dict(
+        vocab_size=96,
+        hidden_size=160,
+        num_hidden_layers=2,
+        layer_types=["compressed_sparse_attention", "heavily_compressed_attention"],
+        mlp_layer_types=["hash_moe", "moe"],
+        num_attention_heads=2,
+        head_dim=96,
+        partial_rotary_factor=0.25,
+        q_lora_rank=144,
+        o_groups=2,
+        o_lora_rank=80,
+        index_n_heads=16,  # see INDEX_HEADS_NOTE
+        index_head_dim=40,
+        index_topk=4,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        hc_mult=4,
+        sliding_window=8,
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
+        max_position_embeddings=4096,
+    ),
+}
+
 EMBEDDED_CONFIG = dict(
     vocab_size=512,
     hidden_size=128,
@@ -330,6 +373,16 @@ def build_config(DeepseekV4Config, kwargs):
 
 
 def load_model(path, dtype=torch.float32):
+    """A checkpoint folder as transformers loads it; a released-layout (quantized) one
+    through the float32 twin of its decoded values (released_layout.write_twin)."""
+    import released_layout as rl
+
+    if rl.is_released_layout(path):
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            rl.write_twin(path, tmp)
+            return load_model(tmp, dtype)
     _, _, DeepseekV4ForCausalLM = tf()
     model = DeepseekV4ForCausalLM.from_pretrained(
         path, dtype=dtype, attn_implementation="eager", experts_implementation="eager"
@@ -551,11 +604,15 @@ def make_fixture(name, spec, out_dir, seed):
     print(f"  attn {model.config._attn_implementation} experts {model.config._experts_implementation}")
     randomise(model, seed)
 
-    if spec["sharded"]:
+    stored = None
+    if spec.get("released_layout"):
+        model, stored = write_released_layout(model, path, seed)
+    elif spec["sharded"]:
         model.save_pretrained(path, max_shard_size="400KB")
     else:
         model.save_pretrained(path)
-    clean_dir(path, keep_index=spec["sharded"])
+    if stored is None:
+        clean_dir(path, keep_index=spec["sharded"])
     if "legacy_config" in spec:
         write_legacy_config(path, spec["legacy_config"], DeepseekV4Config, model.config)
     if spec.get("drop_keys"):
@@ -564,15 +621,17 @@ def make_fixture(name, spec, out_dir, seed):
         shards = [f for f in os.listdir(path) if f.endswith(".safetensors")]
         assert os.path.exists(os.path.join(path, "model.safetensors.index.json")) and len(shards) > 1, shards
         print(f"  sharded into {len(shards)} files")
-    print_tensor_list(path)
-
-    # The fixture is what is on disk: reload and check it equals the in-memory model.
-    reloaded = load_model(path)
-    sd_a, sd_b = model.state_dict(), reloaded.state_dict()
-    assert sorted(sd_a) == sorted(sd_b), set(sd_a) ^ set(sd_b)
-    for k in sd_a:
-        assert torch.equal(sd_a[k], sd_b[k]), f"reload changed {k}"
-    print("  reload: every tensor identical")
+    if stored is None:
+        print_tensor_list(path)
+        # The fixture is what is on disk: reload and check it equals the in-memory model.
+        reloaded = load_model(path)
+        sd_a, sd_b = model.state_dict(), reloaded.state_dict()
+        assert sorted(sd_a) == sorted(sd_b), set(sd_a) ^ set(sd_b)
+        for k in sd_a:
+            assert torch.equal(sd_a[k], sd_b[k]), f"reload changed {k}"
+        print("  reload: every tensor identical")
+    else:
+        reloaded = model  # already loaded back from the decoded values
 
     vocab = cfg.vocab_size
     n = spec["seq_len"]
@@ -624,6 +683,7 @@ def make_fixture(name, spec, out_dir, seed):
         "min_topk_margin": worst if math.isfinite(worst) else None,
         "causality_max_abs_diff": causal,
         "sharded": spec["sharded"],
+        **({"stored_tensors": stored} if stored else {}),
         "expected_tensors": {
             "tokens": "int64 [n], ids in [2, vocab)",
             "logits": "float32 [n, vocab], one-shot forward, row t = logits after token t",
@@ -639,6 +699,35 @@ def make_fixture(name, spec, out_dir, seed):
     chmod_files(path)
     total = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
     print(f"  wrote {path}: {sorted(os.listdir(path))}, {total} bytes")
+
+
+def write_released_layout(model, path, seed):
+    """Write `model` to `path` in DeepSeek's released layout (scripts/released_layout.py) and
+    return (the model transformers loads from the values that layout decodes to, tensor
+    counts per storage kind): the reference logits come from that model."""
+    import tempfile
+
+    import released_layout as rl
+
+    cfg = model.config
+    with tempfile.TemporaryDirectory() as tmp:
+        saved, twin = os.path.join(tmp, "saved"), os.path.join(tmp, "twin")
+        model.save_pretrained(saved)
+        counts = rl.quantize_dir(saved, path, twin, (cfg.hidden_size, cfg.q_lora_rank, cfg.moe_intermediate_size), seed)
+        decoded = load_model(twin)
+    # The fixture is what is on disk: decoded back from the files, it is the same model.
+    back = load_model(path)
+    for (k, a), b in zip(decoded.state_dict().items(), back.state_dict().values()):
+        assert torch.equal(a, b), f"released layout reload changed {k}"
+    on_disk = rl.read_safetensors(os.path.join(path, "model.safetensors"))
+    print(f"  released layout ({len(on_disk)} tensors; saved tensors per storage {counts}):")
+    for k in sorted(on_disk):
+        print(f"    {k} {on_disk[k][0]} {list(on_disk[k][1])}")
+    # Every weight the released layout quantizes must differ from its float original
+    # (otherwise the fixture would not exercise the decoding).
+    changed = sum(not torch.equal(a, b) for a, b in zip(model.state_dict().values(), decoded.state_dict().values()))
+    print(f"  decoded model: {changed} of {len(model.state_dict())} tensors changed by the stored formats")
+    return decoded, counts
 
 
 def save_embedded(model, out_dir):

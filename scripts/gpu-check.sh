@@ -46,6 +46,8 @@ echo "   'greedy generation' rows (free-running, one flip changes every later to
 echo "   --kv-audit row: 4 sequences, 300 batched decode steps, no write outside the expected pages."
 "$BIN" gpu-check --fixtures tests/fixtures --device "$DEVICE" "$@"
 if [ $# -eq 0 ]; then
+  echo "== the quantized fixture (DeepSeek's released FP8/FP4 layout) vs transformers: rel err < 2e-2, same greedy tokens"
+  python3 scripts/check_fixture.py --bin "$BIN" --fixture tests/fixtures/quantized --device "cuda:$DEVICE" --tol 2e-2
   echo "== the cluster on the GPU"
   BIN="$BIN" DEVICE="$DEVICE" bash scripts/gpu-cluster-check.sh
   echo "== the KV canary and the graph self-check in the servers, under load"

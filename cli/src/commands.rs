@@ -1,4 +1,4 @@
-//! The `generate`, `logits` and `inspect` commands.
+//! The `generate` and `logits` commands.
 
 use crate::model_args::{parse_tokens, Loaded, ModelArgs, OnEngine};
 use anyhow::{bail, Context, Result};
@@ -230,45 +230,5 @@ fn logits_on<B: Backend>(a: &LogitsArgs, tokens: &[u32], loaded: Loaded<B>) -> R
     serde_json::to_writer(&mut w, &serde_json::json!({ "logits": rows }))?;
     w.flush()?;
     tracing::info!(rows = rows.len(), out = %a.out.display(), "logits written");
-    Ok(())
-}
-
-#[derive(clap::Args, Debug)]
-pub struct InspectArgs {
-    #[command(flatten)]
-    model: ModelArgs,
-}
-
-pub fn inspect(a: InspectArgs) -> Result<()> {
-    a.model.run(InspectRun)
-}
-
-struct InspectRun;
-
-impl OnEngine for InspectRun {
-    fn run<B: Backend>(self, loaded: Loaded<B>) -> Result<()> {
-        inspect_on(loaded)
-    }
-}
-
-fn inspect_on<B: Backend>(loaded: Loaded<B>) -> Result<()> {
-    let e = &loaded.engine;
-    let v = serde_json::json!({
-        "model_dir": loaded.dir,
-        "backend": e.backend().name(),
-        "config": e.config(),
-        "kv_layout": e.layout(),
-        "kv_layout_fingerprint": e.layout().fingerprint(),
-        "kv_pool": {
-            "device_pages": e.allocator().total_pages(),
-            "state_slots": e.allocator().total_states(),
-            "host_pages": loaded.host_pages,
-            "device_bytes": e.allocator().total_pages() * e.layout().page_bytes
-                + e.allocator().total_states() * e.layout().state_bytes,
-            "host_bytes": loaded.host_pages * e.layout().page_bytes,
-        },
-        "kv_audit": e.kv_audit(),
-    });
-    println!("{}", serde_json::to_string_pretty(&v)?);
     Ok(())
 }

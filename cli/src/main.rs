@@ -4,6 +4,7 @@ mod bench;
 mod commands;
 mod engine_spec;
 mod gpu_check;
+mod inspect;
 mod layered;
 mod model_args;
 mod reference;
@@ -41,8 +42,9 @@ enum Command {
     Generate(commands::GenerateArgs),
     /// Write next-token logits for every position of a token sequence as JSON.
     Logits(commands::LogitsArgs),
-    /// Print a model's effective configuration and KV layout as JSON.
-    Inspect(commands::InspectArgs),
+    /// Summarise a model: config, quantization, every tensor's storage on disk and on the
+    /// GPU with totals per storage class, KV layout (--json: all of it as JSON).
+    Inspect(inspect::InspectArgs),
     /// Run a prefill server (gRPC): prompts in, KV pages out to decode servers.
     #[command(after_help = reference::ENV_HELP)]
     Prefill(roles::WorkerFlags),
@@ -84,7 +86,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Generate(a) => commands::generate(a),
         Command::Logits(a) => commands::logits(a),
-        Command::Inspect(a) => commands::inspect(a),
+        Command::Inspect(a) => inspect::inspect(a),
         Command::Prefill(f) => serve::worker(roles::WorkerRole::Prefill, f),
         Command::Decode(f) => serve::worker(roles::WorkerRole::Decode, f),
         Command::Router(f) => serve::router(f),

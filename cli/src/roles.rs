@@ -28,6 +28,10 @@ impl WorkerRole {
 pub struct WorkerConfig {
     /// Model folder; none: the embedded model.
     pub model: Option<PathBuf>,
+    /// Names the model is served under (see [`pdserve_router::served_model`]); empty: the
+    /// folder's name.
+    #[serde(deserialize_with = "one_or_many")]
+    pub served_model_name: Vec<String>,
     pub device: String,
     pub index_k_dtype: String,
     pub kv_dtype: String,
@@ -57,6 +61,7 @@ pub struct WorkerConfig {
 
 pub const WORKER_KEYS: &[&str] = &[
     "model",
+    "served_model_name",
     "device",
     "index_k_dtype",
     "kv_dtype",
@@ -85,6 +90,7 @@ impl WorkerConfig {
     pub fn defaults(role: WorkerRole) -> Self {
         WorkerConfig {
             model: None,
+            served_model_name: Vec::new(),
             device: "cpu".into(),
             index_k_dtype: "f32".into(),
             kv_dtype: "f32".into(),
@@ -129,6 +135,7 @@ impl WorkerConfig {
     /// Refuse invalid values and values that need machinery this build lacks.
     pub fn validate(&self, role: WorkerRole) -> Result<()> {
         let cuda = matches!(self.device()?, Device::Cuda(_));
+        pdserve_router::served_model::check_names(&self.served_model_name)?;
         EntryDtype::parse(&self.index_k_dtype)
             .map_err(|e| anyhow::anyhow!("--index-k-dtype: {e}"))?;
         let kv_dtype =
@@ -227,6 +234,11 @@ pub struct WorkerFlags {
     /// Model folder (config.json, *.safetensors, tokenizer.json). Default: the embedded model.
     #[arg(long)]
     pub model: Option<PathBuf>,
+    /// Name(s) this server reports its model under (Worker.Info, the `model_name` metrics
+    /// label; the first of several): give prefill and decode servers the router's
+    /// --served-model-name. Default: the model folder's name.
+    #[arg(long, num_args = 1..)]
+    pub served_model_name: Option<Vec<String>>,
     /// cpu or cuda:N.
     #[arg(long)]
     pub device: Option<String>,
@@ -366,6 +378,7 @@ impl WorkerFlags {
     pub fn resolve(&self, role: WorkerRole) -> Result<(WorkerConfig, Vec<Entry>)> {
         let mut f = Flags::new();
         flag(&mut f, "model", &self.model);
+        flag(&mut f, "served_model_name", &self.served_model_name);
         flag(&mut f, "device", &self.device);
         flag(&mut f, "index_k_dtype", &self.index_k_dtype);
         flag(&mut f, "kv_dtype", &self.kv_dtype);
@@ -408,6 +421,8 @@ impl WorkerFlags {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct RouterConfig {
     pub model: Option<PathBuf>,
+    #[serde(deserialize_with = "one_or_many")]
+    pub served_model_name: Vec<String>,
     pub listen: String,
     #[serde(deserialize_with = "list_or_commas")]
     pub prefill: Vec<String>,
@@ -502,6 +517,7 @@ fn list_or_commas<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<String>,
 
 pub const ROUTER_KEYS: &[&str] = &[
     "model",
+    "served_model_name",
     "listen",
     "prefill",
     "decode",
@@ -542,6 +558,11 @@ pub struct RouterFlags {
     /// Model folder (for the tokenizer and end tokens). Default: the embedded model.
     #[arg(long)]
     pub model: Option<PathBuf>,
+    /// Name(s) the model is served under, as vLLM's flag: GET /v1/models lists them,
+    /// responses carry the first, and a request may name any of them or the model
+    /// folder's name (others: 404 model_not_found). Default: the folder's name.
+    #[arg(long, num_args = 1..)]
+    pub served_model_name: Option<Vec<String>>,
     /// Address to listen on (host:port; port 0 picks a free one and prints it).
     #[arg(long)]
     pub listen: Option<String>,
@@ -635,6 +656,7 @@ pub struct RouterFlags {
 impl RouterConfig {
     /// Refuse unknown policies and non-positive durations.
     pub fn validate(&self) -> Result<()> {
+        pdserve_router::served_model::check_names(&self.served_model_name)?;
         for (flag, name) in [
             ("--prefill-policy", &self.prefill_policy),
             ("--decode-policy", &self.decode_policy),
@@ -677,6 +699,7 @@ impl RouterFlags {
     pub fn resolve(&self) -> Result<(RouterConfig, Vec<Entry>)> {
         let mut f = Flags::new();
         flag(&mut f, "model", &self.model);
+        flag(&mut f, "served_model_name", &self.served_model_name);
         flag(&mut f, "listen", &self.listen);
         flag(&mut f, "prefill", &self.prefill);
         flag(&mut f, "decode", &self.decode);
@@ -726,6 +749,7 @@ impl RouterConfig {
     pub fn defaults() -> Self {
         RouterConfig {
             model: None,
+            served_model_name: Vec::new(),
             listen: "127.0.0.1:8000".into(),
             prefill: Vec::new(),
             decode: Vec::new(),

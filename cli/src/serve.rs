@@ -12,6 +12,7 @@ use pdserve_engine::kv::KvLayout;
 use pdserve_engine::{CpuBackend, Engine, PoolSize};
 use pdserve_kernels::WeightDtype;
 use pdserve_proto::pb;
+use pdserve_router::served_model::ServedModel;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -53,20 +54,24 @@ fn config_pb(entries: &[Entry]) -> Vec<pb::ConfigEntry> {
         .collect()
 }
 
-fn model_dir(model: &Option<PathBuf>) -> Result<(PathBuf, String)> {
-    match model {
+/// The model folder and the names it is served under: `served` (--served-model-name),
+/// and the folder's name (`pdserve-embedded` for the embedded model).
+fn model_dir(model: &Option<PathBuf>, served: &[String]) -> Result<(PathBuf, ServedModel)> {
+    let (dir, folder) = match model {
         Some(d) => {
             let name = d
                 .file_name()
                 .map(|n| n.to_string_lossy().into_owned())
                 .unwrap_or_else(|| d.display().to_string());
-            Ok((d.clone(), name))
+            (d.clone(), name)
         }
-        None => Ok((
+        None => (
             pdserve_engine::embedded::model_dir()?,
             "pdserve-embedded".to_string(),
-        )),
-    }
+        ),
+    };
+    let names = served.to_vec();
+    Ok((dir, ServedModel { names, folder }))
 }
 
 /// The gRPC listener and, with `--metrics-listen`, the side port (its address printed as
@@ -152,7 +157,8 @@ pub fn worker(role: WorkerRole, flags: WorkerFlags) -> Result<()> {
     if scribble.is_some() && (role != WorkerRole::Decode || cfg.kv_audit_every == 0) {
         anyhow::bail!("--debug-kv-scribble plants a write for the canary: decode servers with --kv-audit only");
     }
-    let (dir, model_name) = model_dir(&cfg.model)?;
+    let (dir, served) = model_dir(&cfg.model, &cfg.served_model_name)?;
+    let model_name = served.primary().to_string();
     match cfg.device()? {
         Device::Cuda(n) => {
             // Prefill forwards are multi-token and run eagerly; decode steps follow
@@ -257,7 +263,7 @@ pub fn router(flags: RouterFlags) -> Result<()> {
         return cfg.validate();
     }
     cfg.validate()?;
-    let (dir, model_name) = model_dir(&cfg.model)?;
+    let (dir, served) = model_dir(&cfg.model, &cfg.served_model_name)?;
     let mcfg =
         ModelConfig::from_model_dir(&dir).with_context(|| format!("reading {}", dir.display()))?;
     let tokenizer = pdserve_tokenizer::Tokenizer::from_model_dir(&dir)?;
@@ -288,7 +294,7 @@ pub fn router(flags: RouterFlags) -> Result<()> {
             .collect(),
     );
     let settings = pdserve_router::RouterSettings {
-        model_name,
+        model: served,
         prefill: cfg.prefill.clone(),
         decode: cfg.decode.clone(),
         eos_token_ids: mcfg.eos_token_ids.clone(),

@@ -23,6 +23,10 @@ pub struct UpArgs {
     /// Model folder for every process. Default: the embedded model.
     #[arg(long)]
     model: Option<PathBuf>,
+    /// Name(s) the model is served under, for every process (see `pdserve router
+    /// --help`). Default: the model folder's name.
+    #[arg(long, num_args = 1..)]
+    served_model_name: Vec<String>,
     /// TOML config file passed to every prefill and decode server.
     #[arg(long)]
     config: Option<PathBuf>,
@@ -208,6 +212,9 @@ async fn run(a: UpArgs, log_json: bool) -> Result<()> {
         }
         if let Some(m) = &a.model {
             c.arg("--model").arg(m);
+        }
+        if !a.served_model_name.is_empty() {
+            c.arg("--served-model-name").args(&a.served_model_name);
         }
         c
     };

@@ -23,7 +23,7 @@ fn mixed() -> String {
 
 fn inspect(extra: &[&str]) -> serde_json::Value {
     let out = bin()
-        .args(["inspect", "--model", &mixed()])
+        .args(["inspect", "--json", "--model", &mixed()])
         .args(extra)
         .output()
         .unwrap();

@@ -169,7 +169,7 @@ async fn run(state: Arc<AppState>, plan: Plan, api: Api, rid: String, t0: Instan
             Api::Chat => format!("chatcmpl-{rid}"),
         },
         created: now(),
-        model: state.settings.model_name.clone(),
+        model: state.settings.model.primary().to_string(),
         logprobs: plan.job.top_logprobs.is_some(),
         tokenizer: state.tokenizer.clone(),
         echo: plan.echo.clone(),
@@ -286,24 +286,33 @@ async fn choice(
     Ok((choice, d.completion_tokens))
 }
 
-fn model_card(state: &AppState) -> Value {
+fn model_card(state: &AppState, id: &str) -> Value {
     json!({
-        "id": state.settings.model_name, "object": "model", "created": 0, "owned_by": "pdserve",
+        "id": id, "object": "model", "created": 0, "owned_by": "pdserve",
         "max_model_len": state.settings.context_length,
     })
 }
 
+/// `GET /v1/models`: one card per served name.
 pub async fn models(State(state): State<Arc<AppState>>) -> Json<Value> {
-    Json(json!({ "object": "list", "data": [model_card(&state)] }))
+    let data: Vec<Value> = state
+        .settings
+        .model
+        .listed()
+        .into_iter()
+        .map(|id| model_card(&state, id))
+        .collect();
+    Json(json!({ "object": "list", "data": data }))
 }
 
-/// `GET /v1/models/{model}`: the served model, or 404 `model_not_found`.
+/// `GET /v1/models/{model}`: the card under the name asked for (any served name or the
+/// folder's), or 404 `model_not_found`.
 pub async fn model(
     State(state): State<Arc<AppState>>,
     axum::extract::Path(name): axum::extract::Path<String>,
 ) -> Response {
-    match params::check_model(&state, &Some(name)) {
-        Ok(()) => Json(model_card(&state)).into_response(),
+    match params::check_model(&state, &Some(name.clone())) {
+        Ok(()) => Json(model_card(&state, &name)).into_response(),
         Err(e) => e.into_response(),
     }
 }

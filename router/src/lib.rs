@@ -29,6 +29,7 @@ pub mod metrics;
 mod params;
 pub mod policy;
 mod probes;
+pub mod served_model;
 pub mod reply;
 mod shape;
 mod sse;
@@ -46,8 +47,8 @@ use std::time::Duration;
 
 #[derive(Debug, Clone)]
 pub struct RouterSettings {
-    /// Name the model is served under (`model` in requests may be omitted).
-    pub model_name: String,
+    /// Names the model is served under (`model` in requests may be omitted).
+    pub model: served_model::ServedModel,
     /// Prefill worker addresses (host:port).
     pub prefill: Vec<String>,
     /// Decode worker addresses (host:port).

@@ -268,12 +268,13 @@ pub fn refuse_unsupported_completion(c: &CompletionOnly) -> Result<(), ApiError>
     Ok(())
 }
 
-/// The model name a request asks for must be the one served (404 otherwise).
+/// The model name a request asks for must be a served one or the folder's (404 otherwise).
 pub fn check_model(state: &AppState, model: &Option<String>) -> Result<(), ApiError> {
+    let served = &state.settings.model;
     match model {
-        Some(m) if *m != state.settings.model_name => Err(ApiError::not_found(format!(
+        Some(m) if !served.accepts(m) => Err(ApiError::not_found(format!(
             "the model `{m}` does not exist; this router serves `{}`",
-            state.settings.model_name
+            served.listed().join("`, `")
         ))
         .param("model")
         .code("model_not_found")),

@@ -11,7 +11,7 @@ mod peer;
 mod prefill;
 mod serve;
 mod stats;
-mod table;
+pub(crate) mod table;
 mod traffic;
 
 use crate::engine_spec::{weight_dtype, CudaSpec, Device};

@@ -2,6 +2,7 @@
 
 mod quantized_linears;
 pub mod random_weights;
+pub mod storage;
 pub mod weights;
 
 use crate::backend::{
