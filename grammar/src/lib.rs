@@ -249,6 +249,23 @@ mod tests {
     }
 
     #[test]
+    fn json_object_starts_with_a_brace() {
+        let tok = decoder();
+        let mut c = env().constraint(&Grammar::json_object()).unwrap();
+        let m = c.mask().unwrap();
+        let (brace, bracket, a) = (
+            tok.token_to_id("{").unwrap(),
+            tok.token_to_id("[").unwrap(),
+            tok.token_to_id("a").unwrap(),
+        );
+        assert!(m.allows(brace) && !m.allows(bracket) && !m.allows(a) && !m.allows(1));
+        for t in tok.encode("{\"k\": [1, 2]}", false).unwrap().get_ids() {
+            c.commit(*t).unwrap();
+        }
+        assert!(c.is_finished() || c.mask().unwrap().allows(1));
+    }
+
+    #[test]
     fn bad_grammars_are_refused_and_a_refused_token_fails() {
         let e = env();
         for g in [
