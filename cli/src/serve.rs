@@ -12,7 +12,8 @@ use pdserve_engine::kv::KvLayout;
 use pdserve_engine::{CpuBackend, Engine, PoolSize};
 use pdserve_kernels::WeightDtype;
 use pdserve_proto::pb;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 /// Printed on stdout once the listener is bound; `pdserve up` and tests read it.
@@ -136,6 +137,18 @@ fn engine_factory<B: Backend + 'static>(
     Ok((factory, host_pages))
 }
 
+/// The structured-output grammar compiler for the model in `dir` (None without a
+/// tokenizer.json: such requests are refused).
+fn grammar_env(dir: &Path) -> Result<Option<Arc<pdserve_grammar::GrammarEnv>>> {
+    let mcfg =
+        ModelConfig::from_model_dir(dir).with_context(|| format!("reading {}", dir.display()))?;
+    let env = pdserve_grammar::GrammarEnv::from_model_dir(dir, mcfg.vocab_size, &mcfg.eos_token_ids)?;
+    if env.is_none() {
+        tracing::warn!(model = %dir.display(), "no tokenizer.json: structured output is refused");
+    }
+    Ok(env)
+}
+
 pub fn worker(role: WorkerRole, flags: WorkerFlags) -> Result<()> {
     let (cfg, entries) = flags.resolve(role)?;
     if flags.print_config {
@@ -152,6 +165,10 @@ pub fn worker(role: WorkerRole, flags: WorkerFlags) -> Result<()> {
         anyhow::bail!("--debug-kv-scribble plants a write for the canary: decode servers with --kv-audit only");
     }
     let (dir, model_name) = model_dir(&cfg.model)?;
+    let grammar = match role {
+        WorkerRole::Decode => grammar_env(&dir)?,
+        WorkerRole::Prefill => None,
+    };
     match cfg.device()? {
         Device::Cuda(n) => {
             // Prefill forwards are multi-token and run eagerly; decode steps follow
@@ -163,11 +180,11 @@ pub fn worker(role: WorkerRole, flags: WorkerFlags) -> Result<()> {
                 deterministic: cfg.deterministic,
             };
             let factory = engine_factory(&cfg, dir, move || cuda.open(n))?;
-            serve_worker(role, cfg, entries, model_name, scribble, factory)
+            serve_worker(role, cfg, entries, model_name, scribble, grammar, factory)
         }
         _ => {
             let factory = engine_factory(&cfg, dir, || Ok(CpuBackend))?;
-            serve_worker(role, cfg, entries, model_name, scribble, factory)
+            serve_worker(role, cfg, entries, model_name, scribble, grammar, factory)
         }
     }
 }
@@ -178,6 +195,7 @@ fn serve_worker<B: Backend + 'static>(
     entries: Vec<Entry>,
     model_name: String,
     scribble: Option<DebugScribble>,
+    grammar: Option<Arc<pdserve_grammar::GrammarEnv>>,
     (make_engine, host_pages): (EngineFactory<B>, usize),
 ) -> Result<()> {
     let timeout = Duration::from_secs_f64(cfg.request_timeout_s);
@@ -223,6 +241,7 @@ fn serve_worker<B: Backend + 'static>(
                     config: config_pb(&entries),
                     debug_kv_scribble: scribble,
                     cluster_token,
+                    grammar,
                 };
                 pdserve_decode_server::serve(settings, make_engine, ports, shutdown_signal())
                     .await?;
@@ -303,6 +322,7 @@ pub fn router(flags: RouterFlags) -> Result<()> {
         vocab_size: mcfg.vocab_size,
         max_body_bytes: cfg.max_body_bytes,
         chat_renderer: chat_renderer.map(std::sync::Arc::new),
+        grammar: grammar_env(&dir)?,
         chat_template_kwargs: cfg.chat_template_kwargs()?,
         keys: pdserve_router::auth::KeySource {
             api_keys: cfg.api_key.clone(),
