@@ -34,7 +34,7 @@ pub struct Grammar(TopLevelGrammar);
 
 impl Grammar {
     pub fn json_schema(schema: serde_json::Value) -> Self {
-        Grammar(TopLevelGrammar::from_json_schema(schema))
+        Grammar(TopLevelGrammar::from_json_schema(compact_json(schema)))
     }
 
     /// Any JSON object (OpenAI's `json_object`).
@@ -64,6 +64,19 @@ impl Grammar {
             .map(Grammar)
             .map_err(|e| GrammarError::Invalid(format!("grammar from the wire: {e}")))
     }
+}
+
+/// `schema` with llguidance's JSON layout options set (unless it sets its own
+/// `x-guidance`): JSON written as Python's `json.dumps` writes it, `, ` and `: ` between
+/// items and no other whitespace. Free whitespace would let a model pad a reply with
+/// blank lines until `max_tokens` instead of finishing it.
+pub fn compact_json(mut schema: serde_json::Value) -> serde_json::Value {
+    if let Some(o) = schema.as_object_mut() {
+        o.entry("x-guidance").or_insert_with(|| {
+            serde_json::json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "})
+        });
+    }
+    schema
 }
 
 /// The compiler of grammars for one model's tokenizer (built once per process).
@@ -246,6 +259,9 @@ mod tests {
         let n = v["n"].as_u64().unwrap();
         assert!(n <= 99 && ["red", "blue"].contains(&v["c"].as_str().unwrap()), "{v}");
         assert_eq!(v.as_object().unwrap().len(), 2);
+        // Written compactly, as json.dumps writes it.
+        let text = decoder().decode(&ids, false).unwrap();
+        assert_eq!(text, format!("{{\"n\": {n}, \"c\": {}}}", v["c"]));
     }
 
     #[test]

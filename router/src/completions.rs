@@ -72,13 +72,6 @@ fn prepare_chat(state: &AppState, body: &Value, rid: String) -> Result<Plan, Api
     let c: Common = typed(body)?;
     params::check_model(state, &c.model)?;
     let only: ChatOnly = typed(body)?;
-    if only.parallel_tool_calls == Some(false) {
-        return Err(ApiError::invalid(
-            "parallel_tool_calls",
-            "unsupported_parameter",
-            "`parallel_tool_calls: false` is not supported: every call the model writes is returned",
-        ));
-    }
     let top = params::top_logprobs(&c, true)?;
     let renderer = renderer(state)?;
     let input = chat::ChatInput::from_body(body, &state.settings.chat_template_kwargs)?;
@@ -92,7 +85,15 @@ fn prepare_chat(state: &AppState, body: &Value, rid: String) -> Result<Plan, Api
     };
     let mut plan = params::plan(state, &c, prompt, max, None, "messages", rid)?;
     plan.job.top_logprobs = top;
-    let tool_call = chat::tool_grammar::tool_call_grammar(&input.tools, &input.tool_choice)
+    let single = only.parallel_tool_calls == Some(false);
+    if single && matches!(input.tool_choice, chat::ToolChoice::Auto | chat::ToolChoice::None) {
+        return Err(ApiError::invalid(
+            "parallel_tool_calls",
+            "unsupported_parameter",
+            "`parallel_tool_calls: false` needs `tool_choice` required or a named function (a grammar then allows one call); with auto every call the model writes is returned",
+        ));
+    }
+    let tool_call = chat::tool_grammar::tool_call_grammar(&input.tools, &input.tool_choice, single)
         .map(|grammar| structured::Requested {
             grammar,
             param: "tool_choice".into(),

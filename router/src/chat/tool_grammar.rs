@@ -71,7 +71,10 @@ fn invoke_rules(i: usize, params: &Map<String, Value>, named: bool, rules: &mut 
         } else {
             let mut s = schema.as_object().cloned().unwrap_or_default();
             s.extend(defs.clone());
-            rules.push(format!("v_{i}_{j}: %json {}", Value::Object(s)));
+            rules.push(format!(
+                "v_{i}_{j}: %json {}",
+                pdserve_grammar::compact_json(Value::Object(s))
+            ));
             format!("{} v_{i}_{j} {end}", head("false"))
         };
         rules.push(format!("p_{i}_{j}: {value} \"\\n\""));
@@ -85,8 +88,8 @@ fn invoke_rules(i: usize, params: &Map<String, Value>, named: bool, rules: &mut 
 }
 
 /// The grammar of the reply after the forced start, or None when the choice forces no
-/// call (`auto`, `none`).
-pub fn tool_call_grammar(tools: &[Value], choice: &ToolChoice) -> Option<Grammar> {
+/// call (`auto`, `none`). `single` (`parallel_tool_calls: false`): one call only.
+pub fn tool_call_grammar(tools: &[Value], choice: &ToolChoice, single: bool) -> Option<Grammar> {
     let end_block = lit(&format!("\n</{DSML}tool_calls>"));
     let mut rules = Vec::new();
     let start = match choice {
@@ -111,7 +114,11 @@ pub fn tool_call_grammar(tools: &[Value], choice: &ToolChoice) -> Option<Grammar
             // The forced start holds the first call's `<invoke name="`; later calls
             // write their own.
             let next = lit(&format!("\n<{DSML}invoke name=\""));
-            format!("start: call ({next} call)* {end_block}")
+            if single {
+                format!("start: call {end_block}")
+            } else {
+                format!("start: call ({next} call)* {end_block}")
+            }
         }
     };
     rules.insert(0, start);
@@ -150,25 +157,27 @@ mod tests {
                 "required": ["city"]}}}),
             json!({"type": "function", "function": {"name": "now"}}),
         ];
-        assert!(tool_call_grammar(&tools, &ToolChoice::Auto).is_none());
+        assert!(tool_call_grammar(&tools, &ToolChoice::Auto, false).is_none());
         let d = DSML;
         let city = format!("<{d}parameter name=\"city\" string=\"true\">Paris</{d}parameter>\n");
         let days = format!("<{d}parameter name=\"days\" string=\"false\">3</{d}parameter>\n");
         let end = format!("</{d}invoke>\n</{d}tool_calls>");
-        let required = tool_call_grammar(&tools, &ToolChoice::Required).unwrap();
+        let required = tool_call_grammar(&tools, &ToolChoice::Required, false).unwrap();
+        let one = tool_call_grammar(&tools, &ToolChoice::Required, true).unwrap();
         // What the encoder writes for get(city="Paris", days=3), then now().
         let two = format!(
             "get\">\n{city}{days}</{d}invoke>\n<{d}invoke name=\"now\">\n\n{end}"
         );
         assert!(accepts(&required, &two), "{two}");
         assert!(accepts(&required, &format!("get\">\n{city}{end}")));
+        assert!(accepts(&one, &format!("get\">\n{city}{end}")) && !accepts(&one, &two));
         // A required parameter missing, a value of the wrong type, an unknown function.
         assert!(!accepts(&required, &format!("get\">\n{days}{end}")));
         let bad_days = days.replace(">3<", ">\"x\"<");
         assert!(!accepts(&required, &format!("get\">\n{city}{bad_days}{end}")));
         assert!(!accepts(&required, &format!("put\">\n{city}{end}")));
         // Named: the prompt holds the invoke's header; one call of that function.
-        let named = tool_call_grammar(&tools, &ToolChoice::Function("get".into())).unwrap();
+        let named = tool_call_grammar(&tools, &ToolChoice::Function("get".into()), false).unwrap();
         assert!(accepts(&named, &format!("{city}{days}{end}")));
         assert!(!accepts(&named, &format!("get\">\n{city}{end}")));
     }
