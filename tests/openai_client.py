@@ -254,14 +254,14 @@ def main():
         {"role": "assistant", "content": None, "tool_calls": [calls[0].model_dump()]},
         {"role": "tool", "tool_call_id": calls[0].id, "content": "18C, sunny"},
     ]
-    nt = client.chat.completions.create(model=args.model, messages=answered, tools=weather, **greedy)
+    nt = client.chat.completions.create(messages=answered, tools=weather, **greedy)
     tk = post(f"{root}/tokenize", {"messages": answered, "tools": weather})
     check(tk["count"] == nt.usage.prompt_tokens, f"next turn tokenize {tk['count']} vs {nt.usage}")
     dt = post(f"{root}/detokenize", {"tokens": tk["tokens"]})
     check(dt["prompt"].endswith("tool: 18C, sunny\nassistant:"), f"next turn rendered: {dt}")
     # min_tokens: a stop token that would end the reply at once is held off.
     first = lp.choices[0].token_ids[0]
-    held = client.completions.create(prompt=args.prompt, max_tokens=n, temperature=0,
+    held = client.completions.create(model=args.model, prompt=args.prompt, max_tokens=n, temperature=0,
                                      extra_body={"stop_token_ids": [first], "min_tokens": 3})
     check(held.usage.completion_tokens >= 3 and first not in held.choices[0].token_ids[:3], f"min_tokens {held}")
 
