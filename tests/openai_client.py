@@ -216,10 +216,54 @@ def main():
         check(e.param == "temperature", f"temperature error param {e.param}")
 
     try:
-        client.chat.completions.create(messages=messages, extra_body={"min_tokens": 2}, **{k: v for k, v in greedy.items() if k != "extra_body"})
-        check(False, "min_tokens accepted")
+        client.chat.completions.create(messages=messages, extra_body={"guided_json": {}}, **{k: v for k, v in greedy.items() if k != "extra_body"})
+        check(False, "guided_json accepted")
     except openai.BadRequestError as e:
-        check(e.param == "min_tokens" and e.code == "unsupported_parameter", f"unknown field error {e.param} {e.code}")
+        check(e.param == "guided_json" and e.code == "unsupported_parameter", f"unknown field error {e.param} {e.code}")
+
+    # Structured output: a json_schema reply parses and validates; a schema that does not
+    # compile is a 400 naming it.
+    schema = {"type": "object",
+              "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+                             "color": {"enum": ["red", "blue"]}},
+              "required": ["n", "color"], "additionalProperties": False}
+    rf = {"type": "json_schema", "json_schema": {"name": "record", "strict": True, "schema": schema}}
+    js = client.chat.completions.create(model=args.model, messages=messages, max_tokens=60, temperature=0,
+                                        response_format=rf)
+    rec = json.loads(js.choices[0].message.content)
+    check(set(rec) == {"n", "color"} and isinstance(rec["n"], int) and 0 <= rec["n"] <= 99
+          and rec["color"] in ("red", "blue") and js.choices[0].finish_reason == "stop", f"json_schema reply {rec}")
+    try:
+        client.chat.completions.create(model=args.model, messages=messages, max_tokens=4, response_format={
+            "type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "nonsense"}}})
+        check(False, "a schema that does not compile accepted")
+    except openai.BadRequestError as e:
+        check(e.param == "response_format.json_schema.schema", f"bad schema param {e.param}")
+    # A tool call forced by the grammar comes back as tool_calls; answered with a tool
+    # message, the next turn renders it.
+    weather = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"]}}}]
+    ask = [{"role": "user", "content": "Weather in Paris?"}]
+    fc = client.chat.completions.create(model=args.model, messages=ask, tools=weather, tool_choice="required",
+                                        parallel_tool_calls=False, max_tokens=200, temperature=0)
+    calls = fc.choices[0].message.tool_calls
+    check(fc.choices[0].finish_reason == "tool_calls" and calls and calls[0].function.name == "get_weather",
+          f"forced tool call {fc.choices[0]}")
+    check(json.loads(calls[0].function.arguments)["city"] in ("Paris", "Rome"), f"arguments {calls[0].function.arguments}")
+    answered = ask + [
+        {"role": "assistant", "content": None, "tool_calls": [calls[0].model_dump()]},
+        {"role": "tool", "tool_call_id": calls[0].id, "content": "18C, sunny"},
+    ]
+    nt = client.chat.completions.create(messages=answered, tools=weather, **greedy)
+    tk = post(f"{root}/tokenize", {"messages": answered, "tools": weather})
+    check(tk["count"] == nt.usage.prompt_tokens, f"next turn tokenize {tk['count']} vs {nt.usage}")
+    dt = post(f"{root}/detokenize", {"tokens": tk["tokens"]})
+    check(dt["prompt"].endswith("tool: 18C, sunny\nassistant:"), f"next turn rendered: {dt}")
+    # min_tokens: a stop token that would end the reply at once is held off.
+    first = lp.choices[0].token_ids[0]
+    held = client.completions.create(model=args.model, prompt=args.prompt, max_tokens=n, temperature=0,
+                                     extra_body={"stop_token_ids": [first], "min_tokens": 3})
+    check(held.usage.completion_tokens >= 3 and first not in held.choices[0].token_ids[:3], f"min_tokens {held}")
 
     print(json.dumps({
         "completion": text,

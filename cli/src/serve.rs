@@ -13,7 +13,8 @@ use pdserve_engine::{CpuBackend, Engine, PoolSize};
 use pdserve_kernels::WeightDtype;
 use pdserve_proto::pb;
 use pdserve_router::served_model::ServedModel;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 /// Printed on stdout once the listener is bound; `pdserve up` and tests read it.
@@ -142,6 +143,18 @@ fn engine_factory<B: Backend + 'static>(
     Ok((factory, host_pages))
 }
 
+/// The structured-output grammar compiler for the model in `dir` (None without a
+/// tokenizer.json: such requests are refused).
+fn grammar_env(dir: &Path) -> Result<Option<Arc<pdserve_grammar::GrammarEnv>>> {
+    let mcfg =
+        ModelConfig::from_model_dir(dir).with_context(|| format!("reading {}", dir.display()))?;
+    let env = pdserve_grammar::GrammarEnv::from_model_dir(dir, mcfg.vocab_size, &mcfg.eos_token_ids)?;
+    if env.is_none() {
+        tracing::warn!(model = %dir.display(), "no tokenizer.json: structured output is refused");
+    }
+    Ok(env)
+}
+
 pub fn worker(role: WorkerRole, flags: WorkerFlags) -> Result<()> {
     let (cfg, entries) = flags.resolve(role)?;
     if flags.print_config {
@@ -159,6 +172,10 @@ pub fn worker(role: WorkerRole, flags: WorkerFlags) -> Result<()> {
     }
     let (dir, served) = model_dir(&cfg.model, &cfg.served_model_name)?;
     let model_name = served.primary().to_string();
+    let grammar = match role {
+        WorkerRole::Decode => grammar_env(&dir)?,
+        WorkerRole::Prefill => None,
+    };
     match cfg.device()? {
         Device::Cuda(n) => {
             // Prefill forwards are multi-token and run eagerly; decode steps follow
@@ -170,11 +187,11 @@ pub fn worker(role: WorkerRole, flags: WorkerFlags) -> Result<()> {
                 deterministic: cfg.deterministic,
             };
             let factory = engine_factory(&cfg, dir, move || cuda.open(n))?;
-            serve_worker(role, cfg, entries, model_name, scribble, factory)
+            serve_worker(role, cfg, entries, model_name, scribble, grammar, factory)
         }
         _ => {
             let factory = engine_factory(&cfg, dir, || Ok(CpuBackend))?;
-            serve_worker(role, cfg, entries, model_name, scribble, factory)
+            serve_worker(role, cfg, entries, model_name, scribble, grammar, factory)
         }
     }
 }
@@ -185,6 +202,7 @@ fn serve_worker<B: Backend + 'static>(
     entries: Vec<Entry>,
     model_name: String,
     scribble: Option<DebugScribble>,
+    grammar: Option<Arc<pdserve_grammar::GrammarEnv>>,
     (make_engine, host_pages): (EngineFactory<B>, usize),
 ) -> Result<()> {
     let timeout = Duration::from_secs_f64(cfg.request_timeout_s);
@@ -230,6 +248,7 @@ fn serve_worker<B: Backend + 'static>(
                     config: config_pb(&entries),
                     debug_kv_scribble: scribble,
                     cluster_token,
+                    grammar,
                 };
                 pdserve_decode_server::serve(settings, make_engine, ports, shutdown_signal())
                     .await?;
@@ -310,6 +329,7 @@ pub fn router(flags: RouterFlags) -> Result<()> {
         vocab_size: mcfg.vocab_size,
         max_body_bytes: cfg.max_body_bytes,
         chat_renderer: chat_renderer.map(std::sync::Arc::new),
+        grammar: grammar_env(&dir)?,
         chat_template_kwargs: cfg.chat_template_kwargs()?,
         keys: pdserve_router::auth::KeySource {
             api_keys: cfg.api_key.clone(),

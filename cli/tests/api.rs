@@ -275,7 +275,9 @@ fn stops_chat_usage_metrics_and_request_ids() {
     );
 }
 
-/// A model folder with a Jinja chat template: the router renders messages with it.
+/// A model folder with a Jinja chat template: the router renders messages with it. Its
+/// tokenizer config asks for BOS: completions of text get it, chat prompts (whose
+/// template writes it) do not get a second one.
 #[test]
 fn chat_uses_the_models_template() {
     let tok = tokenizer();
@@ -289,7 +291,7 @@ fn chat_uses_the_models_template() {
     let template = "{% if messages[0]['role'] == 'assistant' %}{{ raise_exception('start with a user or system message') }}{% endif %}{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'].strip() }}</{{ m['role'] }}>\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}";
     std::fs::write(
         model.join("tokenizer_config.json"),
-        json!({"chat_template": template, "bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}).to_string(),
+        json!({"chat_template": template, "bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>", "add_bos_token": true}).to_string(),
     )
     .unwrap();
     let c = cluster_with(&["--model", model.to_str().unwrap()]);
@@ -324,6 +326,36 @@ fn chat_uses_the_models_template() {
         chat["choices"][0]["token_ids"],
         same["choices"][0]["token_ids"]
     );
+    // A text completion starts with BOS (once, also when the text starts with it), as
+    // does /tokenize of a prompt unless `add_special_tokens` is false.
+    let text_ids = tok.encode("Parse it").unwrap();
+    let with_bos: Vec<u32> = std::iter::once(0).chain(text_ids.iter().copied()).collect();
+    for prompt in ["Parse it", "<|begin_of_text|>Parse it"] {
+        let (st, _, v) = post(
+            &c.addr,
+            "/v1/completions",
+            &json!({"prompt": prompt, "max_tokens": 3, "temperature": 0, "ignore_eos": true}),
+            &[],
+        );
+        assert_eq!(st, 200, "{v}");
+        assert_eq!(v["usage"]["prompt_tokens"], with_bos.len(), "{prompt}");
+        let (_, _, by_ids) = post(
+            &c.addr,
+            "/v1/completions",
+            &json!({"prompt": with_bos, "max_tokens": 3, "temperature": 0, "ignore_eos": true}),
+            &[],
+        );
+        assert_eq!(v["choices"][0]["token_ids"], by_ids["choices"][0]["token_ids"]);
+    }
+    let (_, _, t) = post(&c.addr, "/tokenize", &json!({"prompt": "Parse it"}), &[]);
+    assert_eq!(t["tokens"], json!(with_bos));
+    let (_, _, t) = post(
+        &c.addr,
+        "/tokenize",
+        &json!({"prompt": "Parse it", "add_special_tokens": false}),
+        &[],
+    );
+    assert_eq!(t["tokens"], json!(text_ids));
     // A template error is the client's 400, not a crash.
     let (st, _, e) = post(
         &c.addr,

@@ -5,6 +5,7 @@
 
 use crate::admission::Permit;
 use crate::events::{Event, Events};
+use crate::logits::Processing;
 use pdserve_engine::backend::Backend;
 use pdserve_engine::config::LayerKind;
 use pdserve_engine::generate::FinishReason;
@@ -28,6 +29,8 @@ pub struct Admit {
     pub prompt_tokens: u32,
     /// Some(n): tokens go out with their log-probabilities and the n best alternatives.
     pub top_logprobs: Option<u32>,
+    /// Logits processing (structured output, min_tokens, ...), None when there is none.
+    pub processing: Option<Processing>,
     pub events: Events,
     pub permit: Permit,
     /// Counts the request for the drain until it leaves the batch.
@@ -106,6 +109,12 @@ where
     Ok((tx, ready_rx))
 }
 
+/// What a request's logits processing failed with: the request's grammar could not go
+/// on. Its own terminal error; the batch carries on.
+fn grammar_failure(e: &pdserve_grammar::GrammarError) -> Failure {
+    Failure::new(ErrorClass::InvalidInput, e.to_string())
+}
+
 /// A token from `logits`, with its log-probabilities when the request asked for them.
 fn sample(
     sampler: &mut Sampler,
@@ -131,6 +140,7 @@ struct Running {
     stop_tokens: Vec<u32>,
     prompt_tokens: u32,
     top_logprobs: Option<u32>,
+    processing: Option<Processing>,
     events: Events,
     _permit: Permit,
     _inflight: InFlight,
@@ -144,6 +154,14 @@ impl Running {
             self.finished(FinishReason::Stop);
             return true;
         }
+        let complete = match self.processing.as_mut().map(|p| p.commit(t)) {
+            Some(Err(e)) => {
+                let _ = self.events.send(Event::Failed(grammar_failure(&e)));
+                return true;
+            }
+            Some(Ok(c)) => c,
+            None => false,
+        };
         self.last = t;
         self.generated += 1;
         let event = match lp {
@@ -153,11 +171,32 @@ impl Running {
         if self.events.send(event).is_err() {
             return true;
         }
+        if complete {
+            // The grammar allows nothing more: the reply is whole.
+            self.finished(FinishReason::Stop);
+            return true;
+        }
         if self.generated >= self.max_new_tokens {
             self.finished(FinishReason::Length);
             return true;
         }
         false
+    }
+
+    /// Sample the next token from the model's `logits`, processed when the request asks.
+    fn sample_next(&mut self, logits: &[f32]) -> Result<(u32, Option<TokenLogprobs>), Failure> {
+        let processed;
+        let l = match self.processing.as_mut() {
+            Some(p) => {
+                processed = p
+                    .apply(logits, self.generated)
+                    .map_err(|e| grammar_failure(&e))?;
+                &processed[..]
+            }
+            None => logits,
+        };
+        sample(&mut self.sampler, l, self.top_logprobs)
+            .map_err(|e| Failure::new(ErrorClass::Internal, format!("sampling: {e}")))
     }
 
     fn finished(&self, reason: FinishReason) {
@@ -294,7 +333,15 @@ impl<B: Backend> Batch<B> {
         };
         // The transferred logits were checksummed: failing to sample them, or sampling
         // another token than the prefill server did, means the KV state is not what P sent.
-        let (t, lp) = match sample(&mut sampler, &a.prefilled.last_logits, a.top_logprobs) {
+        // (The prefill server samples the model's logits as they are: with logits
+        // processing, a copy of the sampler checks that, the request's own samples the
+        // processed logits below.)
+        let mut check = sampler.clone();
+        let checked = match &a.processing {
+            None => sample(&mut sampler, &a.prefilled.last_logits, a.top_logprobs),
+            Some(_) => sample(&mut check, &a.prefilled.last_logits, None),
+        };
+        let (t, lp) = match checked {
             Ok(s) => s,
             Err(e) => return fail(&a.events, Failure::new(ErrorClass::Corrupt, e.to_string())),
         };
@@ -324,11 +371,29 @@ impl<B: Backend> Batch<B> {
             stop_tokens: a.stop_tokens,
             prompt_tokens: a.prompt_tokens,
             top_logprobs: a.top_logprobs,
+            processing: a.processing,
             events: a.events,
             _permit: a.permit,
             _inflight: a.inflight,
         };
         tracing::debug!(positions = r.seq.len(), "joined the batch");
+        let (t, lp) = match r.processing.as_mut() {
+            None => (t, lp),
+            Some(p) => {
+                // This one request's first mask, here on the engine thread: admission
+                // happens once per request.
+                p.prepare();
+                match r.sample_next(&a.prefilled.last_logits) {
+                    Ok(s) => s,
+                    Err(f) => {
+                        tracing::warn!(error = %f.message, "request failed at its first token");
+                        let _ = r.events.send(Event::Failed(f));
+                        self.finish(r);
+                        return;
+                    }
+                }
+            }
+        };
         if r.emit(t, lp) {
             self.finish(r);
         } else {
@@ -409,18 +474,38 @@ impl<B: Backend> Batch<B> {
         }
         self.plant_scribble();
         self.steps += 1;
-        let mut items: Vec<ForwardItem<'_>> = self
-            .running
-            .iter_mut()
-            .map(|r| ForwardItem {
+        let mut items: Vec<ForwardItem<'_>> = Vec::with_capacity(self.running.len());
+        let mut grammars: Vec<&mut Processing> = Vec::new();
+        for r in self.running.iter_mut() {
+            items.push(ForwardItem {
                 seq: &mut r.seq,
                 tokens: std::slice::from_ref(&r.last),
                 logits: Logits::Last,
-            })
-            .collect();
+            });
+            if let Some(p) = r.processing.as_mut().filter(|p| p.has_grammar()) {
+                grammars.push(p);
+            }
+        }
         self.gaps.step_starts(items.len());
         let t0 = std::time::Instant::now();
-        let out = self.engine.forward_each(&mut items);
+        let engine = &mut self.engine;
+        // The grammars' masks for this step's tokens, on their own thread while the
+        // forward runs. A mask that did not come (the thread panicked) fails its request
+        // alone when it samples.
+        let out = std::thread::scope(|s| {
+            let masks = (!grammars.is_empty()).then(|| {
+                s.spawn(move || {
+                    for p in grammars {
+                        p.prepare();
+                    }
+                })
+            });
+            let out = engine.forward_each(&mut items);
+            if masks.is_some_and(|h| h.join().is_err()) {
+                tracing::error!("computing the structured-output masks panicked");
+            }
+            out
+        });
         self.gaps.last_end = Some(std::time::Instant::now());
         drop(items);
         let logits = match out {
@@ -446,17 +531,14 @@ impl<B: Backend> Batch<B> {
                     continue;
                 }
             };
-            match sample(&mut r.sampler, &l.data, r.top_logprobs) {
+            match r.sample_next(&l.data) {
                 Ok((t, lp)) => {
                     if r.emit(t, lp) {
                         gone.push((i, None));
                     }
                 }
-                Err(e) => {
-                    let _ = r.events.send(Event::Failed(Failure::new(
-                        ErrorClass::Internal,
-                        format!("sampling: {e}"),
-                    )));
+                Err(f) => {
+                    let _ = r.events.send(Event::Failed(f));
                     gone.push((i, None));
                 }
             }

@@ -5,6 +5,7 @@
 mod admission;
 mod batch;
 mod events;
+mod logits;
 mod service;
 
 use pdserve_engine::backend::Backend;
@@ -43,6 +44,9 @@ pub struct DecodeSettings {
     pub debug_kv_scribble: Option<DebugScribble>,
     /// Required on every `Generate` call when set, and sent on every pull.
     pub cluster_token: Option<ClusterToken>,
+    /// Compiles requests' structured-output grammars; None when the model folder has no
+    /// tokenizer.json (such requests are refused).
+    pub grammar: Option<Arc<pdserve_grammar::GrammarEnv>>,
 }
 
 pub use batch::{DebugScribble, ScribbleKind};

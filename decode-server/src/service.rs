@@ -4,6 +4,8 @@
 use crate::admission::Admission;
 use crate::batch::Admit;
 use crate::events::Events;
+use crate::logits::{Processing, Spec};
+use pdserve_grammar::Grammar;
 use crate::DecodeSettings;
 use pdserve_engine::kv::KvLayout;
 use pdserve_kv_transfer::{pull_prefill, Expected, PullOptions, TransferError};
@@ -57,6 +59,58 @@ fn prefill_unavailable(e: &TransferError) -> bool {
     }
 }
 
+impl DecodeService {
+    /// The request's logits processing, validated (None: it has none). Its grammar is
+    /// compiled here, once.
+    fn processing(&self, r: &pb::GenerateRequest) -> Result<Option<Processing>, Status> {
+        let vocab = self.vocab_size;
+        if let Some((t, b)) = r
+            .logit_bias
+            .iter()
+            .find(|(&t, b)| t as usize >= vocab || !(-100.0..=100.0).contains(*b))
+        {
+            return Err(Status::invalid_argument(format!(
+                "logit_bias {t}: {b} needs a token id in 0..{vocab} and a bias in [-100, 100]"
+            )));
+        }
+        let penalty = match r.repetition_penalty {
+            0.0 => 1.0,
+            p if p.is_finite() && p > 0.0 => p,
+            p => {
+                return Err(Status::invalid_argument(format!(
+                    "repetition_penalty must be > 0, got {p}"
+                )))
+            }
+        };
+        if r.min_tokens > r.max_new_tokens {
+            return Err(Status::invalid_argument(format!(
+                "min_tokens ({}) exceeds max_new_tokens ({})",
+                r.min_tokens, r.max_new_tokens
+            )));
+        }
+        let grammar = match (r.grammar.as_str(), &self.settings.grammar) {
+            ("", _) => None,
+            (_, None) => {
+                return Err(Status::invalid_argument(
+                    "structured output needs the model's tokenizer.json, which this decode server's model folder lacks",
+                ))
+            }
+            (g, Some(env)) => Some(
+                Grammar::from_wire(g)
+                    .and_then(|g| env.constraint(&g))
+                    .map_err(|e| Status::invalid_argument(e.to_string()))?,
+            ),
+        };
+        let spec = Spec {
+            grammar,
+            min_tokens: r.min_tokens,
+            logit_bias: r.logit_bias.clone(),
+            repetition_penalty: penalty,
+        };
+        Ok((!spec.is_empty()).then(|| Processing::new(spec, &r.prompt, &r.stop_tokens)))
+    }
+}
+
 #[tonic::async_trait]
 impl pb::decode_server::Decode for DecodeService {
     type GenerateStream = UnboundedReceiverStream<Result<pb::TokenEvent, Status>>;
@@ -83,6 +137,7 @@ impl pb::decode_server::Decode for DecodeService {
                 "top_logprobs must be at most {MAX_TOP_LOGPROBS}, got {n}"
             )));
         }
+        let processing = self.processing(&r)?;
         let params = pdserve_worker::sampling_from_pb(r.sampling);
         params
             .validate()
@@ -170,6 +225,7 @@ impl pb::decode_server::Decode for DecodeService {
                 stop_tokens: r.stop_tokens,
                 prompt_tokens,
                 top_logprobs: r.top_logprobs,
+                processing,
                 events: Events::new(tx.clone()),
                 permit,
                 inflight,

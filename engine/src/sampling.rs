@@ -72,11 +72,17 @@ impl SamplingParams {
     }
 }
 
-/// Highest logit; ties go to the lowest id. NaNs never win.
+/// A logit that can be sampled: not NaN, and not -inf (a token masked out by logits
+/// processing, e.g. a grammar).
+fn samplable(v: f32) -> bool {
+    !v.is_nan() && v != f32::NEG_INFINITY
+}
+
+/// Highest logit; ties go to the lowest id. NaNs and -inf (masked tokens) never win.
 pub fn argmax(logits: &[f32]) -> Option<u32> {
     let mut best: Option<(usize, f32)> = None;
     for (i, &v) in logits.iter().enumerate() {
-        if v.is_nan() {
+        if !samplable(v) {
             continue;
         }
         if best.is_none_or(|(_, b)| v > b) {
@@ -202,7 +208,7 @@ impl Sampler {
         let mut cand: Vec<(u32, f32)> = logits
             .iter()
             .enumerate()
-            .filter(|(_, v)| !v.is_nan())
+            .filter(|(_, v)| samplable(**v))
             .map(|(i, &v)| (i as u32, v / t))
             .collect();
         if cand.is_empty() {
@@ -310,6 +316,23 @@ mod tests {
             .validate(),
             Err(SamplingError::MinP(1.5))
         );
+    }
+
+    #[test]
+    fn masked_tokens_are_never_sampled() {
+        let mut logits = vec![f32::NEG_INFINITY; 64];
+        logits[7] = -50.0;
+        logits[9] = -50.5;
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 2.0,
+            seed: 11,
+            ..SamplingParams::default()
+        })
+        .unwrap();
+        for _ in 0..500 {
+            assert!([7, 9].contains(&s.sample(&logits).unwrap()));
+        }
+        assert_eq!(argmax(&[f32::NEG_INFINITY; 3]), None);
     }
 
     #[test]

@@ -8,7 +8,7 @@ use crate::params::{self, ChatOnly, Common, CompletionOnly, Plan};
 use crate::reply::ReplyParser;
 use crate::shape::{finish_reason, tool_calls, Api, Shape};
 use crate::trace::RequestId;
-use crate::{chat, generation, AppState};
+use crate::{chat, generation, structured, AppState};
 use axum::extract::State;
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -30,7 +30,7 @@ fn prepare_completion(state: &AppState, body: &Value, rid: String) -> Result<Pla
     params::check_model(state, &c.model)?;
     let only: CompletionOnly = typed(body)?;
     params::refuse_unsupported_completion(&only)?;
-    let prompt = params::completion_prompt(state, &only.prompt)?;
+    let prompt = params::completion_prompt(state, &only.prompt, true)?;
     let max = c.max_tokens.map(|m| (m, "max_tokens"));
     let top = params::top_logprobs(&c, false)?;
     let echo = match only.echo {
@@ -57,6 +57,13 @@ fn prepare_completion(state: &AppState, body: &Value, rid: String) -> Result<Pla
     let mut plan = params::plan(state, &c, prompt, max, Some(16), "prompt", rid)?;
     plan.job.top_logprobs = top;
     plan.echo = echo;
+    let grammar = structured::one_of(vec![
+        structured::from_response_format(only.response_format.as_ref())?,
+        structured::from_structured_outputs(c.structured_outputs.as_ref())?,
+    ])?;
+    plan.job.processing.grammar = grammar
+        .map(|g| structured::checked(state, &g))
+        .transpose()?;
     Ok(plan)
 }
 
@@ -65,16 +72,11 @@ fn prepare_chat(state: &AppState, body: &Value, rid: String) -> Result<Plan, Api
     let c: Common = typed(body)?;
     params::check_model(state, &c.model)?;
     let only: ChatOnly = typed(body)?;
-    if only.parallel_tool_calls == Some(false) {
-        return Err(ApiError::invalid(
-            "parallel_tool_calls",
-            "unsupported_parameter",
-            "`parallel_tool_calls: false` is not supported: every call the model writes is returned",
-        ));
-    }
     let top = params::top_logprobs(&c, true)?;
-    let rendered = chat_prompt(state, body)?;
-    let prompt = params::completion_prompt(state, &Value::String(rendered.text.clone()))
+    let renderer = renderer(state)?;
+    let input = chat::ChatInput::from_body(body, &state.settings.chat_template_kwargs)?;
+    let rendered = input.render(renderer)?;
+    let prompt = params::completion_prompt(state, &Value::String(rendered.text.clone()), false)
         .map_err(|e| e.param("messages"))?;
     let max = match (only.max_completion_tokens, c.max_tokens) {
         (Some(m), _) => Some((m, "max_completion_tokens")),
@@ -83,6 +85,27 @@ fn prepare_chat(state: &AppState, body: &Value, rid: String) -> Result<Plan, Api
     };
     let mut plan = params::plan(state, &c, prompt, max, None, "messages", rid)?;
     plan.job.top_logprobs = top;
+    let single = only.parallel_tool_calls == Some(false);
+    if single && matches!(input.tool_choice, chat::ToolChoice::Auto | chat::ToolChoice::None) {
+        return Err(ApiError::invalid(
+            "parallel_tool_calls",
+            "unsupported_parameter",
+            "`parallel_tool_calls: false` needs `tool_choice` required or a named function (a grammar then allows one call); with auto every call the model writes is returned",
+        ));
+    }
+    let tool_call = chat::tool_grammar::tool_call_grammar(&input.tools, &input.tool_choice, single)
+        .map(|grammar| structured::Requested {
+            grammar,
+            param: "tool_choice".into(),
+        });
+    let grammar = structured::one_of(vec![
+        tool_call,
+        structured::from_response_format(body.get("response_format"))?,
+        structured::from_structured_outputs(c.structured_outputs.as_ref())?,
+    ])?;
+    plan.job.processing.grammar = grammar
+        .map(|g| structured::checked(state, &g))
+        .transpose()?;
     plan.reply = Some(crate::reply::Format {
         thinking: rendered.thinking,
         parse_tools: rendered.parse_tools,
@@ -93,14 +116,19 @@ fn prepare_chat(state: &AppState, body: &Value, rid: String) -> Result<Plan, Api
 
 /// The rendered prompt of a chat request (or a `/tokenize` body with `messages`).
 pub(crate) fn chat_prompt(state: &AppState, body: &Value) -> Result<chat::Rendered, ApiError> {
-    let Some(renderer) = state.settings.chat_renderer.as_deref() else {
-        return Err(ApiError::invalid(
+    let renderer = renderer(state)?;
+    chat::ChatInput::from_body(body, &state.settings.chat_template_kwargs)?.render(renderer)
+}
+
+/// The model's chat renderer, or the 400 of a model without one.
+fn renderer(state: &AppState) -> Result<&chat::Renderer, ApiError> {
+    state.settings.chat_renderer.as_deref().ok_or_else(|| {
+        ApiError::invalid(
             "messages",
             "chat_template_missing",
             "this model has no chat template (no chat_template.jinja, no chat_template in tokenizer_config.json, no encoding/encoding_dsv4.py): start the router with --chat-template FILE or --chat-template deepseek-v4, or use /v1/completions",
-        ));
-    };
-    chat::ChatInput::from_body(body, &state.settings.chat_template_kwargs)?.render(renderer)
+        )
+    })
 }
 
 pub async fn completions(
@@ -153,6 +181,7 @@ async fn run(state: Arc<AppState>, plan: Plan, api: Api, rid: String, t0: Instan
                 s,
                 state.tokenizer.clone(),
                 plan.stops.clone(),
+                plan.job.processing.min_tokens as usize,
                 plan.job.prompt.len(),
                 t0,
             )),

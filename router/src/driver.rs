@@ -18,6 +18,8 @@ pub struct Driver {
     first: Option<Next>,
     detok: Detok,
     stop: StopMatcher,
+    /// Stop strings are not looked for before this many tokens (vLLM's `min_tokens`).
+    min_tokens: usize,
     t0: Instant,
     last_token: Option<Instant>,
     pub prompt_tokens: usize,
@@ -49,6 +51,7 @@ impl Driver {
         mut started: Started,
         tokenizer: Option<Arc<Tokenizer>>,
         stops: Vec<String>,
+        min_tokens: usize,
         prompt_tokens: usize,
         t0: Instant,
     ) -> Self {
@@ -59,6 +62,7 @@ impl Driver {
             first: Some(first),
             detok: Detok::new(tokenizer),
             stop: StopMatcher::new(stops),
+            min_tokens,
             t0,
             last_token: None,
             prompt_tokens,
@@ -117,7 +121,14 @@ impl Driver {
         self.last_token = Some(now);
         self.completion_tokens += 1;
         let delta = self.detok.push(t);
-        let r = self.stop.push(&delta);
+        let r = if self.completion_tokens < self.min_tokens {
+            crate::stop::Released {
+                text: delta,
+                stopped: false,
+            }
+        } else {
+            self.stop.push(&delta)
+        };
         if r.stopped {
             // Dropping the stream cancels the request on the workers.
             self.started = None;

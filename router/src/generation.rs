@@ -21,6 +21,20 @@ pub struct Job {
     pub stop_tokens: Vec<u32>,
     /// Some(n): every token with its log-probability and the n best alternatives.
     pub top_logprobs: Option<u32>,
+    /// The decode server's logits processing (structured output, min_tokens,
+    /// logit_bias, repetition_penalty).
+    pub processing: Processing,
+}
+
+/// What the decode server does to a request's logits before its sampler sees them.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Processing {
+    /// An llguidance grammar in its wire form ([`pdserve_grammar::Grammar::to_wire`]).
+    pub grammar: Option<String>,
+    pub min_tokens: u32,
+    pub logit_bias: std::collections::HashMap<u32, f32>,
+    /// 1 disables.
+    pub repetition_penalty: f32,
 }
 
 impl Job {
@@ -139,6 +153,10 @@ pub async fn start(state: Arc<AppState>, job: &Job) -> Result<Started, ApiError>
             stop_tokens: job.stop_tokens.clone(),
             prefill_addr: p.addr.clone(),
             top_logprobs: job.top_logprobs,
+            grammar: job.processing.grammar.clone().unwrap_or_default(),
+            min_tokens: job.processing.min_tokens,
+            logit_bias: job.processing.logit_bias.clone(),
+            repetition_penalty: job.processing.repetition_penalty,
         };
         let mut client = pb::decode_client::DecodeClient::new(d.channel.clone());
         let first = tokio::time::timeout(remaining, async {

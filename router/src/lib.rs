@@ -34,6 +34,7 @@ pub mod reply;
 mod shape;
 mod sse;
 mod stop;
+mod structured;
 mod tokenize;
 mod trace;
 mod workers;
@@ -80,6 +81,9 @@ pub struct RouterSettings {
     /// How chat messages become a prompt; None: the model has no chat format and chat
     /// requests are refused.
     pub chat_renderer: Option<Arc<chat::Renderer>>,
+    /// Compiles structured-output grammars to check them (the decode servers compile
+    /// them again to enforce them); None when the model has no tokenizer.json.
+    pub grammar: Option<Arc<pdserve_grammar::GrammarEnv>>,
     /// `--chat-template-kwargs`: defaults a request's `chat_template_kwargs` overrides.
     pub chat_template_kwargs: serde_json::Map<String, serde_json::Value>,
     /// API and admin keys (see [`auth`]).

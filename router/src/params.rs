@@ -3,7 +3,8 @@
 //! options). Every refusal names the field (`param`) and says what is accepted.
 
 use crate::error::ApiError;
-use crate::generation::Job;
+use crate::generation::{Job, Processing};
+use std::collections::HashMap;
 use crate::AppState;
 use pdserve_proto::pb;
 use serde::Deserialize;
@@ -40,6 +41,12 @@ pub struct Common {
     /// Extension (vLLM/SGLang): keep tokens at least `min_p` times as likely as the best.
     pub min_p: Option<f64>,
     pub logit_bias: Option<Value>,
+    /// Extension (vLLM): the stop tokens cannot end the reply before this many tokens.
+    pub min_tokens: Option<i64>,
+    /// Extension (vLLM/HF): > 1 discourages every token of the prompt and the reply.
+    pub repetition_penalty: Option<f64>,
+    /// Extension (vLLM): `{json | regex | choice | grammar | json_object}`.
+    pub structured_outputs: Option<Value>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -54,7 +61,7 @@ pub struct CompletionOnly {
     pub echo: Option<bool>,
     pub suffix: Option<Value>,
     pub best_of: Option<i64>,
-    /// Chat-only fields, refused here rather than ignored.
+    /// A chat-only field, refused here rather than ignored.
     pub tools: Option<Value>,
     pub response_format: Option<Value>,
 }
@@ -68,7 +75,7 @@ pub struct ChatOnly {
 }
 
 /// Request fields both endpoints read.
-const COMMON_FIELDS: [&str; 19] = [
+const COMMON_FIELDS: [&str; 22] = [
     "model",
     "max_tokens",
     "temperature",
@@ -87,12 +94,15 @@ const COMMON_FIELDS: [&str; 19] = [
     "frequency_penalty",
     "min_p",
     "logit_bias",
+    "min_tokens",
+    "repetition_penalty",
+    "structured_outputs",
     // Accepted and ignored (an end-user id for abuse tracking; nothing here uses it).
     "user",
 ];
 
 /// Fields only `/v1/completions` reads.
-const COMPLETION_FIELDS: [&str; 4] = ["prompt", "echo", "suffix", "best_of"];
+const COMPLETION_FIELDS: [&str; 5] = ["prompt", "echo", "suffix", "best_of", "response_format"];
 
 /// Fields only `/v1/chat/completions` reads.
 const CHAT_FIELDS: [&str; 9] = [
@@ -177,16 +187,58 @@ fn refuse_unsupported(c: &Common) -> Result<(), ApiError> {
             ),
         ));
     }
-    if c.logit_bias
-        .as_ref()
-        .is_some_and(|b| !b.is_null() && b.as_object().is_none_or(|o| !o.is_empty()))
+    if let Some(p) = c
+        .repetition_penalty
+        .filter(|&p| !(p.is_finite() && p > 0.0))
     {
-        return Err(unsupported(
-            "logit_bias",
-            "logit biases are not implemented",
+        return Err(ApiError::invalid(
+            "repetition_penalty",
+            "invalid_value",
+            format!("`repetition_penalty` must be > 0 (1 disables), got {p}"),
         ));
     }
     Ok(())
+}
+
+/// OpenAI's `logit_bias`: token ids (as strings) to biases in [-100, 100].
+fn logit_bias(v: &Option<Value>, vocab: usize) -> Result<HashMap<u32, f32>, ApiError> {
+    let o = match v {
+        None | Some(Value::Null) => return Ok(HashMap::new()),
+        Some(Value::Object(o)) => o,
+        Some(x) => {
+            return Err(ApiError::invalid(
+                "logit_bias",
+                "invalid_type",
+                format!("`logit_bias` must be an object of token id to bias, got {x}"),
+            ))
+        }
+    };
+    o.iter()
+        .map(|(k, b)| {
+            let t = k
+                .parse::<u32>()
+                .ok()
+                .filter(|&t| (t as usize) < vocab)
+                .ok_or_else(|| {
+                    ApiError::invalid(
+                        "logit_bias",
+                        "invalid_value",
+                        format!("`logit_bias` keys are token ids in 0..{vocab}, got {k:?}"),
+                    )
+                })?;
+            let b = b
+                .as_f64()
+                .filter(|b| (-100.0..=100.0).contains(b))
+                .ok_or_else(|| {
+                    ApiError::invalid(
+                        "logit_bias",
+                        "invalid_value",
+                        format!("`logit_bias` values are numbers in [-100, 100], got {b} for {k}"),
+                    )
+                })?;
+            Ok((t, b as f32))
+        })
+        .collect()
 }
 
 /// `logprobs` / `top_logprobs`: how many alternatives each token comes with, or None
@@ -257,13 +309,11 @@ pub fn refuse_unsupported_completion(c: &CompletionOnly) -> Result<(), ApiError>
     if c.best_of.is_some_and(|b| b != 1) {
         return Err(unsupported("best_of", "only best_of = 1"));
     }
-    for (p, v) in [("tools", &c.tools), ("response_format", &c.response_format)] {
-        if is_set(v) {
-            return Err(unsupported(
-                p,
-                "it belongs to /v1/chat/completions, not /v1/completions",
-            ));
-        }
+    if is_set(&c.tools) {
+        return Err(unsupported(
+            "tools",
+            "it belongs to /v1/chat/completions, not /v1/completions",
+        ));
     }
     Ok(())
 }
@@ -316,7 +366,9 @@ fn stops(v: &Option<Value>) -> Result<Vec<String>, ApiError> {
     Ok(list)
 }
 
-fn tokenize(state: &AppState, text: &str, param: &str) -> Result<Vec<u32>, ApiError> {
+/// `text`'s ids; with `special`, begun as the tokenizer config says (a completion's
+/// text prompt; a rendered chat template writes its own BOS).
+fn tokenize(state: &AppState, text: &str, param: &str, special: bool) -> Result<Vec<u32>, ApiError> {
     if text.len() > state.prompt_bytes_limit {
         return Err(ApiError::invalid(
             param,
@@ -330,9 +382,12 @@ fn tokenize(state: &AppState, text: &str, param: &str) -> Result<Vec<u32>, ApiEr
         ));
     }
     match &state.tokenizer {
-        Some(t) => t
-            .encode(text)
-            .map_err(|e| ApiError::invalid(param, "invalid_value", e.to_string())),
+        Some(t) => if special {
+            t.encode_prompt(text)
+        } else {
+            t.encode(text)
+        }
+        .map_err(|e| ApiError::invalid(param, "invalid_value", e.to_string())),
         None => Err(ApiError::invalid(
             param,
             "invalid_value",
@@ -359,12 +414,13 @@ pub fn token_ids(state: &AppState, a: &[Value], param: &str) -> Result<Vec<u32>,
         .collect()
 }
 
-/// `prompt`: a string, token ids, or a list holding exactly one of those.
-pub fn completion_prompt(state: &AppState, v: &Value) -> Result<Vec<u32>, ApiError> {
+/// `prompt`: a string, token ids, or a list holding exactly one of those. A string gets
+/// the tokenizer's special tokens (BOS) with `special`; token ids are taken as they are.
+pub fn completion_prompt(state: &AppState, v: &Value, special: bool) -> Result<Vec<u32>, ApiError> {
     let ids = match v {
-        Value::String(s) => tokenize(state, s, "prompt")?,
+        Value::String(s) => tokenize(state, s, "prompt", special)?,
         Value::Array(a) if a.iter().all(Value::is_number) => token_ids(state, a, "prompt")?,
-        Value::Array(a) if a.len() == 1 => return completion_prompt(state, &a[0]),
+        Value::Array(a) if a.len() == 1 => return completion_prompt(state, &a[0], special),
         Value::Array(a) if a.iter().all(|x| x.is_string() || x.is_array()) => {
             return Err(ApiError::invalid(
                 "prompt",
@@ -498,6 +554,22 @@ pub fn plan(
             ),
         ));
     }
+    let min_tokens = match c.min_tokens.unwrap_or(0) {
+        m if m >= 0 && m as u64 <= max_new as u64 => m as u32,
+        m => {
+            return Err(ApiError::invalid(
+                "min_tokens",
+                "invalid_value",
+                format!("`min_tokens` must be in 0..=max_tokens ({max_new}), got {m}"),
+            ))
+        }
+    };
+    let processing = Processing {
+        grammar: None,
+        min_tokens,
+        logit_bias: logit_bias(&c.logit_bias, vocab)?,
+        repetition_penalty: c.repetition_penalty.unwrap_or(1.0) as f32,
+    };
     let include_usage = c
         .stream_options
         .as_ref()
@@ -519,6 +591,7 @@ pub fn plan(
             max_new_tokens: max_new as u32,
             stop_tokens,
             top_logprobs: None,
+            processing,
         },
         stops,
         stream: c.stream.unwrap_or(false),

@@ -1,6 +1,6 @@
 //! `POST /tokenize` and `POST /detokenize` in vLLM's shapes. `/tokenize` takes `prompt`
-//! (with `add_special_tokens`, accepted as vLLM does and meaning nothing here: pdserve
-//! adds no special tokens to a text prompt) or `messages` with every chat rendering field
+//! (with `add_special_tokens`, default true: the BOS a completion of that text gets, as
+//! the tokenizer config says) or `messages` with every chat rendering field
 //! (`tools`, `tool_choice`, `chat_template_kwargs`, `reasoning_effort`,
 //! `add_generation_prompt`), and answers `{"tokens", "count", "max_model_len"}`; the ids
 //! are exactly what a chat completion of the same body prefills (one code path renders
@@ -59,10 +59,23 @@ fn tokenize_ids(state: &AppState, body: &Value) -> Result<Vec<u32>, ApiError> {
             "invalid_value",
             "send either `prompt` or `messages`, not both",
         )),
-        (Some(p), None) => params::completion_prompt(state, p),
+        (Some(p), None) => {
+            let special = match body.get("add_special_tokens") {
+                None | Some(Value::Null) => true,
+                Some(Value::Bool(b)) => *b,
+                Some(x) => {
+                    return Err(ApiError::invalid(
+                        "add_special_tokens",
+                        "invalid_type",
+                        format!("`add_special_tokens` must be a boolean, got {x}"),
+                    ))
+                }
+            };
+            params::completion_prompt(state, p, special)
+        }
         (None, Some(_)) => {
             let text = chat_prompt(state, body)?.text;
-            params::completion_prompt(state, &Value::String(text)).map_err(|e| e.param("messages"))
+            params::completion_prompt(state, &Value::String(text), false).map_err(|e| e.param("messages"))
         }
         (None, None) => Err(ApiError::invalid(
             "prompt",

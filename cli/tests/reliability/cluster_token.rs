@@ -36,7 +36,7 @@ fn generate_status(addr: &str, prefill: &str, token: Option<&str>) -> tonic::Sta
             max_new_tokens: 2,
             stop_tokens: Vec::new(),
             prefill_addr: prefill.to_string(),
-            top_logprobs: None,
+            ..Default::default()
         };
         c.generate(with_token(req, token)).await.unwrap_err()
     })

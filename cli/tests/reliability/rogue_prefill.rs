@@ -183,7 +183,7 @@ async fn generate(
                 max_new_tokens: 4,
                 stop_tokens: Vec::new(),
                 prefill_addr: prefill.to_string(),
-                top_logprobs: None,
+                ..Default::default()
             })
             .await?
             .into_inner();

@@ -157,11 +157,6 @@ fn fields_of_other_endpoints_and_function_calling_are_refused() {
             "tools",
         ),
         (
-            "/v1/completions",
-            json!({"prompt": "x", "response_format": {"type": "text"}}),
-            "response_format",
-        ),
-        (
             "/v1/chat/completions",
             json!({"messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]}),
             "functions",

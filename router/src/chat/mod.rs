@@ -10,6 +10,7 @@ pub mod jinja;
 pub mod messages;
 pub mod pyjson;
 mod request;
+pub mod tool_grammar;
 
 pub use jinja::{ChatTemplate, TemplateError};
 pub use messages::{Message, Role, ToolCall};

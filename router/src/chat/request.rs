@@ -35,6 +35,10 @@ pub struct ChatInput {
     /// The router's `--chat-template-kwargs` overlaid with the request's.
     pub kwargs: Map<String, Value>,
     pub add_generation_prompt: bool,
+    /// The reply follows a grammar (a JSON `response_format` or `structured_outputs`):
+    /// in thinking mode the prompt closes the reasoning block, so the grammar governs
+    /// the whole reply.
+    pub constrained: bool,
 }
 
 /// A rendered chat prompt and how the reply is to be read.
@@ -250,11 +254,13 @@ impl ChatInput {
                 ))
             }
         };
+        let response_format = response_format(body.get("response_format"))?;
         Ok(ChatInput {
             messages,
             tools,
             tool_choice,
-            response_format: response_format(body.get("response_format"))?,
+            constrained: response_format.is_some() || !is_null(body.get("structured_outputs")),
+            response_format,
             reasoning_effort: top.or(kw),
             kwargs,
             add_generation_prompt,
@@ -283,13 +289,6 @@ impl ChatInput {
         let text = match renderer {
             Renderer::DeepSeekV4 => self.render_v4(thinking)?,
             Renderer::Jinja(t) => {
-                if self.response_format.is_some() {
-                    return Err(bad(
-                        "response_format",
-                        "unsupported_parameter",
-                        "a JSON response_format is rendered only by the DeepSeek-V4 renderer (structured output is not implemented)",
-                    ));
-                }
                 let msgs: Vec<Value> = self
                     .messages
                     .iter()
@@ -324,9 +323,13 @@ impl ChatInput {
     }
 
     /// tool_choice `required` / a named function: the reply is started as a DSML tool
-    /// call (after an empty reasoning block in thinking mode).
+    /// call (after an empty reasoning block in thinking mode); a reply constrained by a
+    /// grammar starts after an empty reasoning block.
     fn forced_start(&self, thinking: bool) -> String {
         let close = if thinking { dsv4::THINK_END } else { "" };
+        if self.constrained && matches!(self.tool_choice, ToolChoice::Auto | ToolChoice::None) {
+            return close.to_string();
+        }
         let d = dsv4::DSML;
         match &self.tool_choice {
             ToolChoice::Required => format!("{close}\n\n<{d}tool_calls>\n<{d}invoke name=\""),
