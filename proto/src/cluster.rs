@@ -6,8 +6,8 @@
 //!   time on SHA-256 digests.
 //! - `Worker.Info` / `Health` stay open (they carry no secret, and the router must talk
 //!   to a worker before trusting it), but a caller may send a random [`CHALLENGE`]; a
-//!   worker holding the token answers with [`PROOF`] = HMAC-SHA256(token, challenge). The
-//!   router admits (`POST /workers`) and keeps polling a worker only while its proofs
+//!   worker holding the token answers with [`PROOF`] = HMAC-SHA256(token, "identity",
+//!   challenge). The router admits (`POST /workers`) and keeps polling a worker only while its proofs
 //!   verify, and never sends the token itself to a worker that has not proved it holds it.
 //! - On every `Decode.Generate` the router sends a pull grant, [`GRANT`] =
 //!   HMAC-SHA256(token, "pull", request id, prefill address); a decode server holding the
@@ -238,8 +238,8 @@ mod tests {
             .to_str()
             .unwrap()
             .to_string();
-        assert_ne!(t.prove("req-1\010.0.0.1:50061"), g);
-        assert_ne!(t.prove("pull\0req-1\010.0.0.1:50061"), g);
+        assert_ne!(t.prove("req-1\x0010.0.0.1:50061"), g);
+        assert_ne!(t.prove("pull\x00req-1\x0010.0.0.1:50061"), g);
     }
 
     #[test]
