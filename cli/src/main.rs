@@ -1,6 +1,7 @@
 //! `pdserve`: the user-facing command line.
 
 mod bench;
+mod certs;
 mod commands;
 mod engine_spec;
 mod gpu_check;
@@ -10,6 +11,7 @@ mod model_args;
 mod reference;
 mod roles;
 mod serve;
+mod trust;
 mod up;
 mod wait_ready;
 
@@ -56,6 +58,8 @@ enum Command {
     Router(roles::RouterFlags),
     /// Start router + prefill + decode servers on this machine and wait for Ctrl-C.
     Up(up::UpArgs),
+    /// Write a throwaway CA and a certificate + key per role, for mutual TLS by hand.
+    Certs(certs::CertsArgs),
     /// Compare the CUDA backend with the CPU engine on reference fixtures (pass/fail table).
     GpuCheck(gpu_check::GpuCheckArgs),
     /// Benchmarks: decode and prefill on a synthetic V4-Flash-shaped model with random
@@ -91,6 +95,7 @@ fn main() -> ExitCode {
         Command::Decode(f) => serve::worker(roles::WorkerRole::Decode, f),
         Command::Router(f) => serve::router(f),
         Command::Up(a) => up::up(a, matches!(cli.log_format, LogFormat::Json)),
+        Command::Certs(a) => certs::certs(a),
         Command::GpuCheck(a) => gpu_check::gpu_check(a),
         Command::Bench(a) => bench::bench(a),
         Command::WaitReady(a) => wait_ready::wait_ready(a),

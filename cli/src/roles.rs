@@ -57,6 +57,9 @@ pub struct WorkerConfig {
     pub transfer_progress_timeout_s: f64,
     pub cluster_token: Option<String>,
     pub cluster_token_file: Option<PathBuf>,
+    pub tls_cert: Option<PathBuf>,
+    pub tls_key: Option<PathBuf>,
+    pub tls_ca: Option<PathBuf>,
 }
 
 pub const WORKER_KEYS: &[&str] = &[
@@ -84,6 +87,9 @@ pub const WORKER_KEYS: &[&str] = &[
     "transfer_progress_timeout_s",
     "cluster_token",
     "cluster_token_file",
+    "tls_cert",
+    "tls_key",
+    "tls_ca",
 ];
 
 impl WorkerConfig {
@@ -116,6 +122,9 @@ impl WorkerConfig {
             transfer_progress_timeout_s: 10.0,
             cluster_token: None,
             cluster_token_file: None,
+            tls_cert: None,
+            tls_key: None,
+            tls_ca: None,
         }
     }
 
@@ -330,6 +339,8 @@ pub struct WorkerFlags {
     pub transfer_progress_timeout_s: Option<f64>,
     #[command(flatten)]
     pub cluster: ClusterTokenFlags,
+    #[command(flatten)]
+    pub tls: crate::trust::TlsFlags,
 }
 
 /// The cluster token flags every role takes.
@@ -406,6 +417,7 @@ impl WorkerFlags {
             &self.transfer_progress_timeout_s,
         );
         self.cluster.put(&mut f);
+        self.tls.put(&mut f);
         let (cfg, mut entries) = layered::extract(
             &WorkerConfig::defaults(role),
             self.config.as_deref(),
@@ -450,6 +462,9 @@ pub struct RouterConfig {
     pub allow_unauthenticated: bool,
     pub cluster_token: Option<String>,
     pub cluster_token_file: Option<PathBuf>,
+    pub tls_cert: Option<PathBuf>,
+    pub tls_key: Option<PathBuf>,
+    pub tls_ca: Option<PathBuf>,
     pub max_concurrent_requests: usize,
     pub header_timeout_s: f64,
     pub body_timeout_s: f64,
@@ -536,6 +551,9 @@ pub const ROUTER_KEYS: &[&str] = &[
     "allow_unauthenticated",
     "cluster_token",
     "cluster_token_file",
+    "tls_cert",
+    "tls_key",
+    "tls_ca",
     "max_concurrent_requests",
     "header_timeout_s",
     "body_timeout_s",
@@ -617,6 +635,8 @@ pub struct RouterFlags {
     pub allow_unauthenticated: bool,
     #[command(flatten)]
     pub cluster: ClusterTokenFlags,
+    #[command(flatten)]
+    pub tls: crate::trust::TlsFlags,
     /// Most completion requests in flight at once; past it a 429 with Retry-After.
     #[arg(long)]
     pub max_concurrent_requests: Option<usize>,
@@ -721,6 +741,7 @@ impl RouterFlags {
             &self.allow_unauthenticated.then_some(true),
         );
         self.cluster.put(&mut f);
+        self.tls.put(&mut f);
         flag(
             &mut f,
             "max_concurrent_requests",
@@ -768,6 +789,9 @@ impl RouterConfig {
             allow_unauthenticated: false,
             cluster_token: None,
             cluster_token_file: None,
+            tls_cert: None,
+            tls_key: None,
+            tls_ca: None,
             max_concurrent_requests: 1024,
             header_timeout_s: 10.0,
             body_timeout_s: 10.0,

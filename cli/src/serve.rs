@@ -207,6 +207,14 @@ fn serve_worker<B: Backend + 'static>(
 ) -> Result<()> {
     let timeout = Duration::from_secs_f64(cfg.request_timeout_s);
     let cluster_token = crate::roles::cluster_token(&cfg.cluster_token, &cfg.cluster_token_file)?;
+    let hops = match role {
+        WorkerRole::Prefill => pdserve_proto::tls::Hops::Server,
+        WorkerRole::Decode => pdserve_proto::tls::Hops::Both,
+    };
+    let tls = crate::trust::cluster_tls(&cfg.tls_cert, &cfg.tls_key, &cfg.tls_ca, hops)?;
+    if role == WorkerRole::Decode {
+        crate::trust::require_grant_key("a decode server", &tls, &cluster_token)?;
+    }
     let drain_timeout = Duration::from_secs_f64(cfg.drain_timeout_s);
     // The recorder first (the servers reuse it), so that the decode graphs' counters
     // exist at zero on every decode server, CUDA or not.
@@ -229,6 +237,7 @@ fn serve_worker<B: Backend + 'static>(
                     drain_timeout,
                     config: config_pb(&entries),
                     cluster_token,
+                    tls,
                 };
                 pdserve_prefill_server::serve(settings, make_engine, ports, shutdown_signal())
                     .await?;
@@ -249,6 +258,7 @@ fn serve_worker<B: Backend + 'static>(
                     debug_kv_scribble: scribble,
                     cluster_token,
                     grammar,
+                    tls,
                 };
                 pdserve_decode_server::serve(settings, make_engine, ports, shutdown_signal())
                     .await?;
@@ -312,6 +322,14 @@ pub fn router(flags: RouterFlags) -> Result<()> {
             .map(|e| serde_json::json!({"key": e.key, "value": e.value, "source": e.source}))
             .collect(),
     );
+    let cluster_token = crate::roles::cluster_token(&cfg.cluster_token, &cfg.cluster_token_file)?;
+    let tls = crate::trust::cluster_tls(
+        &cfg.tls_cert,
+        &cfg.tls_key,
+        &cfg.tls_ca,
+        pdserve_proto::tls::Hops::Client,
+    )?;
+    crate::trust::require_grant_key("the router", &tls, &cluster_token)?;
     let settings = pdserve_router::RouterSettings {
         model: served,
         prefill: cfg.prefill.clone(),
@@ -338,7 +356,8 @@ pub fn router(flags: RouterFlags) -> Result<()> {
             admin_key_file: cfg.admin_key_file.clone(),
         },
         allow_unauthenticated: cfg.allow_unauthenticated,
-        cluster_token: crate::roles::cluster_token(&cfg.cluster_token, &cfg.cluster_token_file)?,
+        cluster_token,
+        tls,
         max_concurrent_requests: cfg.max_concurrent_requests,
         http: pdserve_router::http::HttpLimits {
             header_timeout: Duration::from_secs_f64(cfg.header_timeout_s),

@@ -42,6 +42,11 @@ pub struct UpArgs {
     /// Deadline for every process to come up and report healthy, in seconds.
     #[arg(long, default_value_t = 120.0)]
     ready_timeout_s: f64,
+    /// Plain gRPC between the processes (the cluster token still authenticates them).
+    /// Default: mutual TLS with a throwaway CA and per-role certificates made for this
+    /// run (in a private temporary folder, deleted on exit).
+    #[arg(long)]
+    no_tls: bool,
 }
 
 struct Proc {
@@ -204,9 +209,33 @@ async fn run(a: UpArgs, log_json: bool) -> Result<()> {
             .secret()
             .to_string(),
     };
+    // Mutual TLS: a CA that lives for this run only (its key never touches the disk).
+    let certs = if a.no_tls {
+        None
+    } else {
+        let dir = tempfile::Builder::new()
+            .prefix("pdserve-up-")
+            .tempdir()
+            .context("creating the run folder for the certificates")?;
+        crate::certs::generate(dir.path(), &["127.0.0.1".into(), "localhost".into()])?;
+        Some(dir)
+    };
     let base = |role: &str| {
         let mut c = Command::new(&exe);
         c.arg(role).env("PDSERVE_CLUSTER_TOKEN", &token);
+        match &certs {
+            Some(dir) => {
+                let f = crate::certs::files(dir.path(), role);
+                c.env("PDSERVE_TLS_CERT", f.cert)
+                    .env("PDSERVE_TLS_KEY", f.key)
+                    .env("PDSERVE_TLS_CA", f.ca);
+            }
+            None => {
+                for v in ["PDSERVE_TLS_CERT", "PDSERVE_TLS_KEY", "PDSERVE_TLS_CA"] {
+                    c.env_remove(v);
+                }
+            }
+        }
         if log_json {
             c.args(["--log-format", "json"]);
         }
@@ -272,7 +301,15 @@ async fn run(a: UpArgs, log_json: bool) -> Result<()> {
             }
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
-        println!("pdserve up: gRPC hops authenticated with a fresh cluster token");
+        match &certs {
+            Some(dir) => println!(
+                "pdserve up: gRPC hops on mutual TLS (throwaway CA and certificates in {}) and a fresh cluster token",
+                dir.path().display()
+            ),
+            None => println!(
+                "pdserve up: gRPC hops authenticated with a fresh cluster token (--no-tls: not encrypted)"
+            ),
+        }
         println!("pdserve up: ready at {url}");
         match first_answer(&raddr).await {
             Ok(answer) => {

@@ -42,11 +42,14 @@ pub struct DecodeSettings {
     pub config: Vec<pb::ConfigEntry>,
     /// Test-only KV scribble (`--debug-kv-scribble`).
     pub debug_kv_scribble: Option<DebugScribble>,
-    /// Required on every `Generate` call when set, and sent on every pull.
+    /// Required on every `Generate` call when set, with the router's grant for its
+    /// prefill address, and sent on every pull.
     pub cluster_token: Option<ClusterToken>,
     /// Compiles requests' structured-output grammars; None when the model folder has no
     /// tokenizer.json (such requests are refused).
     pub grammar: Option<Arc<pdserve_grammar::GrammarEnv>>,
+    /// Mutual TLS on the gRPC port and on every pull (see [`pdserve_proto::tls`]).
+    pub tls: Option<pdserve_proto::tls::ClusterTls>,
 }
 
 pub use batch::{DebugScribble, ScribbleKind};
@@ -106,5 +109,14 @@ where
         RequireToken(token.clone()),
     ));
     let drain_timeout = settings.drain_timeout;
-    pdserve_worker::serve_grpc(role, status, token, ports.grpc, shutdown, drain_timeout).await
+    pdserve_worker::serve_grpc(
+        role,
+        status,
+        token,
+        settings.tls.as_ref(),
+        ports.grpc,
+        shutdown,
+        drain_timeout,
+    )
+    .await
 }

@@ -1,5 +1,5 @@
 //! The `Decode` gRPC service: validate, admit (backpressure), pull the prompt's KV from
-//! the named prefill server, hand it to the batch loop, stream tokens back.
+//! the prefill server the router granted, hand it to the batch loop, stream tokens back.
 
 use crate::admission::Admission;
 use crate::batch::Admit;
@@ -120,6 +120,11 @@ impl pb::decode_server::Decode for DecodeService {
         req: Request<pb::GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
         let request_id = pdserve_proto::request_id(&req);
+        // Before anything else: the router must have named this prefill server for this
+        // request, so no caller can make this server connect to an address of its choosing.
+        if let Some(t) = &self.settings.cluster_token {
+            t.check_grant(&req, &req.get_ref().prefill_addr)?;
+        }
         let r = req.into_inner();
         if r.prompt.is_empty() {
             return Err(Status::invalid_argument("empty prompt"));
@@ -175,6 +180,7 @@ impl pb::decode_server::Decode for DecodeService {
             prefill_timeout: self.settings.transfer_timeout,
             progress_timeout: self.settings.transfer_progress_timeout,
             cluster_token: self.settings.cluster_token.clone(),
+            tls: self.settings.tls.clone(),
         };
         let expected = Expected {
             positions: r.prompt.len(),

@@ -5,8 +5,8 @@ use pdserve_engine::kv::KvLayout;
 use pdserve_proto::cluster::ClusterToken;
 use pdserve_proto::pb;
 use pdserve_proto::pb::prefill_client::PrefillClient;
+use pdserve_proto::tls::ClusterTls;
 use std::time::{Duration, Instant};
-use tonic::transport::Endpoint;
 
 /// How often a prefill server sends [`crate::progress_message`] while it computes; a
 /// receiver's progress deadline must be well above it.
@@ -23,6 +23,8 @@ pub struct PullOptions {
     pub progress_timeout: Duration,
     /// Sent to the prefill server (which refuses calls without it when it has one).
     pub cluster_token: Option<ClusterToken>,
+    /// Mutual TLS to the prefill server (its certificate checked against the CA).
+    pub tls: Option<ClusterTls>,
 }
 
 impl Default for PullOptions {
@@ -32,6 +34,7 @@ impl Default for PullOptions {
             prefill_timeout: Duration::from_secs(120),
             progress_timeout: Duration::from_secs(10),
             cluster_token: None,
+            tls: None,
         }
     }
 }
@@ -54,7 +57,7 @@ pub async fn pull_prefill(
         addr: addr.to_string(),
         reason,
     };
-    let endpoint = Endpoint::from_shared(format!("http://{addr}"))
+    let endpoint = pdserve_proto::tls::endpoint(addr, opts.tls.as_ref())
         .map_err(|e| unreachable(e.to_string()))?
         .connect_timeout(opts.connect_timeout)
         .http2_keep_alive_interval(Duration::from_secs(1))

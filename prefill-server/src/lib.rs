@@ -39,6 +39,8 @@ pub struct PrefillSettings {
     pub config: Vec<pb::ConfigEntry>,
     /// Required on every `Prefill` call when set.
     pub cluster_token: Option<ClusterToken>,
+    /// Mutual TLS on the gRPC port (a client certificate under the CA required).
+    pub tls: Option<pdserve_proto::tls::ClusterTls>,
 }
 
 pub use pdserve_worker::{Ports, ServeError};
@@ -89,5 +91,14 @@ where
         RequireToken(token.clone()),
     ));
     let drain_timeout = settings.drain_timeout;
-    pdserve_worker::serve_grpc(role, status, token, ports.grpc, shutdown, drain_timeout).await
+    pdserve_worker::serve_grpc(
+        role,
+        status,
+        token,
+        settings.tls.as_ref(),
+        ports.grpc,
+        shutdown,
+        drain_timeout,
+    )
+    .await
 }

@@ -36,3 +36,4 @@ pub fn with_request_id<T>(msg: T, id: &str) -> tonic::Request<T> {
 }
 
 pub mod cluster;
+pub mod tls;

@@ -163,6 +163,7 @@ pub async fn start(state: Arc<AppState>, job: &Job) -> Result<Started, ApiError>
             let mut call = pdserve_proto::with_request_id(req, &job.request_id);
             if let Some(t) = &d.token {
                 t.attach(&mut call);
+                t.grant_pull(&mut call, &p.addr);
             }
             let mut stream = client.generate(call).await?.into_inner();
             let first = stream.message().await?;

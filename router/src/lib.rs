@@ -96,6 +96,8 @@ pub struct RouterSettings {
     pub http: http::HttpLimits,
     /// The cluster token (see [`pdserve_proto::cluster`]): workers must prove it.
     pub cluster_token: Option<pdserve_proto::cluster::ClusterToken>,
+    /// Mutual TLS to every worker (see [`pdserve_proto::tls`]).
+    pub tls: Option<pdserve_proto::tls::ClusterTls>,
     /// DNS names (host:port) whose addresses are the prefill workers (see [`discovery`]).
     pub discover_prefill: Vec<String>,
     /// DNS names (host:port) whose addresses are the decode workers.
@@ -195,11 +197,12 @@ pub async fn serve(
         return Err(ServeError::Unauthenticated(local));
     }
     let reload = tokio::spawn(auth::reload_on_sighup(auth.clone()));
-    let workers = Arc::new(Workers::new(
+    let workers = Arc::new(Workers::with_tls(
         &settings.prefill,
         &settings.decode,
         settings.connect_timeout,
         settings.cluster_token.clone(),
+        settings.tls.clone(),
     )?);
     let prefill_policy = policy::by_name(&settings.prefill_policy)?;
     let decode_policy = policy::by_name(&settings.decode_policy)?;

@@ -7,10 +7,11 @@ use crate::ServeError;
 use pdserve_layout_fields::first_difference;
 use pdserve_proto::cluster::{self, ClusterToken};
 use pdserve_proto::pb;
+use pdserve_proto::tls::ClusterTls;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::Duration;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -39,6 +40,8 @@ pub struct Worker {
     pub channel: Channel,
     /// The cluster token: challenges on every `Info`, sent on calls that do work.
     pub token: Option<ClusterToken>,
+    /// The channel speaks mutual TLS: a worker proves itself in the handshake.
+    pub tls: bool,
     breaker: Mutex<Breaker>,
     /// The last `Worker.Info` answer (model, layout, load).
     info: Mutex<Option<pb::WorkerInfo>>,
@@ -57,13 +60,25 @@ impl Drop for InFlight {
 }
 
 impl Worker {
+    /// A worker reached over plain gRPC.
     pub fn new(
         addr: &str,
         role: Role,
         connect_timeout: Duration,
         token: Option<ClusterToken>,
     ) -> Result<Arc<Self>, ServeError> {
-        let channel = Endpoint::from_shared(format!("http://{addr}"))
+        Worker::with_tls(addr, role, connect_timeout, token, None)
+    }
+
+    /// A worker reached over mutual TLS when `tls` is given.
+    pub fn with_tls(
+        addr: &str,
+        role: Role,
+        connect_timeout: Duration,
+        token: Option<ClusterToken>,
+        tls: Option<&ClusterTls>,
+    ) -> Result<Arc<Self>, ServeError> {
+        let channel = pdserve_proto::tls::endpoint(addr, tls)
             .map_err(|e| ServeError::Address {
                 addr: addr.to_string(),
                 reason: e.to_string(),
@@ -78,6 +93,7 @@ impl Worker {
             role,
             channel,
             token,
+            tls: tls.is_some(),
             breaker: Mutex::new(Breaker::default()),
             info: Mutex::new(None),
             inflight: AtomicU32::new(0),
@@ -280,6 +296,7 @@ pub struct Workers {
     decode: RwLock<Vec<Arc<Worker>>>,
     connect_timeout: Duration,
     token: Option<ClusterToken>,
+    tls: Option<ClusterTls>,
 }
 
 fn read(l: &RwLock<Vec<Arc<Worker>>>) -> Vec<Arc<Worker>> {
@@ -287,16 +304,29 @@ fn read(l: &RwLock<Vec<Arc<Worker>>>) -> Vec<Arc<Worker>> {
 }
 
 impl Workers {
+    /// Workers reached over plain gRPC.
     pub fn new(
         prefill: &[String],
         decode: &[String],
         connect_timeout: Duration,
         token: Option<ClusterToken>,
     ) -> Result<Self, ServeError> {
+        Workers::with_tls(prefill, decode, connect_timeout, token, None)
+    }
+
+    /// Workers (those given now and those added later) reached over mutual TLS when
+    /// `tls` is given.
+    pub fn with_tls(
+        prefill: &[String],
+        decode: &[String],
+        connect_timeout: Duration,
+        token: Option<ClusterToken>,
+        tls: Option<ClusterTls>,
+    ) -> Result<Self, ServeError> {
         let make = |addrs: &[String], role| {
             addrs
                 .iter()
-                .map(|a| Worker::new(a, role, connect_timeout, token.clone()))
+                .map(|a| Worker::with_tls(a, role, connect_timeout, token.clone(), tls.as_ref()))
                 .collect::<Result<Vec<_>, _>>()
         };
         Ok(Workers {
@@ -304,6 +334,7 @@ impl Workers {
             decode: RwLock::new(make(decode, Role::Decode)?),
             connect_timeout,
             token,
+            tls,
         })
     }
 
@@ -345,7 +376,13 @@ impl Workers {
         if self.find(addr).is_some() {
             return Err(AddError::Duplicate(addr.to_string()));
         }
-        let w = Worker::new(addr, role, self.connect_timeout, self.token.clone())?;
+        let w = Worker::with_tls(
+            addr,
+            role,
+            self.connect_timeout,
+            self.token.clone(),
+            self.tls.as_ref(),
+        )?;
         let info = fetch_info(&w, self.connect_timeout.max(Duration::from_secs(1)))
             .await
             .map_err(|e| match e {
@@ -411,12 +448,28 @@ pub enum InfoError {
     /// It answered, but is not a member of this cluster.
     #[error("{0}: not a member of this cluster (wrong or missing --cluster-token)")]
     Identity(&'static str),
+    /// Its TLS handshake failed: no certificate under this cluster's CA for its address.
+    #[error("TLS handshake failed ({0}): not a member of this cluster (its certificate must be signed by --tls-ca and name its address)")]
+    Certificate(String),
+}
+
+/// The innermost cause of a failed handshake (rustls' own words).
+fn handshake_reason(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut cur = Some(e);
+    let mut last = e.to_string();
+    while let Some(err) = cur {
+        last = err.to_string();
+        cur = err.source();
+    }
+    last
 }
 
 /// `Worker.Info` with a deadline. With a cluster token, the call carries a fresh
 /// challenge (never the token) and the answer counts only when the worker's proof
 /// verifies: a worker that cannot prove it holds the token is never admitted, and one
-/// replaced by an impostor at the same address leaves rotation at its next poll.
+/// replaced by an impostor at the same address leaves rotation at its next poll. With
+/// TLS the handshake proves the same (a server certificate under the CA for the
+/// worker's address); a failed one is an identity error, not an unreachable worker.
 pub async fn fetch_info(w: &Worker, deadline: Duration) -> Result<pb::WorkerInfo, InfoError> {
     let mut c = pb::worker_client::WorkerClient::new(w.channel.clone());
     let mut req = tonic::Request::new(pb::Empty {});
@@ -428,6 +481,9 @@ pub async fn fetch_info(w: &Worker, deadline: Duration) -> Result<pb::WorkerInfo
     }
     let resp = match tokio::time::timeout(deadline, c.info(req)).await {
         Ok(Ok(r)) => r,
+        Ok(Err(s)) if w.tls && pdserve_proto::tls::is_handshake_failure(&s) => {
+            return Err(InfoError::Certificate(handshake_reason(&s)))
+        }
         Ok(Err(s)) => return Err(InfoError::Unreachable(s.message().to_string())),
         Err(_) => {
             return Err(InfoError::Unreachable(format!(

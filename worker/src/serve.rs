@@ -6,6 +6,7 @@ use crate::lifecycle::Lifecycle;
 use crate::{Load, WorkerService, WorkerStatus};
 use pdserve_proto::cluster::ClusterToken;
 use pdserve_proto::pb;
+use pdserve_proto::tls::ClusterTls;
 use std::sync::Arc;
 use std::time::Duration;
 use tonic_health::ServingStatus;
@@ -105,11 +106,14 @@ where
 /// multiplexes all its requests to a worker over one connection, so this bounds one peer,
 /// not the cluster), and a message of any service is bounded by its server's decoding
 /// limit. `token` answers identity challenges on `Worker.Info`; the role's own service
-/// checks it on every call (see [`pdserve_proto::cluster`]), wrapped by the role.
+/// checks it on every call (see [`pdserve_proto::cluster`]), wrapped by the role. With
+/// `tls`, every connection must complete a mutual TLS handshake first (a client
+/// certificate under the cluster CA; see [`pdserve_proto::tls`]).
 pub async fn serve_grpc(
     role: tonic::service::Routes,
     status: Arc<WorkerStatus>,
     token: Option<ClusterToken>,
+    tls: Option<&ClusterTls>,
     listener: tokio::net::TcpListener,
     shutdown: impl std::future::Future<Output = ()> + Send,
     drain_timeout: Duration,
@@ -122,7 +126,11 @@ pub async fn serve_grpc(
         )))
         .add_service(health_service);
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let server = tonic::transport::Server::builder()
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(t) = tls {
+        builder = builder.tls_config(t.server())?;
+    }
+    let server = builder
         .http2_keepalive_interval(Some(Duration::from_secs(1)))
         .http2_keepalive_timeout(Some(Duration::from_secs(2)))
         .max_concurrent_streams(Some(MAX_STREAMS_PER_CONNECTION))

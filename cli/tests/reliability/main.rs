@@ -8,6 +8,9 @@
 //!   real traffic fails only its own requests, within its deadlines, in bounded memory.
 //! - `cluster_token`: rogue gRPC clients and rogue workers without the cluster token are
 //!   refused; members serve.
+//! - `mutual_tls`: a cluster on mutual TLS serves; rogue gRPC clients (plain, no
+//!   certificate, another CA's) and workers from another CA are refused; a decode server
+//!   pulls only from the prefill address its router granted; bad TLS files fail at start.
 //! - `slow_clients`: slowloris headers, idle keep-alives, stalled bodies, 429s past
 //!   `--max-concurrent-requests`, refused fields, 2 MB prompts beside normal traffic.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -17,5 +20,6 @@ mod support;
 
 mod auth;
 mod cluster_token;
+mod mutual_tls;
 mod rogue_prefill;
 mod slow_clients;
