@@ -6,6 +6,7 @@ use crate::batch::Admit;
 use crate::events::Events;
 use crate::DecodeSettings;
 use pdserve_engine::kv::KvLayout;
+use pdserve_engine::sampling::Sampler;
 use pdserve_kv_transfer::{pull_prefill, Expected, PullOptions, TransferError};
 use pdserve_proto::{pb, MAX_TOP_LOGPROBS};
 use pdserve_worker::WorkerStatus;
@@ -84,8 +85,7 @@ impl pb::decode_server::Decode for DecodeService {
             )));
         }
         let params = pdserve_worker::sampling_from_pb(r.sampling);
-        params
-            .validate()
+        let sampler = Sampler::for_prompt(params, &r.prompt)
             .map_err(|e| Status::invalid_argument(e.to_string()))?;
         let total = r.prompt.len() + r.max_new_tokens as usize;
         if total > self.max_positions {
@@ -165,7 +165,7 @@ impl pb::decode_server::Decode for DecodeService {
             let admit = Admit {
                 request_id,
                 prefilled,
-                sampling: params,
+                sampler,
                 max_new_tokens: r.max_new_tokens,
                 stop_tokens: r.stop_tokens,
                 prompt_tokens,
