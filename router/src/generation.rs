@@ -1,7 +1,9 @@
 //! One generation through a prefill/decode pair: pick, call, wait for the first token
-//! (retrying on another pair when a worker is down), then read tokens with deadlines.
+//! (retrying on another pair when a worker is down), then read tokens with deadlines; a
+//! decode worker lost mid-stream hands the rest to another pair (see [`crate::migration`]).
 
 use crate::error::ApiError;
+use crate::migration::StreamFault;
 use crate::policy::RouteRequest;
 use crate::workers::{compare, InFlight, Worker};
 use crate::AppState;
@@ -48,8 +50,14 @@ pub struct Started {
     pub first: Next,
     stream: Streaming<pb::TokenEvent>,
     state: Arc<AppState>,
+    decode: Arc<Worker>,
     /// The decode worker counts this request in flight until the stream is dropped.
-    _decode: InFlight,
+    _in_flight: InFlight,
+    /// The job as the client asked it, and every token yielded for it so far (across
+    /// migrations): what a migration re-issues.
+    origin: Job,
+    generated: Vec<u32>,
+    migrations: u32,
 }
 
 fn event(e: pb::TokenEvent) -> Result<Next, tonic::Status> {
@@ -106,9 +114,21 @@ fn worker_fault(code: tonic::Code) -> bool {
 
 /// Start `job` and wait for its first event.
 pub async fn start(state: Arc<AppState>, job: &Job) -> Result<Started, ApiError> {
+    let mut s = start_avoiding(state, job, Vec::new()).await?;
+    if let Next::Token(t, _) = &s.first {
+        s.generated.push(*t);
+    }
+    Ok(s)
+}
+
+/// Start `job` on a pair without the workers in `tried`.
+async fn start_avoiding(
+    state: Arc<AppState>,
+    job: &Job,
+    mut tried: Vec<String>,
+) -> Result<Started, ApiError> {
     let t0 = std::time::Instant::now();
     let budget = state.settings.first_token_timeout;
-    let mut tried: Vec<String> = Vec::new();
     let mut last_err: Option<ApiError> = None;
     let route = RouteRequest {
         prompt: &job.prompt,
@@ -167,7 +187,11 @@ pub async fn start(state: Arc<AppState>, job: &Job) -> Result<Started, ApiError>
                     first: event(ev).map_err(|s| ApiError::from_status(&s, &d.addr))?,
                     stream,
                     state,
-                    _decode: d_flight,
+                    decode: d.clone(),
+                    _in_flight: d_flight,
+                    origin: job.clone(),
+                    generated: Vec::new(),
+                    migrations: 0,
                 });
             }
             Ok(Ok((_, None))) => tonic::Status::unavailable("decode stream ended before any token"),
@@ -198,25 +222,86 @@ pub async fn start(state: Arc<AppState>, job: &Job) -> Result<Started, ApiError>
 }
 
 impl Started {
-    /// The next event; `Ok(None)` after the finish event.
+    /// The next event; `Ok(None)` after the finish event. A lost decode worker's stream
+    /// continues on another pair, up to `--migration-limit` times per stream.
     pub async fn next(&mut self) -> Result<Option<Next>, ApiError> {
+        let fault = match self.read().await {
+            Ok(ev) => return Ok(Some(self.yielded(ev))),
+            Err(f) => f,
+        };
+        if !fault.migratable || self.migrations >= self.state.settings.migration_limit {
+            return Err(fault.error);
+        }
+        self.migrate(fault.error).await.map(Some)
+    }
+
+    fn yielded(&mut self, ev: Next) -> Next {
+        if let Next::Token(t, _) = &ev {
+            self.generated.push(*t);
+        }
+        ev
+    }
+
+    /// Re-issue the prompt and the tokens so far to another pair and adopt its stream;
+    /// the first event of the new stream.
+    async fn migrate(&mut self, lost: ApiError) -> Result<Next, ApiError> {
+        self.migrations += 1;
+        let from = self.decode_addr.clone();
+        self.decode.request_failed(&lost.message);
+        tracing::warn!(request_id = %self.origin.request_id, decode = %from, tokens = self.generated.len(), error = %lost.message, "decode worker lost mid-stream; migrating");
+        let Some(job) = self.origin.resumed(&self.generated) else {
+            // Every token arrived; only the finish event was lost.
+            crate::metrics::migration("ok");
+            return Ok(Next::Finished(pb::Finished {
+                reason: "length".into(),
+                prompt_tokens: self.origin.prompt.len() as u32,
+                completion_tokens: self.generated.len() as u32,
+            }));
+        };
+        match start_avoiding(self.state.clone(), &job, vec![from.clone()]).await {
+            Ok(mut next) => {
+                crate::metrics::migration("ok");
+                tracing::info!(request_id = %job.request_id, from = %from, decode = %next.decode_addr, tokens = self.generated.len(), "stream migrated");
+                let first = std::mem::replace(&mut next.first, Next::Token(0, None));
+                self.decode_addr = next.decode_addr;
+                self.stream = next.stream;
+                self.decode = next.decode;
+                self._in_flight = next._in_flight;
+                Ok(self.yielded(first))
+            }
+            Err(e) => {
+                crate::metrics::migration("failed");
+                Err(ApiError {
+                    message: format!(
+                        "{} (after {} tokens); continuing on another worker pair failed: {}",
+                        lost.message,
+                        self.generated.len(),
+                        e.message
+                    ),
+                    ..lost
+                })
+            }
+        }
+    }
+
+    /// The current stream's next event.
+    async fn read(&mut self) -> Result<Next, StreamFault> {
         let t = self.state.settings.token_timeout;
         match tokio::time::timeout(t, self.stream.message()).await {
-            Err(_) => Err(ApiError::timeout(format!(
+            Err(_) => Err(StreamFault::lost(ApiError::timeout(format!(
                 "decode worker {} sent no token for {t:?}",
                 self.decode_addr
-            ))),
-            Ok(Err(s)) => Err(ApiError::from_status(
+            )))),
+            Ok(Err(s)) => Err(StreamFault::status(
                 &s,
                 &format!("decode worker {}", self.decode_addr),
             )),
-            Ok(Ok(None)) => Err(ApiError::unavailable(format!(
+            Ok(Ok(None)) => Err(StreamFault::lost(ApiError::unavailable(format!(
                 "decode worker {} ended the stream without finishing",
                 self.decode_addr
-            ))),
+            )))),
             Ok(Ok(Some(ev))) => event(ev)
-                .map(Some)
-                .map_err(|s| ApiError::from_status(&s, &self.decode_addr)),
+                .map_err(|s| StreamFault::fatal(ApiError::from_status(&s, &self.decode_addr))),
         }
     }
 }
