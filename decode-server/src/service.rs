@@ -48,11 +48,12 @@ fn shutting_down() -> Status {
     Status::unavailable("decode server shutting down")
 }
 
-/// The prefill server, not this one, could not take the request (down, or loading or
-/// draining): the router retries with another prefill server.
+/// The prefill server, not this one, could not take the request (down, loading or
+/// draining, or silent past the progress deadline: stopped or hung): the router retries
+/// with another prefill server.
 fn prefill_unavailable(e: &TransferError) -> bool {
     match e {
-        TransferError::Unreachable { .. } => true,
+        TransferError::Unreachable { .. } | TransferError::Timeout { .. } => true,
         TransferError::Peer { status, .. } => status.code() == tonic::Code::Unavailable,
         _ => false,
     }

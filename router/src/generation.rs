@@ -206,7 +206,11 @@ async fn start_avoiding(
             &status,
             &format!("{:?} worker {}", culprit.role, culprit.addr).to_lowercase(),
         );
-        if status.code() != tonic::Code::Unavailable {
+        // A prefill server that went silent (stopped, hung) is as good as down: nothing
+        // reached the client yet, so another pair may take the request.
+        let retry = status.code() == tonic::Code::Unavailable
+            || (prefill_failed && status.code() == tonic::Code::DeadlineExceeded);
+        if !retry {
             if worker_fault(status.code()) {
                 culprit.request_failed(status.message());
             }
