@@ -36,6 +36,19 @@ impl Job {
         }
         j
     }
+
+    /// The job that continues this one after `generated` (its tokens so far): the prompt
+    /// grows by them, the token budget shrinks by them, sampling resumes after them.
+    /// None when the budget is spent (only the finish event was lost).
+    pub fn resumed(&self, generated: &[u32]) -> Option<Job> {
+        let k = u32::try_from(generated.len()).ok()?;
+        let left = self.max_new_tokens.checked_sub(k).filter(|&l| l > 0)?;
+        let mut j = self.clone();
+        j.prompt.extend_from_slice(generated);
+        j.max_new_tokens = left;
+        j.sampling.resumed_tokens = self.sampling.resumed_tokens.saturating_add(k);
+        Some(j)
+    }
 }
 
 /// What a started generation yields next.
@@ -307,5 +320,42 @@ impl Started {
             Ok(Ok(Some(ev))) => event(ev)
                 .map_err(|s| StreamFault::fatal(ApiError::from_status(&s, &self.decode_addr))),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    fn job() -> Job {
+        Job {
+            request_id: "r".into(),
+            prompt: vec![5, 6, 7],
+            sampling: pb::SamplingParams {
+                temperature: 0.7,
+                seed: 9,
+                ..Default::default()
+            },
+            max_new_tokens: 10,
+            stop_tokens: vec![1],
+            top_logprobs: Some(2),
+        }
+    }
+
+    #[test]
+    fn a_resumed_job_carries_the_tokens_so_far_and_the_rest_of_the_budget() {
+        let j = job().resumed(&[40, 41, 42]).unwrap();
+        assert_eq!(j.prompt, vec![5, 6, 7, 40, 41, 42]);
+        assert_eq!(j.max_new_tokens, 7);
+        assert_eq!(j.sampling.resumed_tokens, 3);
+        assert_eq!((j.sampling.seed, j.sampling.temperature), (9, 0.7));
+        assert_eq!((&j.stop_tokens, j.top_logprobs), (&vec![1], Some(2)));
+        // Resuming a resumed job adds up.
+        let j2 = j.resumed(&[43]).unwrap();
+        assert_eq!(j2.prompt, vec![5, 6, 7, 40, 41, 42, 43]);
+        assert_eq!((j2.max_new_tokens, j2.sampling.resumed_tokens), (6, 4));
+        // Every token already out: nothing to resume.
+        assert!(job().resumed(&[1; 10]).is_none());
     }
 }

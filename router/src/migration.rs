@@ -10,9 +10,11 @@
 //! Not migrated: failures that say the request itself is wrong (invalid, refused,
 //! mismatched layouts) or that the tokens already sent may be wrong (`DATA_LOSS`: corrupt
 //! KV, a KV canary violation).
+//!
+//! This module decides which faults migrate; the move itself is `Started::migrate` and
+//! the continued job `Job::resumed`, in `generation.rs`.
 
 use crate::error::ApiError;
-use crate::generation::Job;
 
 /// How a started stream broke.
 pub struct StreamFault {
@@ -58,56 +60,9 @@ pub fn migratable(code: tonic::Code) -> bool {
     )
 }
 
-impl Job {
-    /// The job that continues this one after `generated` (its tokens so far): the prompt
-    /// grows by them, the token budget shrinks by them, sampling resumes after them.
-    /// None when the budget is spent (only the finish event was lost).
-    pub fn resumed(&self, generated: &[u32]) -> Option<Job> {
-        let k = u32::try_from(generated.len()).ok()?;
-        let left = self.max_new_tokens.checked_sub(k).filter(|&l| l > 0)?;
-        let mut j = self.clone();
-        j.prompt.extend_from_slice(generated);
-        j.max_new_tokens = left;
-        j.sampling.resumed_tokens = self.sampling.resumed_tokens.saturating_add(k);
-        Some(j)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use pdserve_proto::pb;
-
-    fn job() -> Job {
-        Job {
-            request_id: "r".into(),
-            prompt: vec![5, 6, 7],
-            sampling: pb::SamplingParams {
-                temperature: 0.7,
-                seed: 9,
-                ..Default::default()
-            },
-            max_new_tokens: 10,
-            stop_tokens: vec![1],
-            top_logprobs: Some(2),
-        }
-    }
-
-    #[test]
-    fn a_resumed_job_carries_the_tokens_so_far_and_the_rest_of_the_budget() {
-        let j = job().resumed(&[40, 41, 42]).unwrap();
-        assert_eq!(j.prompt, vec![5, 6, 7, 40, 41, 42]);
-        assert_eq!(j.max_new_tokens, 7);
-        assert_eq!(j.sampling.resumed_tokens, 3);
-        assert_eq!((j.sampling.seed, j.sampling.temperature), (9, 0.7));
-        assert_eq!((j.stop_tokens, j.top_logprobs), (vec![1], Some(2)));
-        // A second migration counts from the original prompt on.
-        let j2 = j.resumed(&[43]).unwrap();
-        assert_eq!(j2.prompt, vec![5, 6, 7, 40, 41, 42, 43]);
-        assert_eq!((j2.max_new_tokens, j2.sampling.resumed_tokens), (6, 4));
-        // Every token already out: nothing to resume.
-        assert!(job().resumed(&[1; 10]).is_none());
-    }
 
     #[test]
     fn only_lost_or_stuck_workers_migrate() {

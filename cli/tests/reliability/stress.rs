@@ -14,7 +14,7 @@ const NEW: usize = 12;
 
 /// Session `s`'s sampling: even sessions greedy, odd ones seeded.
 fn sampling(s: usize) -> (SamplingParams, serde_json::Value) {
-    if s % 2 == 0 {
+    if s.is_multiple_of(2) {
         return (SamplingParams::default(), serde_json::json!({}));
     }
     let seed = 100 + s as u64;
@@ -44,7 +44,7 @@ fn concurrent_multi_turn_sessions_are_exact_and_every_page_comes_back() {
                     for (k, v) in extra.as_object().unwrap() {
                         body[k] = v.clone();
                     }
-                    let out = if (s + t) % 2 == 0 {
+                    let out = if (s + t).is_multiple_of(2) {
                         complete(&addr, &body)
                             .map(|x| x.0)
                             .map_err(|e| format!("{e:?}"))
