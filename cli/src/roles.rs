@@ -443,6 +443,7 @@ pub struct RouterConfig {
     pub first_token_timeout_s: f64,
     pub token_timeout_s: f64,
     pub max_attempts: usize,
+    pub migration_limit: u32,
     pub prefill_policy: String,
     pub decode_policy: String,
     pub health_interval_s: f64,
@@ -539,6 +540,7 @@ pub const ROUTER_KEYS: &[&str] = &[
     "first_token_timeout_s",
     "token_timeout_s",
     "max_attempts",
+    "migration_limit",
     "prefill_policy",
     "decode_policy",
     "health_interval_s",
@@ -599,6 +601,11 @@ pub struct RouterFlags {
     /// Worker pairs tried before the first token.
     #[arg(long)]
     pub max_attempts: Option<usize>,
+    /// Times one stream may move to another prefill/decode pair when its decode worker is
+    /// lost mid-stream (0: never; the stream ends with an error event). Exact continuation
+    /// needs --deterministic workers and greedy or seeded sampling.
+    #[arg(long)]
+    pub migration_limit: Option<u32>,
     /// How prefill workers are chosen: prefix_affinity (requests sharing a prompt prefix
     /// go to the worker whose prefix cache holds it), least_load or round_robin.
     #[arg(long)]
@@ -726,6 +733,7 @@ impl RouterFlags {
         flag(&mut f, "first_token_timeout_s", &self.first_token_timeout_s);
         flag(&mut f, "token_timeout_s", &self.token_timeout_s);
         flag(&mut f, "max_attempts", &self.max_attempts);
+        flag(&mut f, "migration_limit", &self.migration_limit);
         flag(&mut f, "prefill_policy", &self.prefill_policy);
         flag(&mut f, "decode_policy", &self.decode_policy);
         flag(&mut f, "health_interval_s", &self.health_interval_s);
@@ -777,6 +785,7 @@ impl RouterConfig {
             first_token_timeout_s: 120.0,
             token_timeout_s: 30.0,
             max_attempts: 3,
+            migration_limit: 1,
             prefill_policy: "prefix_affinity".into(),
             decode_policy: "least_load".into(),
             health_interval_s: 0.5,

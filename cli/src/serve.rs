@@ -340,6 +340,7 @@ pub fn router(flags: RouterFlags) -> Result<()> {
         connect_timeout: Duration::from_secs(2),
         health_interval: Duration::from_secs_f64(cfg.health_interval_s),
         max_attempts: cfg.max_attempts,
+        migration_limit: cfg.migration_limit,
         prefill_policy: cfg.prefill_policy.clone(),
         decode_policy: cfg.decode_policy.clone(),
         config,

@@ -11,7 +11,7 @@ use pdserve_engine::config::LayerKind;
 use pdserve_engine::generate::FinishReason;
 use pdserve_engine::kv::audit::{Scribble, ScribbleTarget};
 use pdserve_engine::kv::KvLayout;
-use pdserve_engine::sampling::{Sampler, SamplingError, SamplingParams, TokenLogprobs};
+use pdserve_engine::sampling::{Sampler, SamplingError, TokenLogprobs};
 use pdserve_engine::{Engine, EngineError, ErrorClass, ForwardItem, Logits, Sequence};
 use pdserve_kv_transfer::Prefilled;
 use pdserve_worker::{Failure, InFlight, Lifecycle, Load};
@@ -23,7 +23,9 @@ use tokio::sync::{mpsc, oneshot};
 pub struct Admit {
     pub request_id: String,
     pub prefilled: Prefilled,
-    pub sampling: SamplingParams,
+    /// The request's sampler (built where the prompt is known: it may resume a migrated
+    /// stream).
+    pub sampler: Sampler,
     pub max_new_tokens: u32,
     pub stop_tokens: Vec<u32>,
     pub prompt_tokens: u32,
@@ -322,15 +324,7 @@ impl<B: Backend> Batch<B> {
             tracing::warn!(error = %f.message, "request failed at admission");
             let _ = events.send(Event::Failed(f));
         };
-        let mut sampler = match Sampler::new(a.sampling) {
-            Ok(s) => s,
-            Err(e) => {
-                return fail(
-                    &a.events,
-                    Failure::new(ErrorClass::InvalidInput, e.to_string()),
-                )
-            }
-        };
+        let mut sampler = a.sampler;
         // The transferred logits were checksummed: failing to sample them, or sampling
         // another token than the prefill server did, means the KV state is not what P sent.
         // (The prefill server samples the model's logits as they are: with logits

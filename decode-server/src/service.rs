@@ -8,6 +8,7 @@ use crate::logits::{Processing, Spec};
 use pdserve_grammar::Grammar;
 use crate::DecodeSettings;
 use pdserve_engine::kv::KvLayout;
+use pdserve_engine::sampling::Sampler;
 use pdserve_kv_transfer::{pull_prefill, Expected, PullOptions, TransferError};
 use pdserve_proto::{pb, MAX_TOP_LOGPROBS};
 use pdserve_worker::WorkerStatus;
@@ -49,11 +50,12 @@ fn shutting_down() -> Status {
     Status::unavailable("decode server shutting down")
 }
 
-/// The prefill server, not this one, could not take the request (down, or loading or
-/// draining): the router retries with another prefill server.
+/// The prefill server, not this one, could not take the request (down, loading or
+/// draining, or silent past the progress deadline: stopped or hung): the router retries
+/// with another prefill server.
 fn prefill_unavailable(e: &TransferError) -> bool {
     match e {
-        TransferError::Unreachable { .. } => true,
+        TransferError::Unreachable { .. } | TransferError::Timeout { .. } => true,
         TransferError::Peer { status, .. } => status.code() == tonic::Code::Unavailable,
         _ => false,
     }
@@ -144,8 +146,7 @@ impl pb::decode_server::Decode for DecodeService {
         }
         let processing = self.processing(&r)?;
         let params = pdserve_worker::sampling_from_pb(r.sampling);
-        params
-            .validate()
+        let sampler = Sampler::for_prompt(params, &r.prompt)
             .map_err(|e| Status::invalid_argument(e.to_string()))?;
         let total = r.prompt.len() + r.max_new_tokens as usize;
         if total > self.max_positions {
@@ -226,7 +227,7 @@ impl pb::decode_server::Decode for DecodeService {
             let admit = Admit {
                 request_id,
                 prefilled,
-                sampling: params,
+                sampler,
                 max_new_tokens: r.max_new_tokens,
                 stop_tokens: r.stop_tokens,
                 prompt_tokens,

@@ -178,8 +178,8 @@ pub fn generate<B: Backend>(
     if req.prompt.is_empty() {
         return Err(EngineError::InvalidInput("empty prompt".into()));
     }
-    let mut sampler =
-        Sampler::new(req.sampling).map_err(|e| EngineError::InvalidInput(e.to_string()))?;
+    let mut sampler = Sampler::for_prompt(req.sampling, &req.prompt)
+        .map_err(|e| EngineError::InvalidInput(e.to_string()))?;
     with_sequence(engine, |engine, seq| {
         let mut tokens = Vec::new();
         if req.max_new_tokens == 0 {

@@ -1,5 +1,11 @@
 //! Token sampling: presence/frequency penalties, greedy, temperature, top-k, top-p,
 //! min-p; seeded and reproducible.
+//!
+//! The random draw of a request's output token `i` is keyed by `(seed, i)` alone (word
+//! `i` of the ChaCha8 stream of `seed`), never by what else the process sampled before:
+//! a stream the router migrates to another worker pair after `k` tokens
+//! ([`SamplingParams::resumed_tokens`]) draws token `k` exactly as the first worker would
+//! have.
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -19,6 +25,11 @@ pub struct SamplingParams {
     pub presence_penalty: f32,
     /// Subtracted from a token's logit per time it was generated, in [-2, 2].
     pub frequency_penalty: f32,
+    /// The prompt's last `resumed_tokens` tokens are this request's own earlier output (a
+    /// stream migrated after a worker died): sampling continues at output token
+    /// `resumed_tokens` and the penalties count those tokens as generated.
+    #[serde(default)]
+    pub resumed_tokens: u32,
 }
 
 impl Default for SamplingParams {
@@ -31,6 +42,7 @@ impl Default for SamplingParams {
             min_p: 0.0,
             presence_penalty: 0.0,
             frequency_penalty: 0.0,
+            resumed_tokens: 0,
         }
     }
 }
@@ -47,6 +59,8 @@ pub enum SamplingError {
     MinP(f32),
     #[error("{0} must be in [-2, 2], got {1}")]
     Penalty(&'static str, f32),
+    #[error("resumed_tokens {resumed} exceeds the prompt's {prompt} tokens")]
+    Resumed { resumed: u32, prompt: usize },
 }
 
 impl SamplingParams {
@@ -144,24 +158,51 @@ pub fn logprobs(logits: &[f32], temperature: f32, token: u32, top_n: usize) -> T
     }
 }
 
-/// A per-request sampler; its random stream depends only on the seed, its penalties on
-/// the tokens it sampled (the prefill and decode servers' samplers of one request agree:
-/// the decode server re-samples the prefill's first token).
+/// A per-request sampler; the draw of output token `i` depends only on `(seed, i)`, its
+/// penalties on the tokens generated so far (the prefill and decode servers' samplers of
+/// one request agree: the decode server re-samples the prefill's first token).
 #[derive(Debug, Clone)]
 pub struct Sampler {
     params: SamplingParams,
     rng: ChaCha8Rng,
+    /// Index of the next output token: its draw is word `next` of the seed's stream.
+    next: u64,
     /// How often each token was sampled (for the penalties).
     counts: std::collections::HashMap<u32, u32>,
 }
 
 impl Sampler {
+    /// A sampler for a fresh request (`resumed_tokens` is ignored: see [`Sampler::for_prompt`]).
     pub fn new(params: SamplingParams) -> Result<Self, SamplingError> {
+        Self::continuing(params, &[])
+    }
+
+    /// The sampler of a request whose prompt is `prompt`: its last
+    /// `params.resumed_tokens` tokens count as already generated.
+    pub fn for_prompt(params: SamplingParams, prompt: &[u32]) -> Result<Self, SamplingError> {
+        let resumed = params.resumed_tokens as usize;
+        let Some(start) = prompt.len().checked_sub(resumed) else {
+            return Err(SamplingError::Resumed {
+                resumed: params.resumed_tokens,
+                prompt: prompt.len(),
+            });
+        };
+        Self::continuing(params, &prompt[start..])
+    }
+
+    /// A sampler that continues after `earlier`, the tokens this request generated
+    /// before: the next draw is output token `earlier.len()`'s.
+    fn continuing(params: SamplingParams, earlier: &[u32]) -> Result<Self, SamplingError> {
         params.validate()?;
+        let mut counts = std::collections::HashMap::new();
+        for &t in earlier {
+            *counts.entry(t).or_insert(0) += 1;
+        }
         Ok(Sampler {
             params,
             rng: ChaCha8Rng::seed_from_u64(params.seed),
-            counts: std::collections::HashMap::new(),
+            next: earlier.len() as u64,
+            counts,
         })
     }
 
@@ -183,7 +224,7 @@ impl Sampler {
     pub fn sample(&mut self, logits: &[f32]) -> Result<u32, SamplingError> {
         let l = self.penalized(logits);
         let t = self.draw(&l)?;
-        *self.counts.entry(t).or_insert(0) += 1;
+        self.sampled(t);
         Ok(t)
     }
 
@@ -196,8 +237,19 @@ impl Sampler {
     ) -> Result<(u32, TokenLogprobs), SamplingError> {
         let l = self.penalized(logits).into_owned();
         let t = self.draw(&l)?;
-        *self.counts.entry(t).or_insert(0) += 1;
+        self.sampled(t);
         Ok((t, logprobs(&l, self.params.temperature, t, top_n)))
+    }
+
+    fn sampled(&mut self, t: u32) {
+        *self.counts.entry(t).or_insert(0) += 1;
+        self.next += 1;
+    }
+
+    /// The uniform in [0, 1) of the next output token: word `next` of the seed's stream.
+    fn uniform(&mut self) -> f32 {
+        self.rng.set_word_pos(u128::from(self.next));
+        self.rng.random::<f32>()
     }
 
     fn draw(&mut self, logits: &[f32]) -> Result<u32, SamplingError> {
@@ -242,7 +294,7 @@ impl Sampler {
             cand.truncate(keep);
         }
         let mass: f32 = probs.iter().sum();
-        let mut u = self.rng.random::<f32>() * mass;
+        let mut u = self.uniform() * mass;
         for (i, p) in probs.iter().enumerate() {
             if u < *p {
                 return Ok(cand[i].0);
@@ -364,6 +416,51 @@ mod tests {
         top.sort_by(|&x, &y| logits[y as usize].total_cmp(&logits[x as usize]));
         assert!(a.iter().all(|t| top[..3].contains(t)));
         assert!(top[..3].iter().filter(|t| a.contains(t)).count() >= 2);
+    }
+
+    #[test]
+    fn a_resumed_sampler_continues_the_unbroken_stream_exactly() {
+        // Seeded with penalties: the draws after a prompt whose last k tokens are the
+        // first k outputs equal outputs k.. of the unbroken run.
+        let logits: Vec<f32> = (0..40).map(|i| (i as f32 * 0.61).cos()).collect();
+        let p = SamplingParams {
+            temperature: 0.9,
+            top_k: 8,
+            seed: 11,
+            frequency_penalty: 0.4,
+            presence_penalty: 0.2,
+            ..SamplingParams::default()
+        };
+        let mut s = Sampler::new(p).unwrap();
+        let unbroken: Vec<u32> = (0..30).map(|_| s.sample(&logits).unwrap()).collect();
+        for k in [1usize, 7, 29] {
+            let mut prompt = vec![1u32, 2, 3];
+            prompt.extend(&unbroken[..k]);
+            let q = SamplingParams {
+                resumed_tokens: k as u32,
+                ..p
+            };
+            let mut r = Sampler::for_prompt(q, &prompt).unwrap();
+            let rest: Vec<u32> = (k..30).map(|_| r.sample(&logits).unwrap()).collect();
+            assert_eq!(rest, unbroken[k..], "resumed after {k}");
+        }
+        // The draw of token i does not depend on how many samplers ran before.
+        let mut again = Sampler::new(p).unwrap();
+        assert_eq!(again.sample(&logits).unwrap(), unbroken[0]);
+        assert_eq!(
+            Sampler::for_prompt(
+                SamplingParams {
+                    resumed_tokens: 4,
+                    ..p
+                },
+                &[1, 2, 3]
+            )
+            .unwrap_err(),
+            SamplingError::Resumed {
+                resumed: 4,
+                prompt: 3
+            }
+        );
     }
 
     #[test]

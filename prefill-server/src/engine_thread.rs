@@ -143,8 +143,8 @@ impl<B: Backend> Worker<B> {
     /// `Ok(None)`: the requester went away; the sequence is released either way.
     /// Otherwise the prefill and its cached and host-tier token counts.
     fn prefill_one(&mut self, job: &Job) -> Result<Option<(Prefilled, usize, usize)>, EngineError> {
-        let mut sampler =
-            Sampler::new(job.sampling).map_err(|e| EngineError::InvalidInput(e.to_string()))?;
+        let mut sampler = Sampler::for_prompt(job.sampling, &job.prompt)
+            .map_err(|e| EngineError::InvalidInput(e.to_string()))?;
         if job.prompt.is_empty() {
             return Err(EngineError::InvalidInput("empty prompt".into()));
         }

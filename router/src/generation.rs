@@ -1,7 +1,9 @@
 //! One generation through a prefill/decode pair: pick, call, wait for the first token
-//! (retrying on another pair when a worker is down), then read tokens with deadlines.
+//! (retrying on another pair when a worker is down), then read tokens with deadlines; a
+//! decode worker lost mid-stream hands the rest to another pair (see [`crate::migration`]).
 
 use crate::error::ApiError;
+use crate::migration::StreamFault;
 use crate::policy::RouteRequest;
 use crate::workers::{compare, InFlight, Worker};
 use crate::AppState;
@@ -48,6 +50,22 @@ impl Job {
         }
         j
     }
+
+    /// The job that continues this one after `generated` (its tokens so far): the prompt
+    /// grows by them, the token budget shrinks by them, sampling resumes after them.
+    /// None when the budget is spent (only the finish event was lost).
+    pub fn resumed(&self, generated: &[u32]) -> Option<Job> {
+        let k = u32::try_from(generated.len()).ok()?;
+        let left = self.max_new_tokens.checked_sub(k).filter(|&l| l > 0)?;
+        let mut j = self.clone();
+        j.prompt.extend_from_slice(generated);
+        j.max_new_tokens = left;
+        j.sampling.resumed_tokens = self.sampling.resumed_tokens.saturating_add(k);
+        // Tokens already out count towards min_tokens; the repetition penalty sees them in
+        // the prompt, as it did in the output.
+        j.processing.min_tokens = self.processing.min_tokens.saturating_sub(k);
+        Some(j)
+    }
 }
 
 /// What a started generation yields next.
@@ -62,8 +80,14 @@ pub struct Started {
     pub first: Next,
     stream: Streaming<pb::TokenEvent>,
     state: Arc<AppState>,
+    decode: Arc<Worker>,
     /// The decode worker counts this request in flight until the stream is dropped.
-    _decode: InFlight,
+    _in_flight: InFlight,
+    /// The job as the client asked it, and every token yielded for it so far (across
+    /// migrations): what a migration re-issues.
+    origin: Job,
+    generated: Vec<u32>,
+    migrations: u32,
 }
 
 fn event(e: pb::TokenEvent) -> Result<Next, tonic::Status> {
@@ -120,9 +144,21 @@ fn worker_fault(code: tonic::Code) -> bool {
 
 /// Start `job` and wait for its first event.
 pub async fn start(state: Arc<AppState>, job: &Job) -> Result<Started, ApiError> {
+    let mut s = start_avoiding(state, job, Vec::new()).await?;
+    if let Next::Token(t, _) = &s.first {
+        s.generated.push(*t);
+    }
+    Ok(s)
+}
+
+/// Start `job` on a pair without the workers in `tried`.
+async fn start_avoiding(
+    state: Arc<AppState>,
+    job: &Job,
+    mut tried: Vec<String>,
+) -> Result<Started, ApiError> {
     let t0 = std::time::Instant::now();
     let budget = state.settings.first_token_timeout;
-    let mut tried: Vec<String> = Vec::new();
     let mut last_err: Option<ApiError> = None;
     let route = RouteRequest {
         prompt: &job.prompt,
@@ -186,7 +222,11 @@ pub async fn start(state: Arc<AppState>, job: &Job) -> Result<Started, ApiError>
                     first: event(ev).map_err(|s| ApiError::from_status(&s, &d.addr))?,
                     stream,
                     state,
-                    _decode: d_flight,
+                    decode: d.clone(),
+                    _in_flight: d_flight,
+                    origin: job.clone(),
+                    generated: Vec::new(),
+                    migrations: 0,
                 });
             }
             Ok(Ok((_, None))) => tonic::Status::unavailable("decode stream ended before any token"),
@@ -201,7 +241,11 @@ pub async fn start(state: Arc<AppState>, job: &Job) -> Result<Started, ApiError>
             &status,
             &format!("{:?} worker {}", culprit.role, culprit.addr).to_lowercase(),
         );
-        if status.code() != tonic::Code::Unavailable {
+        // A prefill server that went silent (stopped, hung) is as good as down: nothing
+        // reached the client yet, so another pair may take the request.
+        let retry = status.code() == tonic::Code::Unavailable
+            || (prefill_failed && status.code() == tonic::Code::DeadlineExceeded);
+        if !retry {
             if worker_fault(status.code()) {
                 culprit.request_failed(status.message());
             }
@@ -217,25 +261,131 @@ pub async fn start(state: Arc<AppState>, job: &Job) -> Result<Started, ApiError>
 }
 
 impl Started {
-    /// The next event; `Ok(None)` after the finish event.
+    /// The next event; `Ok(None)` after the finish event. A lost decode worker's stream
+    /// continues on another pair, up to `--migration-limit` times per stream.
     pub async fn next(&mut self) -> Result<Option<Next>, ApiError> {
+        let fault = match self.read().await {
+            Ok(ev) => return Ok(Some(self.yielded(ev))),
+            Err(f) => f,
+        };
+        // A structured-output stream does not migrate: its grammar state lives on the
+        // lost decode worker (a new one would start the grammar over mid-output).
+        let constrained = self.origin.processing.grammar.is_some();
+        if !fault.migratable || constrained || self.migrations >= self.state.settings.migration_limit {
+            return Err(fault.error);
+        }
+        self.migrate(fault.error).await.map(Some)
+    }
+
+    fn yielded(&mut self, ev: Next) -> Next {
+        if let Next::Token(t, _) = &ev {
+            self.generated.push(*t);
+        }
+        ev
+    }
+
+    /// Re-issue the prompt and the tokens so far to another pair and adopt its stream;
+    /// the first event of the new stream.
+    async fn migrate(&mut self, lost: ApiError) -> Result<Next, ApiError> {
+        self.migrations += 1;
+        let from = self.decode_addr.clone();
+        self.decode.request_failed(&lost.message);
+        tracing::warn!(request_id = %self.origin.request_id, decode = %from, tokens = self.generated.len(), error = %lost.message, "decode worker lost mid-stream; migrating");
+        let Some(job) = self.origin.resumed(&self.generated) else {
+            // Every token arrived; only the finish event was lost.
+            crate::metrics::migration("ok");
+            return Ok(Next::Finished(pb::Finished {
+                reason: "length".into(),
+                prompt_tokens: self.origin.prompt.len() as u32,
+                completion_tokens: self.generated.len() as u32,
+            }));
+        };
+        match start_avoiding(self.state.clone(), &job, vec![from.clone()]).await {
+            Ok(mut next) => {
+                crate::metrics::migration("ok");
+                tracing::info!(request_id = %job.request_id, from = %from, decode = %next.decode_addr, tokens = self.generated.len(), "stream migrated");
+                let first = std::mem::replace(&mut next.first, Next::Token(0, None));
+                self.decode_addr = next.decode_addr;
+                self.stream = next.stream;
+                self.decode = next.decode;
+                self._in_flight = next._in_flight;
+                Ok(self.yielded(first))
+            }
+            Err(e) => {
+                crate::metrics::migration("failed");
+                Err(ApiError {
+                    message: format!(
+                        "{} (after {} tokens); continuing on another worker pair failed: {}",
+                        lost.message,
+                        self.generated.len(),
+                        e.message
+                    ),
+                    ..lost
+                })
+            }
+        }
+    }
+
+    /// The current stream's next event.
+    async fn read(&mut self) -> Result<Next, StreamFault> {
         let t = self.state.settings.token_timeout;
         match tokio::time::timeout(t, self.stream.message()).await {
-            Err(_) => Err(ApiError::timeout(format!(
+            Err(_) => Err(StreamFault::lost(ApiError::timeout(format!(
                 "decode worker {} sent no token for {t:?}",
                 self.decode_addr
-            ))),
-            Ok(Err(s)) => Err(ApiError::from_status(
+            )))),
+            Ok(Err(s)) => Err(StreamFault::status(
                 &s,
                 &format!("decode worker {}", self.decode_addr),
             )),
-            Ok(Ok(None)) => Err(ApiError::unavailable(format!(
+            Ok(Ok(None)) => Err(StreamFault::lost(ApiError::unavailable(format!(
                 "decode worker {} ended the stream without finishing",
                 self.decode_addr
-            ))),
+            )))),
             Ok(Ok(Some(ev))) => event(ev)
-                .map(Some)
-                .map_err(|s| ApiError::from_status(&s, &self.decode_addr)),
+                .map_err(|s| StreamFault::fatal(ApiError::from_status(&s, &self.decode_addr))),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    fn job() -> Job {
+        Job {
+            request_id: "r".into(),
+            prompt: vec![5, 6, 7],
+            sampling: pb::SamplingParams {
+                temperature: 0.7,
+                seed: 9,
+                ..Default::default()
+            },
+            max_new_tokens: 10,
+            stop_tokens: vec![1],
+            top_logprobs: Some(2),
+            processing: Processing {
+                min_tokens: 5,
+                ..Default::default()
+            },
+        }
+    }
+
+    #[test]
+    fn a_resumed_job_carries_the_tokens_so_far_and_the_rest_of_the_budget() {
+        let j = job().resumed(&[40, 41, 42]).unwrap();
+        assert_eq!(j.prompt, vec![5, 6, 7, 40, 41, 42]);
+        assert_eq!(j.max_new_tokens, 7);
+        assert_eq!(j.sampling.resumed_tokens, 3);
+        assert_eq!((j.sampling.seed, j.sampling.temperature), (9, 0.7));
+        assert_eq!((&j.stop_tokens, j.top_logprobs), (&vec![1], Some(2)));
+        assert_eq!(j.processing.min_tokens, 2);
+        // Resuming a resumed job adds up.
+        let j2 = j.resumed(&[43]).unwrap();
+        assert_eq!(j2.prompt, vec![5, 6, 7, 40, 41, 42, 43]);
+        assert_eq!((j2.max_new_tokens, j2.sampling.resumed_tokens), (6, 4));
+        // Every token already out: nothing to resume.
+        assert!(job().resumed(&[1; 10]).is_none());
     }
 }

@@ -4,7 +4,8 @@
 //! (Prometheus). For each request it picks a prefill worker P and a decode worker D
 //! through a [`policy::RoutingPolicy`], asks D to generate with P as its prefill source,
 //! and streams D's tokens to the client. A failure before the first token is retried on
-//! another pair; after it, the client's stream ends with an error event.
+//! another pair; a decode worker lost after it hands the stream to another pair
+//! (`--migration-limit`, [`migration`]); other failures end the stream with an error event.
 //!
 //! Workers come from flags/config and from `POST /workers` / `DELETE /workers/{address}`
 //! (`GET /workers` lists them with circuit state and load); a health loop polls each
@@ -26,6 +27,7 @@ pub mod http;
 pub mod limits;
 mod logprobs;
 pub mod metrics;
+mod migration;
 mod params;
 pub mod policy;
 mod probes;
@@ -66,6 +68,8 @@ pub struct RouterSettings {
     pub health_interval: Duration,
     /// Pairs tried for one request before its first token.
     pub max_attempts: usize,
+    /// Times one stream may move to another pair after its decode worker is lost (0: never).
+    pub migration_limit: u32,
     /// Routing policy for prefill workers (see [`policy::NAMES`]).
     pub prefill_policy: String,
     /// Routing policy for decode workers.

@@ -13,6 +13,7 @@
 //! | `pdserve_router_prompt_tokens_total` | counter | |
 //! | `pdserve_router_completion_tokens_total` | counter | |
 //! | `pdserve_router_retries_total` | counter | pairs retried before a first token |
+//! | `pdserve_router_migrations_total` | counter | `outcome` (`ok`, `failed`): streams moved to another pair after their decode worker was lost |
 
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use std::sync::OnceLock;
@@ -77,6 +78,10 @@ fn describe() {
         "pdserve_router_retries_total",
         "Worker pairs retried before a request's first token"
     );
+    describe_counter!(
+        "pdserve_router_migrations_total",
+        "Streams continued on another worker pair after their decode worker was lost mid-stream, by outcome"
+    );
 }
 
 /// Periodic upkeep of the recorder (drains histogram buffers), until the task is dropped.
@@ -119,6 +124,11 @@ pub fn completion_tokens(n: usize) {
 
 pub fn retry() {
     metrics::counter!("pdserve_router_retries_total").increment(1);
+}
+
+/// A mid-stream migration: `ok` (the stream continued) or `failed`.
+pub fn migration(outcome: &'static str) {
+    metrics::counter!("pdserve_router_migrations_total", "outcome" => outcome).increment(1);
 }
 
 /// Counts a generation as running while alive.

@@ -587,6 +587,7 @@ pub fn plan(
                 min_p: c.min_p.unwrap_or(0.0) as f32,
                 presence_penalty: c.presence_penalty.unwrap_or(0.0) as f32,
                 frequency_penalty: c.frequency_penalty.unwrap_or(0.0) as f32,
+                resumed_tokens: 0,
             },
             max_new_tokens: max_new as u32,
             stop_tokens,

@@ -14,6 +14,7 @@ pub fn sampling_from_pb(s: Option<pb::SamplingParams>) -> SamplingParams {
         min_p: s.min_p,
         presence_penalty: s.presence_penalty,
         frequency_penalty: s.frequency_penalty,
+        resumed_tokens: s.resumed_tokens,
     })
 }
 
@@ -27,6 +28,7 @@ pub fn sampling_to_pb(p: &SamplingParams) -> pb::SamplingParams {
         min_p: p.min_p,
         presence_penalty: p.presence_penalty,
         frequency_penalty: p.frequency_penalty,
+        resumed_tokens: p.resumed_tokens,
     }
 }
 
@@ -45,6 +47,7 @@ mod tests {
             min_p: 0.05,
             presence_penalty: 0.5,
             frequency_penalty: -0.25,
+            resumed_tokens: 3,
         };
         let p = sampling_from_pb(Some(wire));
         assert_eq!((p.top_k, p.seed), (40, 7));
@@ -52,6 +55,7 @@ mod tests {
             (p.min_p, p.presence_penalty, p.frequency_penalty),
             (0.05, 0.5, -0.25)
         );
+        assert_eq!(p.resumed_tokens, 3);
         assert_eq!(sampling_to_pb(&p), wire);
     }
 }

@@ -13,6 +13,12 @@
 //!   pulls only from the prefill address its router granted; bad TLS files fail at start.
 //! - `slow_clients`: slowloris headers, idle keep-alives, stalled bodies, 429s past
 //!   `--max-concurrent-requests`, refused fields, 2 MB prompts beside normal traffic.
+//! - `migration`: a decode server SIGKILLed mid-stream; the router continues the stream on
+//!   another pair and the client's text (greedy, seeded) equals the unbroken reference.
+//! - `role_faults`: kill, stop and restart of each role (prefill, decode, router) with
+//!   requests in flight: full outputs or clear errors, nothing hangs, pages freed.
+//! - `stress`: 32 concurrent multi-turn sessions, exact against the reference, every page
+//!   back at the end.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 #[path = "../support/mod.rs"]
@@ -20,6 +26,10 @@ mod support;
 
 mod auth;
 mod cluster_token;
+mod migration;
 mod mutual_tls;
+mod pd;
 mod rogue_prefill;
+mod role_faults;
 mod slow_clients;
+mod stress;

@@ -271,17 +271,22 @@ pub struct Sse {
 impl Sse {
     /// Next (event name, data); None at end of stream. Read errors (timeouts) panic.
     pub fn next(&mut self) -> Option<(String, String)> {
+        self.try_next().expect("reading the event stream")
+    }
+
+    /// As [`Sse::next`], read errors (a reset connection, a timeout) returned.
+    pub fn try_next(&mut self) -> std::io::Result<Option<(String, String)>> {
         let mut event = "message".to_string();
         loop {
             let mut l = String::new();
-            if self.r.read_line(&mut l).expect("reading the event stream") == 0 {
-                return None;
+            if self.r.read_line(&mut l)? == 0 {
+                return Ok(None);
             }
             let l = l.trim_end_matches(['\r', '\n']);
             if let Some(e) = l.strip_prefix("event:") {
                 event = e.trim().to_string();
             } else if let Some(d) = l.strip_prefix("data:") {
-                return Some((event, d.trim_start().to_string()));
+                return Ok(Some((event, d.trim_start().to_string())));
             }
         }
     }
