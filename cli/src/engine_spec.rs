@@ -108,11 +108,11 @@ pub fn numerics(s: &str) -> Result<Numerics> {
         .context("--numerics")
 }
 
-/// Why a layout spec cannot run on the CUDA backend yet (`None`: it can): its kernels
-/// read f32/bf16 compressed KV and run no activation quantization.
+/// Why a layout spec cannot run on the CUDA backend yet (`None`: it can): its kernels run
+/// no activation quantization and no Hadamard rotation (fp8 KV entries they do run).
 pub fn cuda_refusal(spec: &KvLayoutSpec) -> Option<&'static str> {
-    (spec.numerics == Numerics::Deepseek || spec.kv_dtype == EntryDtype::Fp8E4m3).then_some(
-        "--numerics deepseek and --kv-dtype fp8 run on the CPU backend only for now (the CUDA kernels read f32/bf16 compressed KV and quantize no activations); use --device cpu",
+    (spec.numerics == Numerics::Deepseek).then_some(
+        "--numerics deepseek runs on the CPU backend only for now (the CUDA kernels quantize no activations); use --device cpu, or --numerics transformers (--kv-dtype fp8 runs on the GPU)",
     )
 }
 
