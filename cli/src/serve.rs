@@ -148,7 +148,8 @@ fn engine_factory<B: Backend + 'static>(
 fn grammar_env(dir: &Path) -> Result<Option<Arc<pdserve_grammar::GrammarEnv>>> {
     let mcfg =
         ModelConfig::from_model_dir(dir).with_context(|| format!("reading {}", dir.display()))?;
-    let env = pdserve_grammar::GrammarEnv::from_model_dir(dir, mcfg.vocab_size, &mcfg.eos_token_ids)?;
+    let env =
+        pdserve_grammar::GrammarEnv::from_model_dir(dir, mcfg.vocab_size, &mcfg.eos_token_ids)?;
     if env.is_none() {
         tracing::warn!(model = %dir.display(), "no tokenizer.json: structured output is refused");
     }

@@ -345,7 +345,10 @@ fn chat_uses_the_models_template() {
             &json!({"prompt": with_bos, "max_tokens": 3, "temperature": 0, "ignore_eos": true}),
             &[],
         );
-        assert_eq!(v["choices"][0]["token_ids"], by_ids["choices"][0]["token_ids"]);
+        assert_eq!(
+            v["choices"][0]["token_ids"],
+            by_ids["choices"][0]["token_ids"]
+        );
     }
     let (_, _, t) = post(&c.addr, "/tokenize", &json!({"prompt": "Parse it"}), &[]);
     assert_eq!(t["tokens"], json!(with_bos));

@@ -25,7 +25,10 @@ fn check_schema(text: &str) {
     let o = v.as_object().unwrap();
     assert_eq!(o.len(), 3, "{v}");
     assert!(v["n"].as_u64().is_some_and(|n| n <= 99), "{v}");
-    assert!(["red", "blue"].contains(&v["color"].as_str().unwrap()), "{v}");
+    assert!(
+        ["red", "blue"].contains(&v["color"].as_str().unwrap()),
+        "{v}"
+    );
     assert!(v["ok"].is_boolean(), "{v}");
 }
 
@@ -40,9 +43,16 @@ fn weather_tool() -> Value {
 fn check_call(call: &Value) {
     assert_eq!(call["type"], "function");
     assert_eq!(call["function"]["name"], "get_weather", "{call}");
-    let args: Value = serde_json::from_str(call["function"]["arguments"].as_str().unwrap()).unwrap();
-    assert!(["Paris", "Rome"].contains(&args["city"].as_str().unwrap()), "{args}");
-    assert!(args["days"].as_u64().is_some_and(|d| (1..=7).contains(&d)), "{args}");
+    let args: Value =
+        serde_json::from_str(call["function"]["arguments"].as_str().unwrap()).unwrap();
+    assert!(
+        ["Paris", "Rome"].contains(&args["city"].as_str().unwrap()),
+        "{args}"
+    );
+    assert!(
+        args["days"].as_u64().is_some_and(|d| (1..=7).contains(&d)),
+        "{args}"
+    );
 }
 
 #[test]
@@ -53,7 +63,10 @@ fn replies_follow_regexes_choices_schemas_and_forced_tool_calls() {
 
     // A regex on a completion, greedy and sampled: the text matches; the reply ends when
     // the regex is complete.
-    for extra in [json!({"temperature": 0}), json!({"temperature": 1, "seed": 3, "n": 3})] {
+    for extra in [
+        json!({"temperature": 0}),
+        json!({"temperature": 1, "seed": 3, "n": 3}),
+    ] {
         let mut body = json!({"prompt": "Answer:", "max_tokens": 40,
                               "structured_outputs": {"regex": "(yes|no), [0-9]{2}"}});
         for (k, v) in extra.as_object().unwrap() {
@@ -65,7 +78,10 @@ fn replies_follow_regexes_choices_schemas_and_forced_tool_calls() {
             let text = ch["text"].as_str().unwrap();
             let (word, num) = text.split_once(", ").unwrap_or_else(|| panic!("{text:?}"));
             assert!(["yes", "no"].contains(&word), "{text:?}");
-            assert!(num.len() == 2 && num.bytes().all(|b| b.is_ascii_digit()), "{text:?}");
+            assert!(
+                num.len() == 2 && num.bytes().all(|b| b.is_ascii_digit()),
+                "{text:?}"
+            );
             assert_eq!(ch["finish_reason"], "stop", "{v}");
         }
     }
@@ -80,7 +96,10 @@ fn replies_follow_regexes_choices_schemas_and_forced_tool_calls() {
     );
     assert_eq!(st, 200, "{v}");
     for ch in v["choices"].as_array().unwrap() {
-        assert!(["red", "green", "light blue"].contains(&ch["text"].as_str().unwrap()), "{v}");
+        assert!(
+            ["red", "green", "light blue"].contains(&ch["text"].as_str().unwrap()),
+            "{v}"
+        );
     }
 
     // response_format json_schema on chat (whole and streamed) and on completions.
@@ -119,7 +138,10 @@ fn replies_follow_regexes_choices_schemas_and_forced_tool_calls() {
     // model would go on calling) and a named function come back as tool_calls whose
     // arguments follow the function's schema.
     let weather = json!([{"role": "user", "content": "Weather in Paris?"}]);
-    for choice in [json!("required"), json!({"type": "function", "function": {"name": "get_weather"}})] {
+    for choice in [
+        json!("required"),
+        json!({"type": "function", "function": {"name": "get_weather"}}),
+    ] {
         let (st, _, v) = post(
             addr,
             "/v1/chat/completions",
@@ -139,10 +161,18 @@ fn replies_follow_regexes_choices_schemas_and_forced_tool_calls() {
             weather[0],
             {"role": "assistant", "content": null, "tool_calls": [calls[0]]},
             {"role": "tool", "tool_call_id": calls[0]["id"], "content": "18C, sunny"}]);
-        let (st, _, t) = post(addr, "/tokenize", &json!({"messages": next, "tools": weather_tool()}), &[]);
+        let (st, _, t) = post(
+            addr,
+            "/tokenize",
+            &json!({"messages": next, "tools": weather_tool()}),
+            &[],
+        );
         assert_eq!(st, 200, "{t}");
         let (_, _, d) = post(addr, "/detokenize", &json!({"tokens": t["tokens"]}), &[]);
-        assert!(d["prompt"].as_str().unwrap().contains("tool: 18C, sunny"), "{d}");
+        assert!(
+            d["prompt"].as_str().unwrap().contains("tool: 18C, sunny"),
+            "{d}"
+        );
     }
     // Streamed, the call comes as a tool_calls delta.
     let chunks = sse(
@@ -211,8 +241,13 @@ fn logit_bias_min_tokens_and_repetition_penalty_change_what_is_sampled() {
     assert!(kept["text"].as_str().unwrap().starts_with(&head), "{kept}");
 
     // A huge repetition penalty: no token of the prompt or of the reply comes again.
-    let fresh = ids(&greedy(json!({"repetition_penalty": 1e6, "max_tokens": 16})));
+    let fresh = ids(&greedy(
+        json!({"repetition_penalty": 1e6, "max_tokens": 16}),
+    ));
     for (i, t) in fresh.iter().enumerate() {
-        assert!(!p.contains(t) && !fresh[..i].contains(t), "{fresh:?} (prompt {p:?})");
+        assert!(
+            !p.contains(t) && !fresh[..i].contains(t),
+            "{fresh:?} (prompt {p:?})"
+        );
     }
 }

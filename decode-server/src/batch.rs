@@ -485,7 +485,8 @@ impl<B: Backend> Batch<B> {
         let engine = &mut self.engine;
         // The grammars' masks for this step's tokens, on their own thread while the
         // forward runs. A mask that did not come (the thread panicked) fails its request
-        // alone when it samples.
+        // alone when it samples. (The scope only hands forward_each's own result out.)
+        #[allow(clippy::result_large_err)]
         let out = std::thread::scope(|s| {
             let masks = (!grammars.is_empty()).then(|| {
                 s.spawn(move || {

@@ -161,10 +161,7 @@ mod tests {
         );
         assert!(!p.commit(2).unwrap());
         // Token 2 now seen: (0.5 + 5) / 2; at 2 generated tokens the stop token is back.
-        assert_eq!(
-            p.apply(&logits, 2).unwrap(),
-            vec![-98.0, -2.0, 2.75, 3.0]
-        );
+        assert_eq!(p.apply(&logits, 2).unwrap(), vec![-98.0, -2.0, 2.75, 3.0]);
         assert!(spec().is_empty());
     }
 }

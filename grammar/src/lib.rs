@@ -87,7 +87,10 @@ pub struct GrammarEnv {
 impl std::fmt::Debug for GrammarEnv {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("GrammarEnv")
-            .field("vocab_size", &self.factory.tok_env().tok_trie().vocab_size())
+            .field(
+                "vocab_size",
+                &self.factory.tok_env().tok_trie().vocab_size(),
+            )
             .finish()
     }
 }
@@ -197,7 +200,9 @@ mod tests {
 
     fn env() -> Arc<GrammarEnv> {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/embedded");
-        GrammarEnv::from_model_dir(&dir, 512, &[1]).unwrap().unwrap()
+        GrammarEnv::from_model_dir(&dir, 512, &[1])
+            .unwrap()
+            .unwrap()
     }
 
     fn decoder() -> tokenizers::Tokenizer {
@@ -232,12 +237,19 @@ mod tests {
 
     #[test]
     fn a_regex_forces_its_text_and_then_the_end() {
-        let mut c = env().constraint(&Grammar::regex("(yes|no) [0-9]{3}")).unwrap();
+        let mut c = env()
+            .constraint(&Grammar::regex("(yes|no) [0-9]{3}"))
+            .unwrap();
         let (ids, _) = run(&mut c);
         let text = decoder().decode(&ids, false).unwrap();
         let re_ok = (text.starts_with("yes ") || text.starts_with("no "))
             && text.rsplit(' ').next().unwrap().len() == 3
-            && text.rsplit(' ').next().unwrap().bytes().all(|b| b.is_ascii_digit());
+            && text
+                .rsplit(' ')
+                .next()
+                .unwrap()
+                .bytes()
+                .all(|b| b.is_ascii_digit());
         assert!(re_ok, "{text:?}");
         // Complete: only the end token is allowed now.
         let m = c.mask().unwrap();
@@ -257,7 +269,10 @@ mod tests {
         let v: serde_json::Value =
             serde_json::from_str(&decoder().decode(&ids, false).unwrap()).unwrap();
         let n = v["n"].as_u64().unwrap();
-        assert!(n <= 99 && ["red", "blue"].contains(&v["c"].as_str().unwrap()), "{v}");
+        assert!(
+            n <= 99 && ["red", "blue"].contains(&v["c"].as_str().unwrap()),
+            "{v}"
+        );
         assert_eq!(v.as_object().unwrap().len(), 2);
         // Written compactly, as json.dumps writes it.
         let text = decoder().decode(&ids, false).unwrap();

@@ -27,8 +27,8 @@ impl ModelTokEnv {
         };
         let json: serde_json::Value =
             serde_json::from_str(text).map_err(|e| load(e.to_string()))?;
-        let mut words = llguidance::token_bytes_from_tokenizer_json(&json)
-            .map_err(|e| load(e.to_string()))?;
+        let mut words =
+            llguidance::token_bytes_from_tokenizer_json(&json).map_err(|e| load(e.to_string()))?;
         if words.len() > vocab_size {
             return Err(load(format!(
                 "{} tokens, more than the model's vocab_size {vocab_size}",

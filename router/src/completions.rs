@@ -86,7 +86,12 @@ fn prepare_chat(state: &AppState, body: &Value, rid: String) -> Result<Plan, Api
     let mut plan = params::plan(state, &c, prompt, max, None, "messages", rid)?;
     plan.job.top_logprobs = top;
     let single = only.parallel_tool_calls == Some(false);
-    if single && matches!(input.tool_choice, chat::ToolChoice::Auto | chat::ToolChoice::None) {
+    if single
+        && matches!(
+            input.tool_choice,
+            chat::ToolChoice::Auto | chat::ToolChoice::None
+        )
+    {
         return Err(ApiError::invalid(
             "parallel_tool_calls",
             "unsupported_parameter",

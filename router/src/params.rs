@@ -4,11 +4,11 @@
 
 use crate::error::ApiError;
 use crate::generation::{Job, Processing};
-use std::collections::HashMap;
 use crate::AppState;
 use pdserve_proto::pb;
 use serde::Deserialize;
 use serde_json::Value;
+use std::collections::HashMap;
 
 /// At most this many choices per request (`n`).
 pub const MAX_N: i64 = 16;
@@ -368,7 +368,12 @@ fn stops(v: &Option<Value>) -> Result<Vec<String>, ApiError> {
 
 /// `text`'s ids; with `special`, begun as the tokenizer config says (a completion's
 /// text prompt; a rendered chat template writes its own BOS).
-fn tokenize(state: &AppState, text: &str, param: &str, special: bool) -> Result<Vec<u32>, ApiError> {
+fn tokenize(
+    state: &AppState,
+    text: &str,
+    param: &str,
+    special: bool,
+) -> Result<Vec<u32>, ApiError> {
     if text.len() > state.prompt_bytes_limit {
         return Err(ApiError::invalid(
             param,

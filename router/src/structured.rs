@@ -6,8 +6,8 @@
 
 use crate::error::ApiError;
 use crate::AppState;
-use pdserve_grammar::{Grammar, GrammarError};
 use axum::http::StatusCode;
+use pdserve_grammar::{Grammar, GrammarError};
 use serde_json::Value;
 
 /// A grammar and the request field it came from (named by errors).
@@ -45,30 +45,32 @@ pub fn from_response_format(rf: Option<&Value>) -> Result<Option<Requested>, Api
                     "a json_schema response format needs `json_schema` (with `name` and `schema`)",
                 ));
             };
-            if js.get("strict").is_some_and(|s| !s.is_boolean() && !s.is_null()) {
+            if js
+                .get("strict")
+                .is_some_and(|s| !s.is_boolean() && !s.is_null())
+            {
                 return Err(bad(
                     &at("json_schema.strict"),
                     "invalid_type",
                     "`strict` must be a boolean",
                 ));
             }
-            let schema = match js.get("schema") {
-                Some(s @ Value::Object(_)) => s.clone(),
-                None | Some(Value::Null) => {
-                    return Err(bad(
+            let schema =
+                match js.get("schema") {
+                    Some(s @ Value::Object(_)) => s.clone(),
+                    None | Some(Value::Null) => return Err(bad(
                         &at("json_schema.schema"),
                         "missing_required_parameter",
                         "a json_schema response format needs `json_schema.schema`, the JSON schema",
-                    ))
-                }
-                Some(x) => {
-                    return Err(bad(
-                        &at("json_schema.schema"),
-                        "invalid_type",
-                        format!("`schema` must be a JSON schema object, got {x}"),
-                    ))
-                }
-            };
+                    )),
+                    Some(x) => {
+                        return Err(bad(
+                            &at("json_schema.schema"),
+                            "invalid_type",
+                            format!("`schema` must be a JSON schema object, got {x}"),
+                        ))
+                    }
+                };
             Ok(Some(Requested {
                 grammar: Grammar::json_schema(schema),
                 param: at("json_schema.schema"),
@@ -109,7 +111,12 @@ pub fn from_structured_outputs(v: Option<&Value>) -> Result<Option<Requested>, A
     }
     let set: Vec<(&String, &Value)> = o
         .iter()
-        .filter(|(k, v)| !v.is_null() && !(k.as_str() == "json_object" && **v == false))
+        .filter(|(k, v)| {
+            !matches!(
+                (k.as_str(), v),
+                (_, Value::Null) | ("json_object", Value::Bool(false))
+            )
+        })
         .collect();
     let [(key, v)] = set[..] else {
         return Err(bad(

@@ -75,7 +75,8 @@ fn tokenize_ids(state: &AppState, body: &Value) -> Result<Vec<u32>, ApiError> {
         }
         (None, Some(_)) => {
             let text = chat_prompt(state, body)?.text;
-            params::completion_prompt(state, &Value::String(text), false).map_err(|e| e.param("messages"))
+            params::completion_prompt(state, &Value::String(text), false)
+                .map_err(|e| e.param("messages"))
         }
         (None, None) => Err(ApiError::invalid(
             "prompt",

@@ -170,15 +170,20 @@ mod tests {
         assert_eq!(t.encode_prompt("<|begin_of_text|>hello").unwrap(), want);
         // Chat templates write their own BOS: `encode` adds nothing.
         assert_eq!(t.encode("hello").unwrap(), ids);
-        let off = with_config(Some(r#"{"add_bos_token": false, "bos_token": "<|begin_of_text|>"}"#))
-            .unwrap();
+        let off = with_config(Some(
+            r#"{"add_bos_token": false, "bos_token": "<|begin_of_text|>"}"#,
+        ))
+        .unwrap();
         assert_eq!(off.encode_prompt("hello").unwrap(), ids);
         for bad in [
             r#"{"add_bos_token": true}"#,
             r#"{"add_bos_token": true, "bos_token": "<nope>"}"#,
             r#"{"add_bos_token": "yes"}"#,
         ] {
-            assert!(matches!(with_config(Some(bad)), Err(TokenizerError::Load { .. })), "{bad}");
+            assert!(
+                matches!(with_config(Some(bad)), Err(TokenizerError::Load { .. })),
+                "{bad}"
+            );
         }
     }
 }

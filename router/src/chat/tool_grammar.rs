@@ -165,16 +165,17 @@ mod tests {
         let required = tool_call_grammar(&tools, &ToolChoice::Required, false).unwrap();
         let one = tool_call_grammar(&tools, &ToolChoice::Required, true).unwrap();
         // What the encoder writes for get(city="Paris", days=3), then now().
-        let two = format!(
-            "get\">\n{city}{days}</{d}invoke>\n<{d}invoke name=\"now\">\n\n{end}"
-        );
+        let two = format!("get\">\n{city}{days}</{d}invoke>\n<{d}invoke name=\"now\">\n\n{end}");
         assert!(accepts(&required, &two), "{two}");
         assert!(accepts(&required, &format!("get\">\n{city}{end}")));
         assert!(accepts(&one, &format!("get\">\n{city}{end}")) && !accepts(&one, &two));
         // A required parameter missing, a value of the wrong type, an unknown function.
         assert!(!accepts(&required, &format!("get\">\n{days}{end}")));
         let bad_days = days.replace(">3<", ">\"x\"<");
-        assert!(!accepts(&required, &format!("get\">\n{city}{bad_days}{end}")));
+        assert!(!accepts(
+            &required,
+            &format!("get\">\n{city}{bad_days}{end}")
+        ));
         assert!(!accepts(&required, &format!("put\">\n{city}{end}")));
         // Named: the prompt holds the invoke's header; one call of that function.
         let named = tool_call_grammar(&tools, &ToolChoice::Function("get".into()), false).unwrap();
