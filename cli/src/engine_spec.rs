@@ -109,10 +109,11 @@ pub fn numerics(s: &str) -> Result<Numerics> {
 }
 
 /// Why a layout spec cannot run on the CUDA backend yet (`None`: it can): its kernels
-/// read f32/bf16 compressed KV and run no activation quantization.
+/// run no activation quantization and no indexer FP4 simulation. (Storage dtypes, fp8
+/// included, are the backend's own to accept or refuse when it allocates the pool.)
 pub fn cuda_refusal(spec: &KvLayoutSpec) -> Option<&'static str> {
-    (spec.numerics == Numerics::Deepseek || spec.kv_dtype == EntryDtype::Fp8E4m3).then_some(
-        "--numerics deepseek and --kv-dtype fp8 run on the CPU backend only for now (the CUDA kernels read f32/bf16 compressed KV and quantize no activations); use --device cpu",
+    (spec.numerics == Numerics::Deepseek).then_some(
+        "--numerics deepseek runs on the CPU backend only for now (the CUDA kernels quantize no activations); use --device cpu or --numerics transformers",
     )
 }
 

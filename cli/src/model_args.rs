@@ -47,7 +47,7 @@ pub struct ModelArgs {
     pub index_k_dtype: String,
     /// Storage dtype of compressed-KV and sliding-window entries: f32, bf16 or fp8
     /// (FlashMLA's DeepSeek-V4 layout: e4m3 with one power-of-two scale per 64 non-rope
-    /// values, rope in bf16; 584 B per V4 entry; CPU only for now).
+    /// values, rope in bf16; 584 B per V4 entry).
     #[arg(long, default_value = "f32")]
     pub kv_dtype: String,
     /// Numerics: `transformers` (f32 activations, exact against transformers' forward) or

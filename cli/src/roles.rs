@@ -234,7 +234,7 @@ pub struct WorkerFlags {
     #[arg(long)]
     pub index_k_dtype: Option<String>,
     /// Compressed-KV and sliding-window storage dtype: f32, bf16 or fp8 (FlashMLA's V4
-    /// layout; CPU only for now). Must match between prefill and decode.
+    /// layout). Must match between prefill and decode.
     #[arg(long)]
     pub kv_dtype: Option<String>,
     /// Numerics: transformers (f32 activations, exact against transformers) or deepseek
