@@ -92,7 +92,7 @@ fn bad_pool_sizes_are_startup_errors() {
         ),
         (&["--hicache-ratio", "1e15"], "memory are available"),
         (&["--kv-mem-fraction", "1.5"], "--kv-mem-fraction 1.5"),
-        (&["--kv-dtype", "fp8"], "only supported for index-K"),
+        (&["--numerics", "deepseek"], "use --kv-dtype fp8"),
     ];
     for (args, msg) in cases {
         let out = bin()
