@@ -46,8 +46,16 @@ echo "   'greedy generation' rows (free-running, one flip changes every later to
 echo "   --kv-audit row: 4 sequences, 300 batched decode steps, no write outside the expected pages."
 "$BIN" gpu-check --fixtures tests/fixtures --device "$DEVICE" "$@"
 if [ $# -eq 0 ]; then
-  echo "== the quantized fixture (DeepSeek's released FP8/FP4 layout) vs transformers: rel err < 2e-2, same greedy tokens"
-  python3 scripts/check_fixture.py --bin "$BIN" --fixture tests/fixtures/quantized --device "cuda:$DEVICE" --tol 2e-2
+  # The CUDA backend keeps the fixture's FP8/FP4 weights as stored. --deterministic runs
+  # those kernels on fp32 activations: only summation order differs from transformers'
+  # fp32 forward. The default mode rounds every GEMM input to bf16, which moves indexer
+  # and routing picks on this random model (as on every fixture's bf16 rows): there the
+  # greedy tokens are gated and the error is reported under a loose bound.
+  echo "== the quantized fixture (DeepSeek's released FP8/FP4 layout) vs transformers, stored weights"
+  echo "   --deterministic (fp32 activations): rel err < 1e-3, same greedy tokens"
+  python3 scripts/check_fixture.py --bin "$BIN" --fixture tests/fixtures/quantized --device "cuda:$DEVICE" --tol 1e-3 -- --deterministic
+  echo "   default (bf16 GEMM inputs): same greedy tokens, rel err < 0.5"
+  python3 scripts/check_fixture.py --bin "$BIN" --fixture tests/fixtures/quantized --device "cuda:$DEVICE" --tol 0.5
   echo "== the cluster on the GPU"
   BIN="$BIN" DEVICE="$DEVICE" bash scripts/gpu-cluster-check.sh
   echo "== the KV canary and the graph self-check in the servers, under load"
