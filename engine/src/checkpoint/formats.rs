@@ -4,18 +4,8 @@
 use crate::config::{ExpertDtype, ModelConfig, FP4_GROUP, WEIGHT_BLOCK};
 
 use super::names::{canonical, Canonical};
+pub use super::stored::WeightFormat;
 use super::{Checkpoint, DiskDtype, ShapeMismatch, StoredPart, ValidationReport};
-
-/// How one float tensor is stored on disk.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum WeightFormat {
-    /// F32, BF16 or F16.
-    Float,
-    /// F8_E4M3 with an F8_E8M0 `.scale` of shape `[ceil(out/128), ceil(in/128)]`.
-    Fp8Block,
-    /// FP4 e2m1 packed two per byte as I8 `[out, in/2]`, F8_E8M0 `.scale` `[out, in/32]`.
-    Fp4Packed,
-}
 
 /// Canonical-name suffixes of the weights DeepSeek's quantized checkpoints store as
 /// block-scaled FP8 (`attn.wq_a`, `wq_b`, `wkv`, `wo_a`, `wo_b`, `shared_experts.w1/2/3`,

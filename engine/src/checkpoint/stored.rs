@@ -6,9 +6,19 @@
 //! from the block's absolute maximum), for synthetic weights in the stored formats.
 
 use super::dequant::{fp4_group_scaled, fp8_block_scaled};
-use super::WeightFormat;
 use crate::config::{FP4_GROUP, WEIGHT_BLOCK};
 use crate::kv::fp8::f32_to_e4m3;
+
+/// How one float tensor is stored on disk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WeightFormat {
+    /// F32, BF16 or F16.
+    Float,
+    /// F8_E4M3 with an F8_E8M0 `.scale` of shape `[ceil(out/128), ceil(in/128)]`.
+    Fp8Block,
+    /// FP4 e2m1 packed two per byte as I8 `[out, in/2]`, F8_E8M0 `.scale` `[out, in/32]`.
+    Fp4Packed,
+}
 
 /// Largest e4m3 magnitude.
 const E4M3_MAX: f32 = 448.0;
