@@ -7,6 +7,7 @@
 
 mod common;
 
+use common::released::{write, Tensor, FP8_NAMES};
 use common::*;
 use half::bf16;
 use pdserve_engine::checkpoint::{expected_tensors, DiskDtype};
@@ -18,37 +19,8 @@ use pdserve_engine::numerics::{f32_to_e2m1, pow2_scale, Numerics};
 use pdserve_engine::{CpuBackend, Engine, PoolSize};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use safetensors::tensor::TensorView;
 use serde_json::{json, Value};
 use std::path::Path;
-
-/// dtype, shape, little-endian bytes.
-type Tensor = (DiskDtype, Vec<usize>, Vec<u8>);
-
-/// Canonical suffix -> upstream suffix of the weights stored block-scaled FP8.
-const FP8_NAMES: &[(&str, &str)] = &[
-    ("self_attn.q_a_proj.weight", "attn.wq_a.weight"),
-    ("self_attn.q_b_proj.weight", "attn.wq_b.weight"),
-    ("self_attn.kv_proj.weight", "attn.wkv.weight"),
-    ("self_attn.o_a_proj.weight", "attn.wo_a.weight"),
-    ("self_attn.o_b_proj.weight", "attn.wo_b.weight"),
-    (
-        "mlp.shared_experts.gate_proj.weight",
-        "ffn.shared_experts.w1.weight",
-    ),
-    (
-        "mlp.shared_experts.up_proj.weight",
-        "ffn.shared_experts.w3.weight",
-    ),
-    (
-        "mlp.shared_experts.down_proj.weight",
-        "ffn.shared_experts.w2.weight",
-    ),
-    (
-        "self_attn.compressor.indexer.q_b_proj.weight",
-        "attn.indexer.wq_b.weight",
-    ),
-];
 
 fn config_json() -> Value {
     let fx = fixtures_dir().join("mixed/config.json");
@@ -204,20 +176,6 @@ fn tensors(cfg: &ModelConfig) -> Vec<(String, Tensor)> {
         }
     }
     out
-}
-
-fn write(dir: &Path, config: &Value, tensors: &[(String, Tensor)]) {
-    std::fs::create_dir_all(dir).unwrap();
-    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
-    let views: Vec<(String, TensorView<'_>)> = tensors
-        .iter()
-        .map(|(n, (d, s, b))| (n.clone(), TensorView::new(*d, s.clone(), b).unwrap()))
-        .collect();
-    std::fs::write(
-        dir.join("model.safetensors"),
-        safetensors::serialize(views, None).unwrap(),
-    )
-    .unwrap();
 }
 
 fn engine(dir: &Path, numerics: Numerics, kv: EntryDtype) -> Engine<CpuBackend> {

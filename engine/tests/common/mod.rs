@@ -1,6 +1,8 @@
 //! Fixture loading shared by the parity tests.
 #![allow(clippy::unwrap_used, clippy::expect_used, dead_code)]
 
+pub mod released;
+
 use pdserve_engine::kv::{EntryDtype, KvLayoutSpec};
 use pdserve_engine::{CpuBackend, Engine, PoolSize};
 use std::path::{Path, PathBuf};
