@@ -7,12 +7,11 @@ use crate::graph_cache::{GraphCache, GraphStats};
 use crate::kv_store::GpuKv;
 use crate::launch::dev_err;
 use crate::ops::indexer::{self, GpuSelection};
-use crate::buf::shape_err;
 use crate::ops::{attention, compress, dense, hc, moe, random, stored, tensors};
 use crate::tensor::{stores_bf16, GpuTensor, WeightDtype};
 use crate::GraphMode;
 use pdserve_engine::backend::{
-    BResult, BatchPlan, CompressedKeys, CompressorParams, HcParams, HcPre, HostTensor, KvStorage,
+    dequantized, BResult, BatchPlan, CompressedKeys, CompressorParams, HcParams, HcPre, HostTensor, KvStorage,
     MoeParams, TensorOps, WeightInit, WeightUse,
 };
 use pdserve_engine::checkpoint::{StoredWeight, WeightFormat};
@@ -230,11 +229,7 @@ impl TensorOps for CudaBackend {
     /// takes the exact values in fp32, like the CPU backend.
     fn upload_stored(&self, w: StoredWeight, usage: WeightUse) -> BResult<GpuTensor> {
         if self.weights == WeightDtype::F32 || usage != WeightUse::Matrix {
-            let (rows, cols) = (w.rows, w.cols);
-            let data = w
-                .dequantize()
-                .map_err(|detail| shape_err("upload_stored", detail))?;
-            return self.upload_weight(HostTensor { rows, cols, data }, usage);
+            return self.upload_weight(dequantized(&w)?, usage);
         }
         stored::upload(&self.gpu, w)
     }

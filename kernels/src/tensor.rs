@@ -36,24 +36,25 @@ pub(crate) struct WeightOperand {
 }
 
 impl Buf {
-    /// This storage as a kernel operand.
-    pub(crate) fn operand(&self) -> WeightOperand {
+    /// This storage as a kernel operand (`None`: its scale grids are taller than the
+    /// kernels' `int` rows).
+    pub(crate) fn operand(&self) -> Option<WeightOperand> {
         let plain = |w, fmt| WeightOperand {
             w,
             s: 0,
             fmt,
             group_rows: 0,
         };
-        match self {
+        Some(match self {
             Buf::F32(b) => plain(b.ptr(), 0),
             Buf::Bf16(b) => plain(b.ptr(), 1),
             Buf::Stored(st) => WeightOperand {
                 w: st.q.ptr(),
                 s: st.s.ptr(),
                 fmt: st.fmt(),
-                group_rows: i32::try_from(st.group_rows).unwrap_or(i32::MAX),
+                group_rows: i32::try_from(st.group_rows).ok()?,
             },
-        }
+        })
     }
 }
 

@@ -19,7 +19,7 @@ use crate::kv::{PageId, StateSlot};
 use crate::rope::Rope;
 pub use counter_rng::WeightInit;
 pub use kv_storage::KvStorage;
-pub use ops::{TensorOps, WeightUse};
+pub use ops::{dequantized, TensorOps, WeightUse};
 pub use step::{StepForward, StepRunner};
 
 /// A 2-D fp32 tensor on the host, row-major: what backends upload from and download to,

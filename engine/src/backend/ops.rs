@@ -58,12 +58,7 @@ pub trait TensorOps: KvStorage {
     /// CUDA backend keeps the bytes and computes on them; the default (the CPU backend, the
     /// oracle) takes the exact f32 values ([`StoredWeight::dequantize`]).
     fn upload_stored(&self, w: StoredWeight, usage: WeightUse) -> BResult<Self::Tensor> {
-        let (rows, cols) = (w.rows, w.cols);
-        let data = w.dequantize().map_err(|detail| BackendError::Shape {
-            op: "upload_stored",
-            detail,
-        })?;
-        self.upload_weight(HostTensor { rows, cols, data }, usage)
+        self.upload_weight(dequantized(&w)?, usage)
     }
     /// A synthetic weight in stored `format` (groups of `group_rows` rows, see
     /// [`StoredWeight`]): the values [`TensorOps::random_weight`] draws, quantized as
@@ -208,4 +203,18 @@ pub trait TensorOps: KvStorage {
             self.name()
         )))
     }
+}
+
+/// The exact f32 values of stored weight `w` as a host tensor (what a backend without
+/// FP8/FP4 kernels, or a reference mode, uploads).
+pub fn dequantized(w: &StoredWeight) -> BResult<HostTensor> {
+    let data = w.dequantize().map_err(|detail| BackendError::Shape {
+        op: "upload_stored",
+        detail,
+    })?;
+    Ok(HostTensor {
+        rows: w.rows,
+        cols: w.cols,
+        data,
+    })
 }

@@ -71,18 +71,20 @@ impl StoredWeight {
         (rows * Self::row_bytes(format, cols) + groups * sr * sc) as u64
     }
 
+    /// Whether `format` can store a `rows x cols` weight in groups of `group_rows` rows: a
+    /// stored format, whole groups, FP4 rows of whole bytes.
+    pub fn shape_fits(format: WeightFormat, rows: usize, cols: usize, group_rows: usize) -> bool {
+        matches!(format, WeightFormat::Fp8Block | WeightFormat::Fp4Packed)
+            && group_rows > 0
+            && rows.is_multiple_of(group_rows)
+            && (format != WeightFormat::Fp4Packed || cols.is_multiple_of(2))
+    }
+
     /// Checks that the byte counts match the shape and format.
     pub fn check(&self) -> Result<(), String> {
-        let quantized = matches!(
-            self.format,
-            WeightFormat::Fp8Block | WeightFormat::Fp4Packed
-        );
         let (sr, sc) = Self::scale_grid(self.format, self.group_rows, self.cols);
-        let fp4_odd = self.format == WeightFormat::Fp4Packed && !self.cols.is_multiple_of(2);
-        if !quantized
-            || self.group_rows == 0
-            || !self.rows.is_multiple_of(self.group_rows)
-            || fp4_odd
+        // shape_fits first: it guarantees group_rows > 0 for the division.
+        if !Self::shape_fits(self.format, self.rows, self.cols, self.group_rows)
             || self.data.len() != self.rows * Self::row_bytes(self.format, self.cols)
             || self.scale.len() != (self.rows / self.group_rows) * sr * sc
         {
@@ -129,17 +131,13 @@ impl StoredWeight {
         cols: usize,
         group_rows: usize,
     ) -> Result<StoredWeight, String> {
-        let (sr, sc) = Self::scale_grid(format, group_rows.max(1), cols);
-        let valid = group_rows > 0
-            && rows.is_multiple_of(group_rows)
-            && values.len() == rows * cols
-            && (format != WeightFormat::Fp4Packed || cols.is_multiple_of(2));
-        if !valid || format == WeightFormat::Float {
+        if !Self::shape_fits(format, rows, cols, group_rows) || values.len() != rows * cols {
             return Err(format!(
                 "cannot quantize {} values as a {rows}x{cols} {format:?} weight in groups of {group_rows} rows",
                 values.len()
             ));
         }
+        let (sr, sc) = Self::scale_grid(format, group_rows, cols);
         let (br, bc) = match format {
             WeightFormat::Fp8Block => (WEIGHT_BLOCK[0], WEIGHT_BLOCK[1]),
             _ => (1, FP4_GROUP),

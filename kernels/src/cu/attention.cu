@@ -152,14 +152,11 @@ extern "C" __global__ void k_kv_round_trip(const float* x, float* out, int hd, i
     __shared__ float tile_sc[32];
     int r = blockIdx.x, nope = hd - rd;
     const float* v = x + (i64)r * hd;
-    for (int t = threadIdx.x; t < (nope + KV_TILE - 1) / KV_TILE; t += blockDim.x) {
-        float am = 0.f;
-        for (int c = t * KV_TILE; c < min(nope, (t + 1) * KV_TILE); c++) am = fmaxf(am, fabsf(v[c]));
-        tile_sc[t] = fp8kv_scale(am);
-    }
+    for (int t = threadIdx.x; t < (nope + KV_TILE - 1) / KV_TILE; t += blockDim.x)
+        tile_sc[t] = fp8kv_tile_scale(v, t, nope);
     __syncthreads();
-    for (int c = threadIdx.x; c < hd; c += blockDim.x)
-        out[(i64)r * hd + c] = c < nope
-            ? e4m3_to_f(f_to_e4m3(fminf(fmaxf(v[c] / tile_sc[c / KV_TILE], -448.f), 448.f))) * tile_sc[c / KV_TILE]
-            : bf16_to_f(f_to_bf16(v[c]));
+    for (int c = threadIdx.x; c < hd; c += blockDim.x) {
+        float s = tile_sc[c / KV_TILE];
+        out[(i64)r * hd + c] = c < nope ? e4m3_to_f(fp8kv_code(v[c], s)) * s : bf16_to_f(f_to_bf16(v[c]));
+    }
 }

@@ -293,6 +293,18 @@ __device__ __forceinline__ float fp8kv_scale(float amax) {
     return __uint_as_float((u32)min(max(e + 127, 0), 255) << 23);
 }
 
+// The scale of tile t (non-rope values t*64 .. min(nope, t*64 + 64)) of entry `vals`.
+__device__ __forceinline__ float fp8kv_tile_scale(const float* vals, int t, int nope) {
+    float am = 0.f;
+    for (int c = t * KV_TILE; c < min(nope, (t + 1) * KV_TILE); c++) am = fmaxf(am, fabsf(vals[c]));
+    return fp8kv_scale(am);
+}
+
+// The e4m3 code of non-rope value c of an entry under its tile scale `s`.
+__device__ __forceinline__ unsigned char fp8kv_code(float v, float s) {
+    return f_to_e4m3(fminf(fmaxf(v / s, -448.f), 448.f));
+}
+
 // Value c of an entry whose row is at `row` and scales at `sc`.
 __device__ __forceinline__ float ld_fp8kv(const unsigned char* row, const unsigned char* sc, int c, int nope) {
     if (c < nope) return e4m3_to_f(row[c]) * e8m0_to_f(sc[c / KV_TILE]);
@@ -306,9 +318,7 @@ __device__ void st_fp8kv(const float* vals, unsigned char* row, unsigned char* s
     int tiles = (nope + KV_TILE - 1) / KV_TILE, padded = fp8kv_scale_bytes(nope);
     for (int t = threadIdx.x; t < padded; t += blockDim.x) {
         if (t < tiles) {
-            float am = 0.f;
-            for (int c = t * KV_TILE; c < min(nope, (t + 1) * KV_TILE); c++) am = fmaxf(am, fabsf(vals[c]));
-            float s = fp8kv_scale(am);
+            float s = fp8kv_tile_scale(vals, t, nope);
             tile_sc[t] = s;
             sc[t] = (unsigned char)((__float_as_uint(s) >> 23) & 0xff);
         } else {
@@ -317,7 +327,7 @@ __device__ void st_fp8kv(const float* vals, unsigned char* row, unsigned char* s
     }
     __syncthreads();
     for (int c = threadIdx.x; c < nope + rope; c += blockDim.x) {
-        if (c < nope) row[c] = f_to_e4m3(fminf(fmaxf(vals[c] / tile_sc[c / KV_TILE], -448.f), 448.f));
+        if (c < nope) row[c] = fp8kv_code(vals[c], tile_sc[c / KV_TILE]);
         else ((bf16_t*)(row + nope))[c - nope] = f_to_bf16(vals[c]);
     }
     __syncthreads();

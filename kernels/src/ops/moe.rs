@@ -148,7 +148,12 @@ fn routed_grouped(
     let xs = f32_buf(x, "moe")?;
     let lists = (DevPtr::of(&list), DevPtr::of(&active), DevPtr::of(&count));
     let dims = (n as i32, e as i32, h as i32, inter as i32);
-    let (gu, down) = (p.gate_up.buf.operand(), p.down.buf.operand());
+    let operand = |t: &GpuTensor| {
+        t.buf
+            .operand()
+            .ok_or_else(|| shape_err("moe", format!("expert weight of {} rows", t.rows)))
+    };
+    let (gu, down) = (operand(p.gate_up)?, operand(p.down)?);
     g.launch(
         (slots, inter.div_ceil(WARPS) as u32, 1),
         0,

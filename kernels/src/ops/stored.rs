@@ -52,11 +52,7 @@ pub(crate) fn random(
     init: WeightInit,
     seed: u64,
 ) -> BResult<GpuTensor> {
-    let valid = group_rows > 0
-        && rows.is_multiple_of(group_rows)
-        && (format != WeightFormat::Fp4Packed || cols.is_multiple_of(2))
-        && format != WeightFormat::Float;
-    if !valid {
+    if !StoredWeight::shape_fits(format, rows, cols, group_rows) {
         return Err(shape_err(
             "random_stored",
             format!("{rows}x{cols} {format:?} weight in groups of {group_rows} rows"),
