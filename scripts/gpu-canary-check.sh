@@ -75,7 +75,8 @@ scribble() {  # scribble KIND
 }
 
 # serve MODE_FLAG GATE: the load with the bench's own single-process reference (same
-# mode) and the canary on. GATE=1: 0 failures and 0 mismatches required.
+# mode) and the canary on. GATE=1: 0 failures and 0 mismatches required; GATE=noise: 0
+# failures, and every mismatch's reference top-2 margin below NOISE_BOUND.
 serve() {
   local mode=$1 gate=$2 P D R out
   P=$(start prefill "$BIN" prefill --device "$DEV" --index-k-dtype bf16 --kv-audit $mode --listen 127.0.0.1:0) || return 1
@@ -84,8 +85,18 @@ serve() {
   out=$(load "$R" 48 3 32 --device "$DEV" --index-k-dtype bf16 $mode)
   stop_all
   local label=${mode:-default}
-  if [ "$gate" = 0 ]; then
-    echo "cluster vs single-process reference, $label, 48 x 3 turns: info ($out)"
+  if [ "$gate" = noise ]; then
+    # Default mode: mismatches are allowed only where the reference's top-2 margin is
+    # below the greedy noise of batching that gpu-check measured (NOISE_BOUND).
+    local max
+    max=$(sed -n 's/.* max \([0-9.]*\)$/\1/p' <<<"$out")
+    if [ -z "${NOISE_BOUND:-}" ]; then
+      echo "cluster vs single-process reference, $label, 48 x 3 turns: info ($out; no NOISE_BOUND: run from gpu-check.sh)"
+    elif [[ "$out" == "completed=144 failed=0"* ]] && python3 -c "import sys; sys.exit(not float('${max:-0}') < float('$NOISE_BOUND'))"; then
+      echo "cluster vs single-process reference, $label, every mismatch below the noise bound $NOISE_BOUND: PASS ($out)"
+    else
+      echo "cluster vs single-process reference, $label, every mismatch below the noise bound $NOISE_BOUND: FAIL ($out)"; fail=1
+    fi
   elif [[ "$out" == "completed=144 failed=0 mismatches=0/"* ]]; then
     echo "cluster == single-process reference, $label, 48 x 3 turns: PASS ($out)"
   else
@@ -127,5 +138,5 @@ row "index-K bf16, eager, 48 x 3 turns" bf16 eager
 [ "$GRAPH" = capture ] && row "index-K fp8, graphs + --verify-graphs, 48 x 3 turns" fp8 capture
 for k in page index-k state; do scribble "$k"; done
 serve --deterministic 1
-serve "" 0
+serve "" noise
 exit $fail

@@ -4,6 +4,7 @@ use anyhow::{bail, Context, Result};
 use pdserve_gpu_check::batched::check_batched;
 use pdserve_gpu_check::check::{check_embedded, check_fixture, header, CheckRow};
 use pdserve_gpu_check::graphs::check_graphs;
+use pdserve_gpu_check::picks::check_picks;
 use pdserve_gpu_check::stored::check_stored;
 use std::path::PathBuf;
 
@@ -16,15 +17,15 @@ pub struct GpuCheckArgs {
     #[arg(long, default_value_t = 0)]
     device: usize,
     /// Run only these groups of checks (default: all).
-    #[arg(long, value_delimiter = ',', value_parser = ["embedded", "fixtures", "graphs", "batched", "stored"])]
+    #[arg(long, value_delimiter = ',', value_parser = ["embedded", "fixtures", "graphs", "batched", "picks", "stored"])]
     only: Vec<String>,
-    /// Text the `batched` group cuts its teacher-forced sequences from.
+    /// Text the `batched` and `picks` groups cut their teacher-forced sequences from.
     #[arg(long, default_value = "scripts/tokenizer_corpus.txt")]
     corpus: PathBuf,
-    /// Sequences of the `batched` group (decoded together, in small batches, one by one).
+    /// Sequences of the `batched` and `picks` groups (decoded together, in small batches, one by one).
     #[arg(long, default_value_t = 48)]
     batched_seqs: usize,
-    /// Teacher-forced decode steps per sequence in the `batched` group.
+    /// Teacher-forced decode steps per sequence in the `batched` and `picks` groups.
     #[arg(long, default_value_t = 32)]
     batched_steps: usize,
 }
@@ -68,6 +69,12 @@ pub fn gpu_check(a: GpuCheckArgs) -> Result<()> {
     if run("batched") {
         let (rows, f) = check_batched(a.device, &a.corpus, a.batched_seqs, a.batched_steps)
             .map_err(|e| anyhow::anyhow!("batched decode: {e}"))?;
+        show(rows);
+        figures.extend(f);
+    }
+    if run("picks") {
+        let (rows, f) = check_picks(a.device, &a.corpus, a.batched_seqs, a.batched_steps)
+            .map_err(|e| anyhow::anyhow!("pick trace: {e}"))?;
         show(rows);
         figures.extend(f);
     }

@@ -56,7 +56,10 @@ impl OnEngine for InspectRun {
     fn run<B: Backend>(self, loaded: Loaded<B>) -> Result<()> {
         let storage = storage_report(&Checkpoint::open(&loaded.dir)?, self.matrix_elem);
         if self.json {
-            println!("{}", serde_json::to_string_pretty(&self.json_report(&loaded, &storage))?);
+            println!(
+                "{}",
+                serde_json::to_string_pretty(&self.json_report(&loaded, &storage))?
+            );
         } else {
             print!("{}", self.text_report(&loaded, &storage));
         }
@@ -65,7 +68,11 @@ impl OnEngine for InspectRun {
 }
 
 impl InspectRun {
-    fn json_report<B: Backend>(&self, loaded: &Loaded<B>, storage: &StorageReport) -> serde_json::Value {
+    fn json_report<B: Backend>(
+        &self,
+        loaded: &Loaded<B>,
+        storage: &StorageReport,
+    ) -> serde_json::Value {
         let e = &loaded.engine;
         serde_json::json!({
             "model_dir": loaded.dir,
@@ -93,7 +100,10 @@ impl InspectRun {
         out += &config_summary(e.config());
         out += &format!("\ntensors ({}):\n", storage.tensors.len());
         out += &tensor_table(storage).to_string();
-        out += &format!("\nstorage classes (GPU: --cuda-weights {}, FP8/FP4 held as stored):\n", self.cuda_weights);
+        out += &format!(
+            "\nstorage classes (GPU: --cuda-weights {}, FP8/FP4 held as stored):\n",
+            self.cuda_weights
+        );
         out += &class_table(storage).to_string();
         if storage.unused_bytes > 0 {
             out += &format!("unused on disk (mtp.*): {}\n", bytes(storage.unused_bytes));
@@ -123,7 +133,12 @@ fn config_summary(c: &ModelConfig) -> String {
         .map(|(a, m)| format!("{a:?}/{m:?}"))
         .collect();
     let mut s = String::new();
-    let _ = writeln!(s, "  {} layers: {}", c.num_hidden_layers, schedule.join(", "));
+    let _ = writeln!(
+        s,
+        "  {} layers: {}",
+        c.num_hidden_layers,
+        schedule.join(", ")
+    );
     let _ = writeln!(
         s,
         "  hidden {}, vocab {}, {} heads x {} (rope {}), q_lora {}, output {} groups x {}, hc_mult {}",
@@ -151,7 +166,11 @@ fn config_summary(c: &ModelConfig) -> String {
         c.compress_rate_csa,
         c.compress_rate_hca
     );
-    let _ = writeln!(s, "  quantization: {}", quantization(c.quantization.as_ref()));
+    let _ = writeln!(
+        s,
+        "  quantization: {}",
+        quantization(c.quantization.as_ref())
+    );
     s
 }
 
@@ -220,7 +239,16 @@ fn tensor_table(r: &StorageReport) -> Table {
         })
         .collect();
     Table {
-        headers: vec!["on disk", "storage", "dtype", "shape", "stored", "scale", "bytes", "GPU bytes"],
+        headers: vec![
+            "on disk",
+            "storage",
+            "dtype",
+            "shape",
+            "stored",
+            "scale",
+            "bytes",
+            "GPU bytes",
+        ],
         rows,
     }
 }

@@ -17,7 +17,11 @@ fn quantized() -> String {
 
 fn run(args: &[&str]) -> String {
     let out = bin().arg("inspect").args(args).output().unwrap();
-    assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     String::from_utf8(out.stdout).unwrap()
 }
 
@@ -41,7 +45,10 @@ fn quantized_fixture_json() {
     let dir = quantized();
     let v = json(&[&dir]);
     assert_eq!(v["config"]["quantization"]["expert_dtype"], "fp4");
-    assert_eq!(v["config"]["quantization"]["weight_block_size"], serde_json::json!([128, 128]));
+    assert_eq!(
+        v["config"]["quantization"]["weight_block_size"],
+        serde_json::json!([128, 128])
+    );
     let wo_b = tensor(&v, "model.layers.1.self_attn.o_b_proj.weight");
     assert_eq!(wo_b["disk_name"], "layers.1.attn.wo_b.weight");
     assert_eq!(wo_b["class"], "fp8");
@@ -51,7 +58,10 @@ fn quantized_fixture_json() {
     assert_eq!(wo_b["bytes"], 160 * 160 + 4);
     assert_eq!(wo_b["gpu_bytes"], 160 * 160 + 4);
     let down = tensor(&v, "model.layers.0.mlp.experts.down_proj");
-    assert_eq!((down["class"].as_str(), down["parts"].as_u64()), (Some("fp4"), Some(4)));
+    assert_eq!(
+        (down["class"].as_str(), down["parts"].as_u64()),
+        (Some("fp4"), Some(4))
+    );
     assert_eq!(down["shape"], serde_json::json!([4, 160, 64]));
     assert_eq!(down["stored_shape"], serde_json::json!([160, 32]));
     // 4 experts x [160, 64]: 160 x 32 packed bytes + 160 x 2 scales each.
@@ -65,10 +75,18 @@ fn quantized_fixture_json() {
     assert_eq!(v["storage"]["gpu_matrix_elem_bytes"], 2);
     assert_eq!(v["cuda_weights"], "bf16");
     // mtp.0: enorm [160] bf16 + wq_a [144, 160] FP8 (+ 2x2 scales) + one FP4 expert w1.
-    assert_eq!(v["storage"]["unused_bytes"], 320 + 144 * 160 + 4 + 64 * 80 + 64 * 5);
+    assert_eq!(
+        v["storage"]["unused_bytes"],
+        320 + 144 * 160 + 4 + 64 * 80 + 64 * 5
+    );
     let total = &v["storage"]["total"];
     let sum = |k: &str| -> u64 {
-        by_class.as_object().unwrap().values().map(|c| c[k].as_u64().unwrap()).sum()
+        by_class
+            .as_object()
+            .unwrap()
+            .values()
+            .map(|c| c[k].as_u64().unwrap())
+            .sum()
     };
     assert_eq!(total["bytes"].as_u64(), Some(sum("bytes")));
     assert_eq!(total["gpu_bytes"].as_u64(), Some(sum("gpu_bytes")));
@@ -79,7 +97,11 @@ fn quantized_fixture_json() {
     let fb = &f32["storage"]["by_class"];
     assert_eq!(fb["fp8"]["gpu_bytes"], by_class["fp8"]["gpu_bytes"]);
     assert_eq!(fb["fp4"]["gpu_bytes"], by_class["fp4"]["gpu_bytes"]);
-    let wkv = |v: &Value| tensor(v, "model.layers.0.self_attn.compressor.kv_proj.weight")["gpu_bytes"].as_u64().unwrap();
+    let wkv = |v: &Value| {
+        tensor(v, "model.layers.0.self_attn.compressor.kv_proj.weight")["gpu_bytes"]
+            .as_u64()
+            .unwrap()
+    };
     assert_eq!((wkv(&v), wkv(&f32)), (192 * 160 * 2, 192 * 160 * 4));
 }
 
@@ -98,38 +120,73 @@ fn quantized_fixture_text() {
     // Table rows as trimmed cells, found by their first cell.
     let row = |first: &str| -> Vec<String> {
         t.lines()
-            .map(|l| l.split('|').map(|c| c.trim().to_string()).collect::<Vec<_>>())
+            .map(|l| {
+                l.split('|')
+                    .map(|c| c.trim().to_string())
+                    .collect::<Vec<_>>()
+            })
             .find(|cells| cells.get(1).map(String::as_str) == Some(first))
             .unwrap_or_else(|| panic!("no row {first}:\n{t}"))
     };
     let wq_a = row("layers.0.attn.wq_a.weight");
     assert_eq!(
         wq_a[2..9],
-        ["fp8", "F8_E4M3", "[144, 160]", "[144, 160]", "F8_E8M0 [2, 2]", "23.0 kB", "23.0 kB"]
+        [
+            "fp8",
+            "F8_E4M3",
+            "[144, 160]",
+            "[144, 160]",
+            "F8_E8M0 [2, 2]",
+            "23.0 kB",
+            "23.0 kB"
+        ]
     );
     let experts = row("layers.1.ffn.experts.0.w1.weight (+7 more)");
-    assert_eq!(experts[2..7], ["fp4", "I8", "[4, 128, 160]", "[64, 80]", "F8_E8M0 [64, 5]"]);
+    assert_eq!(
+        experts[2..7],
+        ["fp4", "I8", "[4, 128, 160]", "[64, 80]", "F8_E8M0 [64, 5]"]
+    );
     let router = row("layers.1.ffn.gate.weight");
-    assert_eq!(router[7..9], ["1.28 kB", "2.56 kB"], "bf16 on disk, fp32 on the GPU");
+    assert_eq!(
+        router[7..9],
+        ["1.28 kB", "2.56 kB"],
+        "bf16 on disk, fp32 on the GPU"
+    );
     assert_eq!(row("fp8")[2], "17");
-    assert_eq!(row("fp4")[2..4], ["4".to_string(), (2 * 4 * 3 * (64 * 80 + 64 * 5)).to_string()]);
+    assert_eq!(
+        row("fp4")[2..4],
+        [
+            "4".to_string(),
+            (2 * 4 * 3 * (64 * 80 + 64 * 5)).to_string()
+        ]
+    );
 }
 
 #[test]
 fn embedded_model_is_float() {
     let v = json(&[]);
     assert!(v["config"]["quantization"].is_null());
-    let classes: Vec<&String> = v["storage"]["by_class"].as_object().unwrap().keys().collect();
+    let classes: Vec<&String> = v["storage"]["by_class"]
+        .as_object()
+        .unwrap()
+        .keys()
+        .collect();
     assert_eq!(classes, ["bf16", "int"]);
     let router = tensor(&v, "model.layers.3.mlp.gate.weight");
-    assert_eq!((router["bytes"].as_u64(), router["gpu_bytes"].as_u64()), (Some(16 * 128 * 2), Some(16 * 128 * 4)));
+    assert_eq!(
+        (router["bytes"].as_u64(), router["gpu_bytes"].as_u64()),
+        (Some(16 * 128 * 2), Some(16 * 128 * 4))
+    );
     assert_eq!(v["storage"]["unused_bytes"], 0);
     let t = run(&[]);
     assert!(t.contains("quantization: none (float weights)"), "{t}");
     assert!(!t.contains("unused on disk"), "{t}");
 
     // The folder positionally or by --model, not both.
-    let out = bin().args(["inspect", "x", "--model", "y"]).output().unwrap();
+    let out = bin()
+        .args(["inspect", "x", "--model", "y"])
+        .output()
+        .unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot be used with"));
 }

@@ -93,7 +93,8 @@ fn canary_on_every_server_under_concurrent_multi_turn_sessions() {
 }
 
 /// 6 concurrent streams; after decode step 4 garbage lands in the oldest one's `kind`.
-fn one_scribble(kind: &str) {
+/// `kind`: the scribble; `region`: what the violation log must name as the changed bytes.
+fn one_scribble(kind: &str, region: &str) {
     let scribble = format!("{kind}@4");
     let c = cluster(&[], &["--kv-audit", "--debug-kv-scribble", &scribble]);
     let prompts: Vec<Vec<u32>> = (0..6)
@@ -138,19 +139,24 @@ fn one_scribble(kind: &str) {
         !v.is_empty(),
         "{kind}: the decode server logged the violation"
     );
+    assert!(
+        v.iter()
+            .any(|l| l.contains(" bytes ") && l.contains(region)),
+        "{kind}: the violation names the changed bytes and their region ({region}): {v:?}"
+    );
 }
 
 #[test]
 fn a_scribbled_page_fails_only_its_request() {
-    one_scribble("page");
+    one_scribble("page", "compressed KV");
 }
 
 #[test]
 fn a_scribbled_index_k_entry_fails_only_its_request() {
-    one_scribble("index-k");
+    one_scribble("index-k", "index-K");
 }
 
 #[test]
 fn a_scribbled_state_slot_fails_only_its_request() {
-    one_scribble("state");
+    one_scribble("state", "window ring");
 }

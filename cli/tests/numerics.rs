@@ -63,7 +63,14 @@ fn logits_run_under_deepseek_numerics_and_need_fp8_kv() {
 #[test]
 fn inspect_shows_numerics_and_the_fp8_entry_size() {
     let out = bin()
-        .args(["inspect", "--json", "--numerics", "deepseek", "--kv-dtype", "fp8"])
+        .args([
+            "inspect",
+            "--json",
+            "--numerics",
+            "deepseek",
+            "--kv-dtype",
+            "fp8",
+        ])
         .output()
         .unwrap();
     assert!(

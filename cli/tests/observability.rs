@@ -152,8 +152,13 @@ fn every_process_exports_its_own_series_with_their_prometheus_types() {
     assert!(steps >= 10.0);
     // Every step but the first of each busy stretch (two requests: one or two stretches)
     // has a gap before it, in microsecond-scale buckets.
-    let gaps = s.value("pdserve_decode_step_gap_seconds_count", &[]).unwrap();
-    assert!((steps - 2.0..=steps - 1.0).contains(&gaps), "{gaps} gaps, {steps} steps");
+    let gaps = s
+        .value("pdserve_decode_step_gap_seconds_count", &[])
+        .unwrap();
+    assert!(
+        (steps - 2.0..=steps - 1.0).contains(&gaps),
+        "{gaps} gaps, {steps} steps"
+    );
     assert!(s
         .value("pdserve_decode_step_gap_seconds_bucket", &["le=\"0.0001\""])
         .is_some());

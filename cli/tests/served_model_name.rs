@@ -30,7 +30,11 @@ fn served_names_are_listed_accepted_and_reported() {
         .iter()
         .map(|m| m["id"].as_str().unwrap())
         .collect();
-    assert_eq!(ids, ["ds-v4", "deepseek"], "the folder's name is not listed");
+    assert_eq!(
+        ids,
+        ["ds-v4", "deepseek"],
+        "the folder's name is not listed"
+    );
 
     // Any served name or the folder's is a model; the card carries the name asked for.
     for name in ["ds-v4", "deepseek", "pdserve-embedded"] {
@@ -77,13 +81,20 @@ fn served_model_name_layers_and_validation() {
         .env("PDSERVE_SERVED_MODEL_NAME", "a,b")
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let text = String::from_utf8_lossy(&out.stdout);
     let line = text
         .lines()
         .find(|l| l.contains("served_model_name"))
         .unwrap_or_else(|| panic!("no served_model_name in:\n{text}"));
-    assert!(line.contains(r#"["a","b"]"#) && line.contains("env"), "{line}");
+    assert!(
+        line.contains(r#"["a","b"]"#) && line.contains("env"),
+        "{line}"
+    );
 
     let out = bin()
         .args(["decode", "--print-config", "--served-model-name", "x"])
@@ -91,7 +102,8 @@ fn served_model_name_layers_and_validation() {
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(
-        text.lines().any(|l| l.contains("served_model_name") && l.contains(r#"["x"]"#)),
+        text.lines()
+            .any(|l| l.contains("served_model_name") && l.contains(r#"["x"]"#)),
         "{text}"
     );
 

@@ -488,6 +488,7 @@ const LAYERS: &[(&str, usize)] = &[
     ("kv::peer", 0),
     ("kv::metrics", 0),
     ("kv::checksum", 0),
+    ("kv::canary_regions", 0),
     // 1. backend: the traits of numeric ops, KV storage and step running; the CPU backend.
     ("backend", 1),
     // 2. pools: page/state allocation, device and host pools, the step audit.

@@ -131,7 +131,7 @@ fn a_scribble_fails_only_its_owner_within_one_audited_step() {
 #[test]
 fn cpu_checksums_match_the_definition_page_by_page() {
     use pdserve_engine::backend::KvStorage;
-    use pdserve_engine::kv::checksum::checksum;
+    use pdserve_engine::kv::checksum::{section_checksums, sections};
     let fx = load_fixture("mixed");
     let p = smallest_page_tokens(&fx.dir);
     let mut eng = engine_sized(&fx.dir, EntryDtype::Bf16, p, 8);
@@ -139,17 +139,19 @@ fn cpu_checksums_match_the_definition_page_by_page() {
     let pool = eng.device_pool();
     let pages = eng.backend().page_checksums(pool.store()).unwrap();
     let states = eng.backend().state_checksums(pool.store()).unwrap();
-    assert_eq!(pages.len(), 8);
-    for (pg, &c) in pages.iter().enumerate() {
+    let per_page = sections(pool.layout().page_bytes);
+    assert_eq!(pages.len(), 8 * per_page);
+    for (pg, sums) in pages.chunks(per_page).enumerate() {
         assert_eq!(
-            c,
-            checksum(&pool.read_page(eng.backend(), pg as u32).unwrap())
+            sums,
+            section_checksums(&pool.read_page(eng.backend(), pg as u32).unwrap())
         );
     }
-    for (s, &c) in states.iter().enumerate() {
+    let per_state = sections(pool.layout().state_bytes);
+    for (s, sums) in states.chunks(per_state).enumerate() {
         assert_eq!(
-            c,
-            checksum(&pool.read_state(eng.backend(), s as u32).unwrap())
+            sums,
+            section_checksums(&pool.read_state(eng.backend(), s as u32).unwrap())
         );
     }
     drop(seqs);

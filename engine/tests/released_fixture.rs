@@ -27,7 +27,9 @@ fn disk_names(dir: &std::path::Path) -> Vec<String> {
 fn the_quantized_fixture_is_in_the_released_layout() {
     let dir = fixtures_dir().join("quantized");
     let cfg = ModelConfig::from_model_dir(&dir).unwrap();
-    let q = cfg.quantization.expect("config.json has a quantization_config");
+    let q = cfg
+        .quantization
+        .expect("config.json has a quantization_config");
     assert_eq!(
         q.expert_dtype,
         pdserve_engine::config::ExpertDtype::Fp4,
@@ -90,7 +92,11 @@ fn the_quantized_fixture_is_in_the_released_layout() {
         .iter()
         .filter(|k| **k == pdserve_engine::config::LayerKind::Csa)
         .count();
-    assert_eq!(fp8, 8 * layers + csa, "5 attention + 3 shared-expert weights per layer, indexer wq_b per CSA layer");
+    assert_eq!(
+        fp8,
+        8 * layers + csa,
+        "5 attention + 3 shared-expert weights per layer, indexer wq_b per CSA layer"
+    );
     assert_eq!(fp4, 3 * cfg.n_routed_experts * layers);
     assert_eq!(partial, fp8, "every FP8 weight has a partial 128-block");
 }

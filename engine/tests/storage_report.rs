@@ -17,7 +17,10 @@ fn data_bytes(dir: &Path) -> u64 {
     bytes.len() as u64 - 8 - header
 }
 
-fn tensor<'a>(r: &'a StorageReport, name: &str) -> &'a pdserve_engine::model::storage::TensorStorage {
+fn tensor<'a>(
+    r: &'a StorageReport,
+    name: &str,
+) -> &'a pdserve_engine::model::storage::TensorStorage {
     r.tensors
         .iter()
         .find(|t| t.name == name)
@@ -44,9 +47,15 @@ fn quantized_fixture_storage_by_tensor_and_class() {
     assert_eq!(wq_a.disk_name, "layers.0.attn.wq_a.weight");
     assert_eq!(wq_a.class, StorageClass::Fp8);
     assert_eq!(wq_a.dtype, "F8_E4M3");
-    assert_eq!((wq_a.shape.clone(), wq_a.stored_shape.clone()), (vec![144, 160], vec![144, 160]));
+    assert_eq!(
+        (wq_a.shape.clone(), wq_a.stored_shape.clone()),
+        (vec![144, 160], vec![144, 160])
+    );
     let scale = wq_a.scale.as_ref().unwrap();
-    assert_eq!((scale.name.as_str(), scale.dtype.as_str()), ("layers.0.attn.wq_a.scale", "F8_E8M0"));
+    assert_eq!(
+        (scale.name.as_str(), scale.dtype.as_str()),
+        ("layers.0.attn.wq_a.scale", "F8_E8M0")
+    );
     assert_eq!(scale.shape, [2, 2]);
     assert_eq!(wq_a.bytes, 144 * 160 + 4);
     assert_eq!(wq_a.gpu_bytes, wq_a.bytes, "FP8 held as stored");
@@ -55,19 +64,34 @@ fn quantized_fixture_storage_by_tensor_and_class() {
     assert_eq!(gate_up.class, StorageClass::Fp4);
     assert_eq!(gate_up.parts, 8, "4 experts x (w1, w3)");
     assert_eq!(gate_up.disk_name, "layers.1.ffn.experts.0.w1.weight");
-    assert_eq!((gate_up.shape.clone(), gate_up.stored_shape.clone()), (vec![4, 128, 160], vec![64, 80]));
+    assert_eq!(
+        (gate_up.shape.clone(), gate_up.stored_shape.clone()),
+        (vec![4, 128, 160], vec![64, 80])
+    );
     assert_eq!(gate_up.bytes, 8 * fp4_bytes(64, 160));
     assert_eq!(gate_up.gpu_bytes, gate_up.bytes, "FP4 held as stored");
 
     // BF16 matrix: 2 bytes on the GPU; the router stays fp32; F32 hc maps; host-only tid2eid.
     let wkv = tensor(&r, "model.layers.0.self_attn.compressor.kv_proj.weight");
-    assert_eq!((wkv.class, wkv.bytes, wkv.gpu_bytes), (StorageClass::Bf16, 192 * 160 * 2, 192 * 160 * 2));
+    assert_eq!(
+        (wkv.class, wkv.bytes, wkv.gpu_bytes),
+        (StorageClass::Bf16, 192 * 160 * 2, 192 * 160 * 2)
+    );
     let router = tensor(&r, "model.layers.1.mlp.gate.weight");
-    assert_eq!((router.class, router.bytes, router.gpu_bytes), (StorageClass::Bf16, 4 * 160 * 2, 4 * 160 * 4));
+    assert_eq!(
+        (router.class, router.bytes, router.gpu_bytes),
+        (StorageClass::Bf16, 4 * 160 * 2, 4 * 160 * 4)
+    );
     let hc = tensor(&r, "model.layers.0.attn_hc.fn");
-    assert_eq!((hc.class, hc.bytes, hc.gpu_bytes), (StorageClass::F32, 24 * 640 * 4, 24 * 640 * 4));
+    assert_eq!(
+        (hc.class, hc.bytes, hc.gpu_bytes),
+        (StorageClass::F32, 24 * 640 * 4, 24 * 640 * 4)
+    );
     let tid2eid = tensor(&r, "model.layers.0.mlp.gate.tid2eid");
-    assert_eq!((tid2eid.class, tid2eid.bytes, tid2eid.gpu_bytes), (StorageClass::Int, 96 * 2 * 8, 0));
+    assert_eq!(
+        (tid2eid.class, tid2eid.bytes, tid2eid.gpu_bytes),
+        (StorageClass::Int, 96 * 2 * 8, 0)
+    );
 
     // Per layer: wq_a, wq_b, wkv, wo_a, wo_b, shared w1, w3, w2; the CSA layer's indexer wq_b.
     let per_layer = fp8_bytes(144, 160)
@@ -87,7 +111,10 @@ fn quantized_fixture_storage_by_tensor_and_class() {
     assert_eq!(r.by_class[&StorageClass::Int].gpu_bytes, 0);
 
     // mtp.0: enorm [160] bf16, wq_a [144, 160] FP8, one FP4 expert w1 [64, 160].
-    assert_eq!(r.unused_bytes, 160 * 2 + fp8_bytes(144, 160) + fp4_bytes(64, 160));
+    assert_eq!(
+        r.unused_bytes,
+        160 * 2 + fp8_bytes(144, 160) + fp4_bytes(64, 160)
+    );
     assert_eq!(r.total.bytes + r.unused_bytes, data_bytes(&dir));
     let sum = |f: fn(&pdserve_engine::model::storage::ClassTotal) -> u64| -> u64 {
         r.by_class.values().map(f).sum()
@@ -109,7 +136,10 @@ fn embedded_model_storage_follows_cuda_weights() {
         assert_eq!(r.total.bytes, data_bytes(&dir));
         assert!(!r.by_class.contains_key(&StorageClass::Fp8));
         let embed = tensor(&r, "model.embed_tokens.weight");
-        assert_eq!((embed.class, embed.bytes, embed.gpu_bytes), (StorageClass::Bf16, v * h * 2, v * h * elem));
+        assert_eq!(
+            (embed.class, embed.bytes, embed.gpu_bytes),
+            (StorageClass::Bf16, v * h * 2, v * h * elem)
+        );
         // Kept fp32 whatever --cuda-weights says: the router and the hc maps, and vectors.
         let router = tensor(&r, "model.layers.3.mlp.gate.weight");
         assert_eq!(router.gpu_bytes, 16 * h * 4);
@@ -120,7 +150,10 @@ fn embedded_model_storage_follows_cuda_weights() {
         let ids = tensor(&r, "model.layers.0.mlp.gate.tid2eid");
         assert_eq!(ids.gpu_bytes, 0);
         let bf16 = r.by_class[&StorageClass::Bf16];
-        assert_eq!(bf16.tensors + r.by_class[&StorageClass::Int].tensors, r.tensors.len());
+        assert_eq!(
+            bf16.tensors + r.by_class[&StorageClass::Int].tensors,
+            r.tensors.len()
+        );
     }
     // bf16 matrices: halving the element size halves exactly the Matrix tensors' bytes.
     let (r2, r4) = (storage_report(&ckpt, 2), storage_report(&ckpt, 4));
@@ -135,5 +168,8 @@ fn embedded_model_storage_follows_cuda_weights() {
         })
         .sum();
     assert_eq!(r4.total.gpu_bytes - r2.total.gpu_bytes, matrix_bf16_bytes);
-    assert!(matrix_bf16_bytes > r2.total.bytes / 2, "most bytes are matrices");
+    assert!(
+        matrix_bf16_bytes > r2.total.bytes / 2,
+        "most bytes are matrices"
+    );
 }

@@ -20,9 +20,9 @@ use pdserve_kernels::{CudaBackend, GraphMode, WeightDtype};
 use pdserve_tokenizer::Tokenizer;
 use std::path::Path;
 
-type AnyResult<T> = Result<T, Box<dyn std::error::Error>>;
+pub(crate) type AnyResult<T> = Result<T, Box<dyn std::error::Error>>;
 
-const POOL: PoolSize = PoolSize {
+pub(crate) const POOL: PoolSize = PoolSize {
     pages: 2048,
     states: 64,
 };
@@ -32,10 +32,21 @@ const POOL: PoolSize = PoolSize {
 const SMALL_BATCH: usize = 6;
 
 /// One teacher-forced sequence: `tokens[..prompt]` is prefilled, `tokens[prompt..]` decoded.
-struct Case {
-    tokens: Vec<u32>,
-    prompt: usize,
+pub(crate) struct Case {
+    pub tokens: Vec<u32>,
+    pub prompt: usize,
 }
+
+/// The rows one forward ran for one case: `len` tokens from position `start`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Span {
+    pub case: usize,
+    pub start: usize,
+    pub len: usize,
+}
+
+/// Called after every forward with the spans it ran, in row order.
+pub(crate) type OnForward<'a> = dyn FnMut(&[Span]) -> AnyResult<()> + 'a;
 
 /// How the GPU engine is set up for one group of rows.
 #[derive(Clone, Copy)]
@@ -79,7 +90,12 @@ fn bitwise_equal(a: &[Vec<Vec<f32>>], b: &[Vec<Vec<f32>>]) -> bool {
 
 /// `seqs` sequences from the corpus: prompt lengths spread over 5..~600 tokens, each
 /// followed by `steps` tokens to decode.
-fn cases(tok: &Tokenizer, corpus: &str, seqs: usize, steps: usize) -> AnyResult<Vec<Case>> {
+pub(crate) fn cases(
+    tok: &Tokenizer,
+    corpus: &str,
+    seqs: usize,
+    steps: usize,
+) -> AnyResult<Vec<Case>> {
     let ids = tok.encode(corpus)?;
     let longest = 605 + steps;
     if ids.len() < longest + seqs {
@@ -98,15 +114,34 @@ fn cases(tok: &Tokenizer, corpus: &str, seqs: usize, steps: usize) -> AnyResult<
 }
 
 /// The CPU engine's rows: the prompt's last row, then one per decoded token.
-fn reference(dir: &Path, spec: KvLayoutSpec, cases: &[Case]) -> AnyResult<Vec<Vec<Vec<f32>>>> {
+pub(crate) fn reference(
+    dir: &Path,
+    spec: KvLayoutSpec,
+    cases: &[Case],
+) -> AnyResult<Vec<Vec<Vec<f32>>>> {
     let mut cpu = Engine::load(dir, CpuBackend, Some(spec), POOL)?;
+    reference_rows(&mut cpu, cases, &mut |_| Ok(()))
+}
+
+/// [`reference`] on a given CPU engine, reporting each case's one-shot forward.
+pub(crate) fn reference_rows(
+    cpu: &mut Engine<CpuBackend>,
+    cases: &[Case],
+    on_forward: &mut OnForward<'_>,
+) -> AnyResult<Vec<Vec<Vec<f32>>>> {
     cases
         .iter()
-        .map(|c| {
+        .enumerate()
+        .map(|(case, c)| {
             let mut seq = cpu.new_sequence()?;
-            let rows = prefill(&mut cpu, &mut seq, &c.tokens, 0, Logits::All);
+            let rows = prefill(cpu, &mut seq, &c.tokens, 0, Logits::All);
             cpu.release(seq)?;
             let mut rows = rows?;
+            on_forward(&[Span {
+                case,
+                start: 0,
+                len: c.tokens.len(),
+            }])?;
             Ok(rows.split_off(c.prompt - 1))
         })
         .collect()
@@ -119,10 +154,20 @@ fn decode_in_batches<B: Backend>(
     cases: &[Case],
     batch: usize,
 ) -> AnyResult<Vec<Vec<Vec<f32>>>> {
+    decode_in_batches_reporting(e, cases, batch, &mut |_| Ok(()))
+}
+
+/// [`decode_in_batches`], reporting every forward's spans.
+pub(crate) fn decode_in_batches_reporting<B: Backend>(
+    e: &mut Engine<B>,
+    cases: &[Case],
+    batch: usize,
+    on_forward: &mut OnForward<'_>,
+) -> AnyResult<Vec<Vec<Vec<f32>>>> {
     let mut out = Vec::with_capacity(cases.len());
-    for group in cases.chunks(batch) {
+    for (g, group) in cases.chunks(batch.max(1)).enumerate() {
         let mut seqs: Vec<Sequence> = Vec::with_capacity(group.len());
-        let result = decode_group(e, group, &mut seqs);
+        let result = decode_group(e, g * batch.max(1), group, &mut seqs, on_forward);
         for s in seqs {
             e.release(s)?;
         }
@@ -133,15 +178,22 @@ fn decode_in_batches<B: Backend>(
 
 fn decode_group<B: Backend>(
     e: &mut Engine<B>,
+    first: usize,
     group: &[Case],
     seqs: &mut Vec<Sequence>,
+    on_forward: &mut OnForward<'_>,
 ) -> AnyResult<Vec<Vec<Vec<f32>>>> {
     let mut rows: Vec<Vec<Vec<f32>>> = Vec::with_capacity(group.len());
-    for c in group {
+    for (i, c) in group.iter().enumerate() {
         let mut seq = e.new_sequence()?;
         let last = prefill(e, &mut seq, &c.tokens[..c.prompt], 0, Logits::Last);
         seqs.push(seq);
         rows.push(last?);
+        on_forward(&[Span {
+            case: first + i,
+            start: 0,
+            len: c.prompt,
+        }])?;
     }
     let steps = group
         .iter()
@@ -156,12 +208,22 @@ fn decode_group<B: Backend>(
         {
             r.push(o);
         }
+        let spans: Vec<Span> = group
+            .iter()
+            .enumerate()
+            .map(|(i, c)| Span {
+                case: first + i,
+                start: c.prompt + s,
+                len: 1,
+            })
+            .collect();
+        on_forward(&spans)?;
     }
     Ok(rows)
 }
 
 /// Per-row errors of `got` against `want`, flattened in (case, row) order.
-fn errors(got: &[Vec<Vec<f32>>], want: &[Vec<Vec<f32>>]) -> Vec<f64> {
+pub(crate) fn errors(got: &[Vec<Vec<f32>>], want: &[Vec<Vec<f32>>]) -> Vec<f64> {
     got.iter()
         .zip(want)
         .flat_map(|(g, w)| g.iter().zip(w).map(|(a, b)| rel_err(a, b)))
@@ -169,7 +231,7 @@ fn errors(got: &[Vec<Vec<f32>>], want: &[Vec<Vec<f32>>]) -> Vec<f64> {
 }
 
 /// p50 / p90 / p99 / max of a distribution.
-fn quantiles(v: &[f64]) -> [f64; 4] {
+pub(crate) fn quantiles(v: &[f64]) -> [f64; 4] {
     let mut s = v.to_vec();
     s.sort_by(f64::total_cmp);
     let q = |p: f64| {
@@ -234,6 +296,27 @@ fn describe(label: &str, what: &str, errs: &[f64], flipped: &[(usize, usize, f32
          greedy flips {} [{}]",
         flipped.len(),
         margins.join(" ")
+    )
+}
+
+/// The greedy noise of batching, measured: two runs whose logits differ by at most `d` on
+/// a row can choose different tokens there only where the top-2 margin is below `2 d`.
+/// `d` is the largest |logit| difference between the batch-1 and the all-in-one-batch
+/// runs over every row (pick flips included, as serving sees them). Printed with a
+/// `noise_bound=` token that scripts/gpu-check.sh hands to the serving check, which gates
+/// the default mode's mismatches on it.
+fn noise_bound(label: &str, one: &[Vec<Vec<f32>>], all: &[Vec<Vec<f32>>]) -> String {
+    let d = one
+        .iter()
+        .flatten()
+        .zip(all.iter().flatten())
+        .flat_map(|(a, b)| a.iter().zip(b).map(|(x, y)| (x - y).abs()))
+        .fold(0.0f32, f32::max);
+    format!(
+        "{label} greedy noise: max |logit b1 - b{}| {d:.3}, top-2 margins below noise_bound={:.3} \
+         can flip",
+        all.len(),
+        2.0 * d
     )
 }
 
@@ -329,11 +412,12 @@ fn check_setup(
             &errors(&all, &one),
             &flips(&all, &one),
         ));
+        figures.push(noise_bound(&label, &one, &all));
     }
     Ok((rows, figures))
 }
 
-fn kv_spec(dir: &Path) -> AnyResult<KvLayoutSpec> {
+pub(crate) fn kv_spec(dir: &Path) -> AnyResult<KvLayoutSpec> {
     let cfg = pdserve_engine::config::ModelConfig::from_model_dir(dir)?;
     Ok(KvLayoutSpec::default_for(&cfg))
 }

@@ -455,19 +455,19 @@ fn audit_batched<B: Backend>(gpu: &mut Engine<B>, tok: &Tokenizer) -> AnyResult<
 /// The canary's device checksums of every page and state slot equal the host
 /// definition (`kv::checksum`) over the same bytes copied out.
 fn device_checksums_match<B: Backend>(e: &Engine<B>) -> AnyResult<bool> {
-    use pdserve_engine::kv::checksum::checksum;
+    use pdserve_engine::kv::checksum::section_checksums;
     let (b, pool) = (e.backend(), e.device_pool());
     let pages = b.page_checksums(pool.store())?;
     let states = b.state_checksums(pool.store())?;
-    let mut same =
-        pages.len() == e.allocator().total_pages() && states.len() == e.allocator().total_states();
-    for (p, &c) in pages.iter().enumerate() {
-        same &= c == checksum(&pool.read_page(b, p as u32)?);
+    let mut host_pages = Vec::new();
+    for p in 0..e.allocator().total_pages() {
+        host_pages.extend(section_checksums(&pool.read_page(b, p as u32)?));
     }
-    for (s, &c) in states.iter().enumerate() {
-        same &= c == checksum(&pool.read_state(b, s as u32)?);
+    let mut host_states = Vec::new();
+    for s in 0..e.allocator().total_states() {
+        host_states.extend(section_checksums(&pool.read_state(b, s as u32)?));
     }
-    Ok(same)
+    Ok(pages == host_pages && states == host_states)
 }
 
 /// One decode step of every sequence in `seqs`, feeding `toks`; each row's logits.

@@ -6,9 +6,9 @@
 //! whole random model in the stored formats against the CPU engine on the same weights.
 
 use crate::check::{compare, decode_logits, rel_err, CheckRow, REL_TOL, REL_TOL_F32};
+use pdserve_engine::backend::MoeParams;
 use pdserve_engine::backend::{counter_rng::WeightInit, HostTensor, TensorOps, WeightUse};
 use pdserve_engine::checkpoint::{weight_format, WeightFormat};
-use pdserve_engine::backend::MoeParams;
 use pdserve_engine::config::{ModelConfig, ScoringFunc};
 use pdserve_engine::generate::prefill;
 use pdserve_engine::model::random_weights::RandomSource;
@@ -29,10 +29,10 @@ const BATCHES: [usize; 7] = [1, 3, 8, 33, 64, 65, 300];
 
 /// `(outputs, inputs, groups)` of each GEMM shape class.
 const SHAPES: [(usize, usize, usize); 4] = [
-    (200, 160, 1),   // partial 128-blocks both ways
-    (512, 1024, 1),  // whole blocks, several 256-input warp passes
-    (192, 160, 2),   // grouped (the output projection's groups)
-    (64, 100, 1),    // inputs not a multiple of 8: the scalar path
+    (200, 160, 1),  // partial 128-blocks both ways
+    (512, 1024, 1), // whole blocks, several 256-input warp passes
+    (192, 160, 2),  // grouped (the output projection's groups)
+    (64, 100, 1),   // inputs not a multiple of 8: the scalar path
 ];
 
 fn host_x(rows: usize, cols: usize, seed: u64) -> HostTensor {
@@ -127,10 +127,21 @@ fn gemm_rows(gpu: &CudaBackend, det: &CudaBackend) -> AnyResult<Vec<CheckRow>> {
                     det.grouped_matmul(&xg, &wd, groups)?
                 };
                 let y1 = det.to_host(&y1)?;
-                invariant &= y1.row(0).iter().zip(got.row(0)).all(|(a, b)| a.to_bits() == b.to_bits());
+                invariant &= y1
+                    .row(0)
+                    .iter()
+                    .zip(got.row(0))
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
             }
             let fmt = fmt_name(format);
-            let shape = format!("{n}x{k}{}", if groups > 1 { format!(" g{groups}") } else { String::new() });
+            let shape = format!(
+                "{n}x{k}{}",
+                if groups > 1 {
+                    format!(" g{groups}")
+                } else {
+                    String::new()
+                }
+            );
             let mut push = |name: String, err: f64, pass: bool| {
                 out.push(CheckRow {
                     name,
@@ -143,7 +154,11 @@ fn gemm_rows(gpu: &CudaBackend, det: &CudaBackend) -> AnyResult<Vec<CheckRow>> {
                     gate: true,
                 });
             };
-            push(format!("stored {fmt} GEMM {shape} m=1..300"), worst, worst < GEMM_TOL);
+            push(
+                format!("stored {fmt} GEMM {shape} m=1..300"),
+                worst,
+                worst < GEMM_TOL,
+            );
             push(
                 format!("stored {fmt} GEMM {shape} --deterministic, batch-invariant"),
                 worst_det,
@@ -190,12 +205,20 @@ fn moe_rows(gpu: &CudaBackend, det: &CudaBackend) -> AnyResult<Vec<CheckRow>> {
                 let x = host_x(rows, h, 7 + rows as u64);
                 let got = b.moe(
                     &b.upload_weight(x.clone(), ACTIVATION)?,
-                    &moe_params([&router, &gu, &down, &sg, &su, &sd], &hash, (e, top_k, inter)),
+                    &moe_params(
+                        [&router, &gu, &down, &sg, &su, &sd],
+                        &hash,
+                        (e, top_k, inter),
+                    ),
                 )?;
                 let got = b.to_host(&got)?;
                 let want = cpu.moe(
                     &cpu.upload(x)?,
-                    &moe_params([&crouter, &cgu, &cdown, &csg, &csu, &csd], &hash, (e, top_k, inter)),
+                    &moe_params(
+                        [&crouter, &cgu, &cdown, &csg, &csu, &csd],
+                        &hash,
+                        (e, top_k, inter),
+                    ),
                 )?;
                 worst = rows_of(&got)
                     .iter()
@@ -204,7 +227,10 @@ fn moe_rows(gpu: &CudaBackend, det: &CudaBackend) -> AnyResult<Vec<CheckRow>> {
                     .fold(worst, f64::max);
             }
             out.push(CheckRow {
-                name: format!("stored {} experts MoE rows 4 + 64{label}", fmt_name(experts)),
+                name: format!(
+                    "stored {} experts MoE rows 4 + 64{label}",
+                    fmt_name(experts)
+                ),
                 rows: 68,
                 max_rel_err: worst,
                 worst_row: 0,
@@ -241,6 +267,7 @@ fn moe_params<'a, T>(
         swiglu_limit: 10.0,
         act_quant_routed: false,
         act_quant_shared: false,
+        record: None,
     }
 }
 
@@ -326,7 +353,11 @@ fn model_rows(ordinal: usize) -> AnyResult<Vec<CheckRow>> {
         let mut gpu = Engine::new(cfg.clone(), gpu_w, backend, None, POOL)?;
         let vocab = cfg.vocab_size as u64;
         let prompts: Vec<Vec<u32>> = (0..8u64)
-            .map(|i| (0..(20 + 37 * i)).map(|t| ((t * 7919 + i * 104_729) % vocab) as u32).collect())
+            .map(|i| {
+                (0..(20 + 37 * i))
+                    .map(|t| ((t * 7919 + i * 104_729) % vocab) as u32)
+                    .collect()
+            })
             .collect();
         let (mut got, mut want) = (Vec::new(), Vec::new());
         let (mut gseqs, mut cseqs) = (Vec::new(), Vec::new());
@@ -339,7 +370,9 @@ fn model_rows(ordinal: usize) -> AnyResult<Vec<CheckRow>> {
             cseqs.push(c);
         }
         for step in 0..6u32 {
-            let toks: Vec<u32> = (0..prompts.len() as u32).map(|i| (i * 31 + step * 7) % cfg.vocab_size as u32).collect();
+            let toks: Vec<u32> = (0..prompts.len() as u32)
+                .map(|i| (i * 31 + step * 7) % cfg.vocab_size as u32)
+                .collect();
             got.extend(decode_logits(&mut gpu, gseqs.iter_mut(), &toks)?);
             want.extend(decode_logits(&mut cpu, cseqs.iter_mut(), &toks)?);
         }
@@ -350,7 +383,11 @@ fn model_rows(ordinal: usize) -> AnyResult<Vec<CheckRow>> {
                     WeightDtype::Bf16 => "stored",
                     WeightDtype::F32 => "f32",
                 },
-                if deterministic { " --deterministic" } else { "" }
+                if deterministic {
+                    " --deterministic"
+                } else {
+                    ""
+                }
             ),
             &got,
             &want,

@@ -11,8 +11,8 @@ use crate::ops::{attention, compress, dense, hc, moe, random, stored, tensors};
 use crate::tensor::{stores_bf16, GpuTensor, WeightDtype};
 use crate::GraphMode;
 use pdserve_engine::backend::{
-    dequantized, BResult, BatchPlan, CompressedKeys, CompressorParams, HcParams, HcPre, HostTensor, KvStorage,
-    MoeParams, TensorOps, WeightInit, WeightUse,
+    dequantized, BResult, BatchPlan, CompressedKeys, CompressorParams, HcParams, HcPre, HostTensor,
+    KvStorage, MoeParams, PickKind, PickLog, Picks, RowPicks, TensorOps, WeightInit, WeightUse,
 };
 use pdserve_engine::checkpoint::{StoredWeight, WeightFormat};
 use pdserve_engine::kv::{KvLayout, PageId, StateSlot};
@@ -342,10 +342,23 @@ impl TensorOps for CudaBackend {
         n_heads: usize,
         topk: usize,
         plan: &BatchPlan,
+        record: Option<&PickLog>,
     ) -> BResult<GpuSelection> {
-        indexer::index_select(
+        let sel = indexer::index_select(
             &self.gpu, kv, layout, layer, q, weights, n_heads, topk, plan,
-        )
+        )?;
+        if let Some(log) = record {
+            log.push(Picks {
+                layer,
+                kind: PickKind::Index,
+                rows: sel
+                    .to_host(&self.gpu)?
+                    .into_iter()
+                    .map(|ids| RowPicks::new(ids, None))
+                    .collect(),
+            });
+        }
+        Ok(sel)
     }
 
     fn attention(

@@ -6,6 +6,7 @@ use crate::devmem::DevMem;
 use crate::kernels::{self, DevPtr};
 use crate::launch::dev_err;
 use pdserve_engine::backend::{BResult, BackendError, BatchPlan};
+use pdserve_engine::kv::checksum::sections;
 use pdserve_engine::kv::{EntryDtype, KvLayout, PageId, StateSlot};
 use pdserve_engine::numerics::Numerics;
 
@@ -101,8 +102,8 @@ impl GpuKv {
         .map_err(dev_err)
     }
 
-    /// The canary checksum of every page / state slot (the dummy ones left out), by one
-    /// kernel; only the checksums come back to the host.
+    /// The canary's section checksums of every page / state slot (the dummy ones left
+    /// out), by one kernel; only the checksums come back to the host.
     pub(crate) fn page_checksums(&self, gpu: &Gpu) -> BResult<Vec<u64>> {
         region_checksums(gpu, &self.pages, self.n_pages, self.page_bytes)
     }
@@ -153,21 +154,24 @@ impl GpuKv {
 }
 
 /// Checksums of the first `items` regions of `bytes` each in `buf`.
+/// The canary's section checksums (`kv::checksum::section_checksums`) of `items` regions
+/// of `bytes` bytes: one block per section.
 fn region_checksums(gpu: &Gpu, buf: &DevMem<u8>, items: usize, bytes: usize) -> BResult<Vec<u64>> {
-    if items == 0 {
+    let n = items * sections(bytes);
+    if n == 0 {
         return Ok(Vec::new());
     }
-    let out = gpu.zeros_owned::<u64>(items)?;
+    let out = gpu.zeros_owned::<u64>(n)?;
     gpu.launch(
-        (items as u32, 1, 1),
+        (n as u32, 1, 1),
         0,
         &kernels::RegionChecksums {
             base: DevPtr::of(buf),
-            words: (bytes / 8) as i64,
+            words: (bytes / 8 / sections(bytes)) as i64,
             out: DevPtr::of(&out),
         },
     )?;
-    gpu.download(&out, items)
+    gpu.download(&out, n)
 }
 
 /// Kernel code of an index-K entry dtype (`dt` in common.cuh).

@@ -271,7 +271,10 @@ impl Started {
         // A structured-output stream does not migrate: its grammar state lives on the
         // lost decode worker (a new one would start the grammar over mid-output).
         let constrained = self.origin.processing.grammar.is_some();
-        if !fault.migratable || constrained || self.migrations >= self.state.settings.migration_limit {
+        if !fault.migratable
+            || constrained
+            || self.migrations >= self.state.settings.migration_limit
+        {
             return Err(fault.error);
         }
         self.migrate(fault.error).await.map(Some)

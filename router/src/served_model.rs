@@ -35,7 +35,9 @@ impl ServedModel {
 /// A `--served-model-name` value that cannot be used.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum BadName {
-    #[error("--served-model-name `{0}`: a name must be non-empty, without leading or trailing spaces")]
+    #[error(
+        "--served-model-name `{0}`: a name must be non-empty, without leading or trailing spaces"
+    )]
     Blank(String),
     #[error("--served-model-name `{0}` is given twice")]
     Repeated(String),
@@ -94,6 +96,9 @@ mod tests {
         assert_eq!(check_names(&v(&[])), Ok(()));
         assert_eq!(check_names(&v(&["a", ""])), Err(BadName::Blank("".into())));
         assert_eq!(check_names(&v(&[" a"])), Err(BadName::Blank(" a".into())));
-        assert_eq!(check_names(&v(&["a", "b", "a"])), Err(BadName::Repeated("a".into())));
+        assert_eq!(
+            check_names(&v(&["a", "b", "a"])),
+            Err(BadName::Repeated("a".into()))
+        );
     }
 }

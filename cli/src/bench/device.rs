@@ -2,9 +2,9 @@
 //! wait for queued work, the two ceilings measured in the same run, and graph mode.
 
 use super::stats::median;
+use super::traffic::{weight_bytes, WeightBytes};
 use anyhow::{anyhow, Result};
 use pdserve_engine::backend::{counter_rng, BResult, Backend, TensorOps, WeightInit};
-use super::traffic::{weight_bytes, WeightBytes};
 use pdserve_engine::checkpoint::{weight_format, StoredWeight, WeightFormat};
 use pdserve_engine::config::ModelConfig;
 use pdserve_engine::model::random_weights::stored_group_rows;
@@ -24,8 +24,7 @@ pub struct Ceiling {
 
 pub trait BenchBackend: Backend + Sized {
     /// Bytes a `rows x cols` weight of `cfg` named `name` occupies on this backend.
-    fn weight_tensor_bytes(&self, cfg: &ModelConfig, name: &str, rows: usize, cols: usize)
-        -> u64;
+    fn weight_tensor_bytes(&self, cfg: &ModelConfig, name: &str, rows: usize, cols: usize) -> u64;
     /// Wait until every queued operation has finished.
     fn sync(&self) -> BResult<()>;
     /// Memory bandwidth (bytes/s) measured now: the decode floor's denominator.
@@ -102,7 +101,12 @@ impl BenchBackend for CpuBackend {
 
 /// Bytes of one weight on the CUDA backend: `reduced` (a matrix under bf16 weights) keeps a
 /// stored FP8/FP4 weight as stored and any other in bf16; otherwise fp32.
-fn cuda_tensor_bytes(cfg: &ModelConfig, name: &str, (rows, cols): (usize, usize), reduced: bool) -> u64 {
+fn cuda_tensor_bytes(
+    cfg: &ModelConfig,
+    name: &str,
+    (rows, cols): (usize, usize),
+    reduced: bool,
+) -> u64 {
     match weight_format(cfg, name) {
         format @ (WeightFormat::Fp8Block | WeightFormat::Fp4Packed) if reduced => {
             let group = stored_group_rows(cfg, name, rows);

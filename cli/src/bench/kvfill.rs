@@ -115,7 +115,12 @@ mod tests {
 
     #[test]
     fn every_entry_region_is_filled_with_finite_values() {
-        for (kv, idx) in [("f32", "f32"), ("bf16", "bf16"), ("bf16", "fp8"), ("fp8", "fp8")] {
+        for (kv, idx) in [
+            ("f32", "f32"),
+            ("bf16", "bf16"),
+            ("bf16", "fp8"),
+            ("fp8", "fp8"),
+        ] {
             let f = ModelFlags {
                 device: "cpu".into(),
                 layers: 4,
@@ -138,9 +143,14 @@ mod tests {
                 // Every entry decodes to finite values, none all zero.
                 let mut vals = vec![0f32; layout.head_dim];
                 for slot in 0..l.comp_entries_per_page {
-                    let (row, sc) = layout.kv_entry_offsets(l.comp_page_offset, l.comp_scale_offset, slot);
+                    let (row, sc) =
+                        layout.kv_entry_offsets(l.comp_page_offset, l.comp_scale_offset, slot);
                     let sc = sc.unwrap();
-                    f.decode(&p[row..row + f.row_bytes()], &p[sc..sc + f.scale_bytes()], &mut vals);
+                    f.decode(
+                        &p[row..row + f.row_bytes()],
+                        &p[sc..sc + f.scale_bytes()],
+                        &mut vals,
+                    );
                     assert!(vals.iter().all(|v| v.is_finite()) && vals.iter().any(|&v| v != 0.0));
                 }
                 continue;

@@ -4,6 +4,7 @@
 use super::cpu_kv::{CpuKv, Region};
 use super::cpu_math::{rms_norm_into, sigmoid, silu, softmax, softplus};
 use super::gemm::matmul_nt;
+use super::picks::{PickKind, PickLog, Picks, RowPicks};
 use super::shapes::shape_err;
 use super::{
     cpu_attention, shapes, BResult, BatchPlan, CompressedKeys, CompressorParams, HcParams, HcPre,
@@ -354,8 +355,9 @@ impl TensorOps for CpuBackend {
         n_heads: usize,
         topk: usize,
         plan: &BatchPlan,
+        record: Option<&PickLog>,
     ) -> BResult<Vec<Vec<u32>>> {
-        cpu_attention::index_select(kv, layout, layer, q, weights, n_heads, topk, plan)
+        cpu_attention::index_select(kv, layout, layer, q, weights, n_heads, topk, plan, record)
     }
 
     fn attention(
@@ -417,6 +419,7 @@ impl TensorOps for CpuBackend {
         }
         // (expert, weight) per row.
         let mut picks: Vec<Vec<(usize, f32)>> = Vec::with_capacity(n);
+        let mut recorded = Vec::new();
         for r in 0..n {
             let s = &scores[r * e..(r + 1) * e];
             let ids: Vec<usize> = match p.hash_experts {
@@ -430,6 +433,12 @@ impl TensorOps for CpuBackend {
                     let key = |i: usize| s[i] + bias.map_or(0.0, |b| b[i]);
                     order.sort_by(|&a, &b| key(b).total_cmp(&key(a)).then(a.cmp(&b)));
                     order.truncate(k);
+                    if p.record.is_some() {
+                        recorded.push(RowPicks::new(
+                            order.iter().map(|&i| i as u32).collect(),
+                            Some((0..e).map(key).collect()),
+                        ));
+                    }
                     order
                 }
             };
@@ -442,6 +451,13 @@ impl TensorOps for CpuBackend {
                     .map(|&i| (i, s[i] / sum * p.routed_scaling))
                     .collect(),
             );
+        }
+        if let (Some(rec), false) = (p.record, recorded.is_empty()) {
+            rec.log.push(Picks {
+                layer: rec.layer,
+                kind: PickKind::Route,
+                rows: recorded,
+            });
         }
         let mut out = HostTensor::zeros(n, h);
         let mut act = Vec::new();

@@ -7,6 +7,7 @@
 use super::cpu_kv::{round_through_kv, Codec, CpuKv, EntryLoc, Region};
 use super::cpu_math::{rms_norm_into, softmax};
 use super::gemm::dot;
+use super::picks::{PickKind, PickLog, Picks, RowPicks};
 use super::{
     BResult, BackendError, BatchPlan, CompressedKeys, CompressorParams, CompressorPart, HostTensor,
     SeqPlan,
@@ -225,6 +226,7 @@ pub fn index_select(
     n_heads: usize,
     topk: usize,
     plan: &BatchPlan,
+    record: Option<&PickLog>,
 ) -> BResult<Vec<Vec<u32>>> {
     let l = layer_of(layout, layer)?;
     let ihd = layout.index_head_dim;
@@ -246,17 +248,18 @@ pub fn index_select(
     let softmax_scale = (ihd as f32).powf(-0.5);
     let weight_scale = (n_heads as f32).powf(-0.5);
     let mut out = vec![Vec::new(); plan.rows()];
+    let mut recorded: Vec<Option<RowPicks>> = vec![None; plan.rows()];
     for seq in &plan.seqs {
         let last = seq.start + seq.len;
         let nv_max = last / l.rate;
         let keys = read_entries(kv, layout, l, CompressorPart::Index, seq, 0..nv_max)?;
-        let rows: Vec<(usize, Vec<u32>)> = (0..seq.len)
+        let rows: Vec<(usize, Vec<u32>, Option<Vec<f32>>)> = (0..seq.len)
             .into_par_iter()
             .map(|i| {
                 let r = seq.row0 + i;
                 let nv = (seq.start + i + 1) / l.rate;
                 if nv <= topk {
-                    return (r, (0..nv as u32).collect());
+                    return (r, (0..nv as u32).collect(), None);
                 }
                 let qr = q.row(r);
                 let wr: Vec<f32> = weights.row(r).iter().map(|w| w * weight_scale).collect();
@@ -278,12 +281,25 @@ pub fn index_select(
                 });
                 order.truncate(topk);
                 order.sort_unstable();
-                (r, order)
+                (r, order, record.is_some().then_some(scores))
             })
             .collect();
-        for (r, sel) in rows {
+        for (r, sel, scores) in rows {
+            if record.is_some() {
+                recorded[r] = Some(RowPicks::new(sel.clone(), scores));
+            }
             out[r] = sel;
         }
+    }
+    if let Some(log) = record {
+        log.push(Picks {
+            layer,
+            kind: PickKind::Index,
+            rows: recorded
+                .into_iter()
+                .map(|r| r.unwrap_or_else(|| RowPicks::new(Vec::new(), None)))
+                .collect(),
+        });
     }
     Ok(out)
 }
@@ -471,7 +487,7 @@ mod tests {
             positions: vec![0; rows],
             row_seq: vec![0; rows],
         };
-        index_select(&kv, &layout, layer, q, w, 64, 64, &plan).unwrap()
+        index_select(&kv, &layout, layer, q, w, 64, 64, &plan, None).unwrap()
     }
 
     /// fp8 e4m3 index-K against f32: share of the top-64 picks (of 512 candidates) kept.

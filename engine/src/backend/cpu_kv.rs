@@ -1,7 +1,7 @@
 //! Host-memory storage of a KV pool for the CPU backend, addressed through the layout.
 
 use super::{BResult, BackendError};
-use crate::kv::checksum::checksum;
+use crate::kv::checksum::section_checksums;
 use crate::kv::fp8;
 use crate::kv::fp8_kv::Fp8KvFormat;
 use crate::kv::{EntryDtype, KvLayout, PageId, StateSlot};
@@ -63,7 +63,8 @@ impl CpuKv {
         })
     }
 
-    /// The canary checksum of every page / state slot, without copying the pool.
+    /// The canary's section checksums of every page / state slot ([`section_checksums`]),
+    /// without copying the pool.
     pub fn page_checksums(&self) -> Vec<u64> {
         checksums_of(&self.pages, self.page_words)
     }
@@ -294,9 +295,10 @@ pub fn round_through_kv(layout: &KvLayout, vals: &mut [f32]) {
     }
 }
 
+/// The canary's section checksums of every region of `per` words, region after region.
 fn checksums_of(words: &[u32], per: usize) -> Vec<u64> {
     words
         .chunks(per.max(1))
-        .map(|c| checksum(bytemuck::cast_slice::<u32, u8>(c)))
+        .flat_map(|c| section_checksums(bytemuck::cast_slice::<u32, u8>(c)))
         .collect()
 }

@@ -12,6 +12,7 @@ mod cpu_math;
 mod gemm;
 mod kv_storage;
 mod ops;
+pub mod picks;
 pub mod shapes;
 mod step;
 
@@ -20,6 +21,7 @@ use crate::rope::Rope;
 pub use counter_rng::WeightInit;
 pub use kv_storage::KvStorage;
 pub use ops::{dequantized, TensorOps, WeightUse};
+pub use picks::{PickKind, PickLog, Picks, RouteRecord, RowPicks};
 pub use step::{StepForward, StepRunner};
 
 /// A 2-D fp32 tensor on the host, row-major: what backends upload from and download to,
@@ -141,6 +143,8 @@ pub struct MoeParams<'a, T> {
     /// reference does.
     pub act_quant_routed: bool,
     pub act_quant_shared: bool,
+    /// Where to record this layer's routed experts ([`picks`]); `None` in serving.
+    pub record: Option<RouteRecord<'a>>,
 }
 
 /// Hyper-connection parameters of one site.

@@ -3,8 +3,8 @@
 
 use super::counter_rng::{self, WeightInit};
 use super::{
-    BResult, BackendError, BatchPlan, CompressedKeys, CompressorParams, HcParams, HcPre, HostTensor, KvStorage,
-    MoeParams,
+    picks::PickLog, BResult, BackendError, BatchPlan, CompressedKeys, CompressorParams, HcParams,
+    HcPre, HostTensor, KvStorage, MoeParams,
 };
 use crate::checkpoint::{StoredWeight, WeightFormat};
 use crate::kv::KvLayout;
@@ -75,10 +75,12 @@ pub trait TensorOps: KvStorage {
         usage: WeightUse,
     ) -> BResult<Self::Tensor> {
         let t = counter_rng::host_tensor(rows, cols, init, seed);
-        let w = StoredWeight::quantize(format, &t.data, rows, cols, group_rows)
-            .map_err(|detail| BackendError::Shape {
-                op: "random_stored",
-                detail,
+        let w =
+            StoredWeight::quantize(format, &t.data, rows, cols, group_rows).map_err(|detail| {
+                BackendError::Shape {
+                    op: "random_stored",
+                    detail,
+                }
             })?;
         self.upload_stored(w, usage)
     }
@@ -153,7 +155,8 @@ pub trait TensorOps: KvStorage {
         p: &CompressorParams<'_, Self::Tensor>,
         plan: &BatchPlan,
     ) -> BResult<()>;
-    /// Lightning indexer: score every visible index-K entry, keep the top `topk` per row.
+    /// Lightning indexer: score every visible index-K entry, keep the top `topk` per row;
+    /// with `record`, append every row's picks to it ([`super::picks`]).
     #[allow(clippy::too_many_arguments)]
     fn index_select(
         &self,
@@ -165,6 +168,7 @@ pub trait TensorOps: KvStorage {
         n_heads: usize,
         topk: usize,
         plan: &BatchPlan,
+        record: Option<&PickLog>,
     ) -> BResult<Self::Selection>;
     /// Sink attention of every row over its sliding window (earlier positions from the
     /// ring, this forward's from `kv_new`) and the given compressed entries.

@@ -1,13 +1,14 @@
 //! An engine: one model on one backend with its KV pool. Sequences hold page tables;
 //! [`Engine::forward`] runs any mix of prefill chunks and decode steps in one batch.
 
-use crate::backend::{Backend, BatchPlan, HostTensor, SeqPlan};
+use crate::backend::{Backend, BatchPlan, HostTensor, PickLog, SeqPlan};
 use crate::checkpoint::Checkpoint;
 use crate::config::ModelConfig;
 use crate::kv::audit::{Scribble, ScribbleTarget, StepAudit};
 use crate::kv::{DevicePool, KvAllocator, KvLayout, KvLayoutSpec, PageId, SeqKv};
 use crate::model::{Model, ModelWeights};
 use std::path::Path;
+use std::sync::Arc;
 
 mod error;
 mod pages;
@@ -127,6 +128,13 @@ impl<B: Backend> Engine<B> {
     }
 
     /// Turn the KV canary on for every step or off (`--kv-audit`).
+    /// Record every forward's routing and indexer picks into `log` (`None`: stop). While
+    /// recording, decode steps run as plain forwards (unpadded, never a captured graph),
+    /// because a backend reads each pick back to the host as it makes it.
+    pub fn record_picks(&mut self, log: Option<Arc<PickLog>>) {
+        self.model.record_picks(log);
+    }
+
     pub fn set_kv_audit(&mut self, on: bool) {
         self.set_kv_audit_every(u32::from(on));
     }
@@ -352,9 +360,10 @@ impl<B: Backend> Engine<B> {
             logit_rows.extend(rows);
         }
         let before = self.audit.before_step(&self.backend, &mut self.device)?;
-        let decode = items
-            .iter()
-            .all(|it| it.tokens.len() == 1 && matches!(it.logits, Logits::Last));
+        let decode = !self.model.records_picks()
+            && items
+                .iter()
+                .all(|it| it.tokens.len() == 1 && matches!(it.logits, Logits::Last));
         let logits = if decode {
             let (model, layout) = (&self.model, &self.device.layout);
             self.backend.decode_step(

@@ -15,9 +15,14 @@
 //! and stays marked corrupt while someone holds it, so exactly its owners fail: a step's own
 //! sequences at once ([`crate::Engine::forward_each`]), the others when they next run.
 
+use super::canary_regions::RegionMap;
+use super::checksum::sections;
 use super::{DevicePool, PageId, SeqKv, StateSlot, Written};
 use crate::backend::{BResult, BackendError, BatchPlan, KvStorage};
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
+
+/// Ids found changed, each with the checksum sections of it that changed.
+pub type Changed = BTreeMap<u32, Vec<usize>>;
 
 /// Pages and state slots found corrupt that a sequence holds.
 #[derive(Debug, thiserror::Error)]
@@ -154,17 +159,18 @@ impl StepAudit {
         let written = pool.take_written();
         self.pages_written.extend(&written.pages);
         let states = backend.state_checksums(pool.store())?;
+        let (per_page, per_state) = per_region(pool);
         if let Some(base) = self.state_base.take() {
-            let bad = changed_outside(&base, &states, &written.states);
-            self.record(pool, BTreeSet::new(), bad, "between steps");
+            let bad = changed_outside(&base, &states, &written.states, per_state);
+            self.record(pool, Changed::new(), bad, "between steps");
         }
         let pages = match self.since + 1 >= self.every {
             false => None,
             true => {
                 let now = backend.page_checksums(pool.store())?;
                 if let Some(base) = self.page_base.take() {
-                    let bad = changed_outside(&base, &now, &self.pages_written);
-                    self.record(pool, bad, BTreeSet::new(), "since the last page check");
+                    let bad = changed_outside(&base, &now, &self.pages_written, per_page);
+                    self.record(pool, bad, Changed::new(), "since the last page check");
                 }
                 self.pages_written.clear();
                 Some(now)
@@ -194,10 +200,11 @@ impl StepAudit {
             return Ok(());
         }
         let expected = expected_writes(plan, pool.layout().page_tokens);
+        let (per_page, per_state) = per_region(pool);
         if let Some(start) = before.states {
             let now = backend.state_checksums(pool.store())?;
-            let bad = changed_outside(&start, &now, &expected.states);
-            self.record(pool, BTreeSet::new(), bad, "in the step");
+            let bad = changed_outside(&start, &now, &expected.states, per_state);
+            self.record(pool, Changed::new(), bad, "in the step");
             self.state_base = Some(now);
         }
         self.since += 1;
@@ -205,8 +212,8 @@ impl StepAudit {
             None => self.pages_written.extend(&expected.pages),
             Some(start) => {
                 let now = backend.page_checksums(pool.store())?;
-                let bad = changed_outside(&start, &now, &expected.pages);
-                self.record(pool, bad, BTreeSet::new(), "in the step");
+                let bad = changed_outside(&start, &now, &expected.pages, per_page);
+                self.record(pool, bad, Changed::new(), "in the step");
                 self.page_base = Some(now);
                 self.since = 0;
             }
@@ -217,25 +224,52 @@ impl StepAudit {
         Ok(())
     }
 
-    /// Log, count and mark what changed outside the expected writes.
+    /// Log, count and mark what changed outside the expected writes: each page with its
+    /// holder count and each page or slot with the byte ranges (and the layout regions
+    /// they hold) whose checksums changed.
     fn record<B: KvStorage>(
         &mut self,
         pool: &DevicePool<B>,
-        pages: BTreeSet<PageId>,
-        states: BTreeSet<StateSlot>,
+        pages: Changed,
+        states: Changed,
         when: &str,
     ) {
         let count = pages.len() + states.len();
         if count == 0 {
             return;
         }
+        let layout = pool.layout();
         let alloc = pool.allocator();
         let held_pages: Vec<(PageId, u32)> =
-            pages.iter().map(|&p| (p, alloc.refcount(p))).collect();
+            pages.keys().map(|&p| (p, alloc.refcount(p))).collect();
+        let changed = |what: &str, map: &RegionMap, bytes: usize, ids: &Changed| -> Vec<String> {
+            let len = bytes / sections(bytes);
+            ids.iter()
+                .flat_map(|(id, secs)| {
+                    secs.iter().map(move |&s| {
+                        let range = s * len..(s + 1) * len;
+                        format!(
+                            "{what} {id} bytes {}..{} ({})",
+                            range.start,
+                            range.end,
+                            map.describe(range.clone())
+                        )
+                    })
+                })
+                .collect()
+        };
+        let mut bytes = changed("page", &RegionMap::page(layout), layout.page_bytes, &pages);
+        bytes.extend(changed(
+            "state slot",
+            &RegionMap::state(layout),
+            layout.state_bytes,
+            &states,
+        ));
         tracing::error!(
             when,
             pages = ?held_pages,
-            states = ?states,
+            states = ?states.keys().collect::<Vec<_>>(),
+            changed = %bytes.join("; "),
             "KV canary: pages (id, holders) and state slots changed that nobody wrote"
         );
         super::metrics::audit_violations(count);
@@ -245,7 +279,7 @@ impl StepAudit {
                 .filter(|(_, refs)| *refs > 0)
                 .map(|(p, _)| p),
         );
-        self.poisoned_states.extend(states);
+        self.poisoned_states.extend(states.into_keys());
     }
 }
 
@@ -298,16 +332,28 @@ pub fn expected_writes(plan: &BatchPlan, page_tokens: usize) -> Written {
     w
 }
 
-/// Ids whose checksum changed from `before` to `after`, outside `allowed`.
-pub fn changed_outside(before: &[u64], after: &[u64], allowed: &BTreeSet<u32>) -> BTreeSet<u32> {
-    before
-        .iter()
-        .zip(after)
-        .enumerate()
-        .map(|(i, (x, y))| (i as u32, x != y))
-        .filter(|&(i, changed)| changed && !allowed.contains(&i))
-        .map(|(i, _)| i)
-        .collect()
+/// Checksum sections per page and per state slot of `pool`'s layout.
+fn per_region<B: KvStorage>(pool: &DevicePool<B>) -> (usize, usize) {
+    let l = pool.layout();
+    (sections(l.page_bytes), sections(l.state_bytes))
+}
+
+/// Ids (pages or slots of `per` checksum sections each) whose checksums changed from
+/// `before` to `after`, outside `allowed`, each with its changed sections.
+pub fn changed_outside(
+    before: &[u64],
+    after: &[u64],
+    allowed: &BTreeSet<u32>,
+    per: usize,
+) -> Changed {
+    let mut out = Changed::new();
+    for (i, (x, y)) in before.iter().zip(after).enumerate() {
+        let id = (i / per.max(1)) as u32;
+        if x != y && !allowed.contains(&id) {
+            out.entry(id).or_default().push(i % per.max(1));
+        }
+    }
+    out
 }
 
 #[cfg(test)]
@@ -345,7 +391,13 @@ mod tests {
     #[test]
     fn changes_outside_the_allowed_set_are_reported() {
         let allowed = [1].into_iter().collect();
-        let bad = changed_outside(&[1, 2, 3, 4], &[1, 9, 9, 4], &allowed);
-        assert_eq!(bad.into_iter().collect::<Vec<_>>(), vec![2]);
+        let bad = changed_outside(&[1, 2, 3, 4], &[1, 9, 9, 4], &allowed, 1);
+        assert_eq!(bad.into_iter().collect::<Vec<_>>(), vec![(2, vec![0])]);
+        // Two sections per id: id 0's second and id 2's first section changed.
+        let bad = changed_outside(&[1, 2, 3, 4, 5, 6], &[1, 7, 3, 4, 8, 6], &allowed, 2);
+        assert_eq!(
+            bad.into_iter().collect::<Vec<_>>(),
+            vec![(0, vec![1]), (2, vec![0])]
+        );
     }
 }

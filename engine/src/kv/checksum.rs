@@ -34,6 +34,35 @@ pub fn checksum(bytes: &[u8]) -> u64 {
     mix(sum ^ words)
 }
 
+/// The smallest section the canary checksums on its own, and the most sections per page
+/// or state slot: one checksum per section lets a violation name the byte ranges that
+/// changed, at a host copy of at most 8 bytes per KiB of pool (and 512 bytes per region).
+pub const MIN_SECTION_BYTES: usize = 1024;
+pub const MAX_SECTIONS: usize = 64;
+
+/// How many equal sections (each a whole number of 8-byte words) a region of `bytes`
+/// bytes is checksummed in: the most up to [`MAX_SECTIONS`] that keeps sections at least
+/// [`MIN_SECTION_BYTES`] long; 1 for a region not a multiple of 8 bytes.
+pub fn sections(bytes: usize) -> usize {
+    if !bytes.is_multiple_of(8) {
+        return 1;
+    }
+    let most = (bytes / MIN_SECTION_BYTES).clamp(1, MAX_SECTIONS);
+    (1..=most)
+        .rev()
+        .find(|k| (bytes / 8).is_multiple_of(*k))
+        .unwrap_or(1)
+}
+
+/// The checksums of a region's [`sections`], in order: what the canary compares.
+pub fn section_checksums(bytes: &[u8]) -> Vec<u64> {
+    let k = sections(bytes.len());
+    bytes
+        .chunks((bytes.len() / k).max(1))
+        .map(checksum)
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
@@ -79,5 +108,31 @@ mod tests {
             s = s.wrapping_add(mix(w.wrapping_add((i as u64 + 1).wrapping_mul(PHI))));
         }
         mix(s ^ n as u64)
+    }
+
+    #[test]
+    fn sections_split_a_region_evenly_within_the_bounds() {
+        assert_eq!(sections(100), 1);
+        assert_eq!(sections(1000), 1);
+        assert_eq!(sections(4096), 4);
+        // 3072 bytes = 384 words: 3 sections of 1 KiB.
+        assert_eq!(sections(3072), 3);
+        // 2056 bytes = 257 words (prime): no even split into >= 1 KiB sections but one.
+        assert_eq!(sections(2056), 1);
+        assert_eq!(sections(1 << 20), MAX_SECTIONS);
+        let bytes: Vec<u8> = (0..4096u32).map(|i| (i % 253) as u8).collect();
+        let sums = section_checksums(&bytes);
+        assert_eq!(sums.len(), 4);
+        assert_eq!(sums[2], checksum(&bytes[2048..3072]));
+        let mut b = bytes.clone();
+        b[3000] ^= 1;
+        let changed: Vec<usize> = section_checksums(&b)
+            .iter()
+            .zip(&sums)
+            .enumerate()
+            .filter(|(_, (x, y))| x != y)
+            .map(|(i, _)| i)
+            .collect();
+        assert_eq!(changed, vec![2]);
     }
 }

@@ -3,6 +3,7 @@
 
 pub mod allocator;
 pub mod audit;
+pub mod canary_regions;
 pub mod checksum;
 pub mod device;
 pub mod fp8;

@@ -7,13 +7,14 @@ pub mod weights;
 
 use crate::backend::{
     BResult, Backend, BatchPlan, CompressedKeys, CompressorParams, CompressorPart, HcParams, HcPre,
-    HostTensor, MoeParams,
+    HostTensor, MoeParams, PickLog, RouteRecord,
 };
 use crate::config::{LayerKind, MlpKind, ModelConfig};
 use crate::kv::KvLayout;
 use crate::numerics::{Numerics, ACT_BLOCK};
 use crate::rope::Rope;
 use quantized_linears::QuantizedLinears;
+use std::sync::Arc;
 use weights::{CompressorWeights, HcWeights, LayerWeights};
 pub use weights::{LoadError, ModelWeights, TensorSource};
 
@@ -24,6 +25,9 @@ pub struct Model<B: Backend> {
     rope_compress: Rope,
     /// Per layer, which linears take FP8 inputs under `deepseek` numerics.
     quantized: Vec<QuantizedLinears>,
+    /// Where the forward records its routing and indexer picks ([`crate::backend::picks`]);
+    /// `None` in serving.
+    picks: Option<Arc<PickLog>>,
 }
 
 impl<B: Backend> Model<B> {
@@ -39,7 +43,17 @@ impl<B: Backend> Model<B> {
             rope_main,
             rope_compress,
             quantized,
+            picks: None,
         }
+    }
+
+    /// Record every forward's picks into `log` from now on (`None`: stop).
+    pub fn record_picks(&mut self, log: Option<Arc<PickLog>>) {
+        self.picks = log;
+    }
+
+    pub fn records_picks(&self) -> bool {
+        self.picks.is_some()
     }
 
     /// `x @ w^T`, its input first FP8-quantized per 128 when `deepseek` numerics run this
@@ -241,6 +255,7 @@ impl<B: Backend> Model<B> {
                     cfg.index_n_heads,
                     cfg.index_topk,
                     plan,
+                    self.picks.as_deref(),
                 )?)
             }
             None => None,
@@ -309,6 +324,10 @@ impl<B: Backend> Model<B> {
                 swiglu_limit: cfg.swiglu_limit,
                 act_quant_routed: deepseek && self.quantized[li].routed,
                 act_quant_shared: deepseek && self.quantized[li].shared,
+                record: self
+                    .picks
+                    .as_deref()
+                    .map(|log| RouteRecord { log, layer: li }),
             },
         )
     }

@@ -3,8 +3,8 @@
 
 use crate::buf::{f32_buf, out_ptr, shape_err};
 use crate::device::{Gpu, ATTENTION_SHARED};
-use crate::kernels::{self, DevPtr};
 use crate::devmem::DevMem;
+use crate::kernels::{self, DevPtr};
 use crate::kv_store::{kv_dt_code, DevPlan, GpuKv};
 use crate::ops::indexer::GpuSelection;
 use crate::ops::kv_reach::{check_visible_reach, entry_bucket, layer_of};

@@ -53,10 +53,17 @@ pub fn compress(
     };
     // fp8 compressed-KV entries keep the trailing rope channels in bf16: the compressor's
     // rope must cover exactly those.
-    if p.part == CompressorPart::Main && layout.fp8_kv_format().is_some() && p.rope.dim() != layout.rope_dim {
+    if p.part == CompressorPart::Main
+        && layout.fp8_kv_format().is_some()
+        && p.rope.dim() != layout.rope_dim
+    {
         return Err(shape_err(
             "compress",
-            format!("rope of {} channels for fp8 entries of {} rope channels", p.rope.dim(), layout.rope_dim),
+            format!(
+                "rope of {} channels for fp8 entries of {} rope channels",
+                p.rope.dim(),
+                layout.rope_dim
+            ),
         ));
     }
     if rate == 0

@@ -11,7 +11,7 @@ use crate::ops::dense::matmul;
 use crate::ops::moe_gemm;
 use crate::ops::tensors::{new_f32, param_f32};
 use crate::tensor::GpuTensor;
-use pdserve_engine::backend::{BResult, MoeParams};
+use pdserve_engine::backend::{BResult, MoeParams, PickKind, Picks, RowPicks};
 use pdserve_engine::config::ScoringFunc;
 
 const WARPS: usize = BLOCK as usize / 32;
@@ -84,6 +84,17 @@ pub fn moe(g: &Gpu, x: &GpuTensor, p: &MoeParams<'_, GpuTensor>) -> BResult<GpuT
             routed_scaling: p.routed_scaling,
         },
     )?;
+    if let (Some(rec), None) = (p.record, p.hash_experts) {
+        let picked = g.download(&ids, n * k)?;
+        rec.log.push(Picks {
+            layer: rec.layer,
+            kind: PickKind::Route,
+            rows: picked
+                .chunks(k.max(1))
+                .map(|r| RowPicks::new(r.iter().map(|&i| i as u32).collect(), None))
+                .collect(),
+        });
+    }
     let y = if g.deterministic {
         routed_grouped(g, x, p, &ids)?
     } else if moe_gemm::worthwhile(g, n, k, e) {

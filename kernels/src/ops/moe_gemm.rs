@@ -157,7 +157,10 @@ struct ExpertWeights<'a> {
 
 impl<'a> ExpertWeights<'a> {
     fn new(g: &Gpu, w: &'a GpuTensor, per: usize) -> BResult<Self> {
-        let scratch = w.stored().map(|_| g.uninit::<u16>(per * w.cols)).transpose()?;
+        let scratch = w
+            .stored()
+            .map(|_| g.uninit::<u16>(per * w.cols))
+            .transpose()?;
         Ok(ExpertWeights {
             w,
             per,

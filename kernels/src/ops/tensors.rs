@@ -83,7 +83,10 @@ pub(crate) fn param_f32(g: &Gpu, t: &GpuTensor) -> BResult<DevMem<f32>> {
         }
         Buf::Stored(_) => Err(shape_err(
             "param_f32",
-            format!("a stored FP8/FP4 [{}x{}] weight is not a vector parameter", t.rows, t.cols),
+            format!(
+                "a stored FP8/FP4 [{}x{}] weight is not a vector parameter",
+                t.rows, t.cols
+            ),
         )),
     }
 }
