@@ -5,7 +5,7 @@
 #
 #   scripts/gpu-check.sh                 # uses target/release/pdserve
 #   PDSERVE_BIN=path/to/pdserve DEVICE=1 scripts/gpu-check.sh
-#   scripts/gpu-check.sh --only graphs   # one group: embedded, fixtures, graphs
+#   scripts/gpu-check.sh --only graphs   # one group: embedded, fixtures, graphs, batched, picks, stored
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${PDSERVE_BIN:-target/release/pdserve}
@@ -44,6 +44,8 @@ echo "   (kv=bf16: 2e-2), bf16 weights as info. greedy: argmax equal on every ro
 echo "   rows whose two candidates' CPU logits differ by less than twice the row's max |GPU-CPU|."
 echo "   'greedy generation' rows (free-running, one flip changes every later token) are info."
 echo "   --kv-audit row: 4 sequences, 300 batched decode steps, no write outside the expected pages."
+echo "   picks rows: every bf16 row above 2e-2 traced to a routing or indexer pick that flipped"
+echo "   (pick recorder on both engines), with the CPU's margin at the flip."
 check_log=$(mktemp)
 "$BIN" gpu-check --fixtures tests/fixtures --device "$DEVICE" "$@" | tee "$check_log"
 # The batched group's measured greedy noise of batching (bf16 weights and index-K, graphs):

@@ -91,8 +91,11 @@ pub(crate) struct RowTrace {
     pub case: usize,
     pub position: usize,
     pub err: f64,
-    /// The latest flip on the row's path (its position or earlier, same case).
+    /// The first flip (lowest layer) at the latest position of the row's path (its own
+    /// position or an earlier one, same case) that has any.
     pub cause: Option<Flip>,
+    /// Flips at that position.
+    pub flips_there: usize,
 }
 
 /// Each row's error and its latest upstream flip. Rows are in (case, row) order, row `r`
@@ -109,15 +112,20 @@ pub(crate) fn trace_rows(
     for (case, (c, rows)) in cases.iter().zip(want).enumerate() {
         for r in 0..rows.len() {
             let position = c.prompt - 1 + r;
-            let cause = flipped
+            let latest = flipped
                 .iter()
                 .rfind(|f| f.at.0 == case && f.at.1 <= position)
-                .cloned();
+                .map(|f| f.at.1);
+            let there: Vec<&Flip> = flipped
+                .iter()
+                .filter(|f| f.at.0 == case && Some(f.at.1) == latest)
+                .collect();
             out.push(RowTrace {
                 case,
                 position,
                 err: errs.get(at).copied().unwrap_or(f64::INFINITY),
-                cause,
+                cause: there.first().map(|f| (*f).clone()),
+                flips_there: there.len(),
             });
             at += 1;
         }
@@ -134,6 +142,10 @@ fn judge(
 ) -> (CheckRow, Vec<String>) {
     let jumps: Vec<&RowTrace> = rows.iter().filter(|r| r.err > REL_TOL).collect();
     let untraced = jumps.iter().filter(|r| r.cause.is_none()).count();
+    let at_own = jumps
+        .iter()
+        .filter(|r| r.cause.as_ref().is_some_and(|f| f.at.1 == r.position))
+        .count();
     let (worst_row, max_rel_err) =
         rows.iter().enumerate().fold(
             (0, 0.0),
@@ -181,7 +193,8 @@ fn judge(
         format!(
             "picks {label}: rows without a flip upstream: {} (rel err p50 {c50:.2e} p99 {c99:.2e} \
              max {cmax:.2e}); with one: {} (p50 {t50:.2e} p99 {t99:.2e} max {tmax:.2e}); \
-             {} rows above {REL_TOL:.0e}, {untraced} of them untraced",
+             {} rows above {REL_TOL:.0e}: {at_own} with a flip at their own position, \
+             {untraced} untraced",
             clean.len(),
             traced.len(),
             jumps.len()
@@ -191,13 +204,14 @@ fn judge(
     worst.sort_by(|a, b| b.err.total_cmp(&a.err));
     figures.extend(worst.iter().take(8).map(|r| match &r.cause {
         Some(f) => format!(
-            "picks {label}: seq{}@{} rel err {:.2e} <- {} pick at position {} layer {} \
-             (CPU margin {})",
+            "picks {label}: seq{}@{} rel err {:.2e} <- {} flip(s) at position {}, the first \
+             a {} pick in layer {} (CPU margin {})",
             r.case,
             r.position,
             r.err,
-            f.at.3,
+            r.flips_there,
             f.at.1,
+            f.at.3,
             f.at.2,
             f.margin.map_or("-".into(), |m| format!("{m:.3e}"))
         ),
