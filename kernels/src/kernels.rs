@@ -240,7 +240,12 @@ kernels! {
             pt: DevPtr, proj_kv: DevPtr, proj_gate: DevPtr, bias: DevPtr, norm_w: DevPtr,
             cs: DevPtr, sn: DevPtr, width: i32, rate: i32, slots: i32, overlap: i32,
             ring_off: i64, entry_off: i64, scale_off: i64, entries_per_page: i32,
-            page_tokens: i32, dt: i32, rd: i32, eps: f32,
+            page_tokens: i32, dt: i32, rd: i32, eps: f32, by_window: i32,
+        }
+        /// After a compress by window: each sequence's last rows into its ring.
+        CompressRing = "k_compress_ring" {
+            states: DevPtr, state_bytes: i64, seq: DevPtr, proj_kv: DevPtr, proj_gate: DevPtr,
+            width: i32, slots: i32, ring_off: i64,
         }
     }
     module "indexer" {
@@ -251,6 +256,17 @@ kernels! {
             n_heads: i32, ihd: i32, rate: i32, entry_off: i64, scale_off: i64,
             entries_per_page: i32, page_tokens: i32, dt: i32, softmax_scale: f32,
             weight_scale: f32,
+        }
+        /// One sequence's visible index-K entries as a dense fp32 matrix (prefill path).
+        GatherIndexK = "k_gather_index_k" {
+            pages: DevPtr, page_bytes: i64, seq: DevPtr, pt: DevPtr, si: i32, nv: i32,
+            ihd: i32, rate: i32, entry_off: i64, scale_off: i64, entries_per_page: i32,
+            page_tokens: i32, dt: i32, out: DevPtr,
+        }
+        /// Indexer scores of a chunk of rows from its per-head dot products (prefill path).
+        IndexReduce = "k_index_reduce" {
+            d: DevPtr, nvs: i32, positions: DevPtr, wts: DevPtr, scores: DevPtr, row0: i32,
+            max_nv: i32, n_heads: i32, rate: i32, softmax_scale: f32, weight_scale: f32,
         }
         /// Top-k entry ids of each row's indexer scores, ascending, `-1` padded.
         Topk = "k_topk" {

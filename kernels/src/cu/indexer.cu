@@ -33,6 +33,47 @@ extern "C" __global__ void k_index_scores(const unsigned char* pages, i64 page_b
     if (lane == 0) scores[(i64)r * max_nv + s] = total;
 }
 
+// The prefill path (many rows of one sequence): its visible index-K entries gathered once
+// into a dense fp32 matrix, the per-head dot products as one cuBLAS fp32 GEMM per chunk of
+// rows, then k_index_reduce. Same values as k_index_scores up to the dot products' order.
+
+// Entries 0..nv of sequence `si`, dequantized to f32 as k_index_scores reads them, into
+// out [nv, ihd]. One warp per entry.
+extern "C" __global__ void k_gather_index_k(const unsigned char* pages, i64 page_bytes, const int* seq, const u32* pt,
+                                            int si, int nv, int ihd, int rate, i64 entry_off, i64 scale_off,
+                                            int entries_per_page, int page_tokens, int dt, float* out) {
+    int s = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    int lane = threadIdx.x & 31;
+    if (s >= nv) return;
+    const int* sq = seq + si * SEQ_INTS;
+    u32 page = pt[sq[SEQ_PT] + (i64)s * rate / page_tokens];
+    const unsigned char* base = pages + (i64)page * page_bytes;
+    const unsigned char* k = base + entry_off + (i64)(s % entries_per_page) * ihd * dt_bytes(dt);
+    float sc = dt == 2 ? *(const float*)(base + scale_off + (i64)(s % entries_per_page) * 4) : 1.f;
+    for (int c = lane; c < ihd; c += 32) out[(i64)s * ihd + c] = dt == 2 ? e4m3_to_f(k[c]) * sc : ld_entry(k, c, dt);
+}
+
+// Scores of plan rows row0.. from d [(r * n_heads + h) * nvs + s] (the chunk's per-head dot
+// products over the sequence's nvs gathered entries): the sum over heads, in head order, of
+// relu(d) * softmax_scale * (w_h * weight_scale) as k_index_scores; -inf past a row's
+// visible entries. grid (rows, ceil(max_nv / blockDim.x)).
+extern "C" __global__ void k_index_reduce(const float* d, int nvs, const int* positions, const float* wts,
+                                          float* scores, int row0, int max_nv, int n_heads, int rate,
+                                          float softmax_scale, float weight_scale) {
+    int s = blockIdx.y * blockDim.x + threadIdx.x;
+    if (s >= max_nv) return;
+    int row = row0 + blockIdx.x;
+    int nv = (positions[row] + 1) / rate;
+    float total = NEG_INF;
+    if (s < nv && s < nvs) {
+        total = 0.f;
+        const float* dr = d + (i64)blockIdx.x * n_heads * nvs + s;
+        const float* w = wts + (i64)row * n_heads;
+        for (int h = 0; h < n_heads; h++) total += fmaxf(dr[(i64)h * nvs], 0.f) * softmax_scale * (w[h] * weight_scale);
+    }
+    scores[(i64)row * max_nv + s] = total;
+}
+
 // Float order as unsigned order (larger float, larger key).
 __device__ __forceinline__ u32 order_key(float v) {
     u32 u = __float_as_uint(v);

@@ -105,34 +105,70 @@ pub fn compress(
     )?;
     let bias = param_f32(g, p.position_bias)?;
     let norm = param_f32(g, p.norm_weight)?;
+    // Outside decode steps (prefill), one block per window this forward closes, then the
+    // ring; in a step, one block per sequence walking its rows (a grid the batch alone
+    // fixes, as captured graphs need). The same arithmetic per window either way.
+    let windows = !g.in_step();
+    let grid = if windows {
+        let most = plan
+            .seqs
+            .iter()
+            .map(|s| ((s.start + s.len) / rate).saturating_sub((s.start + rate) / rate - 1))
+            .max()
+            .unwrap_or(0);
+        (plan.seqs.len() as u32, most as u32, 1)
+    } else {
+        (plan.seqs.len() as u32, 1, 1)
+    };
+    let (pkv, pgate) = (
+        DevPtr::of(f32_buf(proj_kv, "compress")?),
+        DevPtr::of(f32_buf(proj_gate, "compress")?),
+    );
+    let args = kernels::Compress {
+        pages: DevPtr::of(&kv.pages),
+        states: DevPtr::of(&kv.states),
+        page_bytes: kv.page_bytes as i64,
+        state_bytes: kv.state_bytes as i64,
+        seq: DevPtr::of(&dp.seq),
+        pt: DevPtr::of(&dp.pt),
+        proj_kv: pkv,
+        proj_gate: pgate,
+        bias: DevPtr::of(&bias),
+        norm_w: DevPtr::of(&norm),
+        cs: DevPtr::of(&cs),
+        sn: DevPtr::of(&sn),
+        width: width as i32,
+        rate: rate as i32,
+        slots: slots as i32,
+        overlap: overlap as i32,
+        ring_off: ring_off as i64,
+        entry_off: entry_off as i64,
+        scale_off: scale_off as i64,
+        entries_per_page: epp as i32,
+        page_tokens: layout.page_tokens as i32,
+        dt,
+        rd: p.rope.dim() as i32,
+        eps: p.eps,
+        by_window: windows as i32,
+    };
+    if grid.1 > 0 {
+        g.launch(grid, (dim * 4) as u32, &args)?;
+    }
+    if !windows {
+        return Ok(());
+    }
     g.launch(
         (plan.seqs.len() as u32, 1, 1),
-        (dim * 4) as u32,
-        &kernels::Compress {
-            pages: DevPtr::of(&kv.pages),
+        0,
+        &kernels::CompressRing {
             states: DevPtr::of(&kv.states),
-            page_bytes: kv.page_bytes as i64,
             state_bytes: kv.state_bytes as i64,
             seq: DevPtr::of(&dp.seq),
-            pt: DevPtr::of(&dp.pt),
-            proj_kv: DevPtr::of(f32_buf(proj_kv, "compress")?),
-            proj_gate: DevPtr::of(f32_buf(proj_gate, "compress")?),
-            bias: DevPtr::of(&bias),
-            norm_w: DevPtr::of(&norm),
-            cs: DevPtr::of(&cs),
-            sn: DevPtr::of(&sn),
+            proj_kv: pkv,
+            proj_gate: pgate,
             width: width as i32,
-            rate: rate as i32,
             slots: slots as i32,
-            overlap: overlap as i32,
             ring_off: ring_off as i64,
-            entry_off: entry_off as i64,
-            scale_off: scale_off as i64,
-            entries_per_page: epp as i32,
-            page_tokens: layout.page_tokens as i32,
-            dt,
-            rd: p.rope.dim() as i32,
-            eps: p.eps,
         },
     )
 }

@@ -61,32 +61,21 @@ pub fn index_select(
     let dp = DevPlan::upload(g, kv, plan)?;
     let scores = g.zeros::<f32>(rows * max_nv)?;
     let sel = g.zeros::<i32>(rows * topk)?;
-    g.launch(
-        (rows as u32, max_nv.div_ceil(WARPS) as u32, 1),
-        0,
-        &kernels::IndexScores {
-            pages: DevPtr::of(&kv.pages),
-            page_bytes: kv.page_bytes as i64,
-            seq: DevPtr::of(&dp.seq),
-            pt: DevPtr::of(&dp.pt),
-            row_seq: DevPtr::of(&dp.row_seq),
-            positions: DevPtr::of(&dp.positions),
-            q: DevPtr::of(f32_buf(q, "index_select")?),
-            wts: DevPtr::of(f32_buf(weights, "index_select")?),
-            scores: DevPtr::of(&scores),
-            max_nv: max_nv as i32,
-            n_heads: n_heads as i32,
-            ihd: ihd as i32,
-            rate: l.rate as i32,
-            entry_off: l.index_page_offset as i64,
-            scale_off: l.index_scale_offset as i64,
-            entries_per_page: l.index_entries_per_page as i32,
-            page_tokens: layout.page_tokens as i32,
-            dt: dt_code(layout.index_k_dtype)?,
-            softmax_scale: (ihd as f32).powf(-0.5),
-            weight_scale: (n_heads as f32).powf(-0.5),
-        },
-    )?;
+    let scoring = Scoring {
+        kv,
+        layout,
+        l,
+        dp: &dp,
+        q,
+        weights,
+        n_heads,
+        max_nv,
+    };
+    if by_gemm(g, plan) {
+        scoring.by_gemm(g, plan, &scores)?;
+    } else {
+        scoring.by_kernel(g, rows, &scores)?;
+    }
     g.launch(
         (rows as u32, 1, 1),
         0,
@@ -100,6 +89,140 @@ pub fn index_select(
         },
     )?;
     Ok(GpuSelection { sel, rows, topk })
+}
+
+/// A sequence's rows from which the scores go through the GEMM path.
+const GEMM_ROWS: usize = 64;
+
+/// Floats of one chunk's per-head dot products (256 MiB).
+const GEMM_CHUNK_FLOATS: usize = 64 << 20;
+
+/// The GEMM path for prefill-sized forwards (some sequence has [`GEMM_ROWS`] rows or more),
+/// outside decode steps and `--deterministic` (where cuBLAS's shape-dependent order would
+/// make scores depend on how a prompt was chunked).
+fn by_gemm(g: &Gpu, plan: &BatchPlan) -> bool {
+    !g.deterministic && !g.in_step() && plan.seqs.iter().any(|s| s.len >= GEMM_ROWS)
+}
+
+/// What both ways of scoring one layer's rows read.
+struct Scoring<'a> {
+    kv: &'a GpuKv,
+    layout: &'a KvLayout,
+    l: &'a pdserve_engine::kv::LayerKvLayout,
+    dp: &'a DevPlan,
+    q: &'a GpuTensor,
+    weights: &'a GpuTensor,
+    n_heads: usize,
+    max_nv: usize,
+}
+
+impl Scoring<'_> {
+    /// One warp per (row, entry), every head's dot product in turn (`k_index_scores`).
+    fn by_kernel(&self, g: &Gpu, rows: usize, scores: &DevMem<f32>) -> BResult<()> {
+        let (kv, layout, l, dp) = (self.kv, self.layout, self.l, self.dp);
+        let ihd = layout.index_head_dim;
+        let n_heads = self.n_heads;
+        g.launch(
+            (rows as u32, self.max_nv.div_ceil(WARPS) as u32, 1),
+            0,
+            &kernels::IndexScores {
+                pages: DevPtr::of(&kv.pages),
+                page_bytes: kv.page_bytes as i64,
+                seq: DevPtr::of(&dp.seq),
+                pt: DevPtr::of(&dp.pt),
+                row_seq: DevPtr::of(&dp.row_seq),
+                positions: DevPtr::of(&dp.positions),
+                q: DevPtr::of(f32_buf(self.q, "index_select")?),
+                wts: DevPtr::of(f32_buf(self.weights, "index_select")?),
+                scores: DevPtr::of(scores),
+                max_nv: self.max_nv as i32,
+                n_heads: n_heads as i32,
+                ihd: ihd as i32,
+                rate: l.rate as i32,
+                entry_off: l.index_page_offset as i64,
+                scale_off: l.index_scale_offset as i64,
+                entries_per_page: l.index_entries_per_page as i32,
+                page_tokens: layout.page_tokens as i32,
+                dt: dt_code(layout.index_k_dtype)?,
+                softmax_scale: (ihd as f32).powf(-0.5),
+                weight_scale: (n_heads as f32).powf(-0.5),
+            },
+        )
+    }
+
+    /// Per sequence: its visible entries gathered into a dense fp32 matrix, then per chunk
+    /// of rows every head's dot products as one cuBLAS fp32 GEMM (`[rows * heads, ihd] x
+    /// [nv, ihd]^T`) and `k_index_reduce`: tensor-free fp32, so the same values as
+    /// [`Scoring::by_kernel`] up to the dot products' summation order.
+    fn by_gemm(&self, g: &Gpu, plan: &BatchPlan, scores: &DevMem<f32>) -> BResult<()> {
+        let (kv, layout, l, dp) = (self.kv, self.layout, self.l, self.dp);
+        let (ihd, n_heads) = (layout.index_head_dim, self.n_heads);
+        let q = f32_buf(self.q, "index_select")?;
+        let wts = f32_buf(self.weights, "index_select")?;
+        let dt = dt_code(layout.index_k_dtype)?;
+        for (si, s) in plan.seqs.iter().enumerate() {
+            let nvs = (s.start + s.len) / l.rate;
+            let keys = g.zeros::<f32>(nvs * ihd)?;
+            if nvs > 0 {
+                g.launch(
+                    (nvs.div_ceil(WARPS) as u32, 1, 1),
+                    0,
+                    &kernels::GatherIndexK {
+                        pages: DevPtr::of(&kv.pages),
+                        page_bytes: kv.page_bytes as i64,
+                        seq: DevPtr::of(&dp.seq),
+                        pt: DevPtr::of(&dp.pt),
+                        si: si as i32,
+                        nv: nvs as i32,
+                        ihd: ihd as i32,
+                        rate: l.rate as i32,
+                        entry_off: l.index_page_offset as i64,
+                        scale_off: l.index_scale_offset as i64,
+                        entries_per_page: l.index_entries_per_page as i32,
+                        page_tokens: layout.page_tokens as i32,
+                        dt,
+                        out: DevPtr::of(&keys),
+                    },
+                )?;
+            }
+            let chunk = (GEMM_CHUNK_FLOATS / (n_heads * nvs.max(1))).clamp(1, s.len.max(1));
+            let dots = g.zeros::<f32>(chunk * n_heads * nvs.max(1))?;
+            for c0 in (0..s.len).step_by(chunk) {
+                let n = chunk.min(s.len - c0);
+                let row0 = s.row0 + c0;
+                if nvs > 0 {
+                    g.gemm_nt(
+                        q.ptr() + (row0 * n_heads * ihd * 4) as u64,
+                        keys.ptr(),
+                        dots.ptr(),
+                        (n * n_heads, nvs, ihd),
+                        (ihd, ihd, nvs),
+                        (0, 0, 0),
+                        1,
+                        false,
+                    )?;
+                }
+                g.launch(
+                    (n as u32, self.max_nv.div_ceil(BLOCK as usize) as u32, 1),
+                    0,
+                    &kernels::IndexReduce {
+                        d: DevPtr::of(&dots),
+                        nvs: nvs as i32,
+                        positions: DevPtr::of(&dp.positions),
+                        wts: DevPtr::of(wts),
+                        scores: DevPtr::of(scores),
+                        row0: row0 as i32,
+                        max_nv: self.max_nv as i32,
+                        n_heads: n_heads as i32,
+                        rate: l.rate as i32,
+                        softmax_scale: (ihd as f32).powf(-0.5),
+                        weight_scale: (n_heads as f32).powf(-0.5),
+                    },
+                )?;
+            }
+        }
+        Ok(())
+    }
 }
 
 impl GpuSelection {
