@@ -163,7 +163,15 @@ pub fn run<B: BenchBackend>(a: &DecodeArgs, mut backend: B) -> Result<DecodeReco
     let bar = progress(total_steps, "decode steps");
     let mut rows = Vec::new();
     for f in &formats {
-        rows.extend(run_format(a, f, &mut backend, &mut kv, &pool, bw.rate, &bar)?);
+        rows.extend(run_format(
+            a,
+            f,
+            &mut backend,
+            &mut kv,
+            &pool,
+            bw.rate,
+            &bar,
+        )?);
     }
     bar.finish_and_clear();
     let canary = canary_cost(&backend, &kv, &layout, bw.rate)?;
@@ -462,7 +470,11 @@ mod tests {
             },
         ];
         let t = graph_speedups(&rows).unwrap();
-        assert_eq!(t.rows.len(), 1, "batch 8 (bf16 against fp8) and 64 have no pair");
+        assert_eq!(
+            t.rows.len(),
+            1,
+            "batch 8 (bf16 against fp8) and 64 have no pair"
+        );
         assert_eq!(t.rows[0], vec!["1", "4096", "bf16", "2.50", "1.00", "2.50"]);
         // CPU rows: graphs not applied, nothing to compare.
         let cpu = vec![

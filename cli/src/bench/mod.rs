@@ -160,7 +160,11 @@ pub(crate) fn check_output(path: Option<&std::path::Path>, flag: &str) -> Result
     let Some(path) = path else { return Ok(()) };
     match path.parent() {
         Some(dir) if !dir.as_os_str().is_empty() && !dir.is_dir() => {
-            bail!("{flag} {}: folder {} does not exist", path.display(), dir.display())
+            bail!(
+                "{flag} {}: folder {} does not exist",
+                path.display(),
+                dir.display()
+            )
         }
         _ => Ok(()),
     }

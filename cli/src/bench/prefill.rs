@@ -68,7 +68,10 @@ pub fn run<B: BenchBackend>(a: &PrefillArgs, backend: B) -> Result<PrefillRecord
     super::check_output(a.json.as_deref(), "--json")?;
     super::check_output(a.plot.as_deref(), "--plot")?;
     let formats = a.model.per_format()?;
-    let cfg = formats.first().context("--weights needs a format")?.config()?;
+    let cfg = formats
+        .first()
+        .context("--weights needs a format")?
+        .config()?;
     let max_t = a.tokens.iter().copied().max().unwrap_or(1);
     if max_t > cfg.max_position_embeddings {
         bail!(
@@ -144,9 +147,7 @@ fn run_format<B: BenchBackend>(
             backend.reset_state(&mut kv, 0)?;
             backend.sync()?;
             let t = Instant::now();
-            let logits = p
-                .model
-                .forward(backend, &mut kv, layout, &plan, &[n - 1])?;
+            let logits = p.model.forward(backend, &mut kv, layout, &plan, &[n - 1])?;
             backend.sync()?;
             let dt = t.elapsed().as_secs_f64();
             bar.inc(1);

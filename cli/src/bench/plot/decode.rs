@@ -105,8 +105,8 @@ pub fn decode_svg(rec: &DecodeRecord) -> Result<String> {
                     .label(format!("{f} floor"))
                     .legend(move |(lx, ly)| {
                         EmptyElement::at((lx, ly))
-                        + PathElement::new(vec![(0, 0), (8, 0)], color.stroke_width(2))
-                        + PathElement::new(vec![(12, 0), (20, 0)], color.stroke_width(2))
+                            + PathElement::new(vec![(0, 0), (8, 0)], color.stroke_width(2))
+                            + PathElement::new(vec![(12, 0), (20, 0)], color.stroke_width(2))
                     });
             }
             chart
@@ -181,7 +181,10 @@ mod tests {
         let svg = decode_svg(&record(rows)).unwrap();
         let t = texts(&svg);
         assert_eq!(
-            count(&t, "pdserve bench decode on test gpu: ms/step (solid) against the floor (dashed)"),
+            count(
+                &t,
+                "pdserve bench decode on test gpu: ms/step (solid) against the floor (dashed)"
+            ),
             1
         );
         for c in [4096, 32768] {
@@ -190,7 +193,11 @@ mod tests {
         }
         for w in ["bf16", "fp8-fp4"] {
             for series in ["capture", "eager", "floor"] {
-                assert_eq!(count(&t, &format!("{w} {series}")), 2, "{w} {series}: {t:?}");
+                assert_eq!(
+                    count(&t, &format!("{w} {series}")),
+                    2,
+                    "{w} {series}: {t:?}"
+                );
             }
         }
         assert_eq!(count(&t, "batch (sequences, one token each per step)"), 2);

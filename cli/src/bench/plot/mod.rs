@@ -36,9 +36,13 @@ impl Recorded {
     pub fn parse(text: &str) -> Result<Self> {
         let v: serde_json::Value = serde_json::from_str(text)?;
         if v.get("memory_bandwidth_bytes_per_s").is_some() {
-            Ok(Self::Decode(serde_json::from_value(v).context("bench decode record")?))
+            Ok(Self::Decode(
+                serde_json::from_value(v).context("bench decode record")?,
+            ))
         } else if v.get("gemm_flops_per_s").is_some() {
-            Ok(Self::Prefill(serde_json::from_value(v).context("bench prefill record")?))
+            Ok(Self::Prefill(
+                serde_json::from_value(v).context("bench prefill record")?,
+            ))
         } else {
             bail!("not a `bench decode --json` or `bench prefill --json` file (no memory_bandwidth_bytes_per_s or gemm_flops_per_s)")
         }
@@ -141,7 +145,9 @@ mod tests {
     fn ranges_widen_around_positive_values_and_refuse_none() {
         let r = log_range([4.0, 0.0, f64::NAN, 1.0].into_iter(), "ms").unwrap();
         assert_eq!(r, 0.8..5.0);
-        let e = log_range([0.0, -1.0].into_iter(), "ms").unwrap_err().to_string();
+        let e = log_range([0.0, -1.0].into_iter(), "ms")
+            .unwrap_err()
+            .to_string();
         assert_eq!(e, "no positive ms to plot");
         assert_eq!(distinct_sorted([8.0, 1.0, 8.0].into_iter()), vec![1.0, 8.0]);
         assert_eq!(distinct(["b", "a", "b"].into_iter()), vec!["b", "a"]);
@@ -149,9 +155,14 @@ mod tests {
 
     #[test]
     fn a_file_of_neither_bench_is_refused() {
-        let e = Recorded::parse(r#"{"rows": []}"#).err().unwrap().to_string();
+        let e = Recorded::parse(r#"{"rows": []}"#)
+            .err()
+            .unwrap()
+            .to_string();
         assert!(e.contains("not a `bench decode --json`"), "{e}");
-        let e = Recorded::parse(r#"{"gemm_flops_per_s": 1.0}"#).err().unwrap();
+        let e = Recorded::parse(r#"{"gemm_flops_per_s": 1.0}"#)
+            .err()
+            .unwrap();
         assert!(format!("{e:#}").contains("missing field"), "{e:#}");
     }
 }

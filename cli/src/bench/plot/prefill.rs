@@ -24,7 +24,10 @@ pub fn prefill_svg(rec: &PrefillRecord) -> Result<String> {
         );
         let root = root.titled(&title, (FONT, 22))?;
         let mut chart = ChartBuilder::on(&root)
-            .caption("one sequence per forward, counted FLOPs / seconds", (FONT, 16))
+            .caption(
+                "one sequence per forward, counted FLOPs / seconds",
+                (FONT, 16),
+            )
             .margin(12)
             .x_label_area_size(48)
             .y_label_area_size(64)
@@ -62,11 +65,15 @@ pub fn prefill_svg(rec: &PrefillRecord) -> Result<String> {
         let line = vec![(x.start, gemm), (x.end, gemm)];
         chart
             .draw_series(DashedLineSeries::new(line, 8, 5, BLACK.stroke_width(2)))?
-            .label(format!("GEMM rate {} TFLOP/s ({})", num(gemm), rec.gemm_how))
+            .label(format!(
+                "GEMM rate {} TFLOP/s ({})",
+                num(gemm),
+                rec.gemm_how
+            ))
             .legend(|(lx, ly)| {
                 EmptyElement::at((lx, ly))
-                        + PathElement::new(vec![(0, 0), (8, 0)], BLACK.stroke_width(2))
-                        + PathElement::new(vec![(12, 0), (20, 0)], BLACK.stroke_width(2))
+                    + PathElement::new(vec![(0, 0), (8, 0)], BLACK.stroke_width(2))
+                    + PathElement::new(vec![(12, 0), (20, 0)], BLACK.stroke_width(2))
             });
         chart
             .configure_series_labels()
