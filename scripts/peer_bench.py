@@ -19,7 +19,10 @@ reference's own KV cache (DynamicCache with its CSA/HCA layers), then `--steps` 
 steps of one token per sequence are timed (CUDA-synchronised wall clock, median). Prefill:
 one sequence of N random tokens, logits for the last row only, median of `--repeats`.
 Every measurement that fails (out of memory, an unsupported path) is recorded with its
-error instead of ending the run.
+error instead of ending the run; once a batch runs out of memory at a context, the larger
+batches at that context are recorded as skipped without being tried. The defaults cover
+the rows of `pdserve bench decode`'s default table (batch 1 to 256, contexts 4K and 32K);
+rows the peer could not run show "-" in its peer columns.
 """
 
 import argparse
@@ -135,7 +138,13 @@ def bench_decode(model, args, vocab):
 
     rows = []
     for c in parse_list(args.decode_context):
-        for b in parse_list(args.decode_batch):
+        out_of_memory_at = None
+        for b in sorted(parse_list(args.decode_batch)):
+            if out_of_memory_at is not None:
+                rows.append({"batch": b, "context": c,
+                             "error": f"skipped: batch {out_of_memory_at} ran out of memory at this context"})
+                print(json.dumps(rows[-1]), file=sys.stderr)
+                continue
             try:
                 ids = torch.randint(0, vocab, (b, c), device=args.device)
                 out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
@@ -159,6 +168,8 @@ def bench_decode(model, args, vocab):
                 del cache
             except Exception as e:  # recorded, the run goes on
                 rows.append({"batch": b, "context": c, "error": repr(e)[:500]})
+                if isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e):
+                    out_of_memory_at = b
             print(json.dumps(rows[-1]), file=sys.stderr)
             release(args.device)
     return rows
@@ -182,8 +193,10 @@ def main():
     p.add_argument("--dtype", default="bfloat16", help="weights and activations dtype (default bfloat16)")
     p.add_argument("--attn", default="eager", help="attn_implementation (default eager, the reference)")
     p.add_argument("--experts-impl", default="eager", help="experts_implementation (eager, grouped_mm, ...)")
-    p.add_argument("--decode-batch", default="1,8", help="decode batch sizes (default 1,8)")
-    p.add_argument("--decode-context", default="4096", help="decode contexts (default 4096)")
+    p.add_argument("--decode-batch", default="1,8,32,64,128,256",
+                   help="decode batch sizes (default 1,8,32,64,128,256, as bench decode)")
+    p.add_argument("--decode-context", default="4096,32768",
+                   help="decode contexts (default 4096,32768, as bench decode)")
     p.add_argument("--steps", type=int, default=10, help="timed decode steps (median)")
     p.add_argument("--warmup", type=int, default=2, help="untimed decode steps first")
     p.add_argument("--prefill", default="1024,8192", help="prefill lengths (default 1024,8192)")

@@ -226,3 +226,201 @@ fn bench_without_cuda_fails_clearly() {
     );
     assert!(!err.contains("panicked"), "{err}");
 }
+
+/// Every `<text>` of an SVG, trimmed (the document must parse).
+fn svg_texts(path: &Path) -> Vec<String> {
+    let svg = std::fs::read_to_string(path).unwrap();
+    let doc = roxmltree::Document::parse(&svg).unwrap();
+    assert_eq!(doc.root_element().tag_name().name(), "svg");
+    doc.descendants()
+        .filter(|n| n.has_tag_name("text"))
+        .map(|n| n.text().unwrap_or("").trim().to_string())
+        .collect()
+}
+
+/// Two formats in one run: every row labelled with its format, the peer's ratio where the
+/// peer has the row and "-" where not, the figure naming every series, and `bench plot`
+/// redrawing the same figure from the --json file.
+#[test]
+fn bench_decode_over_formats_with_peer_and_plot() {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("bench-decode-plot");
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut args = vec!["bench", "config"];
+    args.extend(TINY);
+    let config: serde_json::Value = serde_json::from_str(&run(&args)).unwrap();
+    let peer = serde_json::json!({
+        "label": "test peer",
+        "config": config,
+        "decode": [{"batch": 1, "context": 20, "ms_per_step": 500.0},
+                   {"batch": 3, "context": 20, "error": "OOM"}],
+    });
+    let (peer_path, json, svg, again) = (
+        dir.join("peer.json"),
+        dir.join("rows.json"),
+        dir.join("decode.svg"),
+        dir.join("again.svg"),
+    );
+    std::fs::write(&peer_path, peer.to_string()).unwrap();
+    let mut args = vec!["bench", "decode"];
+    args.extend(TINY);
+    args.extend([
+        "--weights",
+        "bf16,fp8-fp4",
+        "--batch",
+        "1,3",
+        "--context",
+        "20",
+    ]);
+    args.extend(["--graph", "eager", "--steps", "1", "--warmup", "0"]);
+    for (flag, p) in [("--peer", &peer_path), ("--json", &json), ("--plot", &svg)] {
+        args.extend([flag, p.to_str().unwrap()]);
+    }
+    let out = run(&args);
+    assert!(
+        out.contains("weights: bf16,") && out.contains("weights: fp8-fp4,"),
+        "{out}"
+    );
+    let (head, rows) = table(&out, "batch");
+    let col = |name: &str| head.iter().position(|h| h == name).unwrap();
+    let labels: Vec<(&str, &str)> = rows
+        .iter()
+        .map(|r| (r[col("weights")].as_str(), r[col("batch")].as_str()))
+        .collect();
+    assert_eq!(
+        labels,
+        [
+            ("bf16", "1"),
+            ("bf16", "3"),
+            ("fp8-fp4", "1"),
+            ("fp8-fp4", "3")
+        ],
+        "{out}"
+    );
+    for r in &rows {
+        if r[col("batch")] == "1" {
+            assert_eq!(positive(&r[col("peer ms")]), 500.0);
+            let ms = positive(&r[col("ms/step")]);
+            let ratio = positive(&r[col("speed-up vs peer")]);
+            assert!((ratio * ms / 500.0 - 1.0).abs() < 0.02, "{r:?}");
+        } else {
+            assert_eq!(
+                (
+                    r[col("peer ms")].as_str(),
+                    r[col("speed-up vs peer")].as_str()
+                ),
+                ("-", "-")
+            );
+        }
+    }
+    let j: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let formats: Vec<&str> = j["rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["weights"].as_str().unwrap())
+        .collect();
+    assert_eq!(formats, ["bf16", "bf16", "fp8-fp4", "fp8-fp4"]);
+
+    let t = svg_texts(&svg);
+    for want in [
+        "bf16 eager",
+        "bf16 floor",
+        "fp8-fp4 eager",
+        "fp8-fp4 floor",
+        "ms per decode step",
+    ] {
+        assert_eq!(t.iter().filter(|x| *x == want).count(), 1, "{want}: {t:?}");
+    }
+    assert!(
+        t.iter().any(|x| x.starts_with("context 20; floor =")),
+        "{t:?}"
+    );
+    run(&[
+        "bench",
+        "plot",
+        "--json",
+        json.to_str().unwrap(),
+        "--out",
+        again.to_str().unwrap(),
+    ]);
+    assert_eq!(
+        std::fs::read_to_string(&again).unwrap(),
+        std::fs::read_to_string(&svg).unwrap(),
+        "bench plot redraws the run's own figure"
+    );
+    // A file that is neither bench's record is refused, naming the file.
+    let o = bin()
+        .args([
+            "bench",
+            "plot",
+            "--json",
+            peer_path.to_str().unwrap(),
+            "--out",
+        ])
+        .arg(&again)
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("peer.json") && err.contains("not a `bench decode --json`"),
+        "{err}"
+    );
+}
+
+#[test]
+fn bench_prefill_plot_draws_the_gemm_rate_and_redraws_from_json() {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("bench-prefill-plot");
+    std::fs::create_dir_all(&dir).unwrap();
+    let (json, svg, again) = (
+        dir.join("rows.json"),
+        dir.join("p.svg"),
+        dir.join("again.svg"),
+    );
+    let mut args = vec!["bench", "prefill"];
+    args.extend(TINY);
+    args.extend(["--tokens", "16,40", "--repeats", "1", "--warmup", "0"]);
+    args.extend([
+        "--json",
+        json.to_str().unwrap(),
+        "--plot",
+        svg.to_str().unwrap(),
+    ]);
+    run(&args);
+    let t = svg_texts(&svg);
+    assert_eq!(
+        t.iter().filter(|x| *x == "bf16 prefill").count(),
+        1,
+        "{t:?}"
+    );
+    assert!(t.iter().any(|x| x.starts_with("GEMM rate ")), "{t:?}");
+    run(&[
+        "bench",
+        "plot",
+        "--json",
+        json.to_str().unwrap(),
+        "--out",
+        again.to_str().unwrap(),
+    ]);
+    assert_eq!(
+        std::fs::read_to_string(&again).unwrap(),
+        std::fs::read_to_string(&svg).unwrap()
+    );
+    // A --plot into a missing folder is refused before the run.
+    let mut args = vec!["bench", "prefill"];
+    args.extend(TINY);
+    args.extend(["--tokens", "16", "--plot", "/nonexistent-dir/p.svg"]);
+    let o = bin().args(&args).output().unwrap();
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("--plot /nonexistent-dir/p.svg: folder /nonexistent-dir does not exist"),
+        "{err}"
+    );
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        !stdout.contains("GEMM rate"),
+        "refused before measuring: {stdout}"
+    );
+}

@@ -45,9 +45,10 @@ pub struct ModelFlags {
     /// fp8 (attention, shared-expert and routed-expert matrices block-scaled FP8, as the
     /// base checkpoints); fp8-fp4 (routed experts FP4, as the instruct checkpoints). The
     /// CUDA backend keeps FP8/FP4 weights as stored, and the decode floor counts the
-    /// stored bytes.
-    #[arg(long, default_value = "bf16", value_parser = ["bf16", "fp8", "fp8-fp4"])]
-    pub weights: String,
+    /// stored bytes. `bench decode` and `bench prefill` take a comma-separated list (one
+    /// model load per format, each row labelled with its format); `bench config` takes one.
+    #[arg(long, value_delimiter = ',', default_value = "bf16", value_parser = ["bf16", "fp8", "fp8-fp4"])]
+    pub weights: Vec<String>,
     /// Batch-invariant CUDA kernels (`--deterministic`): measures what the mode costs.
     #[arg(long)]
     pub deterministic: bool,
@@ -72,6 +73,40 @@ pub fn flash_mlp_type(i: usize) -> &'static str {
 }
 
 impl ModelFlags {
+    /// The one weights format of a command that loads one model.
+    pub fn format(&self) -> Result<&str> {
+        match self.weights.as_slice() {
+            [one] => Ok(one),
+            [] => bail!("--weights needs a format"),
+            many => bail!(
+                "--weights lists {} formats ({}); this command loads one model: name one",
+                many.len(),
+                many.join(",")
+            ),
+        }
+    }
+
+    /// One flag set per `--weights` format, in the order given: `bench decode|prefill`
+    /// load one model per format.
+    pub fn per_format(&self) -> Result<Vec<ModelFlags>> {
+        if self.weights.is_empty() {
+            bail!("--weights needs a format");
+        }
+        for (i, w) in self.weights.iter().enumerate() {
+            if self.weights[..i].contains(w) {
+                bail!("--weights names {w} twice");
+            }
+        }
+        Ok(self
+            .weights
+            .iter()
+            .map(|w| ModelFlags {
+                weights: vec![w.clone()],
+                ..self.clone()
+            })
+            .collect())
+    }
+
     /// The config as transformers' `DeepseekV4Config` keys.
     pub fn config_json(&self) -> Result<Value> {
         if self.layers == 0 {
@@ -131,7 +166,7 @@ impl ModelFlags {
                 dst.insert(k.clone(), val.clone());
             }
         }
-        if let Some(experts) = match self.weights.as_str() {
+        if let Some(experts) = match self.format()? {
             "fp8" => Some("fp8"),
             "fp8-fp4" => Some("fp4"),
             _ => None,
@@ -196,7 +231,7 @@ mod tests {
             kv_dtype: "bf16".into(),
             index_k_dtype: "bf16".into(),
             cuda_weights: "bf16".into(),
-            weights: "bf16".into(),
+            weights: vec!["bf16".into()],
             deterministic: false,
         }
     }
@@ -248,5 +283,23 @@ mod tests {
         let e = flags(4, 5, false).config().unwrap_err().to_string();
         assert!(e.contains("--experts 5"), "{e}");
         assert!(flags(4, 2, true).config().is_ok());
+    }
+
+    #[test]
+    fn a_weights_list_splits_into_one_model_per_format() {
+        let mut f = flags(4, 64, false);
+        f.weights = vec!["bf16".into(), "fp8-fp4".into()];
+        let e = f.config().unwrap_err().to_string();
+        assert!(e.contains("2 formats (bf16,fp8-fp4)"), "{e}");
+        let each = f.per_format().unwrap();
+        assert_eq!(each.len(), 2);
+        assert_eq!(each[0].format().unwrap(), "bf16");
+        assert_eq!(each[1].format().unwrap(), "fp8-fp4");
+        assert!(each[0].config_json().unwrap().get("expert_dtype").is_none());
+        assert_eq!(each[1].config_json().unwrap()["expert_dtype"], "fp4");
+        assert_eq!((each[1].layers, each[1].experts), (4, 64));
+        f.weights = vec!["fp8".into(), "fp8".into()];
+        let e = f.per_format().unwrap_err().to_string();
+        assert!(e.contains("fp8 twice"), "{e}");
     }
 }

@@ -8,7 +8,7 @@ use super::stats::median;
 use super::table::{mb, num, Table};
 use super::traffic::{step_bytes, StepBytes};
 use super::{kvfill, progress, Prepared};
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use pdserve_engine::backend::{BatchPlan, SeqPlan};
 use pdserve_engine::kv::KvLayout;
 use pdserve_kernels::GraphMode;
@@ -21,7 +21,7 @@ pub struct DecodeArgs {
     #[command(flatten)]
     pub model: ModelFlags,
     /// Batch sizes (sequences decoding one token each per step), comma-separated.
-    #[arg(long, value_delimiter = ',', default_value = "1,8,32,64,128")]
+    #[arg(long, value_delimiter = ',', default_value = "1,8,32,64,128,256")]
     pub batch: Vec<usize>,
     /// Contexts: every sequence decodes starting at this position, its KV pages and state
     /// filled with random values (no prefill), comma-separated.
@@ -42,13 +42,19 @@ pub struct DecodeArgs {
     /// Also write the rows (and the measured bandwidth) as JSON to this file.
     #[arg(long)]
     pub json: Option<PathBuf>,
+    /// Also draw the rows against their floor as an SVG figure at this path (ms/step
+    /// against batch, one panel per context; `bench plot` redraws it from a --json file).
+    #[arg(long)]
+    pub plot: Option<PathBuf>,
 }
 
 /// One row of the decode table.
-#[derive(Debug, Clone, serde::Serialize)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct DecodeRow {
     pub batch: usize,
     pub context: usize,
+    /// The `--weights` format of the model the row ran.
+    pub weights: String,
     pub mode: String,
     pub ms_per_step: f64,
     pub tokens_per_s: f64,
@@ -80,15 +86,40 @@ pub fn step_plan(layout: &KvLayout, pages_per_seq: usize, pos: usize, tokens: &[
     }
 }
 
-pub fn run<B: BenchBackend>(a: &DecodeArgs, mut backend: B) -> Result<Vec<DecodeRow>> {
+/// A whole `bench decode` run: what `--json` writes and `bench plot` reads back.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct DecodeRecord {
+    pub device: String,
+    pub memory_bandwidth_bytes_per_s: f64,
+    pub memory_bandwidth_how: String,
+    pub rows: Vec<DecodeRow>,
+    pub kv_canary: CanaryCost,
+}
+
+/// The KV pool every row decodes in: `max_batch` sequences of `pages_per_seq` pages each.
+struct Pool<'a> {
+    layout: &'a KvLayout,
+    pages_per_seq: usize,
+    max_batch: usize,
+    /// Page and state contents the rows' sequences cycle through.
+    variants: Vec<(Vec<u8>, Vec<u8>)>,
+}
+
+pub fn run<B: BenchBackend>(a: &DecodeArgs, mut backend: B) -> Result<DecodeRecord> {
     if a.batch.is_empty() || a.context.is_empty() || a.graph.is_empty() {
         bail!("--batch, --context and --graph each need at least one value");
     }
     if a.batch.contains(&0) || a.steps == 0 {
         bail!("--batch values and --steps must be at least 1");
     }
-    let p = Prepared::new(&a.model, &backend)?;
-    let (cfg, layout) = (&p.model.cfg, &p.layout);
+    super::check_output(a.json.as_deref(), "--json")?;
+    super::check_output(a.plot.as_deref(), "--plot")?;
+    let formats = a.model.per_format()?;
+    // The formats change the weights only: one config decides positions, the peer check
+    // and the KV layout for all of them.
+    let first = formats.first().context("--weights needs a format")?;
+    let cfg = first.config()?;
+    let layout = first.layout(&cfg)?;
     let span = a.warmup + a.steps;
     let max_c = a.context.iter().copied().max().unwrap_or(0);
     if max_c + span >= cfg.max_position_embeddings {
@@ -97,13 +128,100 @@ pub fn run<B: BenchBackend>(a: &DecodeArgs, mut backend: B) -> Result<Vec<Decode
             cfg.max_position_embeddings
         );
     }
-    let peer: Option<Peer> = a.peer.as_deref().map(|p| peer::load(p, cfg)).transpose()?;
+    let peer: Option<Peer> = a.peer.as_deref().map(|p| peer::load(p, &cfg)).transpose()?;
     if let Some(p) = &peer {
         println!("peer: {}", p.label);
     }
     let bw = backend.memory_bandwidth()?;
     println!("memory bandwidth: {:.1} GB/s ({})", bw.rate / 1e9, bw.how);
-    let wb = device::weight_bytes_on(cfg, &backend);
+
+    let max_b = a.batch.iter().copied().max().unwrap_or(1);
+    let pages_per_seq = layout.pages_for(max_c + span + 1);
+    let pages = max_b * pages_per_seq;
+    println!(
+        "KV pool: {max_b} sequences x {pages_per_seq} pages of {} B + state slots of {} B = {}",
+        layout.page_bytes,
+        layout.state_bytes,
+        super::table::size(pool_bytes(&layout, pages_per_seq, max_b) as f64)
+    );
+    let mut kv = backend.alloc_kv(&layout, pages, max_b)?;
+    let pool = Pool {
+        layout: &layout,
+        pages_per_seq,
+        max_batch: max_b,
+        variants: (0..8)
+            .map(|v| {
+                (
+                    kvfill::page(&layout, a.model.seed ^ v),
+                    kvfill::state(&layout, a.model.seed ^ v),
+                )
+            })
+            .collect(),
+    };
+    let total_steps =
+        (formats.len() * a.context.len() * a.batch.len() * a.graph.len() * span) as u64;
+    let bar = progress(total_steps, "decode steps");
+    let mut rows = Vec::new();
+    for f in &formats {
+        rows.extend(run_format(
+            a,
+            f,
+            &mut backend,
+            &mut kv,
+            &pool,
+            bw.rate,
+            &bar,
+        )?);
+    }
+    bar.finish_and_clear();
+    let canary = canary_cost(&backend, &kv, &layout, bw.rate)?;
+    println!("{}", table(&rows, peer.as_ref()));
+    println!("{}", canary.describe());
+    if let Some(t) = graph_speedups(&rows) {
+        println!("CUDA graphs against eager launches:\n{t}");
+    }
+    let record = DecodeRecord {
+        device: backend.name(),
+        memory_bandwidth_bytes_per_s: bw.rate,
+        memory_bandwidth_how: bw.how,
+        rows,
+        kv_canary: canary,
+    };
+    if let Some(path) = &a.json {
+        super::write_json(path, &serde_json::to_value(&record)?)?;
+    }
+    if let Some(path) = &a.plot {
+        super::plot::write_svg(path, &super::plot::decode_svg(&record)?)?;
+        println!("plot: {}", path.display());
+    }
+    Ok(record)
+}
+
+/// Bytes of a pool of `max_batch` sequences x `pages_per_seq` pages plus one state slot
+/// each: what the largest row set of a run holds at once.
+pub fn pool_bytes(layout: &KvLayout, pages_per_seq: usize, max_batch: usize) -> usize {
+    max_batch * (pages_per_seq * layout.page_bytes + layout.state_bytes)
+}
+
+/// Every row of one weights format: its model loaded, the pool filled per context.
+fn run_format<B: BenchBackend>(
+    a: &DecodeArgs,
+    flags: &ModelFlags,
+    backend: &mut B,
+    kv: &mut B::KvStore,
+    pool: &Pool,
+    bandwidth: f64,
+    bar: &indicatif::ProgressBar,
+) -> Result<Vec<DecodeRow>> {
+    let format = flags.format()?.to_string();
+    bar.set_message(format!("loading {format} weights"));
+    let p = Prepared::new(flags, backend)?;
+    let (cfg, layout) = (&p.model.cfg, pool.layout);
+    if p.layout.fingerprint() != layout.fingerprint() {
+        bail!("--weights {format} changes the KV layout; run it on its own");
+    }
+    let span = a.warmup + a.steps;
+    let wb = device::weight_bytes_on(cfg, backend);
     let tid2eid: Vec<Option<&[u32]>> = p
         .model
         .weights
@@ -111,41 +229,20 @@ pub fn run<B: BenchBackend>(a: &DecodeArgs, mut backend: B) -> Result<Vec<Decode
         .iter()
         .map(|l| l.tid2eid.as_deref())
         .collect();
-
-    let max_b = a.batch.iter().copied().max().unwrap_or(1);
-    let pages_per_seq = layout.pages_for(max_c + span + 1);
-    let pool = max_b * pages_per_seq;
-    println!(
-        "KV pool: {max_b} sequences x {pages_per_seq} pages of {} B + state slots of {} B = {}",
-        layout.page_bytes,
-        layout.state_bytes,
-        super::table::size((pool * layout.page_bytes + max_b * layout.state_bytes) as f64)
-    );
-    let mut kv = backend.alloc_kv(layout, pool, max_b)?;
-    let variants: Vec<(Vec<u8>, Vec<u8>)> = (0..8)
-        .map(|v| {
-            (
-                kvfill::page(layout, a.model.seed ^ v),
-                kvfill::state(layout, a.model.seed ^ v),
-            )
-        })
-        .collect();
-    let total_steps = (a.context.len() * a.batch.len() * a.graph.len() * span) as u64;
-    let bar = progress(total_steps, "decode steps");
     let mut rows = Vec::new();
     for &c in &a.context {
         bar.set_message(format!("filling KV for context {c}"));
-        for s in 0..max_b {
+        for s in 0..pool.max_batch {
             for pg in 0..layout.pages_for(c + span + 1) {
-                let (page, _) = &variants[(s + pg) % variants.len()];
-                backend.write_page(&mut kv, (s * pages_per_seq + pg) as u32, page)?;
+                let (page, _) = &pool.variants[(s + pg) % pool.variants.len()];
+                backend.write_page(kv, (s * pool.pages_per_seq + pg) as u32, page)?;
             }
-            let (_, state) = &variants[s % variants.len()];
-            backend.write_state(&mut kv, s as u32, state)?;
+            let (_, state) = &pool.variants[s % pool.variants.len()];
+            backend.write_state(kv, s as u32, state)?;
         }
         for &b in &a.batch {
             for &mode in &a.graph {
-                bar.set_message(format!("batch {b} context {c} {mode}"));
+                bar.set_message(format!("{format} batch {b} context {c} {mode}"));
                 let label = backend.apply_graph_mode(mode);
                 let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(
                     a.model.seed ^ ((c as u64) << 20) ^ b as u64,
@@ -156,11 +253,11 @@ pub fn run<B: BenchBackend>(a: &DecodeArgs, mut backend: B) -> Result<Vec<Decode
                     let tokens: Vec<u32> = (0..b)
                         .map(|_| rng.random_range(0..cfg.vocab_size as u32))
                         .collect();
-                    let plan = step_plan(layout, pages_per_seq, pos, &tokens);
+                    let plan = step_plan(layout, pool.pages_per_seq, pos, &tokens);
                     let model = &p.model;
                     let t = Instant::now();
                     let logits = backend.decode_step(
-                        &mut kv,
+                        kv,
                         &plan,
                         &mut |bk: &B, kv: &mut B::KvStore, plan: &BatchPlan| {
                             let all: Vec<usize> = (0..plan.rows()).collect();
@@ -186,40 +283,24 @@ pub fn run<B: BenchBackend>(a: &DecodeArgs, mut backend: B) -> Result<Vec<Decode
                 rows.push(DecodeRow {
                     batch: b,
                     context: c,
+                    weights: format.clone(),
                     mode: label,
                     ms_per_step: ms,
                     tokens_per_s: b as f64 / (ms / 1e3),
                     experts_per_layer: bytes.experts_per_layer / n,
                     weight_bytes: w,
                     kv_bytes: k,
-                    floor_ms: (w + k) / bw.rate * 1e3,
+                    floor_ms: (w + k) / bandwidth * 1e3,
                     logits_finite: finite,
                 });
             }
         }
     }
-    bar.finish_and_clear();
-    let canary = canary_cost(&backend, &kv, layout, bw.rate)?;
-    println!("{}", table(&rows, peer.as_ref()));
-    println!("{}", canary.describe());
-    if let Some(t) = graph_speedups(&rows) {
-        println!("CUDA graphs against eager launches:\n{t}");
-    }
-    if let Some(path) = &a.json {
-        let v = serde_json::json!({
-            "device": backend.name(),
-            "memory_bandwidth_bytes_per_s": bw.rate,
-            "memory_bandwidth_how": bw.how,
-            "rows": rows,
-            "kv_canary": canary,
-        });
-        super::write_json(path, &v)?;
-    }
     Ok(rows)
 }
 
 /// What the KV canary's checksums cost on this pool (`--kv-audit-every`).
-#[derive(Debug, Clone, serde::Serialize)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct CanaryCost {
     pub page_bytes: f64,
     pub state_bytes: f64,
@@ -274,19 +355,21 @@ fn canary_cost<B: BenchBackend>(
     })
 }
 
-/// Eager step time over graph step time for every (batch, context) run both ways with
+/// Eager step time over graph step time for every (batch, context, weights) run both ways with
 /// graphs really applied (`None` when there is no such pair, e.g. on the CPU).
 pub fn graph_speedups(rows: &[DecodeRow]) -> Option<Table> {
     let out: Vec<Vec<String>> = rows
         .iter()
         .filter(|r| r.mode == "capture")
         .filter_map(|g| {
-            let e = rows
-                .iter()
-                .find(|e| e.mode == "eager" && (e.batch, e.context) == (g.batch, g.context))?;
+            let e = rows.iter().find(|e| {
+                e.mode == "eager"
+                    && (e.batch, e.context, &e.weights) == (g.batch, g.context, &g.weights)
+            })?;
             Some(vec![
                 g.batch.to_string(),
                 g.context.to_string(),
+                g.weights.clone(),
                 num(e.ms_per_step),
                 num(g.ms_per_step),
                 num(e.ms_per_step / g.ms_per_step),
@@ -297,6 +380,7 @@ pub fn graph_speedups(rows: &[DecodeRow]) -> Option<Table> {
         headers: vec![
             "batch",
             "context",
+            "weights",
             "eager ms",
             "capture ms",
             "eager / capture",
@@ -309,6 +393,7 @@ pub fn table(rows: &[DecodeRow], peer: Option<&Peer>) -> Table {
     let mut headers = vec![
         "batch",
         "context",
+        "weights",
         "mode",
         "ms/step",
         "tok/s",
@@ -328,6 +413,7 @@ pub fn table(rows: &[DecodeRow], peer: Option<&Peer>) -> Table {
             let mut v = vec![
                 r.batch.to_string(),
                 r.context.to_string(),
+                r.weights.clone(),
                 r.mode.clone(),
                 num(r.ms_per_step),
                 num(r.tokens_per_s),
@@ -359,6 +445,7 @@ mod tests {
         DecodeRow {
             batch,
             context: 4096,
+            weights: "bf16".into(),
             mode: mode.into(),
             ms_per_step: ms,
             tokens_per_s: batch as f64 / ms * 1e3,
@@ -377,16 +464,47 @@ mod tests {
             row(1, "eager", 2.5),
             row(8, "capture", 2.0),
             row(64, "eager", 9.0),
+            DecodeRow {
+                weights: "fp8".into(),
+                ..row(8, "eager", 4.0)
+            },
         ];
         let t = graph_speedups(&rows).unwrap();
-        assert_eq!(t.rows.len(), 1, "batch 8 and 64 have no pair");
-        assert_eq!(t.rows[0], vec!["1", "4096", "2.50", "1.00", "2.50"]);
+        assert_eq!(
+            t.rows.len(),
+            1,
+            "batch 8 (bf16 against fp8) and 64 have no pair"
+        );
+        assert_eq!(t.rows[0], vec!["1", "4096", "bf16", "2.50", "1.00", "2.50"]);
         // CPU rows: graphs not applied, nothing to compare.
         let cpu = vec![
             row(1, "eager (cpu has no graphs)", 1.0),
             row(1, "eager", 1.0),
         ];
         assert!(graph_speedups(&cpu).is_none());
+    }
+
+    /// The default table (batch 1 to 256, contexts 4K and 32K) at the default model holds
+    /// its whole pool at once: 256 sequences of 32K context with bf16 KV take 3.1 GB,
+    /// beside 16.1 GB of bf16 weights, well inside an H200's 141 GB, so no default row is
+    /// skipped for memory.
+    #[test]
+    fn the_default_table_fits_one_pool_on_an_h200() {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            decode: DecodeArgs,
+        }
+        let a = <Cli as clap::Parser>::parse_from(["decode"]).decode;
+        assert_eq!(a.batch, vec![1, 8, 32, 64, 128, 256]);
+        assert_eq!(a.context, vec![4096, 32768]);
+        assert_eq!((a.model.layers, a.model.experts), (4, 64));
+        let cfg = a.model.config().unwrap();
+        let layout = a.model.layout(&cfg).unwrap();
+        let pages_per_seq = layout.pages_for(32768 + a.warmup + a.steps + 1);
+        let bytes = pool_bytes(&layout, pages_per_seq, 256);
+        eprintln!("default pool: {bytes} B");
+        assert!((3.0e9..3.5e9).contains(&(bytes as f64)), "{bytes}");
     }
 
     #[test]
@@ -400,7 +518,7 @@ mod tests {
             kv_dtype: "bf16".into(),
             index_k_dtype: "bf16".into(),
             cuda_weights: "bf16".into(),
-            weights: "bf16".into(),
+            weights: vec!["bf16".into()],
             deterministic: false,
         };
         let cfg = f.config().unwrap();

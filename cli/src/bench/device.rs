@@ -187,7 +187,7 @@ mod tests {
             kv_dtype: "bf16".into(),
             index_k_dtype: "bf16".into(),
             cuda_weights: "bf16".into(),
-            weights: weights.into(),
+            weights: vec![weights.into()],
             deterministic: false,
         }
         .config()

@@ -130,7 +130,7 @@ mod tests {
                 kv_dtype: kv.into(),
                 index_k_dtype: idx.into(),
                 cuda_weights: "bf16".into(),
-                weights: "bf16".into(),
+                weights: vec!["bf16".into()],
                 deterministic: false,
             };
             let cfg = f.config().unwrap();

@@ -8,6 +8,7 @@ mod decode;
 mod device;
 mod kvfill;
 mod peer;
+mod plot;
 mod prefill;
 mod serve;
 mod stats;
@@ -42,6 +43,9 @@ enum BenchCmd {
     Prefill(prefill::PrefillArgs),
     /// Print the synthetic model's config.json (transformers keys), for scripts/peer_bench.py.
     Config(config::ConfigArgs),
+    /// Redraw the SVG figure of a recorded `bench decode` or `bench prefill` run from its
+    /// `--json` file, without running it again.
+    Plot(plot::PlotArgs),
     /// Load on a running router (streamed completions, closed or open loop, multi-turn):
     /// throughput, TTFT / inter-token / end-to-end percentiles, errors, and every output
     /// checked token by token against the same model run in this process. Exits 1 when
@@ -62,6 +66,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             |b| prefill::run(&p, b).map(drop),
         ),
         BenchCmd::Config(c) => config::print_config(c),
+        BenchCmd::Plot(p) => plot::run(&p),
         BenchCmd::Serve(s) => serve::run(s),
     }
 }
@@ -117,7 +122,8 @@ impl<B: BenchBackend> Prepared<B> {
             cfg.vocab_size
         );
         println!(
-            "weights: {} (random, seed {}); KV layout {} (kv {}, index-K {}, {} tokens/page)",
+            "weights: {}, {} (random, seed {}); KV layout {} (kv {}, index-K {}, {} tokens/page)",
+            flags.format()?,
             table::size(wb.total as f64),
             flags.seed,
             layout.fingerprint(),
@@ -147,6 +153,21 @@ pub(crate) fn progress(len: u64, what: &str) -> ProgressBar {
         bar.set_style(style);
     }
     bar
+}
+
+/// Refuse an output path whose folder does not exist before the run, not after it.
+pub(crate) fn check_output(path: Option<&std::path::Path>, flag: &str) -> Result<()> {
+    let Some(path) = path else { return Ok(()) };
+    match path.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() && !dir.is_dir() => {
+            bail!(
+                "{flag} {}: folder {} does not exist",
+                path.display(),
+                dir.display()
+            )
+        }
+        _ => Ok(()),
+    }
 }
 
 /// Write `v` as pretty JSON to `path`.

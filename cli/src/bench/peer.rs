@@ -110,7 +110,7 @@ mod tests {
             kv_dtype: "f32".into(),
             index_k_dtype: "f32".into(),
             cuda_weights: "bf16".into(),
-            weights: "bf16".into(),
+            weights: vec!["bf16".into()],
             deterministic: false,
         };
         let cfg = f.config().unwrap();

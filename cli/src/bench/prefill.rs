@@ -8,7 +8,7 @@ use super::stats::median;
 use super::table::{num, Table};
 use super::traffic::prefill_flops;
 use super::{progress, Prepared};
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use pdserve_engine::backend::{BatchPlan, SeqPlan};
 use rand::{Rng, SeedableRng};
 use std::path::PathBuf;
@@ -33,11 +33,17 @@ pub struct PrefillArgs {
     /// Also write the rows (and the measured GEMM rate) as JSON to this file.
     #[arg(long)]
     pub json: Option<PathBuf>,
+    /// Also draw the rows against the GEMM rate as an SVG figure at this path (TFLOP/s
+    /// against prompt length; `bench plot` redraws it from a --json file).
+    #[arg(long)]
+    pub plot: Option<PathBuf>,
 }
 
-#[derive(Debug, Clone, serde::Serialize)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct PrefillRow {
     pub tokens: usize,
+    /// The `--weights` format of the model the row ran.
+    pub weights: String,
     pub seconds: f64,
     pub tokens_per_s: f64,
     pub flops_per_token: f64,
@@ -46,12 +52,26 @@ pub struct PrefillRow {
     pub logits_finite: bool,
 }
 
-pub fn run<B: BenchBackend>(a: &PrefillArgs, backend: B) -> Result<Vec<PrefillRow>> {
+/// A whole `bench prefill` run: what `--json` writes and `bench plot` reads back.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct PrefillRecord {
+    pub device: String,
+    pub gemm_flops_per_s: f64,
+    pub gemm_how: String,
+    pub rows: Vec<PrefillRow>,
+}
+
+pub fn run<B: BenchBackend>(a: &PrefillArgs, backend: B) -> Result<PrefillRecord> {
     if a.tokens.is_empty() || a.tokens.contains(&0) || a.repeats == 0 {
         bail!("--tokens needs lengths >= 1 and --repeats at least 1");
     }
-    let p = Prepared::new(&a.model, &backend)?;
-    let (cfg, layout) = (&p.model.cfg, &p.layout);
+    super::check_output(a.json.as_deref(), "--json")?;
+    super::check_output(a.plot.as_deref(), "--plot")?;
+    let formats = a.model.per_format()?;
+    let cfg = formats
+        .first()
+        .context("--weights needs a format")?
+        .config()?;
     let max_t = a.tokens.iter().copied().max().unwrap_or(1);
     if max_t > cfg.max_position_embeddings {
         bail!(
@@ -59,18 +79,54 @@ pub fn run<B: BenchBackend>(a: &PrefillArgs, backend: B) -> Result<Vec<PrefillRo
             cfg.max_position_embeddings
         );
     }
-    let peer: Option<Peer> = a.peer.as_deref().map(|p| peer::load(p, cfg)).transpose()?;
+    let peer: Option<Peer> = a.peer.as_deref().map(|p| peer::load(p, &cfg)).transpose()?;
     if let Some(p) = &peer {
         println!("peer: {}", p.label);
     }
     let gemm = backend.gemm_rate()?;
     println!("GEMM rate: {:.1} TFLOP/s ({})", gemm.rate / 1e12, gemm.how);
+    let total = formats.len() * a.tokens.len() * (a.warmup + a.repeats);
+    let bar = progress(total as u64, "prefills");
+    let mut rows = Vec::new();
+    for f in &formats {
+        rows.extend(run_format(a, f, &backend, gemm.rate, &bar)?);
+    }
+    bar.finish_and_clear();
+    println!("{}", table(&rows, peer.as_ref()));
+    let record = PrefillRecord {
+        device: backend.name(),
+        gemm_flops_per_s: gemm.rate,
+        gemm_how: gemm.how,
+        rows,
+    };
+    if let Some(path) = &a.json {
+        super::write_json(path, &serde_json::to_value(&record)?)?;
+    }
+    if let Some(path) = &a.plot {
+        super::plot::write_svg(path, &super::plot::prefill_svg(&record)?)?;
+        println!("plot: {}", path.display());
+    }
+    Ok(record)
+}
+
+/// Every prompt length on one weights format's model.
+fn run_format<B: BenchBackend>(
+    a: &PrefillArgs,
+    flags: &ModelFlags,
+    backend: &B,
+    gemm_rate: f64,
+    bar: &indicatif::ProgressBar,
+) -> Result<Vec<PrefillRow>> {
+    let format = flags.format()?.to_string();
+    bar.set_message(format!("loading {format} weights"));
+    let p = Prepared::new(flags, backend)?;
+    let (cfg, layout) = (&p.model.cfg, &p.layout);
+    let max_t = a.tokens.iter().copied().max().unwrap_or(1);
     let mut kv = backend.alloc_kv(layout, layout.pages_for(max_t), 1)?;
-    let bar = progress((a.tokens.len() * (a.warmup + a.repeats)) as u64, "prefills");
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(a.model.seed);
     let mut rows = Vec::new();
     for &n in &a.tokens {
-        bar.set_message(format!("{n} tokens"));
+        bar.set_message(format!("{format} {n} tokens"));
         let tokens: Vec<u32> = (0..n)
             .map(|_| rng.random_range(0..cfg.vocab_size as u32))
             .collect();
@@ -91,9 +147,7 @@ pub fn run<B: BenchBackend>(a: &PrefillArgs, backend: B) -> Result<Vec<PrefillRo
             backend.reset_state(&mut kv, 0)?;
             backend.sync()?;
             let t = Instant::now();
-            let logits = p
-                .model
-                .forward(&backend, &mut kv, layout, &plan, &[n - 1])?;
+            let logits = p.model.forward(backend, &mut kv, layout, &plan, &[n - 1])?;
             backend.sync()?;
             let dt = t.elapsed().as_secs_f64();
             bar.inc(1);
@@ -106,24 +160,14 @@ pub fn run<B: BenchBackend>(a: &PrefillArgs, backend: B) -> Result<Vec<PrefillRo
         let flops = prefill_flops(cfg, n);
         rows.push(PrefillRow {
             tokens: n,
+            weights: format.clone(),
             seconds: s,
             tokens_per_s: n as f64 / s,
             flops_per_token: flops / n as f64,
             tflops: flops / s / 1e12,
-            gemm_fraction: flops / s / gemm.rate,
+            gemm_fraction: flops / s / gemm_rate,
             logits_finite: finite,
         });
-    }
-    bar.finish_and_clear();
-    println!("{}", table(&rows, peer.as_ref()));
-    if let Some(path) = &a.json {
-        let v = serde_json::json!({
-            "device": backend.name(),
-            "gemm_flops_per_s": gemm.rate,
-            "gemm_how": gemm.how,
-            "rows": rows,
-        });
-        super::write_json(path, &v)?;
     }
     Ok(rows)
 }
@@ -131,6 +175,7 @@ pub fn run<B: BenchBackend>(a: &PrefillArgs, backend: B) -> Result<Vec<PrefillRo
 pub fn table(rows: &[PrefillRow], peer: Option<&Peer>) -> Table {
     let mut headers = vec![
         "tokens",
+        "weights",
         "seconds",
         "tok/s",
         "GFLOP/token",
@@ -146,6 +191,7 @@ pub fn table(rows: &[PrefillRow], peer: Option<&Peer>) -> Table {
         .map(|r| {
             let mut v = vec![
                 r.tokens.to_string(),
+                r.weights.clone(),
                 num(r.seconds),
                 num(r.tokens_per_s),
                 num(r.flops_per_token / 1e9),

@@ -221,7 +221,7 @@ mod tests {
             kv_dtype: "bf16".into(),
             index_k_dtype: "bf16".into(),
             cuda_weights: "bf16".into(),
-            weights: "bf16".into(),
+            weights: vec!["bf16".into()],
             deterministic: false,
         };
         let cfg = f.config().unwrap();
