@@ -1,45 +1,75 @@
 // MoE: routing (scores, top-k or hash table), routed experts over bf16 weights with fp32
 // accumulation, weighted combine in expert order plus the shared expert.
 
-// One thread per row. logits [rows, E] become scores in place. scoring: 0 sqrt(softplus),
-// 1 sigmoid, 2 softmax. bias / hash may be null.
+// One warp per row, its lanes over the experts (E at most 1024). logits [rows, E] become
+// scores in place. scoring: 0 sqrt(softplus), 1 sigmoid, 2 softmax. bias / hash may be
+// null. Top-k: k rounds of a warp arg-max of score + bias over the experts not yet taken
+// (ties: the lower expert id, as the CPU's sort; a NaN score counts as -inf); weights:
+// score / (the picks' scores summed in pick order + 1e-20) * routed_scaling.
 extern "C" __global__ void k_moe_route(float* logits, const float* bias, const u32* hash, int* ids, float* wts,
                                        int rows, int E, int k, int scoring, float routed_scaling) {
-    int r = blockIdx.x * blockDim.x + threadIdx.x;
+    int r = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5);
+    int lane = threadIdx.x & 31;
     if (r >= rows) return;
     float* s = logits + (i64)r * E;
     if (scoring == 0) {
-        for (int i = 0; i < E; i++) {
+        for (int i = lane; i < E; i += 32) {
             float x = s[i];
             s[i] = sqrtf(x > 20.f ? x : log1pf(expf(x)));
         }
     } else if (scoring == 1) {
-        for (int i = 0; i < E; i++) s[i] = sigmoidf_(s[i]);
+        for (int i = lane; i < E; i += 32) s[i] = sigmoidf_(s[i]);
     } else {
         float m = NEG_INF, t = 0.f;
-        for (int i = 0; i < E; i++) m = fmaxf(m, s[i]);
-        for (int i = 0; i < E; i++) { s[i] = expf(s[i] - m); t += s[i]; }
-        for (int i = 0; i < E; i++) s[i] /= t;
-    }
-    int* id = ids + (i64)r * k;
-    for (int j = 0; j < k; j++) {
-        if (hash) { id[j] = (int)hash[(i64)r * k + j]; continue; }
-        int best = -1;
-        float bv = NEG_INF;
-        for (int i = 0; i < E; i++) {
-            bool taken = false;
-            for (int t = 0; t < j; t++) taken |= id[t] == i;
-            if (taken) continue;
-            float v = s[i] + (bias ? bias[i] : 0.f);
-            if (best < 0 || v > bv) { best = i; bv = v; }
+        for (int i = lane; i < E; i += 32) m = fmaxf(m, s[i]);
+        m = warp_max(m);
+        for (int i = lane; i < E; i += 32) {
+            float e = expf(s[i] - m);
+            s[i] = e;
+            t += e;
         }
-        id[j] = best;
+        t = warp_sum(t);
+        for (int i = lane; i < E; i += 32) s[i] /= t;
     }
-    float sum = 0.f;
-    for (int j = 0; j < k; j++) sum += s[id[j]];
-    sum += 1e-20f;
-    for (int j = 0; j < k; j++) wts[(i64)r * k + j] = s[id[j]] / sum * routed_scaling;
+    __syncwarp();
+    int* id = ids + (i64)r * k;
+    if (hash) {
+        for (int j = lane; j < k; j += 32) id[j] = (int)hash[(i64)r * k + j];
+    } else {
+        unsigned taken = 0;  // bit q: expert lane + 32 q
+        for (int j = 0; j < k; j++) {
+            float bv = NEG_INF;
+            int bi = 0x7fffffff;
+            for (int q = 0, i = lane; i < E; q++, i += 32) {
+                if ((taken >> q) & 1u) continue;
+                float v = s[i] + (bias ? bias[i] : 0.f);
+                if (v != v) v = NEG_INF;
+                if (bi == 0x7fffffff || v > bv) {
+                    bv = v;
+                    bi = i;
+                }
+            }
+            for (int o = 16; o > 0; o >>= 1) {
+                float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+                int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+                if (ov > bv || (ov == bv && oi < bi)) {
+                    bv = ov;
+                    bi = oi;
+                }
+            }
+            if ((bi & 31) == lane) taken |= 1u << (bi >> 5);
+            if (lane == 0) id[j] = bi;
+        }
+    }
+    __syncwarp();
+    if (lane == 0) {
+        float sum = 0.f;
+        for (int j = 0; j < k; j++) sum += s[id[j]];
+        sum += 1e-20f;
+        for (int j = 0; j < k; j++) wts[(i64)r * k + j] = s[id[j]] / sum * routed_scaling;
+    }
 }
+
 
 // Tokens per expert: list[e * rows + j] = the j-th pick (row * k + slot, ascending) that
 // chose expert e; count[e] = how many; active[0..count of used experts) = the used experts in
@@ -241,6 +271,9 @@ extern "C" __global__ void k_moe_scatter_padded(const float* yp, const int* list
 }
 
 // One block per row: out = sum over picks in ascending expert id of w * y, plus shared.
+// grid (rows, ceil(H / COMBINE_COLS)): each block a slice of one row's channels, so a small
+// batch still spreads over the device.
+#define COMBINE_COLS 512
 extern "C" __global__ void k_moe_combine(const float* y, const int* ids, const float* wts, const float* shared,
                                          float* out, int H, int k) {
     // Picks in ascending (expert id, pick) order, like the CPU's per-expert loop: ordered
@@ -263,7 +296,8 @@ extern "C" __global__ void k_moe_combine(const float* y, const int* ids, const f
         }
     }
     __syncthreads();
-    for (int c = threadIdx.x; c < H; c += blockDim.x) {
+    int end = min(H, ((int)blockIdx.y + 1) * COMBINE_COLS);
+    for (int c = blockIdx.y * COMBINE_COLS + threadIdx.x; c < end; c += blockDim.x) {
         float acc = 0.f;
         for (int n = 0; n < k; n++) acc += y[((i64)r * k + order[n]) * H + c] * weight[n];
         out[(i64)r * H + c] = acc + shared[(i64)r * H + c];

@@ -18,6 +18,12 @@ const WARPS: usize = BLOCK as usize / 32;
 /// Picks per row the combine kernel orders in shared memory (`order[64]` in moe.cu).
 const MAX_TOP_K: usize = 64;
 
+/// Channels per block of `k_moe_combine` (`COMBINE_COLS` in moe.cu).
+const COMBINE_COLS: usize = 512;
+
+/// Experts `k_moe_route` ranks (one warp per row, a 32-bit taken mask per lane).
+const MAX_EXPERTS: usize = 1024;
+
 pub fn moe(g: &Gpu, x: &GpuTensor, p: &MoeParams<'_, GpuTensor>) -> BResult<GpuTensor> {
     let (n, h) = (x.rows, x.cols);
     let (e, k, inter) = (p.n_experts, p.top_k, p.intermediate);
@@ -29,6 +35,7 @@ pub fn moe(g: &Gpu, x: &GpuTensor, p: &MoeParams<'_, GpuTensor>) -> BResult<GpuT
         || k == 0
         || k > e
         || k > MAX_TOP_K
+        || e > MAX_EXPERTS
     {
         return Err(shape_err(
             "moe",
@@ -68,8 +75,9 @@ pub fn moe(g: &Gpu, x: &GpuTensor, p: &MoeParams<'_, GpuTensor>) -> BResult<GpuT
         ScoringFunc::Sigmoid => 1,
         ScoringFunc::Softmax => 2,
     };
+    // One warp per row.
     g.launch(
-        (n.div_ceil(BLOCK as usize) as u32, 1, 1),
+        ((n * 32).div_ceil(BLOCK as usize) as u32, 1, 1),
         0,
         &kernels::MoeRoute {
             logits: out_ptr(&logits)?,
@@ -123,7 +131,7 @@ pub fn moe(g: &Gpu, x: &GpuTensor, p: &MoeParams<'_, GpuTensor>) -> BResult<GpuT
     let shared = matmul(g, &sact, p.shared_down)?;
     let out = new_f32(g, n, h)?;
     g.launch(
-        (n as u32, 1, 1),
+        (n as u32, h.div_ceil(COMBINE_COLS) as u32, 1),
         0,
         &kernels::MoeCombine {
             y: DevPtr::of(&y),
