@@ -2,9 +2,11 @@
 //! against the fp32 CPU engine on reference fixtures and the embedded model
 //! ([`check`]), and decode steps replayed from CUDA graphs against eager runs
 //! ([`graphs`]), and batched decode against one-at-a-time decode and the CPU
-//! ([`batched`]), and weights kept in DeepSeek's stored FP8/FP4 formats ([`stored`]). It uses only the public API of `pdserve-kernels`, so the check code is
-//! not part of the backend library.
+//! ([`batched`]), and weights kept in DeepSeek's stored FP8/FP4 formats ([`stored`]), and
+//! the split-key attention kernel against the one it replaced ([`attention`]). It uses only
+//! the public API of `pdserve-kernels`, so the check code is not part of the backend library.
 
+pub mod attention;
 pub mod batched;
 pub mod check;
 pub mod graphs;
