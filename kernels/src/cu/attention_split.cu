@@ -1,8 +1,9 @@
 // Sink attention split over the keys (flash-decoding): the same function as k_attention
 // (attention.cu), computed by more blocks. Key j of a row is window position lo+j
-// (earlier positions from the state ring, this forward's from kv_new rounded through the
-// KV dtype), then its compressed entries (mode 0: none, 1: every visible entry, 2: the
-// indexer's picks). K = V.
+// (earlier positions from the state ring, this forward's from `new_rows`: its keys stored
+// as entries of the KV dtype by k_kv_entries), then its compressed entries (mode 0: none,
+// 1: every visible entry, 2: the indexer's picks). K = V. Every key is an entry of one
+// dtype, so a tile's loads are one branch-free run per dtype, all in flight at once.
 //
 // grid (rows, n_heads / G, nsplit): block (r, y, s) handles heads y*G .. y*G+G of row r
 // over keys s*split_keys .. (s+1)*split_keys, in tiles of ATS_TILE keys with a running
@@ -37,10 +38,73 @@ __device__ __forceinline__ float ats_sum4(float v0, float v1, float v2, float v3
     return k;
 }
 
+// Keys warp*ATS_KPW .. +ATS_KPW of a tile into kv (lane: channels lane + 32*q), for the
+// tile's first n keys (past n: key n-1 again, never used). DT: the entry dtype. Every load
+// is issued before any value is used.
+template <int DT>
+__device__ __forceinline__ void ats_load_keys(const unsigned long long* kaddr, const unsigned long long* saddr, int n,
+                                              int warp, int lane, int nq, int nope, float (&kv)[ATS_KPW][ATS_MAXQ]) {
+    u32 raw[ATS_KPW][ATS_MAXQ];
+#pragma unroll
+    for (int u = 0; u < ATS_KPW; u++) {
+        int jj = min(warp * ATS_KPW + u, n - 1);
+        const unsigned char* a = (const unsigned char*)kaddr[jj];
+        const unsigned char* sa = (const unsigned char*)saddr[jj];
+#pragma unroll
+        for (int qq = 0; qq < ATS_MAXQ; qq++) {
+            int c = lane + 32 * min(qq, nq - 1);
+            if (DT == 0) {
+                raw[u][qq] = __ldg((const u32*)a + c);
+            } else if (DT == 1) {
+                raw[u][qq] = __ldg((const bf16_t*)a + c);
+            } else {
+                // fp8 entry: code and its tile's scale byte, or a bf16 rope value.
+                u32 b = 0, sc = 0, h = 0;
+                if (c < nope) {
+                    b = __ldg(a + c);
+                    sc = __ldg(sa + c / KV_TILE);
+                } else {
+                    h = __ldg((const bf16_t*)(a + nope) + (c - nope));
+                }
+                raw[u][qq] = c < nope ? (b | (sc << 8)) : h;
+            }
+        }
+    }
+#pragma unroll
+    for (int u = 0; u < ATS_KPW; u++)
+#pragma unroll
+        for (int qq = 0; qq < ATS_MAXQ; qq++) {
+            u32 w = raw[u][qq];
+            int c = lane + 32 * min(qq, nq - 1);
+            if (DT == 0) kv[u][qq] = __uint_as_float(w);
+            else if (DT == 1) kv[u][qq] = __uint_as_float(w << 16);
+            else kv[u][qq] = c < nope ? e4m3_to_f((unsigned char)(w & 0xff)) * e8m0_to_f((unsigned char)(w >> 8))
+                                      : __uint_as_float(w << 16);
+        }
+}
+
+// This forward's keys as entries of the KV dtype `dt` (what attention reads back from the
+// ring or a page once they are stored): row r at rows + r * row bytes, fp8 (dt 3) scale
+// bytes at scales + r * scale bytes. One block per row.
+extern "C" __global__ void k_kv_entries(const float* x, unsigned char* rows, unsigned char* scales, int hd, int rd,
+                                        int dt) {
+    __shared__ float tile_sc[32];
+    int r = blockIdx.x;
+    const float* v = x + (i64)r * hd;
+    if (dt == 3) {
+        int nope = hd - rd;
+        st_fp8kv(v, rows + (i64)r * fp8kv_row_bytes(nope, rd), scales + (i64)r * fp8kv_scale_bytes(nope), nope, rd,
+                 tile_sc);
+        return;
+    }
+    unsigned char* dst = rows + (i64)r * hd * dt_bytes(dt);
+    for (int c = threadIdx.x; c < hd; c += blockDim.x) st_entry(dst, c, dt, v[c]);
+}
+
 extern "C" __global__ void k_attention_split(const unsigned char* pages, const unsigned char* states, i64 page_bytes,
                                              i64 state_bytes, const int* seq, const u32* pt, const int* row_seq,
-                                             const int* positions, const float* q, const float* kv_new,
-                                             const float* sinks, const int* sel, int topk, float* out, float* part,
+                                             const int* positions, const float* q, const unsigned char* new_rows,
+                                             const unsigned char* new_scales, const float* sinks, const int* sel, int topk, float* out, float* part,
                                              float* part_ml, int n_heads, int hd, int window, i64 win_off, int rate,
                                              int mode, i64 comp_off, int comp_epp, int page_tokens, int dt,
                                              float scale, int G, int rd, i64 win_scale_off, i64 comp_scale_off,
@@ -103,14 +167,9 @@ extern "C" __global__ void k_attention_split(const unsigned char* pages, const u
     for (int i = 0; i < 4; i++)
 #pragma unroll
         for (int k = 0; k < 8; k++) acc[i][k] = 0.f;
-    // fp8 (dt 3): kv_new rows come already rounded through an entry (k_kv_round_trip).
-#define KEY_VAL(j, a, c)                                                                           \
-    (((a) & 1ull) ? round_dt(((const float*)((a) & ~1ull))[c], dt)                                \
-     : dt == 3    ? ld_fp8kv((const unsigned char*)(a), (const unsigned char*)saddr[j], (c), nope) \
-                  : ld_entry((const unsigned char*)(a), (c), dt))
     for (int kt = k0; kt < k1; kt += ATS_TILE) {
         int n = min(ATS_TILE, k1 - kt);
-        // Key addresses of the tile; bit 0 marks this forward's fp32 rows.
+        // Key addresses of the tile (and fp8 scale addresses).
         if ((int)threadIdx.x < n) {
             int j = kt + threadIdx.x;
             unsigned long long a, sa = 0;
@@ -120,7 +179,8 @@ extern "C" __global__ void k_attention_split(const unsigned char* pages, const u
                     a = (unsigned long long)(st + (i64)(kp % window) * eb);
                     sa = (unsigned long long)(st_sc + (i64)(kp % window) * sb);
                 } else {
-                    a = (unsigned long long)(kv_new + (i64)(row0 + kp - start) * hd) | 1ull;
+                    a = (unsigned long long)(new_rows + (i64)(row0 + kp - start) * eb);
+                    sa = (unsigned long long)(new_scales + (i64)(row0 + kp - start) * sb);
                 }
             } else {
                 int e = mode == 1 ? j - nwin : sel[(i64)r * topk + (j - nwin)];
@@ -135,14 +195,9 @@ extern "C" __global__ void k_attention_split(const unsigned char* pages, const u
         // Scores: warp w holds keys w*ATS_KPW .. +ATS_KPW of the tile.
         {
             float kv[ATS_KPW][ATS_MAXQ];
-#pragma unroll
-            for (int u = 0; u < ATS_KPW; u++) {
-                int jj = warp * ATS_KPW + u;
-                unsigned long long a = jj < n ? kaddr[jj] : 0ull;
-#pragma unroll
-                for (int qq = 0; qq < ATS_MAXQ; qq++)
-                    kv[u][qq] = (jj < n && qq < nq) ? KEY_VAL(jj, a, lane + 32 * qq) : 0.f;
-            }
+            if (dt == 1) ats_load_keys<1>(kaddr, saddr, n, warp, lane, nq, nope, kv);
+            else if (dt == 0) ats_load_keys<0>(kaddr, saddr, n, warp, lane, nq, nope, kv);
+            else ats_load_keys<3>(kaddr, saddr, n, warp, lane, nq, nope, kv);
 #pragma unroll
             for (int u = 0; u < ATS_KPW; u++) {
                 int jj = warp * ATS_KPW + u;
@@ -191,6 +246,7 @@ extern "C" __global__ void k_attention_split(const unsigned char* pages, const u
 #pragma unroll
                 for (int k = 0; k < 8; k++) acc[i][k] *= al;
             }
+#pragma unroll 4
             for (int j = 0; j < n; j++) {
                 float4 p = *reinterpret_cast<const float4*>(pr + j * gp + hq);
                 float4 va = *reinterpret_cast<const float4*>(tile + j * hd + ca);
@@ -205,7 +261,6 @@ extern "C" __global__ void k_attention_split(const unsigned char* pages, const u
         }
         __syncthreads();
     }
-#undef KEY_VAL
     if (has_item)
 #pragma unroll
         for (int i = 0; i < 4; i++) {

@@ -89,24 +89,6 @@ pub fn attention(
     let sinks = param_f32(g, sinks)?;
     let out = new_f32(g, rows, n_heads * hd)?;
     let kv_new = f32_buf(kv_new, "attention")?;
-    // fp8: this forward's keys as their stored entries will read back.
-    let rounded = (dt == 3)
-        .then(|| -> BResult<DevMem<f32>> {
-            let r = g.uninit::<f32>(rows * hd)?;
-            g.launch(
-                (rows as u32, 1, 1),
-                0,
-                &kernels::KvRoundTrip {
-                    x: DevPtr::of(kv_new),
-                    out: DevPtr::of(&r),
-                    hd: hd as i32,
-                    rd: layout.rope_dim as i32,
-                },
-            )?;
-            Ok(r)
-        })
-        .transpose()?;
-    let kv_new = rounded.as_ref().unwrap_or(kv_new);
     let args = AttentionArgs {
         pages: DevPtr::of(&kv.pages),
         states: DevPtr::of(&kv.states),
@@ -118,6 +100,8 @@ pub fn attention(
         positions: DevPtr::of(&dp.positions),
         q: DevPtr::of(f32_buf(q, "attention")?),
         kv_new: DevPtr::of(kv_new),
+        entry_bytes: layout.kv_row_bytes(),
+        scale_bytes: layout.fp8_kv_format().map_or(0, |f| f.scale_bytes()),
         sinks: DevPtr::of(&sinks),
         sel: sel_ptr,
         topk: topk as i32,
@@ -168,6 +152,23 @@ fn launch_reference(g: &Gpu, a: &AttentionArgs, max_keys: usize) -> BResult<()> 
             ),
         ));
     }
+    // fp8: this forward's keys as their stored entries will read back.
+    let rounded = (a.dt == 3)
+        .then(|| -> BResult<DevMem<f32>> {
+            let r = g.uninit::<f32>(a.rows * hd)?;
+            g.launch(
+                (a.rows as u32, 1, 1),
+                0,
+                &kernels::KvRoundTrip {
+                    x: a.kv_new,
+                    out: DevPtr::of(&r),
+                    hd: hd as i32,
+                    rd: a.rd,
+                },
+            )?;
+            Ok(r)
+        })
+        .transpose()?;
     g.launch(
         (a.rows as u32, (n_heads / group) as u32, 1),
         shared as u32,
@@ -181,7 +182,7 @@ fn launch_reference(g: &Gpu, a: &AttentionArgs, max_keys: usize) -> BResult<()> 
             row_seq: a.row_seq,
             positions: a.positions,
             q: a.q,
-            kv_new: a.kv_new,
+            kv_new: rounded.as_ref().map_or(a.kv_new, DevPtr::of),
             sinks: a.sinks,
             sel: a.sel,
             topk: a.topk,

@@ -113,7 +113,11 @@ pub(crate) struct AttentionArgs {
     pub row_seq: DevPtr,
     pub positions: DevPtr,
     pub q: DevPtr,
+    /// This forward's keys, fp32 rows of `hd`.
     pub kv_new: DevPtr,
+    /// Bytes of one KV entry's row and of its fp8 scales (0 unless fp8): `KvLayout`'s.
+    pub entry_bytes: usize,
+    pub scale_bytes: usize,
     pub sinks: DevPtr,
     pub sel: DevPtr,
     pub topk: i32,
@@ -142,6 +146,29 @@ pub(crate) fn launch(g: &Gpu, a: &AttentionArgs, plan: SplitPlan) -> BResult<()>
     let parts = if plan.direct { 0 } else { rows * n_heads * plan.nsplit };
     let part: DevMem<f32> = g.uninit(parts * hd)?;
     let part_ml: DevMem<f32> = g.uninit(parts * 2)?;
+    // This forward's keys as entries of the KV dtype (fp32 entries: the rows themselves).
+    let entries = (a.dt != 0)
+        .then(|| -> BResult<(DevMem<u8>, DevMem<u8>)> {
+            let new_rows = g.uninit(rows * a.entry_bytes)?;
+            let new_scales = g.uninit(rows * a.scale_bytes)?;
+            g.launch(
+                (rows as u32, 1, 1),
+                0,
+                &kernels::KvEntries {
+                    x: a.kv_new,
+                    rows: DevPtr::of(&new_rows),
+                    scales: DevPtr::of(&new_scales),
+                    hd: hd as i32,
+                    rd: a.rd,
+                    dt: a.dt,
+                },
+            )?;
+            Ok((new_rows, new_scales))
+        })
+        .transpose()?;
+    let (new_rows, new_scales) = entries
+        .as_ref()
+        .map_or((a.kv_new, DevPtr::NULL), |(r, s)| (DevPtr::of(r), DevPtr::of(s)));
     g.launch(
         (rows as u32, (n_heads / plan.group) as u32, plan.nsplit as u32),
         plan.shared_bytes(hd) as u32,
@@ -155,7 +182,8 @@ pub(crate) fn launch(g: &Gpu, a: &AttentionArgs, plan: SplitPlan) -> BResult<()>
             row_seq: a.row_seq,
             positions: a.positions,
             q: a.q,
-            kv_new: a.kv_new,
+            new_rows,
+            new_scales,
             sinks: a.sinks,
             sel: a.sel,
             topk: a.topk,
