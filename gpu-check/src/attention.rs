@@ -59,7 +59,11 @@ pub fn check_attention_ab(ordinal: usize) -> AnyResult<Vec<CheckRow>> {
             format!("embedded w=f32 kv={kv} split-key attention == old kernel"),
             &got,
             &want,
-            if kv == EntryDtype::F32 { AB_TOL } else { REL_TOL },
+            if kv == EntryDtype::F32 {
+                AB_TOL
+            } else {
+                REL_TOL
+            },
         ));
     }
     Ok(out)

@@ -5,8 +5,8 @@
 //! (batch 1 of a 64-head model: 16 blocks on 132 SMs, each reading every key of its row);
 //! splitting the keys fills it, and a combine merges the splits in a fixed order.
 
-use crate::devmem::DevMem;
 use crate::device::Gpu;
+use crate::devmem::DevMem;
 use crate::kernels::{self, DevPtr};
 use crate::launch::BLOCK;
 use pdserve_engine::backend::BResult;
@@ -58,9 +58,8 @@ impl SplitPlan {
         let tiles = max_keys.div_ceil(TILE).max(1);
         let target = BLOCKS_PER_SM * sms;
         // Head groups the kernel takes: dividing the heads, 4 x 8-channel items per thread.
-        let fits = |gr: usize| {
-            n_heads.is_multiple_of(gr) && (hd / 8) * gr.div_ceil(4) <= BLOCK as usize
-        };
+        let fits =
+            |gr: usize| n_heads.is_multiple_of(gr) && (hd / 8) * gr.div_ceil(4) <= BLOCK as usize;
         let groups: Vec<usize> = [16, 8, 4, 2, 1]
             .into_iter()
             .filter(|&gr| gr <= MAX_GROUP && fits(gr))
@@ -71,7 +70,7 @@ impl SplitPlan {
             .iter()
             .copied()
             .find(|&gr| gr >= 4 && rows * (n_heads / gr) * tiles >= target)
-            .or_else(|| groups.iter().copied().filter(|&gr| gr >= 4).last())
+            .or_else(|| groups.iter().copied().rfind(|&gr| gr >= 4))
             .or_else(|| groups.last().copied())?;
         if deterministic {
             let split_keys = DETERMINISTIC_SPLIT_KEYS;
@@ -143,7 +142,11 @@ pub(crate) struct AttentionArgs {
 pub(crate) fn launch(g: &Gpu, a: &AttentionArgs, plan: SplitPlan) -> BResult<()> {
     let (rows, n_heads, hd) = (a.rows, a.n_heads, a.hd);
     // Partials only where a combine reads them (a one-element placeholder otherwise).
-    let parts = if plan.direct { 0 } else { rows * n_heads * plan.nsplit };
+    let parts = if plan.direct {
+        0
+    } else {
+        rows * n_heads * plan.nsplit
+    };
     let part: DevMem<f32> = g.uninit(parts * hd)?;
     let part_ml: DevMem<f32> = g.uninit(parts * 2)?;
     // This forward's keys as entries of the KV dtype (fp32 entries: the rows themselves).
@@ -166,11 +169,15 @@ pub(crate) fn launch(g: &Gpu, a: &AttentionArgs, plan: SplitPlan) -> BResult<()>
             Ok((new_rows, new_scales))
         })
         .transpose()?;
-    let (new_rows, new_scales) = entries
-        .as_ref()
-        .map_or((a.kv_new, DevPtr::NULL), |(r, s)| (DevPtr::of(r), DevPtr::of(s)));
+    let (new_rows, new_scales) = entries.as_ref().map_or((a.kv_new, DevPtr::NULL), |(r, s)| {
+        (DevPtr::of(r), DevPtr::of(s))
+    });
     g.launch(
-        (rows as u32, (n_heads / plan.group) as u32, plan.nsplit as u32),
+        (
+            rows as u32,
+            (n_heads / plan.group) as u32,
+            plan.nsplit as u32,
+        ),
         plan.shared_bytes(hd) as u32,
         &kernels::AttentionSplit {
             pages: a.pages,
@@ -244,7 +251,10 @@ mod tests {
         assert!(blocks >= 132, "{one:?}: {blocks} blocks");
         assert!(one.nsplit > 1 && !one.direct);
         assert!(one.split_keys * one.nsplit >= keys);
-        assert!(one.split_keys * (one.nsplit - 1) < keys, "no split is empty: {one:?}");
+        assert!(
+            one.split_keys * (one.nsplit - 1) < keys,
+            "no split is empty: {one:?}"
+        );
         let full = SplitPlan::choose(128, h, hd, keys, 132, false).unwrap();
         assert_eq!(
             full,
@@ -275,7 +285,10 @@ mod tests {
                 let p = SplitPlan::choose(rows, h, hd, 200, 132, false).unwrap();
                 assert_eq!(h % p.group, 0, "{h} heads, {p:?}");
                 assert!((hd / 8) * p.group.div_ceil(4) <= BLOCK as usize, "{p:?}");
-                assert!(p.shared_bytes(hd) <= crate::device::ATTENTION_SHARED, "{p:?}");
+                assert!(
+                    p.shared_bytes(hd) <= crate::device::ATTENTION_SHARED,
+                    "{p:?}"
+                );
                 assert_eq!(p.split_keys % TILE, 0);
             }
         }
