@@ -15,7 +15,8 @@
 // keeps their values in shared memory, scores them against every head's query, then each
 // thread accumulates 4 heads x 8 channels of the output over the tile's keys. The tile is
 // one key per lane of a warp and ATS_KPW keys per warp of a 256-thread block.
-// Dynamic shared memory: see ats_shared_floats. hd: a multiple of 32, at most 32 * ATS_MAXQ;
+// Dynamic shared memory: SplitPlan::shared_bytes (ops/attention_split.rs) gives the layout
+// below. hd: a multiple of 32, at most 32 * ATS_MAXQ;
 // G at most ATS_MAXG and (hd / 8) * ceil(G / 4) at most blockDim.x.
 #define ATS_TILE 32
 #define ATS_KPW 4
