@@ -2,10 +2,13 @@
 //! against the fp32 CPU engine on reference fixtures and the embedded model
 //! ([`check`]), and decode steps replayed from CUDA graphs against eager runs
 //! ([`graphs`]), and batched decode against one-at-a-time decode and the CPU
-//! ([`batched`]), and weights kept in DeepSeek's stored FP8/FP4 formats ([`stored`]), and the routing and
-//! indexer picks behind every bf16 row that jumps away from the CPU ([`picks`]). It uses only the public API of `pdserve-kernels`, so the check code is
-//! not part of the backend library.
+//! ([`batched`]), weights kept in DeepSeek's stored FP8/FP4 formats ([`stored`]), the
+//! split-key attention kernel against the one it replaced ([`attention`]), and the routing
+//! and indexer picks behind every bf16 row that jumps away from the CPU ([`picks`]). It
+//! uses only the public API of `pdserve-kernels`, so the check code is not part of the
+//! backend library.
 
+pub mod attention;
 pub mod batched;
 pub mod check;
 pub mod graphs;

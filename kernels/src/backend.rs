@@ -97,6 +97,13 @@ impl CudaBackend {
         self.gpu.deterministic
     }
 
+    /// Attention by `k_attention`, one block per row and group of heads, instead of the
+    /// kernel split over the keys that replaced it: gpu-check compares the two on the same
+    /// inputs. Slower; not a serving option.
+    pub fn set_reference_attention(&mut self, on: bool) {
+        self.gpu.reference_attention = on;
+    }
+
     /// Test only: drop every captured graph and plant, in the next one captured, a write
     /// over `page` (what the KV canary must catch inside a graph). `None` drops the graphs
     /// again, so the next capture is clean.

@@ -15,6 +15,7 @@ pub const MODULES: &[(&str, &str)] = &[
     ("compress", include_str!("cu/compress.cu")),
     ("indexer", include_str!("cu/indexer.cu")),
     ("attention", include_str!("cu/attention.cu")),
+    ("attention_split", include_str!("cu/attention_split.cu")),
     ("moe", include_str!("cu/moe.cu")),
     ("quant", include_str!("cu/quant.cu")),
     ("random", include_str!("cu/random.cu")),

@@ -50,8 +50,13 @@ pub struct Gpu {
     funcs: HashMap<&'static str, CudaFunction>,
     pub arch: String,
     pub device_name: String,
+    /// Streaming multiprocessors (how many blocks fill the device: attention's key splits).
+    pub(crate) sms: usize,
     /// `--deterministic`: batch-invariant kernels only (see [`crate::CudaBackend::set_deterministic`]).
     pub(crate) deterministic: bool,
+    /// Attention by the one-block-per-row kernel the split kernel replaced (gpu-check's A/B
+    /// row; see [`crate::CudaBackend::set_reference_attention`]).
+    pub(crate) reference_attention: bool,
 }
 
 impl std::fmt::Debug for Gpu {
@@ -116,6 +121,10 @@ impl Gpu {
             .map_err(|e| DeviceError::Driver(format!("{e:?}")))?;
         let arch = format!("compute_{major}{minor}");
         let device_name = ctx.name().unwrap_or_else(|_| "unknown".into());
+        let sms = ctx
+            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(|e| DeviceError::Driver(format!("multiprocessor count: {e:?}")))?
+            .max(1) as usize;
         let blas = Blas::new(&stream).map_err(DeviceError::Driver)?;
         let dir = cache.unwrap_or_else(compile::default_cache_dir);
         let mut funcs = HashMap::new();
@@ -132,7 +141,7 @@ impl Gpu {
                 let func = module
                     .load_function(f)
                     .map_err(|e| DeviceError::Driver(format!("kernel {f}: {e:?}")))?;
-                if f == "k_attention" {
+                if f == "k_attention" || f == "k_attention_split" {
                     // Scores of long contexts' compressed keys live in shared memory.
                     func.set_attribute(
                         cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -152,7 +161,9 @@ impl Gpu {
             funcs,
             arch,
             device_name,
+            sms,
             deterministic: false,
+            reference_attention: false,
         })
     }
 

@@ -294,6 +294,28 @@ kernels! {
             x: DevPtr, out: DevPtr, hd: i32, rd: i32,
         }
     }
+    module "attention_split" {
+        /// The same attention split over the keys: partials per split, or the result (`direct`).
+        AttentionSplit = "k_attention_split" {
+            pages: DevPtr, states: DevPtr, page_bytes: i64, state_bytes: i64, seq: DevPtr,
+            pt: DevPtr, row_seq: DevPtr, positions: DevPtr, q: DevPtr, new_rows: DevPtr,
+            new_scales: DevPtr, sinks: DevPtr, sel: DevPtr, topk: i32, out: DevPtr,
+            part: DevPtr, part_ml: DevPtr,
+            n_heads: i32, hd: i32, window: i32, win_off: i64, rate: i32, mode: i32,
+            comp_off: i64, comp_epp: i32, page_tokens: i32, dt: i32, scale: f32, g: i32,
+            rd: i32, win_scale_off: i64, comp_scale_off: i64, split_keys: i32, nsplit: i32,
+            direct: i32,
+        }
+        /// This forward's keys as entries of the KV dtype (what the split kernel reads).
+        KvEntries = "k_kv_entries" {
+            x: DevPtr, rows: DevPtr, scales: DevPtr, hd: i32, rd: i32, dt: i32,
+        }
+        /// Merges the splits' partials in split order, with the sink.
+        AttentionCombine = "k_attention_combine" {
+            part: DevPtr, part_ml: DevPtr, sinks: DevPtr, out: DevPtr, n_heads: i32, hd: i32,
+            nsplit: i32,
+        }
+    }
     module "moe" {
         /// MoE routing: scores, top-k expert ids and weights of each row.
         MoeRoute = "k_moe_route" {

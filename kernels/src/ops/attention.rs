@@ -1,11 +1,12 @@
-//! Sink attention over the sliding window plus compressed entries, and window stores
-//! (`cu/attention.cu`).
+//! Sink attention over the sliding window plus compressed entries (the split-key kernel,
+//! `ops/attention_split.rs`, or the reference one of `cu/attention.cu`), and window stores.
 
 use crate::buf::{f32_buf, out_ptr, shape_err};
 use crate::device::{Gpu, ATTENTION_SHARED};
 use crate::devmem::DevMem;
 use crate::kernels::{self, DevPtr};
 use crate::kv_store::{kv_dt_code, DevPlan, GpuKv};
+use crate::ops::attention_split::{self, AttentionArgs, SplitPlan};
 use crate::ops::indexer::GpuSelection;
 use crate::ops::kv_reach::{check_visible_reach, entry_bucket, layer_of};
 use crate::ops::tensors::{new_f32, param_f32};
@@ -13,9 +14,9 @@ use crate::tensor::GpuTensor;
 use pdserve_engine::backend::{BResult, BatchPlan, CompressedKeys};
 use pdserve_engine::kv::KvLayout;
 
-/// Channels per lane the attention kernel holds (`ATT_MAXQ` in attention.cu).
+/// Channels per lane the reference attention kernel holds (`ATT_MAXQ` in attention.cu).
 const ATT_MAXQ: usize = 16;
-/// Heads per attention block (`ATT_G` in attention.cu).
+/// Heads per reference attention block (`ATT_G` in attention.cu).
 const ATT_G: usize = 4;
 
 #[allow(clippy::too_many_arguments)]
@@ -76,6 +77,63 @@ pub fn attention(
         check_visible_reach(layout, l.rate, plan)?;
     }
     let max_keys = window + max_comp;
+    let dt = kv_dt_code(layout)?;
+    let split = SplitPlan::choose(rows, n_heads, hd, max_keys, g.sms, g.deterministic)
+        .ok_or_else(|| {
+            shape_err(
+                "attention",
+                format!("head_dim {hd} is not a multiple of 32 up to {}", 32 * ATT_MAXQ),
+            )
+        })?;
+    let dp = DevPlan::upload(g, kv, plan)?;
+    let sinks = param_f32(g, sinks)?;
+    let out = new_f32(g, rows, n_heads * hd)?;
+    let kv_new = f32_buf(kv_new, "attention")?;
+    let args = AttentionArgs {
+        pages: DevPtr::of(&kv.pages),
+        states: DevPtr::of(&kv.states),
+        page_bytes: kv.page_bytes as i64,
+        state_bytes: kv.state_bytes as i64,
+        seq: DevPtr::of(&dp.seq),
+        pt: DevPtr::of(&dp.pt),
+        row_seq: DevPtr::of(&dp.row_seq),
+        positions: DevPtr::of(&dp.positions),
+        q: DevPtr::of(f32_buf(q, "attention")?),
+        kv_new: DevPtr::of(kv_new),
+        entry_bytes: layout.kv_row_bytes(),
+        scale_bytes: layout.fp8_kv_format().map_or(0, |f| f.scale_bytes()),
+        sinks: DevPtr::of(&sinks),
+        sel: sel_ptr,
+        topk: topk as i32,
+        out: out_ptr(&out)?,
+        rows,
+        n_heads,
+        hd,
+        window: window as i32,
+        win_off: l.window_state_offset as i64,
+        rate: l.rate.max(1) as i32,
+        mode,
+        comp_off: l.comp_page_offset as i64,
+        comp_epp: l.comp_entries_per_page.max(1) as i32,
+        page_tokens: layout.page_tokens as i32,
+        dt,
+        scale: (hd as f32).powf(-0.5),
+        rd: layout.rope_dim as i32,
+        win_scale_off: l.window_scale_offset as i64,
+        comp_scale_off: l.comp_scale_offset as i64,
+    };
+    if g.reference_attention {
+        launch_reference(g, &args, max_keys)?;
+    } else {
+        attention_split::launch(g, &args, split)?;
+    }
+    Ok(out)
+}
+
+/// `k_attention`: one block per row and group of heads, every score of the row in shared
+/// memory (the kernel the split one replaced, kept as gpu-check's A/B reference).
+fn launch_reference(g: &Gpu, a: &AttentionArgs, max_keys: usize) -> BResult<()> {
+    let (hd, n_heads) = (a.hd, a.n_heads);
     let group = if n_heads.is_multiple_of(ATT_G) {
         ATT_G
     } else {
@@ -83,78 +141,70 @@ pub fn attention(
     };
     // Queries and scores (fp32) plus one 8-byte key address per key, 8-byte aligned, and
     // for fp8 entries one 8-byte scale address per key.
-    let dt = kv_dt_code(layout)?;
     let floats = group * (hd + max_keys);
-    let shared = (floats + floats % 2) * 4 + max_keys * if dt == 3 { 16 } else { 8 };
-    if shared > ATTENTION_SHARED || !hd.is_multiple_of(32) || hd > 32 * ATT_MAXQ {
+    let shared = (floats + floats % 2) * 4 + max_keys * if a.dt == 3 { 16 } else { 8 };
+    if shared > ATTENTION_SHARED || hd > 32 * ATT_MAXQ {
         return Err(shape_err(
             "attention",
             format!(
-                "{max_keys} keys per row and head_dim {hd} exceed the kernel (shared memory \
-                 {shared} of {ATTENTION_SHARED} bytes; head_dim a multiple of 32 up to {})",
-                32 * ATT_MAXQ
+                "{max_keys} keys per row and head_dim {hd} exceed the reference kernel \
+                 (shared memory {shared} of {ATTENTION_SHARED} bytes)"
             ),
         ));
     }
-    let dp = DevPlan::upload(g, kv, plan)?;
-    let sinks = param_f32(g, sinks)?;
-    let out = new_f32(g, rows, n_heads * hd)?;
-    let kv_new = f32_buf(kv_new, "attention")?;
     // fp8: this forward's keys as their stored entries will read back.
-    let rounded = (dt == 3)
+    let rounded = (a.dt == 3)
         .then(|| -> BResult<DevMem<f32>> {
-            let r = g.uninit::<f32>(rows * hd)?;
+            let r = g.uninit::<f32>(a.rows * hd)?;
             g.launch(
-                (rows as u32, 1, 1),
+                (a.rows as u32, 1, 1),
                 0,
                 &kernels::KvRoundTrip {
-                    x: DevPtr::of(kv_new),
+                    x: a.kv_new,
                     out: DevPtr::of(&r),
                     hd: hd as i32,
-                    rd: layout.rope_dim as i32,
+                    rd: a.rd,
                 },
             )?;
             Ok(r)
         })
         .transpose()?;
-    let kv_new = rounded.as_ref().unwrap_or(kv_new);
     g.launch(
-        (rows as u32, (n_heads / group) as u32, 1),
+        (a.rows as u32, (n_heads / group) as u32, 1),
         shared as u32,
         &kernels::Attention {
-            pages: DevPtr::of(&kv.pages),
-            states: DevPtr::of(&kv.states),
-            page_bytes: kv.page_bytes as i64,
-            state_bytes: kv.state_bytes as i64,
-            seq: DevPtr::of(&dp.seq),
-            pt: DevPtr::of(&dp.pt),
-            row_seq: DevPtr::of(&dp.row_seq),
-            positions: DevPtr::of(&dp.positions),
-            q: DevPtr::of(f32_buf(q, "attention")?),
-            kv_new: DevPtr::of(kv_new),
-            sinks: DevPtr::of(&sinks),
-            sel: sel_ptr,
-            topk: topk as i32,
-            out: out_ptr(&out)?,
+            pages: a.pages,
+            states: a.states,
+            page_bytes: a.page_bytes,
+            state_bytes: a.state_bytes,
+            seq: a.seq,
+            pt: a.pt,
+            row_seq: a.row_seq,
+            positions: a.positions,
+            q: a.q,
+            kv_new: rounded.as_ref().map_or(a.kv_new, DevPtr::of),
+            sinks: a.sinks,
+            sel: a.sel,
+            topk: a.topk,
+            out: a.out,
             n_heads: n_heads as i32,
             hd: hd as i32,
-            window: window as i32,
-            win_off: l.window_state_offset as i64,
-            rate: l.rate.max(1) as i32,
-            mode,
-            comp_off: l.comp_page_offset as i64,
-            comp_epp: l.comp_entries_per_page.max(1) as i32,
-            page_tokens: layout.page_tokens as i32,
-            dt,
-            scale: (hd as f32).powf(-0.5),
+            window: a.window,
+            win_off: a.win_off,
+            rate: a.rate,
+            mode: a.mode,
+            comp_off: a.comp_off,
+            comp_epp: a.comp_epp,
+            page_tokens: a.page_tokens,
+            dt: a.dt,
+            scale: a.scale,
             max_keys: max_keys as i32,
             g: group as i32,
-            rd: layout.rope_dim as i32,
-            win_scale_off: l.window_scale_offset as i64,
-            comp_scale_off: l.comp_scale_offset as i64,
+            rd: a.rd,
+            win_scale_off: a.win_scale_off,
+            comp_scale_off: a.comp_scale_off,
         },
-    )?;
-    Ok(out)
+    )
 }
 
 pub fn window_store(
