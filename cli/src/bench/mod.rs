@@ -9,6 +9,7 @@ mod device;
 mod kvfill;
 mod peer;
 mod prefill;
+mod sampled;
 mod serve;
 mod stats;
 pub(crate) mod table;
