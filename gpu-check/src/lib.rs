@@ -2,10 +2,13 @@
 //! against the fp32 CPU engine on reference fixtures and the embedded model
 //! ([`check`]), and decode steps replayed from CUDA graphs against eager runs
 //! ([`graphs`]), and batched decode against one-at-a-time decode and the CPU
-//! ([`batched`]), and weights kept in DeepSeek's stored FP8/FP4 formats ([`stored`]). It uses only the public API of `pdserve-kernels`, so the check code is
+//! ([`batched`]), and weights kept in DeepSeek's stored FP8/FP4 formats ([`stored`]), and
+//! greedy tokens sampled on the device against the host's argmax ([`device_argmax`]). It
+//! uses only the public API of `pdserve-kernels`, so the check code is
 //! not part of the backend library.
 
 pub mod batched;
 pub mod check;
+pub mod device_argmax;
 pub mod graphs;
 pub mod stored;
