@@ -93,6 +93,11 @@ fn bench_decode_table_on_cpu() {
     assert!(!out.contains("CUDA graphs against eager"), "{out}");
     assert!(out.contains("memory bandwidth:"), "{out}");
     assert!(out.contains("weights:"), "{out}");
+    // Device sampling (the default) is checked against the host on the first warmup step.
+    assert!(
+        out.contains("sampling: greedy tokens from the backend (--sample device), checked"),
+        "{out}"
+    );
     let (head, rows) = table(&out, "batch");
     assert_eq!(rows.len(), 2 * 2 * 2, "{out}");
     let col = |name: &str| head.iter().position(|h| h == name).unwrap();
@@ -101,6 +106,7 @@ fn bench_decode_table_on_cpu() {
         seen.push((r[col("batch")].clone(), r[col("context")].clone()));
         for c in [
             "ms/step",
+            "host ms",
             "tok/s",
             "experts/layer",
             "weights MB",
@@ -119,6 +125,8 @@ fn bench_decode_table_on_cpu() {
         // tok/s = batch / (ms/step).
         let b: f64 = r[col("batch")].parse().unwrap();
         let ms = positive(&r[col("ms/step")]);
+        // The CPU computes on the host: a step is all host time (medians of the same steps).
+        assert!(positive(&r[col("host ms")]) <= ms * 1.05, "{r:?}");
         let tps = positive(&r[col("tok/s")]);
         assert!((tps * ms / 1e3 / b - 1.0).abs() < 0.02, "{r:?}");
         // Experts per layer never exceed E = 4 nor batch * top_k.

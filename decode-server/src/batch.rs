@@ -2,6 +2,8 @@
 //! requests whose KV has arrived (each samples its first token from the transferred
 //! logits), drops cancelled ones, runs ONE forward over every running request, samples
 //! each and streams the tokens out; finished requests release their pages at once.
+//! Plain greedy requests take the step's greedy token (computed on the device by the CUDA
+//! backend) instead of a logits row.
 
 use crate::admission::Permit;
 use crate::events::{Event, Events};
@@ -12,7 +14,7 @@ use pdserve_engine::generate::FinishReason;
 use pdserve_engine::kv::audit::{Scribble, ScribbleTarget};
 use pdserve_engine::kv::KvLayout;
 use pdserve_engine::sampling::{Sampler, SamplingError, TokenLogprobs};
-use pdserve_engine::{Engine, EngineError, ErrorClass, ForwardItem, Logits, Sequence};
+use pdserve_engine::{Engine, EngineError, ErrorClass, ForwardItem, ItemOutput, Logits, Sequence};
 use pdserve_kv_transfer::Prefilled;
 use pdserve_worker::{Failure, InFlight, Lifecycle, Load};
 use std::sync::atomic::Ordering;
@@ -199,6 +201,27 @@ impl Running {
         };
         sample(&mut self.sampler, l, self.top_logprobs)
             .map_err(|e| Failure::new(ErrorClass::Internal, format!("sampling: {e}")))
+    }
+
+    /// Whether the next token is the plain argmax of the model's logits (greedy, no
+    /// penalties, logprobs or logits processing): the step then asks for the greedy
+    /// token alone ([`Logits::Greedy`]; on the GPU only its id comes back).
+    fn plain_greedy(&self) -> bool {
+        self.processing.is_none() && self.top_logprobs.is_none() && self.sampler.is_plain_greedy()
+    }
+
+    /// The next token from a step's output: its greedy token, or sampled from its logits.
+    fn next_token(&mut self, out: &ItemOutput) -> Result<(u32, Option<TokenLogprobs>), Failure> {
+        let sampling =
+            |e: SamplingError| Failure::new(ErrorClass::Internal, format!("sampling: {e}"));
+        match out.greedy {
+            Some(g) => self
+                .sampler
+                .accept_greedy(g.token)
+                .map(|t| (t, None))
+                .map_err(sampling),
+            None => self.sample_next(&out.logits.data),
+        }
     }
 
     fn finished(&self, reason: FinishReason) {
@@ -471,10 +494,14 @@ impl<B: Backend> Batch<B> {
         let mut items: Vec<ForwardItem<'_>> = Vec::with_capacity(self.running.len());
         let mut grammars: Vec<&mut Processing> = Vec::new();
         for r in self.running.iter_mut() {
+            let logits = match r.plain_greedy() {
+                true => Logits::Greedy,
+                false => Logits::Last,
+            };
             items.push(ForwardItem {
                 seq: &mut r.seq,
                 tokens: std::slice::from_ref(&r.last),
-                logits: Logits::Last,
+                logits,
             });
             if let Some(p) = r.processing.as_mut().filter(|p| p.has_grammar()) {
                 grammars.push(p);
@@ -503,8 +530,8 @@ impl<B: Backend> Batch<B> {
         });
         self.gaps.last_end = Some(std::time::Instant::now());
         drop(items);
-        let logits = match out {
-            Ok(l) => l,
+        let outputs = match out {
+            Ok(o) => o,
             Err(e) => {
                 tracing::error!(error = %e, batch = self.running.len(), "decode step failed");
                 let failure = Failure::from_engine(&e, Some("decode step failed"));
@@ -518,15 +545,15 @@ impl<B: Backend> Batch<B> {
         // Requests that end this step, in ascending index order; a KV fault fails its
         // request, the others finish normally.
         let mut gone: Vec<(usize, Option<EngineError>)> = Vec::new();
-        for (i, (r, l)) in self.running.iter_mut().zip(logits).enumerate() {
-            let l = match l {
-                Ok(l) => l,
+        for (i, (r, o)) in self.running.iter_mut().zip(outputs).enumerate() {
+            let o = match o {
+                Ok(o) => o,
                 Err(e) => {
                     gone.push((i, Some(e)));
                     continue;
                 }
             };
-            match r.sample_next(&l.data) {
+            match r.next_token(&o) {
                 Ok((t, lp)) => {
                     if r.emit(t, lp) {
                         gone.push((i, None));

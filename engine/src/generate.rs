@@ -188,13 +188,20 @@ pub fn generate<B: Backend>(
                 finish: FinishReason::Length,
             });
         }
-        let mut logits = prefill(engine, seq, &req.prompt, req.chunk_size, Logits::Last)?
+        let logits = prefill(engine, seq, &req.prompt, req.chunk_size, Logits::Last)?
             .pop()
             .unwrap_or_default();
+        let sampling = |e: crate::sampling::SamplingError| {
+            EngineError::Internal(format!("sampling: {e}"))
+        };
+        let mut t = sampler.sample(&logits).map_err(sampling)?;
+        // A plain greedy request takes the decode steps' greedy token (on the GPU only
+        // its id comes back), any other samples each step's logits.
+        let want = match sampler.is_plain_greedy() {
+            true => Logits::Greedy,
+            false => Logits::Last,
+        };
         loop {
-            let t = sampler
-                .sample(&logits)
-                .map_err(|e| EngineError::Internal(format!("sampling: {e}")))?;
             if req.stop_tokens.contains(&t) {
                 return Ok(Generation {
                     tokens,
@@ -209,12 +216,20 @@ pub fn generate<B: Backend>(
                     finish: FinishReason::Length,
                 });
             }
-            let out = engine.forward(&mut [ForwardItem {
-                seq: &mut *seq,
-                tokens: &[t],
-                logits: Logits::Last,
-            }])?;
-            logits = out.into_iter().next().map(|o| o.data).unwrap_or_default();
+            let out = engine
+                .forward_each(&mut [ForwardItem {
+                    seq: &mut *seq,
+                    tokens: &[t],
+                    logits: want,
+                }])?
+                .into_iter()
+                .next()
+                .ok_or_else(|| EngineError::Internal("a forward returned no output".into()))??;
+            t = match out.greedy {
+                Some(g) => sampler.accept_greedy(g.token),
+                None => sampler.sample(&out.logits.data),
+            }
+            .map_err(sampling)?;
         }
     })
 }

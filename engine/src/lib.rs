@@ -44,5 +44,6 @@ pub mod sampling;
 
 pub use backend::cpu::CpuBackend;
 pub use engine::{
-    Engine, EngineError, ErrorClass, ForwardItem, Logits, PoolSize, SeqSnapshot, Sequence,
+    Engine, EngineError, ErrorClass, ForwardItem, ItemOutput, Logits, PoolSize, SeqSnapshot,
+    Sequence,
 };

@@ -241,6 +241,24 @@ impl Sampler {
         Ok((t, logprobs(&l, self.params.temperature, t, top_n)))
     }
 
+    /// Whether this request's token is the plain argmax of the model's logits (greedy,
+    /// no penalties): then a backend's [`crate::backend::RowArgmax`] of those logits is
+    /// the token [`Sampler::sample`] would draw, and the logits need not come back.
+    pub fn is_plain_greedy(&self) -> bool {
+        let p = &self.params;
+        p.temperature == 0.0 && p.presence_penalty == 0.0 && p.frequency_penalty == 0.0
+    }
+
+    /// Take `t`, the greedy token computed where the logits are (see
+    /// [`Sampler::is_plain_greedy`]), as the next output token, exactly as
+    /// [`Sampler::sample`] would have recorded it; `None` (no samplable logit) is
+    /// [`SamplingError::Empty`], as `sample` fails on such logits.
+    pub fn accept_greedy(&mut self, t: Option<u32>) -> Result<u32, SamplingError> {
+        let t = t.ok_or(SamplingError::Empty)?;
+        self.sampled(t);
+        Ok(t)
+    }
+
     fn sampled(&mut self, t: u32) {
         *self.counts.entry(t).or_insert(0) += 1;
         self.next += 1;
@@ -385,6 +403,43 @@ mod tests {
             assert!([7, 9].contains(&s.sample(&logits).unwrap()));
         }
         assert_eq!(argmax(&[f32::NEG_INFINITY; 3]), None);
+    }
+
+    #[test]
+    fn an_accepted_greedy_token_continues_the_stream_as_a_sampled_one() {
+        let logits = [0.5, 3.0, 3.0, -1.0];
+        let greedy = SamplingParams::default();
+        let mut host = Sampler::new(greedy).unwrap();
+        let mut device = Sampler::new(greedy).unwrap();
+        assert!(device.is_plain_greedy());
+        assert_eq!(host.sample(&logits).unwrap(), 1);
+        assert_eq!(device.accept_greedy(argmax(&logits)).unwrap(), 1);
+        assert_eq!((host.next, &host.counts), (device.next, &device.counts));
+        assert_eq!(device.accept_greedy(None), Err(SamplingError::Empty));
+        for p in [
+            SamplingParams {
+                temperature: 0.7,
+                ..greedy
+            },
+            SamplingParams {
+                presence_penalty: 0.5,
+                ..greedy
+            },
+            SamplingParams {
+                frequency_penalty: -0.5,
+                ..greedy
+            },
+        ] {
+            assert!(!Sampler::new(p).unwrap().is_plain_greedy(), "{p:?}");
+        }
+        // top-k / top-p / min-p do not change a greedy draw.
+        let cut = SamplingParams {
+            top_k: 1,
+            top_p: 0.5,
+            min_p: 0.2,
+            ..greedy
+        };
+        assert!(Sampler::new(cut).unwrap().is_plain_greedy());
     }
 
     #[test]

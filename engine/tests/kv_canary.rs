@@ -44,7 +44,7 @@ fn step(
     eng.forward_each(&mut items)
         .unwrap()
         .into_iter()
-        .map(|r| r.map(|l| l.data))
+        .map(|r| r.map(|o| o.logits.data))
         .collect()
 }
 

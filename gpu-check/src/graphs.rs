@@ -258,6 +258,7 @@ pub fn check_graphs(ordinal: usize) -> AnyResult<(Vec<CheckRow>, Vec<String>)> {
         batched_vs_cpu(ordinal, &tok, 30)?,
         planted_write_in_graph(ordinal, &tok)?,
     ];
+    rows.extend(crate::device_argmax::check_device_argmax(ordinal)?);
     let steps = 200;
     let (eager, eager_toks, eager_phases) = batch1_rate(ordinal, &tok, GraphMode::Eager, steps)?;
     let (graph, graph_toks, graph_phases) = batch1_rate(ordinal, &tok, GraphMode::Capture, steps)?;

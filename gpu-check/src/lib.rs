@@ -3,7 +3,8 @@
 //! ([`check`]), and decode steps replayed from CUDA graphs against eager runs
 //! ([`graphs`]), and batched decode against one-at-a-time decode and the CPU
 //! ([`batched`]), weights kept in DeepSeek's stored FP8/FP4 formats ([`stored`]), the
-//! split-key attention kernel against the one it replaced ([`attention`]), and the routing
+//! split-key attention kernel against the one it replaced ([`attention`]), greedy tokens
+//! sampled on the device against the host's argmax ([`device_argmax`]), and the routing
 //! and indexer picks behind every bf16 row that jumps away from the CPU ([`picks`]). It
 //! uses only the public API of `pdserve-kernels`, so the check code is not part of the
 //! backend library.
@@ -11,6 +12,7 @@
 pub mod attention;
 pub mod batched;
 pub mod check;
+pub mod device_argmax;
 pub mod graphs;
 pub mod picks;
 pub mod stored;

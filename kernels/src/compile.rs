@@ -20,6 +20,7 @@ pub const MODULES: &[(&str, &str)] = &[
     ("quant", include_str!("cu/quant.cu")),
     ("random", include_str!("cu/random.cu")),
     ("audit", include_str!("cu/audit.cu")),
+    ("sample", include_str!("cu/sample.cu")),
 ];
 
 #[derive(Debug, thiserror::Error)]

@@ -130,8 +130,10 @@ pub struct StepPhases {
     pub dry: f64,
     /// Eager launches, or the staged-input copy and graph launch.
     pub submit: f64,
-    /// Waiting for the device and copying the logits back.
+    /// Waiting for the device to finish the step.
     pub wait: f64,
+    /// Copying the step's outputs (logits rows, greedy ids) back after it finished.
+    pub copy: f64,
 }
 
 impl GraphCache {

@@ -2,20 +2,20 @@
 //! the pool's dummy page and state slot), a dry pass records the step's signature and
 //! staged inputs, then the step either runs eagerly or replays the graph captured for
 //! that signature. `--verify-graphs` runs every step both ways and requires bitwise-equal
-//! logits, pages and states.
+//! logits, greedy ids, pages and states. What the step copies back is in
+//! [`crate::step_output`].
 
 use crate::backend::CudaBackend;
-use crate::buf::f32_buf;
-use crate::devmem::DevMem;
 use crate::graph_cache::Captured;
 use crate::kv_store::{DevPlan, GpuKv};
 use crate::launch::dev_err;
 use crate::recorder::{StepMode, StepRecord};
-use crate::tensor::GpuTensor;
+use crate::step_output::{self, DeviceOut};
 use crate::GraphMode;
 use cudarc::driver::{sys, CudaGraph};
 use pdserve_engine::backend::{
-    BResult, BackendError, BatchPlan, HostTensor, SeqPlan, StepForward, StepRunner,
+    check_outs, BResult, BackendError, BatchPlan, RowOut, SeqPlan, StepForward, StepOutput,
+    StepRunner,
 };
 use pdserve_engine::kv::{PageId, StateSlot};
 use std::time::Instant;
@@ -71,24 +71,26 @@ impl Drop for StepGuard<'_> {
     }
 }
 
-fn device_logits(t: &GpuTensor) -> BResult<(u64, usize, usize)> {
-    Ok((f32_buf(t, "decode_step")?.ptr(), t.rows, t.cols))
-}
-
-/// One recorded pass of `forward` over `plan` in `mode`.
+/// One recorded pass of `forward` over `plan` in `mode`, with the launches `outs` needs.
 fn pass(
     b: &CudaBackend,
     kv: &mut GpuKv,
     plan: &BatchPlan,
-    forward: &mut StepForward<'_, CudaBackend>,
+    step: &mut Step<'_, '_>,
     mode: StepMode,
-) -> BResult<(StepRecord, (u64, usize, usize))> {
+) -> BResult<(StepRecord, DeviceOut)> {
     b.gpu.begin_step(mode)?;
     let guard = StepGuard(b);
-    let out = forward(b, kv, plan).and_then(|t| device_logits(&t));
+    let out = (step.forward)(b, kv, plan).and_then(|t| step_output::launch(b, &t, step.outs));
     let rec = b.gpu.end_step()?;
     drop(guard);
     Ok((rec, out?))
+}
+
+/// A step's forward and what each of its real rows sends back.
+struct Step<'f, 'a> {
+    forward: &'f mut StepForward<'a, CudaBackend>,
+    outs: &'f [RowOut],
 }
 
 /// The dry pass, after sizing the arena and staging buffer for it.
@@ -96,15 +98,15 @@ fn dry_pass(
     b: &CudaBackend,
     kv: &mut GpuKv,
     plan: &BatchPlan,
-    forward: &mut StepForward<'_, CudaBackend>,
-) -> BResult<(StepRecord, (u64, usize, usize))> {
-    let (rec, out) = pass(b, kv, plan, forward, StepMode::Dry)?;
+    step: &mut Step<'_, '_>,
+) -> BResult<(StepRecord, DeviceOut)> {
+    let (rec, out) = pass(b, kv, plan, step, StepMode::Dry)?;
     if !b.gpu.ensure_step_buffers(&rec)? {
         return Ok((rec, out));
     }
     // The buffers moved: every graph points at the old ones; addresses changed.
     b.graph_cache()?.graphs.clear();
-    let (rec, out) = pass(b, kv, plan, forward, StepMode::Dry)?;
+    let (rec, out) = pass(b, kv, plan, step, StepMode::Dry)?;
     if b.gpu.ensure_step_buffers(&rec)? {
         return Err(BackendError::Device(
             "decode step buffers grew twice for one step".into(),
@@ -122,47 +124,34 @@ fn same_work(dry: &StepRecord, run: &StepRecord, what: &str) -> BResult<()> {
     Ok(())
 }
 
-fn download_rows(b: &CudaBackend, out: (u64, usize, usize), rows: usize) -> BResult<HostTensor> {
-    let (ptr, _, cols) = out;
-    let t0 = Instant::now();
-    let data = b
-        .gpu
-        .download(&DevMem::<f32>::view(ptr, rows * cols), rows * cols)?;
-    b.graph_cache()?.phases.wait += t0.elapsed().as_secs_f64();
-    Ok(HostTensor { rows, cols, data })
-}
-
 fn eager(
     b: &CudaBackend,
     kv: &mut GpuKv,
     plan: &BatchPlan,
-    forward: &mut StepForward<'_, CudaBackend>,
+    step: &mut Step<'_, '_>,
     dry: &StepRecord,
-    rows: usize,
-) -> BResult<HostTensor> {
+) -> BResult<StepOutput> {
     let t0 = Instant::now();
-    let (rec, out) = pass(b, kv, plan, forward, StepMode::Eager)?;
+    let (rec, out) = pass(b, kv, plan, step, StepMode::Eager)?;
     same_work(dry, &rec, "eager")?;
     b.graph_cache()?.phases.submit += t0.elapsed().as_secs_f64();
-    download_rows(b, out, rows)
+    step_output::fetch(b, out, step.outs)
 }
 
-#[allow(clippy::too_many_arguments)]
 fn replay(
     b: &CudaBackend,
     kv: &mut GpuKv,
     plan: &BatchPlan,
-    forward: &mut StepForward<'_, CudaBackend>,
+    step: &mut Step<'_, '_>,
     dry: &StepRecord,
-    out: (u64, usize, usize),
-    rows: usize,
-) -> BResult<HostTensor> {
+    out: DeviceOut,
+) -> BResult<StepOutput> {
     let mut cache = b.graph_cache()?;
     cache.tick += 1;
     let tick = cache.tick;
     if cache.graphs.get_mut(&dry.signature, tick).is_none() {
         drop(cache);
-        let graph = capture(b, kv, plan, forward, dry)?;
+        let graph = capture(b, kv, plan, step, dry)?;
         cache = b.graph_cache()?;
         if cache.graphs.len() >= MAX_GRAPHS {
             cache.graphs.evict_oldest();
@@ -182,21 +171,21 @@ fn replay(
     crate::graph_metrics::replayed();
     cache.phases.submit += t0.elapsed().as_secs_f64();
     drop(cache);
-    download_rows(b, out, rows)
+    step_output::fetch(b, out, step.outs)
 }
 
 fn capture(
     b: &CudaBackend,
     kv: &mut GpuKv,
     plan: &BatchPlan,
-    forward: &mut StepForward<'_, CudaBackend>,
+    step: &mut Step<'_, '_>,
     dry: &StepRecord,
 ) -> BResult<CudaGraph> {
     let stream = &b.gpu.stream;
     stream
         .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
         .map_err(dev_err)?;
-    let traced = pass(b, kv, plan, forward, StepMode::Capture);
+    let traced = pass(b, kv, plan, step, StepMode::Capture);
     let planted = plant_write(b, kv);
     // End the capture whatever happened, so the stream is usable again.
     let ended = stream.end_capture(sys::CUgraphInstantiate_flags(0));
@@ -283,16 +272,25 @@ fn write_kv(
 
 /// Why a graph replay and an eager run of the same step differ, if they do.
 fn first_difference(
-    eager: (&HostTensor, &KvBytes),
-    graph: (&HostTensor, &KvBytes),
+    eager: (&StepOutput, &KvBytes),
+    graph: (&StepOutput, &KvBytes),
     pages: &[PageId],
     states: &[StateSlot],
 ) -> Option<String> {
-    let bits = |t: &HostTensor| t.data.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    let bits = |t: &StepOutput| {
+        t.logits
+            .data
+            .iter()
+            .map(|v| v.to_bits())
+            .collect::<Vec<_>>()
+    };
     let (le, lg) = (bits(eager.0), bits(graph.0));
     if let Some(i) = le.iter().zip(&lg).position(|(a, b)| a != b) {
-        let cols = eager.0.cols.max(1);
+        let cols = eager.0.logits.cols.max(1);
         return Some(format!("logits row {} column {}", i / cols, i % cols));
+    }
+    if let Some(r) = (0..eager.0.argmax.len()).find(|&r| eager.0.argmax[r] != graph.0.argmax[r]) {
+        return Some(format!("greedy id of row {r}"));
     }
     if let Some(i) = (0..pages.len()).find(|&i| eager.1 .0[i] != graph.1 .0[i]) {
         return Some(format!("Page({})", pages[i]));
@@ -308,9 +306,12 @@ pub(crate) fn decode_step(
     b: &CudaBackend,
     kv: &mut GpuKv,
     plan: &BatchPlan,
+    outs: &[RowOut],
     forward: &mut StepForward<'_, CudaBackend>,
-) -> BResult<HostTensor> {
+) -> BResult<StepOutput> {
     DevPlan::validate(kv, plan)?;
+    check_outs(plan.rows(), outs)?;
+    let step = &mut Step { forward, outs };
     let n = plan.seqs.len();
     for (i, s) in plan.seqs.iter().enumerate() {
         if s.len != 1 || s.row0 != i || plan.rows() != n {
@@ -333,23 +334,23 @@ pub(crate) fn decode_step(
     }
     let t0 = Instant::now();
     let padded = pad_plan(plan, bucket(n), kv.dummy_page(), kv.dummy_state());
-    let (dry, out) = dry_pass(b, kv, &padded, forward)?;
-    let step = {
+    let (dry, out) = dry_pass(b, kv, &padded, step)?;
+    let step_no = {
         let mut c = b.graph_cache()?;
         c.phases.steps += 1;
         c.phases.dry += t0.elapsed().as_secs_f64();
         c.phases.steps
     };
-    match (b.graph_mode(), b.verifies_step(step)) {
-        (GraphMode::Eager, _) => eager(b, kv, &padded, forward, &dry, n),
-        (GraphMode::Capture, false) => replay(b, kv, &padded, forward, &dry, out, n),
+    match (b.graph_mode(), b.verifies_step(step_no)) {
+        (GraphMode::Eager, _) => eager(b, kv, &padded, step, &dry),
+        (GraphMode::Capture, false) => replay(b, kv, &padded, step, &dry, out),
         (GraphMode::Capture, true) => {
             let (pages, states) = touched(plan);
             let before = read_kv(b, kv, &pages, &states)?;
-            let le = eager(b, kv, &padded, forward, &dry, n)?;
+            let le = eager(b, kv, &padded, step, &dry)?;
             let ke = read_kv(b, kv, &pages, &states)?;
             write_kv(b, kv, &pages, &states, &before)?;
-            let lg = replay(b, kv, &padded, forward, &dry, out, n)?;
+            let lg = replay(b, kv, &padded, step, &dry, out)?;
             let kg = read_kv(b, kv, &pages, &states)?;
             match first_difference((&le, &ke), (&lg, &kg), &pages, &states) {
                 None => Ok(lg),
@@ -380,9 +381,10 @@ impl StepRunner for CudaBackend {
         &self,
         kv: &mut GpuKv,
         plan: &BatchPlan,
+        outs: &[RowOut],
         forward: &mut StepForward<'_, Self>,
-    ) -> BResult<HostTensor> {
-        decode_step(self, kv, plan, forward)
+    ) -> BResult<StepOutput> {
+        decode_step(self, kv, plan, outs, forward)
     }
 }
 

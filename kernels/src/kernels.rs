@@ -392,6 +392,13 @@ kernels! {
             base: DevPtr, words: i64, out: DevPtr,
         }
     }
+    module "sample" {
+        /// Greedy token of each logits row (`sampling::argmax`'s rule) and whether the row
+        /// is all finite: `out` holds the ids, then the flags.
+        ArgmaxRows = "k_argmax_rows" {
+            logits: DevPtr, cols: i32, out: DevPtr,
+        }
+    }
 }
 
 #[cfg(test)]

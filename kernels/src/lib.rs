@@ -21,6 +21,7 @@ mod ops;
 pub mod probe;
 mod recorder;
 mod step;
+mod step_output;
 pub mod tensor;
 
 pub use backend::CudaBackend;

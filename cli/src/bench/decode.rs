@@ -4,6 +4,7 @@
 use super::config::ModelFlags;
 use super::device::{self, BenchBackend};
 use super::peer::{self, Peer};
+use super::sampled::{finite_checked, row_outs, Sample};
 use super::stats::median;
 use super::table::{mb, num, Table};
 use super::traffic::{step_bytes, StepBytes};
@@ -36,6 +37,11 @@ pub struct DecodeArgs {
     /// Untimed decode steps before each row's timed ones.
     #[arg(long, default_value_t = 3)]
     pub warmup: usize,
+    /// Where each step's tokens are sampled: `device` asks for every row's greedy token
+    /// (the CUDA backend takes the argmax inside the step and copies only ids back, as the
+    /// decode server does for greedy requests), `host` copies every row's logits back.
+    #[arg(long, value_enum, default_value = "device")]
+    pub sample: Sample,
     /// JSON written by scripts/peer_bench.py: adds the peer's ms/step and our speed-up.
     #[arg(long)]
     pub peer: Option<PathBuf>,
@@ -57,6 +63,8 @@ pub struct DecodeRow {
     pub weights: String,
     pub mode: String,
     pub ms_per_step: f64,
+    /// Median host time of a step: its wall time less the time it waited on the device.
+    pub host_ms: f64,
     pub tokens_per_s: f64,
     pub experts_per_layer: f64,
     pub weight_bytes: f64,
@@ -144,6 +152,16 @@ pub fn run<B: BenchBackend>(a: &DecodeArgs, mut backend: B) -> Result<DecodeReco
         layout.state_bytes,
         super::table::size(pool_bytes(&layout, pages_per_seq, max_b) as f64)
     );
+    println!(
+        "sampling: {}",
+        match (a.sample, a.warmup) {
+            (Sample::Host, _) => "every row's logits copied back (--sample host)",
+            (Sample::Device, 0) =>
+                "greedy tokens from the backend (--sample device); not checked against the host (--warmup 0)",
+            (Sample::Device, _) =>
+                "greedy tokens from the backend (--sample device), checked against the host's argmax of the same logits on each row's first warmup step",
+        }
+    );
     let mut kv = backend.alloc_kv(&layout, pages, max_b)?;
     let pool = Pool {
         layout: &layout,
@@ -229,6 +247,7 @@ fn run_format<B: BenchBackend>(
         .iter()
         .map(|l| l.tid2eid.as_deref())
         .collect();
+
     let mut rows = Vec::new();
     for &c in &a.context {
         bar.set_message(format!("filling KV for context {c}"));
@@ -248,6 +267,7 @@ fn run_format<B: BenchBackend>(
                     a.model.seed ^ ((c as u64) << 20) ^ b as u64,
                 );
                 let (mut times, mut bytes, mut finite) = (Vec::new(), StepBytes::default(), true);
+                let mut host = Vec::new();
                 for step in 0..span {
                     let pos = c + step;
                     let tokens: Vec<u32> = (0..b)
@@ -255,10 +275,13 @@ fn run_format<B: BenchBackend>(
                         .collect();
                     let plan = step_plan(layout, pool.pages_per_seq, pos, &tokens);
                     let model = &p.model;
+                    let outs = row_outs(a.sample, b, step == 0);
                     let t = Instant::now();
-                    let logits = backend.decode_step(
+                    let waited = backend.device_wait_s();
+                    let out = backend.decode_step(
                         kv,
                         &plan,
+                        &outs,
                         &mut |bk: &B, kv: &mut B::KvStore, plan: &BatchPlan| {
                             let all: Vec<usize> = (0..plan.rows()).collect();
                             model.forward_device(bk, kv, layout, plan, &all)
@@ -266,12 +289,15 @@ fn run_format<B: BenchBackend>(
                     )?;
                     backend.sync()?;
                     let dt = t.elapsed().as_secs_f64();
+                    let waited = backend.device_wait_s() - waited;
                     bar.inc(1);
+                    let step_finite = finite_checked(&outs, &out)?;
                     if step < a.warmup {
                         continue;
                     }
                     times.push(dt);
-                    finite &= logits.data.iter().all(|v| v.is_finite());
+                    host.push(dt - waited);
+                    finite &= step_finite;
                     let sb = step_bytes(cfg, layout, &wb, &tid2eid, &tokens, &plan.positions);
                     bytes.weights += sb.weights;
                     bytes.kv += sb.kv;
@@ -286,6 +312,7 @@ fn run_format<B: BenchBackend>(
                     weights: format.clone(),
                     mode: label,
                     ms_per_step: ms,
+                    host_ms: median(host) * 1e3,
                     tokens_per_s: b as f64 / (ms / 1e3),
                     experts_per_layer: bytes.experts_per_layer / n,
                     weight_bytes: w,
@@ -396,6 +423,7 @@ pub fn table(rows: &[DecodeRow], peer: Option<&Peer>) -> Table {
         "weights",
         "mode",
         "ms/step",
+        "host ms",
         "tok/s",
         "experts/layer",
         "weights MB",
@@ -416,6 +444,7 @@ pub fn table(rows: &[DecodeRow], peer: Option<&Peer>) -> Table {
                 r.weights.clone(),
                 r.mode.clone(),
                 num(r.ms_per_step),
+                num(r.host_ms),
                 num(r.tokens_per_s),
                 num(r.experts_per_layer),
                 mb(r.weight_bytes),
@@ -448,6 +477,7 @@ mod tests {
             weights: "bf16".into(),
             mode: mode.into(),
             ms_per_step: ms,
+            host_ms: ms / 10.0,
             tokens_per_s: batch as f64 / ms * 1e3,
             experts_per_layer: 6.0,
             weight_bytes: 1e9,

@@ -33,6 +33,9 @@ pub trait BenchBackend: Backend + Sized {
     fn gemm_rate(&self) -> Result<Ceiling>;
     /// Run decode steps in `mode`; returns the label the table shows for it.
     fn apply_graph_mode(&mut self, mode: GraphMode) -> String;
+    /// Seconds decode steps have spent blocked on the device so far (the rest of a step's
+    /// wall time is host time).
+    fn device_wait_s(&self) -> f64;
 }
 
 impl BenchBackend for CpuBackend {
@@ -96,6 +99,11 @@ impl BenchBackend for CpuBackend {
             GraphMode::Eager => "eager".into(),
             GraphMode::Capture => "eager (cpu has no graphs)".into(),
         }
+    }
+
+    /// The CPU computes on the host: all of a step is host time.
+    fn device_wait_s(&self) -> f64 {
+        0.0
     }
 }
 
@@ -167,6 +175,10 @@ impl BenchBackend for CudaBackend {
 
     fn apply_graph_mode(&mut self, mode: GraphMode) -> String {
         set_graph_mode(self, mode)
+    }
+
+    fn device_wait_s(&self) -> f64 {
+        self.graph_stats().phases.wait
     }
 }
 

@@ -10,6 +10,7 @@ mod kvfill;
 mod peer;
 mod plot;
 mod prefill;
+mod sampled;
 mod serve;
 mod stats;
 pub(crate) mod table;

@@ -22,7 +22,7 @@ pub use counter_rng::WeightInit;
 pub use kv_storage::KvStorage;
 pub use ops::{dequantized, TensorOps, WeightUse};
 pub use picks::{PickKind, PickLog, Picks, RouteRecord, RowPicks};
-pub use step::{StepForward, StepRunner};
+pub use step::{check_outs, RowArgmax, RowOut, StepForward, StepOutput, StepRunner};
 
 /// A 2-D fp32 tensor on the host, row-major: what backends upload from and download to,
 /// and the CPU backend's own tensor.

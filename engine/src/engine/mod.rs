@@ -1,7 +1,9 @@
 //! An engine: one model on one backend with its KV pool. Sequences hold page tables;
 //! [`Engine::forward`] runs any mix of prefill chunks and decode steps in one batch.
 
-use crate::backend::{Backend, BatchPlan, HostTensor, PickLog, SeqPlan};
+use crate::backend::{
+    Backend, BatchPlan, HostTensor, PickLog, RowArgmax, RowOut, SeqPlan, StepOutput,
+};
 use crate::checkpoint::Checkpoint;
 use crate::config::ModelConfig;
 use crate::kv::audit::{Scribble, ScribbleTarget, StepAudit};
@@ -71,6 +73,22 @@ pub enum Logits {
     None,
     Last,
     All,
+    /// Only the last row's greedy token ([`crate::sampling::argmax`] of its logits): in a
+    /// decode step the backend takes the argmax where the logits are (the CUDA backend on
+    /// the device, copying one id back instead of a `vocab`-long row). For requests whose
+    /// token is the plain argmax: no temperature, penalties, logprobs or logits
+    /// processing.
+    Greedy,
+}
+
+/// What one forward item gets back.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ItemOutput {
+    /// The logits rows the item asked for, `[rows, vocab]` (none for [`Logits::None`] and
+    /// [`Logits::Greedy`]).
+    pub logits: HostTensor,
+    /// [`Logits::Greedy`]: the last row's greedy token.
+    pub greedy: Option<RowArgmax>,
 }
 
 /// One sequence's part of a batched forward.
@@ -297,13 +315,17 @@ impl<B: Backend> Engine<B> {
         Ok(())
     }
 
-    /// One batched forward. Returns, per item, its wanted logits rows (`[rows, vocab]`);
-    /// fails if the KV canary finds any item's KV corrupt.
+    /// One batched forward. Returns, per item, its wanted logits rows (`[rows, vocab]`;
+    /// none for a [`Logits::Greedy`] item: its token is in [`Engine::forward_each`]'s
+    /// output); fails if the KV canary finds any item's KV corrupt.
     pub fn forward(
         &mut self,
         items: &mut [ForwardItem<'_>],
     ) -> Result<Vec<HostTensor>, EngineError> {
-        self.forward_each(items)?.into_iter().collect()
+        self.forward_each(items)?
+            .into_iter()
+            .map(|o| o.map(|o| o.logits))
+            .collect()
     }
 
     /// One batched forward whose items fail alone: the outer error fails the whole step,
@@ -312,7 +334,7 @@ impl<B: Backend> Engine<B> {
     pub fn forward_each(
         &mut self,
         items: &mut [ForwardItem<'_>],
-    ) -> Result<Vec<Result<HostTensor, EngineError>>, EngineError> {
+    ) -> Result<Vec<Result<ItemOutput, EngineError>>, EngineError> {
         let vocab = self.model.cfg.vocab_size;
         for it in items.iter() {
             if it.tokens.is_empty() {
@@ -335,8 +357,11 @@ impl<B: Backend> Engine<B> {
         }
         self.reserve(items)?;
         let mut plan = BatchPlan::default();
+        // Rows the model computes logits for, and what each of them sends back.
         let mut logit_rows = Vec::new();
-        let mut counts = Vec::with_capacity(items.len());
+        let mut outs = Vec::new();
+        // Per item: its rows of the step's returned logits, and its entry of the argmaxes.
+        let mut returned: Vec<(usize, Option<usize>)> = Vec::with_capacity(items.len());
         for (si, it) in items.iter().enumerate() {
             let row0 = plan.tokens.len();
             let start = it.seq.kv.len;
@@ -351,37 +376,45 @@ impl<B: Backend> Engine<B> {
             plan.positions.extend(start..start + it.tokens.len());
             plan.row_seq
                 .extend(std::iter::repeat_n(si, it.tokens.len()));
-            let rows: Vec<usize> = match it.logits {
-                Logits::None => Vec::new(),
-                Logits::Last => vec![row0 + it.tokens.len() - 1],
-                Logits::All => (row0..row0 + it.tokens.len()).collect(),
+            let last = row0 + it.tokens.len() - 1;
+            let (rows, out): (Vec<usize>, RowOut) = match it.logits {
+                Logits::None => (Vec::new(), RowOut::LOGITS),
+                Logits::Last => (vec![last], RowOut::LOGITS),
+                Logits::All => ((row0..=last).collect(), RowOut::LOGITS),
+                Logits::Greedy => (vec![last], RowOut::ARGMAX),
             };
-            counts.push(rows.len());
+            returned.push(match out.argmax {
+                true => (0, Some(outs.len())),
+                false => (rows.len(), None),
+            });
+            outs.extend(std::iter::repeat_n(out, rows.len()));
             logit_rows.extend(rows);
         }
         let before = self.audit.before_step(&self.backend, &mut self.device)?;
         let decode = !self.model.records_picks()
-            && items
-                .iter()
-                .all(|it| it.tokens.len() == 1 && matches!(it.logits, Logits::Last));
-        let logits = if decode {
+            && items.iter().all(|it| {
+                it.tokens.len() == 1 && matches!(it.logits, Logits::Last | Logits::Greedy)
+            });
+        let step = if decode {
             let (model, layout) = (&self.model, &self.device.layout);
             self.backend.decode_step(
                 &mut self.device.store,
                 &plan,
+                &outs,
                 &mut |b: &B, kv: &mut B::KvStore, plan: &BatchPlan| {
                     let rows: Vec<usize> = (0..plan.rows()).collect();
                     model.forward_device(b, kv, layout, plan, &rows)
                 },
             )?
         } else {
-            self.model.forward(
+            let logits = self.model.forward(
                 &self.backend,
                 &mut self.device.store,
                 &self.device.layout,
                 &plan,
                 &logit_rows,
-            )?
+            )?;
+            StepOutput::from_host(&logits, &outs)?
         };
         self.audit
             .after_step(&self.backend, &mut self.device, before, &plan)?;
@@ -390,16 +423,27 @@ impl<B: Backend> Engine<B> {
         }
         let mut out = Vec::with_capacity(items.len());
         let mut at = 0;
-        for (it, n) in items.iter().zip(counts) {
+        for (it, (rows, argmax)) in items.iter().zip(returned) {
+            let greedy = match argmax {
+                None => None,
+                Some(i) => Some(step.argmax.get(i).copied().flatten().ok_or_else(|| {
+                    EngineError::Internal(
+                        "a decode step returned no argmax for a greedy row".into(),
+                    )
+                })?),
+            };
             out.push(match self.audit.fault_of(&it.seq.kv) {
                 Some(fault) => Err(fault.into()),
-                None => Ok(HostTensor {
-                    rows: n,
-                    cols: vocab,
-                    data: logits.data[at * vocab..(at + n) * vocab].to_vec(),
+                None => Ok(ItemOutput {
+                    logits: HostTensor {
+                        rows,
+                        cols: vocab,
+                        data: step.logits.data[at * vocab..(at + rows) * vocab].to_vec(),
+                    },
+                    greedy,
                 }),
             });
-            at += n;
+            at += rows;
         }
         Ok(out)
     }

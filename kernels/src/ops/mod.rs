@@ -12,5 +12,6 @@ pub(crate) mod kv_reach;
 pub(crate) mod moe;
 pub(crate) mod moe_gemm;
 pub(crate) mod random;
+pub(crate) mod sample;
 pub(crate) mod stored;
 pub(crate) mod tensors;

@@ -154,6 +154,7 @@ mod tests {
             weights: weights.into(),
             mode: mode.into(),
             ms_per_step: ms,
+            host_ms: ms / 20.0,
             tokens_per_s: batch as f64 / ms * 1e3,
             experts_per_layer: 6.0,
             weight_bytes: 1e9,
