@@ -395,8 +395,11 @@ kernels! {
     module "sample" {
         /// Greedy token of each logits row (`sampling::argmax`'s rule) and whether the row
         /// is all finite: `out` holds the ids, then the flags.
+        ArgmaxParts = "k_argmax_parts" {
+            logits: DevPtr, cols: i32, span: i32, part_v: DevPtr, part_i: DevPtr, part_f: DevPtr,
+        }
         ArgmaxRows = "k_argmax_rows" {
-            logits: DevPtr, cols: i32, out: DevPtr,
+            part_v: DevPtr, part_i: DevPtr, part_f: DevPtr, parts: i32, rows: i32, out: DevPtr,
         }
     }
 }
