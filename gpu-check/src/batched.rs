@@ -422,6 +422,21 @@ pub(crate) fn kv_spec(dir: &Path) -> AnyResult<KvLayoutSpec> {
     Ok(KvLayoutSpec::default_for(&cfg))
 }
 
+/// The embedded model's folder and `seqs` teacher-forced sequences of `steps` decode steps
+/// cut from the text at `corpus` (what the `batched` and `picks` groups run).
+pub(crate) fn corpus_cases(
+    corpus: &Path,
+    seqs: usize,
+    steps: usize,
+) -> AnyResult<(std::path::PathBuf, Vec<Case>)> {
+    let dir = pdserve_engine::embedded::model_dir()?;
+    let tok = Tokenizer::from_model_dir(&dir)?.ok_or("the embedded model has no tokenizer")?;
+    let text = std::fs::read_to_string(corpus)
+        .map_err(|e| format!("reading corpus {}: {e}", corpus.display()))?;
+    let cases = cases(&tok, &text, seqs, steps)?;
+    Ok((dir, cases))
+}
+
 /// The check: `seqs` sequences of `steps` decode steps each on the embedded model, for fp32
 /// and bf16 weights, fp32 and bf16 index-K, graphs and eager.
 pub fn check_batched(
@@ -430,11 +445,7 @@ pub fn check_batched(
     seqs: usize,
     steps: usize,
 ) -> AnyResult<(Vec<CheckRow>, Vec<String>)> {
-    let dir = pdserve_engine::embedded::model_dir()?;
-    let tok = Tokenizer::from_model_dir(&dir)?.ok_or("the embedded model has no tokenizer")?;
-    let text = std::fs::read_to_string(corpus)
-        .map_err(|e| format!("reading corpus {}: {e}", corpus.display()))?;
-    let cases = cases(&tok, &text, seqs, steps)?;
+    let (dir, cases) = corpus_cases(corpus, seqs, steps)?;
     let setups = [
         (WeightDtype::F32, EntryDtype::F32, GraphMode::Capture),
         (WeightDtype::Bf16, EntryDtype::F32, GraphMode::Capture),

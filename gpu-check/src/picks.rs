@@ -10,7 +10,7 @@
 //! flipped pick would be a defect, not rounding amplified by a discrete decision.
 
 use crate::batched::{
-    cases, decode_in_batches_reporting, errors, kv_spec, quantiles, reference_rows, AnyResult,
+    corpus_cases, decode_in_batches_reporting, errors, kv_spec, quantiles, reference_rows, AnyResult,
     Case, Span, POOL,
 };
 use crate::check::{CheckRow, REL_TOL};
@@ -18,7 +18,6 @@ use pdserve_engine::backend::{Backend, PickKind, PickLog, RowPicks};
 use pdserve_engine::kv::{EntryDtype, KvLayoutSpec};
 use pdserve_engine::{CpuBackend, Engine};
 use pdserve_kernels::{CudaBackend, GraphMode, WeightDtype};
-use pdserve_tokenizer::Tokenizer;
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
@@ -272,11 +271,7 @@ pub fn check_picks(
     seqs: usize,
     steps: usize,
 ) -> AnyResult<(Vec<CheckRow>, Vec<String>)> {
-    let dir = pdserve_engine::embedded::model_dir()?;
-    let tok = Tokenizer::from_model_dir(&dir)?.ok_or("the embedded model has no tokenizer")?;
-    let text = std::fs::read_to_string(corpus)
-        .map_err(|e| format!("reading corpus {}: {e}", corpus.display()))?;
-    let cases = cases(&tok, &text, seqs, steps)?;
+    let (dir, cases) = corpus_cases(corpus, seqs, steps)?;
     let spec = KvLayoutSpec {
         index_k_dtype: EntryDtype::Bf16,
         ..kv_spec(&dir)?
@@ -304,10 +299,8 @@ mod tests {
     use super::*;
 
     fn cases_of(seqs: usize, steps: usize) -> Vec<Case> {
-        let dir = pdserve_engine::embedded::model_dir().unwrap();
-        let tok = Tokenizer::from_model_dir(&dir).unwrap().unwrap();
         let corpus = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/tokenizer_corpus.txt");
-        cases(&tok, &std::fs::read_to_string(corpus).unwrap(), seqs, steps).unwrap()
+        corpus_cases(&corpus, seqs, steps).unwrap().1
     }
 
     /// The CPU against itself: every pick recorded at every (case, position) of both
