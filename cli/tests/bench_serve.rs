@@ -219,3 +219,59 @@ fn open_loop_ignore_eos_returns_every_asked_token_and_failures_exit_1() {
         assert!(num(&m["top2_margin"]) >= 0.0, "{m}");
     }
 }
+
+/// `--worker-metrics`: the mean TTFT broken down from the workers' own histograms. Every
+/// part is measured over exactly the run's requests, none is negative (the decode's pull
+/// contains the prefill's queue and compute, the client's TTFT contains the pull), and
+/// the ratio is the TTFT over the prefill compute.
+#[test]
+fn worker_metrics_break_down_the_time_to_first_token() {
+    let (_p, pa, pm) = worker_with_metrics("prefill", &[]);
+    let (_d, da, dm) = worker_with_metrics("decode", &[]);
+    let (_r, ra) = role("router", &["--prefill", &pa, "--decode", &da]);
+    wait_healthy(&ra, 60);
+    let metrics = format!("{pm},http://{dm}/metrics");
+    let (out, r) = bench_serve(
+        &ra,
+        &[
+            "--sessions",
+            "4",
+            "--concurrency",
+            "2",
+            "--prompt-len",
+            "20:60",
+            "--output-len",
+            "4",
+            "--no-reference",
+            "--worker-metrics",
+            &metrics,
+        ],
+    );
+    assert!(out.status.success(), "{}\n{r:#}", stderr(&out));
+    let b = &r["ttft_breakdown"];
+    assert_eq!([num(&b["prefills"]), num(&b["pulls"])], [4.0, 4.0], "{b:#}");
+    let ttft = num(&b["ttft_mean_ms"]);
+    assert!((ttft - num(&r["ttft_ms"]["mean"])).abs() < 1e-9, "{r:#}");
+    let compute = num(&b["prefill_compute_ms"]);
+    assert!(compute > 0.0, "{b:#}");
+    for part in [
+        "decode_admission_ms",
+        "prefill_queue_ms",
+        "kv_transfer_ms",
+        "first_token_out_ms",
+    ] {
+        assert!(num(&b[part]) >= 0.0, "{part}: {b:#}");
+    }
+    let parts: f64 = [
+        "decode_admission_ms",
+        "prefill_queue_ms",
+        "prefill_compute_ms",
+        "kv_transfer_ms",
+        "first_token_out_ms",
+    ]
+    .iter()
+    .map(|k| num(&b[*k]))
+    .sum();
+    assert!((parts - ttft).abs() < 1e-6 * ttft.max(1.0), "{b:#}");
+    assert!((num(&b["ttft_over_prefill"]) - ttft / compute).abs() < 1e-9);
+}

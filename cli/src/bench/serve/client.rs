@@ -225,8 +225,10 @@ impl Client {
 
     /// The served model's context length from `GET /v1/models` (`max_model_len`); this
     /// is also the check that the router answers at all, before any load is sent.
-    pub async fn max_model_len(&self) -> anyhow::Result<usize> {
-        let mut req = Request::get(self.models.clone());
+    /// `GET uri` (with the API key), its body as text; anything but 200 within 10 s is an
+    /// error naming the URL.
+    async fn get(&self, uri: &Uri) -> anyhow::Result<String> {
+        let mut req = Request::get(uri.clone());
         if let Some(k) = &self.api_key {
             req = req.header(AUTHORIZATION, format!("Bearer {k}"));
         }
@@ -239,12 +241,25 @@ impl Client {
         };
         let (status, bytes) = tokio::time::timeout(Duration::from_secs(10), ask)
             .await
-            .map_err(|_| anyhow::anyhow!("GET {} did not answer within 10 s", self.models))?
-            .map_err(|e| anyhow::anyhow!("GET {}: {e:#}", self.models))?;
-        let text = String::from_utf8_lossy(&bytes);
+            .map_err(|_| anyhow::anyhow!("GET {uri} did not answer within 10 s"))?
+            .map_err(|e| anyhow::anyhow!("GET {uri}: {e:#}"))?;
+        let text = String::from_utf8_lossy(&bytes).into_owned();
         if status != StatusCode::OK {
-            anyhow::bail!("GET {}: {status} {text}", self.models);
+            anyhow::bail!("GET {uri}: {status} {text}");
         }
+        Ok(text)
+    }
+
+    /// The body of `GET url` (a worker's `/metrics`).
+    pub async fn get_text(&self, url: &str) -> anyhow::Result<String> {
+        let uri: Uri = url
+            .parse()
+            .map_err(|e| anyhow::anyhow!("bad URL {url:?}: {e}"))?;
+        self.get(&uri).await
+    }
+
+    pub async fn max_model_len(&self) -> anyhow::Result<usize> {
+        let text = self.get(&self.models).await?;
         let v: Value = serde_json::from_str(&text)
             .map_err(|e| anyhow::anyhow!("GET {}: {e}: {text}", self.models))?;
         v["data"][0]["max_model_len"]

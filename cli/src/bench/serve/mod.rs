@@ -6,6 +6,7 @@
 //! on the same device flags and compared token by token (`reference`); `report` prints
 //! the figures as tables or JSON.
 
+mod breakdown;
 mod client;
 mod load;
 mod reference;
@@ -74,6 +75,13 @@ pub struct ServeArgs {
     /// Print the report as one JSON object instead of tables.
     #[arg(long)]
     json: bool,
+    /// The workers' metrics side ports (`--metrics-listen` of the prefill and decode
+    /// servers), comma-separated, as HOST:PORT or full URLs: scraped before and after the
+    /// run for a breakdown of the mean time to first token (decode admission, prefill
+    /// queue and compute, KV transfer, first token out). Use a cluster that carries only
+    /// this load: the workers' means pool every request they served meanwhile.
+    #[arg(long, value_delimiter = ',')]
+    worker_metrics: Vec<String>,
     /// The model the router serves (its tokenizer picks prompt tokens; the reference
     /// check runs it with these flags: use the servers' device and KV flags).
     #[command(flatten)]
@@ -189,6 +197,11 @@ pub fn run(a: ServeArgs) -> Result<()> {
             shape.max_context()
         );
     }
+    let metrics_urls: Vec<String> = a.worker_metrics.iter().map(|u| metrics_url(u)).collect();
+    let before = match metrics_urls.is_empty() {
+        true => None,
+        false => Some(rt.block_on(breakdown::scrape_all(&client, &metrics_urls))?),
+    };
     let planned = shape.sessions * shape.turns;
     let progress = crate::bench::progress(planned as u64, "requests");
     let ctx = Arc::new(load::Ctx {
@@ -199,11 +212,18 @@ pub fn run(a: ServeArgs) -> Result<()> {
         seed: a.seed,
         progress: progress.clone(),
     });
-    let run = rt.block_on(load::run(ctx, sessions, mode))?;
+    let run = rt.block_on(load::run(ctx.clone(), sessions, mode))?;
     progress.finish_and_clear();
+    let after = match &before {
+        None => None,
+        Some(_) => Some(rt.block_on(breakdown::scrape_all(&ctx.client, &metrics_urls))?),
+    };
     drop(rt);
 
     let mut report = report::Report::new(a.config_json(mode, max_model_len), planned, &run);
+    if let (Some(b), Some(a)) = (&before, &after) {
+        report.ttft_breakdown = Some(breakdown::Breakdown::new(report.ttft_ms.mean, b, a)?);
+    }
     if !a.no_reference {
         let bar = crate::bench::progress(report.requests.completed as u64, "reference");
         report.reference = Some(reference::check(
@@ -222,5 +242,14 @@ pub fn run(a: ServeArgs) -> Result<()> {
     match report.failure() {
         Some(why) => bail!("{why}"),
         None => Ok(()),
+    }
+}
+
+/// A `--worker-metrics` entry as the URL of its `/metrics` (HOST:PORT gets `http://` and
+/// `/metrics`).
+fn metrics_url(entry: &str) -> String {
+    match entry.contains("://") {
+        true => entry.to_string(),
+        false => format!("http://{}/metrics", entry.trim_end_matches('/')),
     }
 }

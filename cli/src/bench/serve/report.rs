@@ -56,6 +56,8 @@ pub struct Report {
     pub errors: Vec<ErrorCount>,
     /// None with --no-reference.
     pub reference: Option<Check>,
+    /// Where the mean TTFT went, from the workers' metrics (with --worker-metrics).
+    pub ttft_breakdown: Option<super::breakdown::Breakdown>,
     /// Every request sent, in (session, turn) order (JSON only).
     #[serde(rename = "per_request")]
     pub each: Vec<RequestFigures>,
@@ -155,6 +157,7 @@ impl Report {
             length_miscounts: miscounts,
             errors: errors.into_values().collect(),
             reference: None,
+            ttft_breakdown: None,
             each,
         }
     }
@@ -243,6 +246,9 @@ impl std::fmt::Display for Report {
             },
             self.length_miscounts
         )?;
+        if let Some(b) = &self.ttft_breakdown {
+            writeln!(f, "\n{b}")?;
+        }
         if !self.errors.is_empty() {
             let t = Table {
                 headers: vec!["error", "count", "first message"],
