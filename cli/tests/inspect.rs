@@ -218,7 +218,15 @@ fn reads_headers_only() {
 
     // Loading the garbage copy fails: its weights are unusable.
     let load = bin()
-        .args(["generate", "--model", gdir, "--tokens", "1,2", "--max-new-tokens", "1"])
+        .args([
+            "generate",
+            "--model",
+            gdir,
+            "--tokens",
+            "1,2",
+            "--max-new-tokens",
+            "1",
+        ])
         .output()
         .unwrap();
     assert!(!load.status.success(), "the garbage weights loaded");
@@ -235,15 +243,29 @@ fn reads_headers_only() {
     assert_eq!(body(run(&[gdir])), body(run(&[&intact])));
 
     // The pool comes from the flags, with no device opened.
-    let v = json(&[gdir, "--kv-pages", "7", "--hicache-ratio", "3", "--kv-audit"]);
+    let v = json(&[
+        gdir,
+        "--kv-pages",
+        "7",
+        "--hicache-ratio",
+        "3",
+        "--kv-audit",
+    ]);
     let pool = &v["kv_pool"];
     let page = v["kv_layout"]["page_bytes"].as_u64().unwrap();
     let state = v["kv_layout"]["state_bytes"].as_u64().unwrap();
-    assert_eq!((pool["device_pages"].as_u64(), pool["host_pages"].as_u64()), (Some(7), Some(21)));
+    assert_eq!(
+        (pool["device_pages"].as_u64(), pool["host_pages"].as_u64()),
+        (Some(7), Some(21))
+    );
     assert_eq!(pool["device_bytes"].as_u64(), Some(7 * page + 64 * state));
     assert_eq!(pool["host_bytes"].as_u64(), Some(21 * page));
     assert_eq!(v["kv_audit"], true);
-    assert!(v["backend"].as_str().unwrap().starts_with("cpu"), "{}", v["backend"]);
+    assert!(
+        v["backend"].as_str().unwrap().starts_with("cpu"),
+        "{}",
+        v["backend"]
+    );
     let cuda = json(&[gdir, "--device", "cuda:3"]);
     assert_eq!(cuda["backend"], "cuda:3 (not opened)");
     assert_eq!(cuda["storage"], want["storage"]);
