@@ -1,8 +1,8 @@
 //! What every command that runs the model asks for, typed and parsed once from its flags
 //! or config: the device, how a CUDA backend is opened, the KV layout and pool, and ONE
-//! [`open_engine`] that loads the model from them. `generate`/`logits`/`inspect`
-//! (`model_args.rs`), the prefill and decode servers (`serve.rs`) and `bench` all go
-//! through here.
+//! [`open_engine`] that loads the model from them. `generate`/`logits` (`model_args.rs`),
+//! the prefill and decode servers (`serve.rs`) and `bench` all go through here; `inspect`
+//! reports the same [`EngineSpec`] without loading it.
 
 use anyhow::{bail, Context, Result};
 use pdserve_engine::backend::{Backend, BackendError};

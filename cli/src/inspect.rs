@@ -3,15 +3,19 @@
 //! shape, `.scale`, bytes on disk and in GPU memory) with totals per storage class, and the
 //! KV layout and pool the flags give; `--json` prints all of it (the effective config and
 //! layout in full) as one JSON object.
+//!
+//! Everything comes from config.json, the safetensors headers and the flags: no weight is
+//! read and no device is opened, so it is instant on a 160 GB checkpoint. `backend` is
+//! what `--device` selects: the CPU backend's name, or `cuda:N (not opened)`.
 
 use crate::bench::table::{size, Table};
-use crate::engine_spec::weight_dtype;
-use crate::model_args::{Loaded, ModelArgs, OnEngine};
+use crate::model_args::{BackendChoice, EnginePlan, ModelArgs};
 use anyhow::Result;
-use pdserve_engine::backend::Backend;
+use pdserve_engine::backend::TensorOps;
 use pdserve_engine::checkpoint::Checkpoint;
 use pdserve_engine::config::{ModelConfig, Quantization};
 use pdserve_engine::model::storage::{storage_report, StorageReport};
+use pdserve_engine::CpuBackend;
 use pdserve_kernels::WeightDtype;
 use std::fmt::Write;
 use std::path::PathBuf;
@@ -34,70 +38,79 @@ pub fn inspect(mut a: InspectArgs) -> Result<()> {
     }
     // The element size of GPU matrix weights under --cuda-weights (also with --device cpu:
     // the report says what a CUDA server would hold).
-    let matrix_elem = match weight_dtype(&a.model.cuda_weights)? {
+    let matrix_elem = match a.model.cuda_spec()?.weights {
         WeightDtype::Bf16 => 2,
         WeightDtype::F32 => 4,
     };
-    let model = a.model.clone();
-    model.run(InspectRun {
-        json: a.json,
-        cuda_weights: a.model.cuda_weights,
-        matrix_elem,
-    })
+    // Headers and flags only: the config, the engine the flags describe (layout, pool
+    // sizes) and the safetensors headers. Loading the weights would dequantize a released
+    // FP8/FP4 checkpoint on the CPU (hours, hundreds of GB) just to print this.
+    let plan = a.model.plan()?;
+    let backend = backend_name(a.model.backend_choice(&plan.spec.layout)?);
+    let storage = storage_report(&Checkpoint::open(&plan.spec.dir)?, matrix_elem);
+    let report = Report {
+        plan: &plan,
+        backend,
+        cuda_weights: &a.model.cuda_weights,
+        storage: &storage,
+    };
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&report.json())?);
+    } else {
+        print!("{}", report.text());
+    }
+    Ok(())
 }
 
-struct InspectRun {
-    json: bool,
-    cuda_weights: String,
-    matrix_elem: u64,
-}
-
-impl OnEngine for InspectRun {
-    fn run<B: Backend>(self, loaded: Loaded<B>) -> Result<()> {
-        let storage = storage_report(&Checkpoint::open(&loaded.dir)?, self.matrix_elem);
-        if self.json {
-            println!(
-                "{}",
-                serde_json::to_string_pretty(&self.json_report(&loaded, &storage))?
-            );
-        } else {
-            print!("{}", self.text_report(&loaded, &storage));
-        }
-        Ok(())
+/// The backend the flags select, as the report names it. The CPU backend is named as it
+/// names itself (opening it costs nothing); a CUDA device is not opened by `inspect`.
+fn backend_name(choice: BackendChoice) -> String {
+    match choice {
+        BackendChoice::Cpu => CpuBackend.name(),
+        BackendChoice::Cuda(n) => format!("cuda:{n} (not opened)"),
+        BackendChoice::CudaElseCpu => "auto: cuda:0 if it opens, else cpu (not opened)".into(),
     }
 }
 
-impl InspectRun {
-    fn json_report<B: Backend>(
-        &self,
-        loaded: &Loaded<B>,
-        storage: &StorageReport,
-    ) -> serde_json::Value {
-        let e = &loaded.engine;
+struct Report<'a> {
+    plan: &'a EnginePlan,
+    backend: String,
+    cuda_weights: &'a str,
+    storage: &'a StorageReport,
+}
+
+impl Report<'_> {
+    /// Bytes of the device pool: its pages and state slots.
+    fn device_bytes(&self) -> usize {
+        let (pool, layout) = (&self.plan.spec.pool, &self.plan.layout);
+        pool.pages * layout.page_bytes + pool.states * layout.state_bytes
+    }
+
+    fn json(&self) -> serde_json::Value {
+        let (p, layout) = (self.plan, &self.plan.layout);
         serde_json::json!({
-            "model_dir": loaded.dir,
-            "backend": e.backend().name(),
-            "config": e.config(),
-            "storage": storage,
+            "model_dir": p.spec.dir,
+            "backend": self.backend,
+            "config": p.cfg,
+            "storage": self.storage,
             "cuda_weights": self.cuda_weights,
-            "kv_layout": e.layout(),
-            "kv_layout_fingerprint": e.layout().fingerprint(),
+            "kv_layout": layout,
+            "kv_layout_fingerprint": layout.fingerprint(),
             "kv_pool": {
-                "device_pages": e.allocator().total_pages(),
-                "state_slots": e.allocator().total_states(),
-                "host_pages": loaded.host_pages,
-                "device_bytes": e.allocator().total_pages() * e.layout().page_bytes
-                    + e.allocator().total_states() * e.layout().state_bytes,
-                "host_bytes": loaded.host_pages * e.layout().page_bytes,
+                "device_pages": p.spec.pool.pages,
+                "state_slots": p.spec.pool.states,
+                "host_pages": p.host_pages,
+                "device_bytes": self.device_bytes(),
+                "host_bytes": p.host_pages * layout.page_bytes,
             },
-            "kv_audit": e.kv_audit(),
+            "kv_audit": p.spec.kv_audit_every > 0,
         })
     }
 
-    fn text_report<B: Backend>(&self, loaded: &Loaded<B>, storage: &StorageReport) -> String {
-        let e = &loaded.engine;
-        let mut out = format!("model: {}\n", loaded.dir.display());
-        out += &config_summary(e.config());
+    fn text(&self) -> String {
+        let (p, storage) = (self.plan, self.storage);
+        let mut out = format!("model: {}\n", p.spec.dir.display());
+        out += &config_summary(&p.cfg);
         out += &format!("\ntensors ({}):\n", storage.tensors.len());
         out += &tensor_table(storage).to_string();
         out += &format!(
@@ -108,18 +121,18 @@ impl InspectRun {
         if storage.unused_bytes > 0 {
             out += &format!("unused on disk (mtp.*): {}\n", bytes(storage.unused_bytes));
         }
-        let layout = e.layout();
-        let pages = e.allocator().total_pages();
+        let layout = &p.layout;
         let _ = writeln!(
             out,
-            "\nKV layout {} ({} tokens per page, {} per page); pool: {pages} device pages ({}), {} host pages ({}); backend {}",
+            "\nKV layout {} ({} tokens per page, {} per page); pool: {} device pages ({}), {} host pages ({}); backend {}",
             layout.fingerprint(),
             layout.page_tokens,
             size(layout.page_bytes as f64),
-            size((pages * layout.page_bytes + e.allocator().total_states() * layout.state_bytes) as f64),
-            loaded.host_pages,
-            size((loaded.host_pages * layout.page_bytes) as f64),
-            e.backend().name(),
+            p.spec.pool.pages,
+            size(self.device_bytes() as f64),
+            p.host_pages,
+            size((p.host_pages * layout.page_bytes) as f64),
+            self.backend,
         );
         out
     }

@@ -45,7 +45,8 @@ enum Command {
     /// Write next-token logits for every position of a token sequence as JSON.
     Logits(commands::LogitsArgs),
     /// Summarise a model: config, quantization, every tensor's storage on disk and on the
-    /// GPU with totals per storage class, KV layout (--json: all of it as JSON).
+    /// GPU with totals per storage class, KV layout and pool (--json: all of it as JSON).
+    /// Reads config.json and the safetensors headers only: no weights, no device.
     Inspect(inspect::InspectArgs),
     /// Run a prefill server (gRPC): prompts in, KV pages out to decode servers.
     #[command(after_help = reference::ENV_HELP)]

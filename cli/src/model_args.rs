@@ -92,11 +92,29 @@ pub trait OnEngine {
 
 pub struct Loaded<B: Backend> {
     pub engine: Engine<B>,
-    /// Host pool pages from --hicache-ratio / --hicache-size (checked at startup), for
-    /// a `kv::HostPool` behind the engine's prefix cache.
-    pub host_pages: usize,
     pub tokenizer: Option<Tokenizer>,
     pub dir: PathBuf,
+}
+
+/// The backend `--device` selects (see [`ModelArgs::backend_choice`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BackendChoice {
+    Cpu,
+    /// CUDA device N; failing to open it is an error.
+    Cuda(usize),
+    /// `--device auto`: cuda:0 if it opens, else the CPU.
+    CudaElseCpu,
+}
+
+/// What [`ModelArgs::load`] builds, before anything is loaded (see [`ModelArgs::plan`]).
+pub struct EnginePlan {
+    /// What `open_engine` gets: folder, layout spec, pool sizes, canary.
+    pub spec: EngineSpec,
+    pub cfg: pdserve_engine::config::ModelConfig,
+    /// The layout of `spec.layout` for `cfg`: page and state slot bytes.
+    pub layout: KvLayout,
+    /// Host pool pages from --hicache-ratio / --hicache-size.
+    pub host_pages: usize,
 }
 
 /// Per-request state slots of the device pool.
@@ -144,31 +162,46 @@ impl ModelArgs {
         }
     }
 
-    /// Load the model on the selected device and run `cmd` with it.
-    pub fn run<C: OnEngine>(&self, cmd: C) -> Result<()> {
-        let device: Device = self.device.parse().context("--device")?;
+    /// How a CUDA backend would be opened under these flags (parsed even for `--device
+    /// cpu`, so a bad flag is an error on every device).
+    pub fn cuda_spec(&self) -> Result<CudaSpec> {
         let graphs: GraphChoice = self.cuda_graph.parse()?;
-        let cuda = CudaSpec {
+        Ok(CudaSpec {
             weights: weight_dtype(&self.cuda_weights)?,
             graphs: graphs.mode(true),
             verify_graphs_every: u32::from(self.verify_graphs),
             deterministic: self.deterministic,
-        };
-        let cfg = pdserve_engine::config::ModelConfig::from_model_dir(&self.model_dir()?)?;
-        if let Some(reason) = cuda_refusal(&self.layout_spec(&cfg)?) {
+        })
+    }
+
+    /// The backend `--device` selects for a model with KV layout `spec`: a layout the CUDA
+    /// kernels cannot run refuses `cuda:N` and turns `auto` into the CPU. Nothing is opened.
+    pub fn backend_choice(&self, spec: &KvLayoutSpec) -> Result<BackendChoice> {
+        let device: Device = self.device.parse().context("--device")?;
+        if let Some(reason) = cuda_refusal(spec) {
             match device {
                 Device::Cuda(_) => anyhow::bail!("{reason}"),
-                Device::Auto => return cmd.run(self.load(CpuBackend)?),
-                Device::Cpu => {}
+                Device::Auto | Device::Cpu => return Ok(BackendChoice::Cpu),
             }
         }
-        match device {
-            Device::Cpu => cmd.run(self.load(CpuBackend)?),
-            Device::Cuda(n) => {
+        Ok(match device {
+            Device::Cpu => BackendChoice::Cpu,
+            Device::Cuda(n) => BackendChoice::Cuda(n),
+            Device::Auto => BackendChoice::CudaElseCpu,
+        })
+    }
+
+    /// Load the model on the selected device and run `cmd` with it.
+    pub fn run<C: OnEngine>(&self, cmd: C) -> Result<()> {
+        let cuda = self.cuda_spec()?;
+        let cfg = pdserve_engine::config::ModelConfig::from_model_dir(&self.model_dir()?)?;
+        match self.backend_choice(&self.layout_spec(&cfg)?)? {
+            BackendChoice::Cpu => cmd.run(self.load(CpuBackend)?),
+            BackendChoice::Cuda(n) => {
                 let b = cuda.open(n).context("CUDA backend unavailable")?;
                 cmd.run(self.load(b)?)
             }
-            Device::Auto => match cuda.open(0) {
+            BackendChoice::CudaElseCpu => match cuda.open(0) {
                 Ok(b) => cmd.run(self.load(b)?),
                 Err(e) => {
                     tracing::warn!(error = %e, "--device auto: CUDA unavailable, running on the CPU");
@@ -178,31 +211,43 @@ impl ModelArgs {
         }
     }
 
-    pub fn load<B: Backend>(&self, backend: B) -> Result<Loaded<B>> {
+    /// The engine the flags describe (model folder and config, KV layout, pool sizes,
+    /// canary), worked out from config.json and the flags alone: no weight is read and no
+    /// device is opened. [`ModelArgs::load`] builds exactly this; `inspect` reports it.
+    pub fn plan(&self) -> Result<EnginePlan> {
         let dir = self.model_dir()?;
         let cfg = pdserve_engine::config::ModelConfig::from_model_dir(&dir)?;
-        let layout = self.layout_spec(&cfg)?;
-        let (device_pages, host_pages) = self.pool_pages(
-            &KvLayout::new(&cfg, layout).context("KV layout")?,
-            STATE_SLOTS,
-        )?;
+        let layout_spec = self.layout_spec(&cfg)?;
+        let layout = KvLayout::new(&cfg, layout_spec).context("KV layout")?;
+        let (device_pages, host_pages) = self.pool_pages(&layout, STATE_SLOTS)?;
         let spec = EngineSpec {
-            dir: dir.clone(),
-            layout,
+            dir,
+            layout: layout_spec,
             pool: PoolSize {
                 pages: device_pages,
                 states: STATE_SLOTS,
             },
             kv_audit_every: self.kv_audit_every.unwrap_or(u32::from(self.kv_audit)),
         };
+        Ok(EnginePlan {
+            spec,
+            cfg,
+            layout,
+            host_pages,
+        })
+    }
+
+    pub fn load<B: Backend>(&self, backend: B) -> Result<Loaded<B>> {
+        // The host pool's size is checked here too (`plan` fails on one that cannot work),
+        // though no command behind `run` builds a host pool yet.
+        let spec = self.plan()?.spec;
         let engine = open_engine(&spec, backend)
-            .with_context(|| format!("loading model from {}", dir.display()))?;
-        let tokenizer = Tokenizer::from_model_dir(&dir)?;
+            .with_context(|| format!("loading model from {}", spec.dir.display()))?;
+        let tokenizer = Tokenizer::from_model_dir(&spec.dir)?;
         Ok(Loaded {
             engine,
-            host_pages,
             tokenizer,
-            dir,
+            dir: spec.dir,
         })
     }
 }

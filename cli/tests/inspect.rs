@@ -190,3 +190,83 @@ fn embedded_model_is_float() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot be used with"));
 }
+
+/// A copy of `src` whose safetensors files keep their headers but hold 0xff in every data
+/// byte (NaN FP8/bf16 values and e8m0 scales, out-of-range `tid2eid` ids): reading any
+/// weight fails, reading a header does not.
+fn garbage_copy(src: &str) -> tempfile::TempDir {
+    let dst = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(src).unwrap() {
+        let path = entry.unwrap().path();
+        let mut bytes = std::fs::read(&path).unwrap();
+        if path.extension().is_some_and(|e| e == "safetensors") {
+            let header = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+            let data = &mut bytes[8 + header..];
+            assert!(!data.is_empty());
+            data.fill(0xff);
+        }
+        std::fs::write(dst.path().join(path.file_name().unwrap()), bytes).unwrap();
+    }
+    dst
+}
+
+#[test]
+fn reads_headers_only() {
+    let intact = quantized();
+    let garbage = garbage_copy(&intact);
+    let gdir = garbage.path().to_str().unwrap();
+
+    // Loading the garbage copy fails: its weights are unusable.
+    let load = bin()
+        .args([
+            "generate",
+            "--model",
+            gdir,
+            "--tokens",
+            "1,2",
+            "--max-new-tokens",
+            "1",
+        ])
+        .output()
+        .unwrap();
+    assert!(!load.status.success(), "the garbage weights loaded");
+
+    // Inspecting it reads no weight: the same report as the intact copy's.
+    let mut want = json(&[&intact]);
+    let mut got = json(&[gdir]);
+    assert_eq!(got["model_dir"], gdir);
+    for v in [&mut want, &mut got] {
+        v.as_object_mut().unwrap().remove("model_dir");
+    }
+    assert_eq!(got, want);
+    let body = |t: String| t.lines().skip(1).collect::<Vec<_>>().join("\n");
+    assert_eq!(body(run(&[gdir])), body(run(&[&intact])));
+
+    // The pool comes from the flags, with no device opened.
+    let v = json(&[
+        gdir,
+        "--kv-pages",
+        "7",
+        "--hicache-ratio",
+        "3",
+        "--kv-audit",
+    ]);
+    let pool = &v["kv_pool"];
+    let page = v["kv_layout"]["page_bytes"].as_u64().unwrap();
+    let state = v["kv_layout"]["state_bytes"].as_u64().unwrap();
+    assert_eq!(
+        (pool["device_pages"].as_u64(), pool["host_pages"].as_u64()),
+        (Some(7), Some(21))
+    );
+    assert_eq!(pool["device_bytes"].as_u64(), Some(7 * page + 64 * state));
+    assert_eq!(pool["host_bytes"].as_u64(), Some(21 * page));
+    assert_eq!(v["kv_audit"], true);
+    assert!(
+        v["backend"].as_str().unwrap().starts_with("cpu"),
+        "{}",
+        v["backend"]
+    );
+    let cuda = json(&[gdir, "--device", "cuda:3"]);
+    assert_eq!(cuda["backend"], "cuda:3 (not opened)");
+    assert_eq!(cuda["storage"], want["storage"]);
+}

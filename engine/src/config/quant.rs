@@ -5,7 +5,8 @@
 
 use serde_json::Value;
 
-use super::{field_err, Obj, Res};
+use super::error::{field_err, Res};
+use super::fields::{as_usize, Obj};
 
 /// `quantization_config.quant_method`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -105,10 +106,7 @@ pub(super) fn parse_quantization(f: &Obj) -> Res<Option<Quantization>> {
     let block_field = q.name("weight_block_size");
     let block = match q.get("weight_block_size") {
         None => return Err(field_err(block_field, "missing")),
-        Some(Value::Array(items)) => items
-            .iter()
-            .map(super::as_usize)
-            .collect::<Option<Vec<_>>>(),
+        Some(Value::Array(items)) => items.iter().map(as_usize).collect::<Option<Vec<_>>>(),
         Some(_) => None,
     };
     let weight_block_size = match block.as_deref() {
