@@ -1,6 +1,7 @@
 //! `pdserve gpu-check`: the CUDA backend against the CPU engine on reference fixtures.
 
 use anyhow::{bail, Context, Result};
+use pdserve_gpu_check::attention::check_attention_ab;
 use pdserve_gpu_check::batched::check_batched;
 use pdserve_gpu_check::check::{check_embedded, check_fixture, header, CheckRow};
 use pdserve_gpu_check::graphs::check_graphs;
@@ -51,6 +52,10 @@ pub fn gpu_check(a: GpuCheckArgs) -> Result<()> {
     let run = |group: &str| a.only.is_empty() || a.only.iter().any(|g| g == group);
     if run("embedded") {
         show(check_embedded(a.device).map_err(|e| anyhow::anyhow!("embedded model: {e}"))?);
+        show(
+            check_attention_ab(a.device)
+                .map_err(|e| anyhow::anyhow!("attention A/B on the embedded model: {e}"))?,
+        );
     }
     if run("fixtures") {
         for d in &dirs {

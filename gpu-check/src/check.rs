@@ -394,7 +394,6 @@ pub fn check_embedded(ordinal: usize) -> Result<Vec<CheckRow>, Box<dyn std::erro
         });
     }
     out.push(audit_batched(&mut gpu, &tok)?);
-    out.extend(crate::attention::check_attention_ab(ordinal)?);
     Ok(out)
 }
 
