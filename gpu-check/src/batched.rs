@@ -232,13 +232,18 @@ pub(crate) fn errors(got: &[Vec<Vec<f32>>], want: &[Vec<Vec<f32>>]) -> Vec<f64> 
 
 /// p50 / p90 / p99 / max of a distribution.
 pub(crate) fn quantiles(v: &[f64]) -> [f64; 4] {
+    quantiles_at(v, [0.5, 0.9, 0.99, 1.0])
+}
+
+/// The values at fractions `ps` of a distribution (nearest rank; 0 when it is empty).
+pub(crate) fn quantiles_at<const N: usize>(v: &[f64], ps: [f64; N]) -> [f64; N] {
     let mut s = v.to_vec();
     s.sort_by(f64::total_cmp);
-    let q = |p: f64| {
+    ps.map(|p| {
         s.get(((s.len() as f64 - 1.0) * p).round() as usize)
             .copied()
-    };
-    [q(0.5), q(0.9), q(0.99), q(1.0)].map(|x| x.unwrap_or(0.0))
+            .unwrap_or(0.0)
+    })
 }
 
 /// Rows whose greedy token differs from the CPU's, each with the CPU's logit margin between

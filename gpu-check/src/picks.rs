@@ -10,8 +10,8 @@
 //! flipped pick would be a defect, not rounding amplified by a discrete decision.
 
 use crate::batched::{
-    corpus_cases, decode_in_batches_reporting, errors, kv_spec, quantiles, reference_rows, AnyResult,
-    Case, Span, POOL,
+    corpus_cases, decode_in_batches_reporting, errors, kv_spec, quantiles, quantiles_at,
+    reference_rows, AnyResult, Case, Span, POOL,
 };
 use crate::check::{CheckRow, REL_TOL};
 use pdserve_engine::backend::{Backend, PickKind, PickLog, RowPicks};
@@ -178,7 +178,7 @@ fn judge(
     let [c50, _, c99, cmax] = quantiles(&clean);
     let [t50, _, t99, tmax] = quantiles(&traced);
     let [m50, _, _, mmax] = quantiles(&margins);
-    let [a50, a10] = [quantiles(all_margins)[0], percentile(all_margins, 0.1)];
+    let [a10, a50] = quantiles_at(all_margins, [0.1, 0.5]);
     let mut figures = vec![
         format!(
             "picks {label}: {} flipped picks ({} route, {} index) of {} rows' paths; \
@@ -220,14 +220,6 @@ fn judge(
         ),
     }));
     (row, figures)
-}
-
-fn percentile(v: &[f64], p: f64) -> f64 {
-    let mut s = v.to_vec();
-    s.sort_by(f64::total_cmp);
-    s.get(((s.len() as f64 - 1.0) * p).round() as usize)
-        .copied()
-        .unwrap_or(0.0)
 }
 
 /// The CPU reference's rows and picks, and every pick's boundary margin.
