@@ -1,15 +1,20 @@
-//! The split-key decode attention against the one-block-per-row kernel it replaced
-//! (`CudaBackend::set_reference_attention`), on the same inputs: the embedded model (64
-//! window keys, compressed entries all visible and selected, 4 heads of 64 channels),
-//! fp32 weights, each KV entry type. Prefill takes one split per row over several tiles;
-//! decode at batch 1 splits the keys and combines, so both paths meet the old kernel.
+//! Each attention kernel against the one it replaced (`CudaBackend::set_attention_kernel`),
+//! on the same inputs: the embedded model (64 window keys, compressed entries all visible
+//! and selected, 4 heads of 64 channels), fp32 weights. The split-key kernel against the
+//! one-block-per-row kernel for each KV entry type; the tensor-core kernel against the
+//! split-key one for the entry types it takes (bf16, fp8): hi + lo products under fp32
+//! weights (gated: an indexing fault would show far above the bound), and, for
+//! information, the serving kernel's bf16 products under bf16 weights (the picks group
+//! gates that setting). Prefill takes one split per row
+//! over several tiles; decode at batch 1 splits the keys and combines, so both paths meet
+//! the old kernel.
 
 use crate::check::{compare, CheckRow, PROMPTS, REL_TOL};
 use pdserve_engine::config::ModelConfig;
 use pdserve_engine::generate::logits_prefill_decode;
 use pdserve_engine::kv::{EntryDtype, KvLayoutSpec};
 use pdserve_engine::{Engine, PoolSize};
-use pdserve_kernels::{CudaBackend, WeightDtype};
+use pdserve_kernels::{AttentionKernel, CudaBackend, WeightDtype};
 use pdserve_tokenizer::Tokenizer;
 
 /// Both kernels compute in fp32 and differ only in summation order: the bound with fp32
@@ -26,22 +31,31 @@ const POOL: PoolSize = PoolSize {
 
 type AnyResult<T> = Result<T, Box<dyn std::error::Error>>;
 
-/// One row per KV entry type: every prompt prefilled, then decoded teacher-forced to 96
-/// tokens, by both kernels.
+/// One row per pair of kernels and KV entry type: every prompt prefilled, then decoded
+/// teacher-forced to 96 tokens, by both kernels.
 pub fn check_attention_ab(ordinal: usize) -> AnyResult<Vec<CheckRow>> {
     let dir = pdserve_engine::embedded::model_dir()?;
     let tok = Tokenizer::from_model_dir(&dir)?.ok_or("the embedded model has no tokenizer")?;
     let cfg = ModelConfig::from_model_dir(&dir)?;
+    let (f32w, bf16w) = (WeightDtype::F32, WeightDtype::Bf16);
+    let pairs = [
+        (AttentionKernel::Split, AttentionKernel::Reference, EntryDtype::F32, f32w),
+        (AttentionKernel::Split, AttentionKernel::Reference, EntryDtype::Bf16, f32w),
+        (AttentionKernel::Split, AttentionKernel::Reference, EntryDtype::Fp8E4m3, f32w),
+        (AttentionKernel::TensorCores, AttentionKernel::Split, EntryDtype::Bf16, f32w),
+        (AttentionKernel::TensorCores, AttentionKernel::Split, EntryDtype::Fp8E4m3, f32w),
+        (AttentionKernel::Auto, AttentionKernel::Split, EntryDtype::Bf16, bf16w),
+    ];
     let mut out = Vec::new();
-    for kv in [EntryDtype::F32, EntryDtype::Bf16, EntryDtype::Fp8E4m3] {
+    for (new_kernel, old_kernel, kv, weights) in pairs {
         let mut spec = KvLayoutSpec::default_for(&cfg);
         spec.kv_dtype = kv;
-        let engine = |reference: bool| -> AnyResult<Engine<CudaBackend>> {
-            let mut b = CudaBackend::with_weights(ordinal, None, WeightDtype::F32)?;
-            b.set_reference_attention(reference);
+        let engine = |kernel: AttentionKernel| -> AnyResult<Engine<CudaBackend>> {
+            let mut b = CudaBackend::with_weights(ordinal, None, weights)?;
+            b.set_attention_kernel(kernel);
             Ok(Engine::load(&dir, b, Some(spec), POOL)?)
         };
-        let (mut old, mut new) = (engine(true)?, engine(false)?);
+        let (mut old, mut new) = (engine(old_kernel)?, engine(new_kernel)?);
         let (mut got, mut want) = (Vec::new(), Vec::new());
         for prompt in PROMPTS {
             let mut ids = tok.encode(prompt)?;
@@ -55,8 +69,13 @@ pub fn check_attention_ab(ordinal: usize) -> AnyResult<Vec<CheckRow>> {
             want.extend(logits_prefill_decode(&mut old, &ids, k, 0)?);
             got.extend(logits_prefill_decode(&mut new, &ids, k, 0)?);
         }
-        out.push(compare(
-            format!("embedded w=f32 kv={kv} split-key attention == old kernel"),
+        let (name, w) = match (new_kernel, weights) {
+            (AttentionKernel::TensorCores, _) => ("tensor-core attention (hi+lo) == split-key", "f32"),
+            (AttentionKernel::Auto, _) => ("tensor-core attention (bf16 products) vs split-key", "bf16"),
+            _ => ("split-key attention == old kernel", "f32"),
+        };
+        let mut row = compare(
+            format!("embedded w={w} kv={kv} {name}"),
             &got,
             &want,
             if kv == EntryDtype::F32 {
@@ -64,7 +83,11 @@ pub fn check_attention_ab(ordinal: usize) -> AnyResult<Vec<CheckRow>> {
             } else {
                 REL_TOL
             },
-        ));
+        );
+        // bf16 products move logits as bf16 weights do, picks near a tie with them: the
+        // picks group gates that setting (every jump traced to a flipped pick).
+        row.gate = weights == WeightDtype::F32;
+        out.push(row);
     }
     Ok(out)
 }

@@ -256,7 +256,9 @@ pub(crate) fn run_trace<B: Backend>(
 }
 
 /// The check: the `batched` group's sequences on bf16 weights and bf16 index-K (the
-/// setting of the production failure), at batch 1 and with all sequences in one batch.
+/// setting of the production failure), at batch 1 and with all sequences in one batch;
+/// with fp32 KV entries (the split-key attention kernel) and bf16 ones (the tensor-core
+/// kernel, whose products round queries and probabilities to bf16).
 pub fn check_picks(
     ordinal: usize,
     corpus: &Path,
@@ -264,23 +266,26 @@ pub fn check_picks(
     steps: usize,
 ) -> AnyResult<(Vec<CheckRow>, Vec<String>)> {
     let (dir, cases) = corpus_cases(corpus, seqs, steps)?;
-    let spec = KvLayoutSpec {
-        index_k_dtype: EntryDtype::Bf16,
-        ..kv_spec(&dir)?
-    };
-    let (want, want_picks, all_margins) = reference_trace(&dir, spec, &cases)?;
-    let mut backend = CudaBackend::with_weights(ordinal, None, WeightDtype::Bf16)?;
-    backend.set_graph_mode(GraphMode::Eager);
-    let mut e = Engine::load(&dir, backend, Some(spec), POOL)?;
     let (mut rows, mut figures) = (Vec::new(), Vec::new());
-    for batch in [1, cases.len()] {
-        let (got, picks) = run_trace(&mut e, &cases, batch)?;
-        let flipped = flips(&picks, &want_picks)?;
-        let traced = trace_rows(&cases, &got, &want, &flipped);
-        let label = format!("w=bf16 ik=bf16 batch {batch}");
-        let (row, f) = judge(&label, &traced, &flipped, &all_margins);
-        rows.push(row);
-        figures.extend(f);
+    for kv in [EntryDtype::F32, EntryDtype::Bf16] {
+        let spec = KvLayoutSpec {
+            index_k_dtype: EntryDtype::Bf16,
+            kv_dtype: kv,
+            ..kv_spec(&dir)?
+        };
+        let (want, want_picks, all_margins) = reference_trace(&dir, spec, &cases)?;
+        let mut backend = CudaBackend::with_weights(ordinal, None, WeightDtype::Bf16)?;
+        backend.set_graph_mode(GraphMode::Eager);
+        let mut e = Engine::load(&dir, backend, Some(spec), POOL)?;
+        for batch in [1, cases.len()] {
+            let (got, picks) = run_trace(&mut e, &cases, batch)?;
+            let flipped = flips(&picks, &want_picks)?;
+            let traced = trace_rows(&cases, &got, &want, &flipped);
+            let label = format!("w=bf16 kv={kv} ik=bf16 batch {batch}");
+            let (row, f) = judge(&label, &traced, &flipped, &all_margins);
+            rows.push(row);
+            figures.extend(f);
+        }
     }
     Ok((rows, figures))
 }

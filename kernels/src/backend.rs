@@ -2,7 +2,7 @@
 //! an op module (`ops/`) or the KV store (`kv_store`); `graphs` implements the step runner;
 //! this file holds only the backend's settings and the weight-storage policy.
 
-use crate::device::{DeviceError, Gpu};
+use crate::device::{AttentionKernel, DeviceError, Gpu};
 use crate::graph_cache::{GraphCache, GraphStats};
 use crate::kv_store::GpuKv;
 use crate::launch::dev_err;
@@ -44,8 +44,10 @@ impl CudaBackend {
         cache: Option<PathBuf>,
         weights: WeightDtype,
     ) -> Result<Self, DeviceError> {
+        let mut gpu = Gpu::open(ordinal, cache)?;
+        gpu.exact_attention = weights == WeightDtype::F32;
         Ok(CudaBackend {
-            gpu: Gpu::open(ordinal, cache)?,
+            gpu,
             weights,
             graph_mode: GraphMode::default(),
             verify_every: 0,
@@ -97,11 +99,11 @@ impl CudaBackend {
         self.gpu.deterministic
     }
 
-    /// Attention by `k_attention`, one block per row and group of heads, instead of the
-    /// kernel split over the keys that replaced it: gpu-check compares the two on the same
-    /// inputs. Slower; not a serving option.
-    pub fn set_reference_attention(&mut self, on: bool) {
-        self.gpu.reference_attention = on;
+    /// Which kernel computes attention: [`AttentionKernel::Auto`] (tensor cores for bf16
+    /// and fp8 entries) unless gpu-check compares it with the kernels it replaced on the
+    /// same inputs. The others are slower; not a serving option.
+    pub fn set_attention_kernel(&mut self, kernel: AttentionKernel) {
+        self.gpu.attention_kernel = kernel;
     }
 
     /// Test only: drop every captured graph and plant, in the next one captured, a write

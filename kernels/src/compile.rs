@@ -16,6 +16,7 @@ pub const MODULES: &[(&str, &str)] = &[
     ("indexer", include_str!("cu/indexer.cu")),
     ("attention", include_str!("cu/attention.cu")),
     ("attention_split", include_str!("cu/attention_split.cu")),
+    ("attention_mma", include_str!("cu/attention_mma.cu")),
     ("moe", include_str!("cu/moe.cu")),
     ("quant", include_str!("cu/quant.cu")),
     ("random", include_str!("cu/random.cu")),

@@ -19,6 +19,9 @@ use std::sync::{Arc, Mutex};
 
 /// Dynamic shared memory the attention kernel may use (Hopper allows up to 227 KiB).
 pub(crate) const ATTENTION_SHARED: usize = 160 * 1024;
+/// Dynamic shared memory the tensor-core attention kernels may take: sm_90's opt-in
+/// maximum per block.
+pub(crate) const MMA_SHARED: usize = 227 * 1024;
 
 /// Copies to the host at least this large go through the page-locked buffer.
 const PINNED_MIN: usize = 1 << 20;
@@ -54,9 +57,31 @@ pub struct Gpu {
     pub(crate) sms: usize,
     /// `--deterministic`: batch-invariant kernels only (see [`crate::CudaBackend::set_deterministic`]).
     pub(crate) deterministic: bool,
-    /// Attention by the one-block-per-row kernel the split kernel replaced (gpu-check's A/B
-    /// row; see [`crate::CudaBackend::set_reference_attention`]).
-    pub(crate) reference_attention: bool,
+    /// Which kernel computes attention (see [`crate::CudaBackend::set_attention_kernel`]).
+    pub(crate) attention_kernel: AttentionKernel,
+    /// fp32 weights: attention stays on the fp32 split-key kernel unless
+    /// [`AttentionKernel::TensorCores`] asks for tensor cores, whose products then take hi +
+    /// lo bf16 halves. Otherwise tensor-core products round queries and probabilities to bf16.
+    pub(crate) exact_attention: bool,
+}
+
+/// Which kernel computes attention. The serving choice is [`AttentionKernel::Auto`]; the
+/// others are the kernels it replaced, which gpu-check runs on the same inputs to compare.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum AttentionKernel {
+    /// Tensor cores (`k_attention_mma`, products in bf16) under bf16 weights where the
+    /// entries are bf16 or fp8 and the shape allows; otherwise, and always under fp32
+    /// weights (the reference mode), the fp32 split-key kernel.
+    #[default]
+    Auto,
+    /// Tensor cores wherever the entries and shape allow, under fp32 weights with each
+    /// query and probability split into hi + lo bf16 halves (~16 bits: close to, not at,
+    /// fp32), else the split-key kernel: gpu-check's A/B of the tensor-core kernel.
+    TensorCores,
+    /// The fp32 split-key kernel (`k_attention_split`) for every entry type.
+    Split,
+    /// One block per row and group of heads (`k_attention`), the first kernel.
+    Reference,
 }
 
 impl std::fmt::Debug for Gpu {
@@ -141,11 +166,17 @@ impl Gpu {
                 let func = module
                     .load_function(f)
                     .map_err(|e| DeviceError::Driver(format!("kernel {f}: {e:?}")))?;
-                if f == "k_attention" || f == "k_attention_split" {
+                let shared = match f {
                     // Scores of long contexts' compressed keys live in shared memory.
+                    "k_attention" | "k_attention_split" => Some(ATTENTION_SHARED),
+                    // Queries and two key tiles of all 64 heads (and their lo halves).
+                    "k_attention_mma" | "k_attention_mma_exact" => Some(MMA_SHARED),
+                    _ => None,
+                };
+                if let Some(shared) = shared {
                     func.set_attribute(
                         cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                        ATTENTION_SHARED as i32,
+                        shared as i32,
                     )
                     .map_err(|e| DeviceError::Driver(format!("kernel {f}: shared memory: {e:?}")))?;
                 }
@@ -163,7 +194,8 @@ impl Gpu {
             device_name,
             sms,
             deterministic: false,
-            reference_attention: false,
+            attention_kernel: AttentionKernel::Auto,
+            exact_attention: true,
         })
     }
 

@@ -52,6 +52,11 @@ pub struct ModelFlags {
     /// Batch-invariant CUDA kernels (`--deterministic`): measures what the mode costs.
     #[arg(long)]
     pub deterministic: bool,
+    /// CUDA attention kernel: auto (tensor cores for bf16 and fp8 KV entries, the split-key
+    /// kernel for f32) or split (the split-key kernel for every entry type; what the
+    /// tensor-core kernel replaced, for A/B runs).
+    #[arg(long, default_value = "auto", value_parser = ["auto", "split"])]
+    pub attention: String,
 }
 
 /// Attention kind of layer `i` in V4-Flash (`compress_ratios` 0, 0, 4, 128, 4, 128, ...).
@@ -233,6 +238,7 @@ mod tests {
             cuda_weights: "bf16".into(),
             weights: vec!["bf16".into()],
             deterministic: false,
+            attention: "auto".into(),
         }
     }
 

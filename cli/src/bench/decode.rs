@@ -550,6 +550,7 @@ mod tests {
             cuda_weights: "bf16".into(),
             weights: vec!["bf16".into()],
             deterministic: false,
+            attention: "auto".into(),
         };
         let cfg = f.config().unwrap();
         let layout = f.layout(&cfg).unwrap();

@@ -201,6 +201,7 @@ mod tests {
             cuda_weights: "bf16".into(),
             weights: vec![weights.into()],
             deterministic: false,
+            attention: "auto".into(),
         }
         .config()
         .unwrap()

@@ -25,7 +25,7 @@ use pdserve_engine::backend::Backend;
 use pdserve_engine::kv::KvLayout;
 use pdserve_engine::model::{Model, ModelWeights};
 use pdserve_engine::CpuBackend;
-use pdserve_kernels::{CudaBackend, GraphMode};
+use pdserve_kernels::{AttentionKernel, CudaBackend, GraphMode};
 use std::io::IsTerminal;
 use std::time::Instant;
 
@@ -87,7 +87,11 @@ fn on_device(
                 verify_graphs_every: 0,
                 deterministic: m.deterministic,
             };
-            cuda(spec.open(n).context("CUDA backend unavailable")?)
+            let mut backend = spec.open(n).context("CUDA backend unavailable")?;
+            if m.attention == "split" {
+                backend.set_attention_kernel(AttentionKernel::Split);
+            }
+            cuda(backend)
         }
         Device::Auto => bail!("--device auto is not accepted by bench: name cpu or cuda:N"),
     }

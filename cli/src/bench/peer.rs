@@ -112,6 +112,7 @@ mod tests {
             cuda_weights: "bf16".into(),
             weights: vec!["bf16".into()],
             deterministic: false,
+            attention: "auto".into(),
         };
         let cfg = f.config().unwrap();
         let mut conf = f.config_json().unwrap();

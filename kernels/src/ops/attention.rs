@@ -1,11 +1,13 @@
-//! Sink attention over the sliding window plus compressed entries (the split-key kernel,
-//! `ops/attention_split.rs`, or the reference one of `cu/attention.cu`), and window stores.
+//! Sink attention over the sliding window plus compressed entries (tensor cores,
+//! `ops/attention_mma.rs`; the split-key kernel, `ops/attention_split.rs`; or the reference
+//! one of `cu/attention.cu`), and window stores.
 
 use crate::buf::{f32_buf, out_ptr, shape_err};
-use crate::device::{Gpu, ATTENTION_SHARED};
+use crate::device::{AttentionKernel, Gpu, ATTENTION_SHARED};
 use crate::devmem::DevMem;
 use crate::kernels::{self, DevPtr};
 use crate::kv_store::{kv_dt_code, DevPlan, GpuKv};
+use crate::ops::attention_mma::{self, MmaPlan};
 use crate::ops::attention_split::{self, AttentionArgs, SplitPlan};
 use crate::ops::indexer::GpuSelection;
 use crate::ops::kv_reach::{check_visible_reach, entry_bucket, layer_of};
@@ -122,8 +124,16 @@ pub fn attention(
         win_scale_off: l.window_scale_offset as i64,
         comp_scale_off: l.comp_scale_offset as i64,
     };
-    if g.reference_attention {
+    let tensor_cores = match g.attention_kernel {
+        AttentionKernel::Auto => !g.exact_attention,
+        AttentionKernel::TensorCores => true,
+        AttentionKernel::Split | AttentionKernel::Reference => false,
+    };
+    if g.attention_kernel == AttentionKernel::Reference {
         launch_reference(g, &args, max_keys)?;
+    } else if tensor_cores && attention_mma::takes(&args, g.exact_attention) {
+        let plan = MmaPlan::choose(rows, n_heads, max_keys, g.sms, g.deterministic);
+        attention_mma::launch(g, &args, plan, g.exact_attention)?;
     } else {
         attention_split::launch(g, &args, split)?;
     }

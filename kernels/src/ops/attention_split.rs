@@ -149,26 +149,7 @@ pub(crate) fn launch(g: &Gpu, a: &AttentionArgs, plan: SplitPlan) -> BResult<()>
     };
     let part: DevMem<f32> = g.uninit(parts * hd)?;
     let part_ml: DevMem<f32> = g.uninit(parts * 2)?;
-    // This forward's keys as entries of the KV dtype (fp32 entries: the rows themselves).
-    let entries = (a.dt != 0)
-        .then(|| -> BResult<(DevMem<u8>, DevMem<u8>)> {
-            let new_rows = g.uninit(rows * a.entry_bytes)?;
-            let new_scales = g.uninit(rows * a.scale_bytes)?;
-            g.launch(
-                (rows as u32, 1, 1),
-                0,
-                &kernels::KvEntries {
-                    x: a.kv_new,
-                    rows: DevPtr::of(&new_rows),
-                    scales: DevPtr::of(&new_scales),
-                    hd: hd as i32,
-                    rd: a.rd,
-                    dt: a.dt,
-                },
-            )?;
-            Ok((new_rows, new_scales))
-        })
-        .transpose()?;
+    let entries = new_entries(g, a)?;
     let (new_rows, new_scales) = entries.as_ref().map_or((a.kv_new, DevPtr::NULL), |(r, s)| {
         (DevPtr::of(r), DevPtr::of(s))
     });
@@ -220,17 +201,52 @@ pub(crate) fn launch(g: &Gpu, a: &AttentionArgs, plan: SplitPlan) -> BResult<()>
     if plan.direct {
         return Ok(());
     }
+    combine(g, a, &part, &part_ml, plan.nsplit)
+}
+
+/// This forward's keys as entries of the KV dtype, rows then fp8 scales (what both
+/// kernels read back for keys not yet stored); `None` for fp32 entries (the rows
+/// themselves).
+pub(crate) fn new_entries(g: &Gpu, a: &AttentionArgs) -> BResult<Option<(DevMem<u8>, DevMem<u8>)>> {
+    if a.dt == 0 {
+        return Ok(None);
+    }
+    let new_rows = g.uninit(a.rows * a.entry_bytes)?;
+    let new_scales = g.uninit(a.rows * a.scale_bytes)?;
     g.launch(
-        (rows as u32, n_heads as u32, 1),
+        (a.rows as u32, 1, 1),
+        0,
+        &kernels::KvEntries {
+            x: a.kv_new,
+            rows: DevPtr::of(&new_rows),
+            scales: DevPtr::of(&new_scales),
+            hd: a.hd as i32,
+            rd: a.rd,
+            dt: a.dt,
+        },
+    )?;
+    Ok(Some((new_rows, new_scales)))
+}
+
+/// `k_attention_combine`: the splits' partials of each (row, head) merged in split order.
+pub(crate) fn combine(
+    g: &Gpu,
+    a: &AttentionArgs,
+    part: &DevMem<f32>,
+    part_ml: &DevMem<f32>,
+    nsplit: usize,
+) -> BResult<()> {
+    g.launch(
+        (a.rows as u32, a.n_heads as u32, 1),
         0,
         &kernels::AttentionCombine {
-            part: DevPtr::of(&part),
-            part_ml: DevPtr::of(&part_ml),
+            part: DevPtr::of(part),
+            part_ml: DevPtr::of(part_ml),
             sinks: a.sinks,
             out: a.out,
-            n_heads: n_heads as i32,
-            hd: hd as i32,
-            nsplit: plan.nsplit as i32,
+            n_heads: a.n_heads as i32,
+            hd: a.hd as i32,
+            nsplit: nsplit as i32,
         },
     )
 }
