@@ -114,6 +114,35 @@ fn libs_present() -> Result<(), DeviceError> {
     Ok(())
 }
 
+/// Keep memory freed into the device's default pool cached there instead of handing it
+/// back to the driver at every synchronisation (the pool's default threshold is 0): each
+/// forward frees and allocates its temporaries again (hundreds of MiB per MoE layer in a
+/// long prefill), and re-mapping them after every routing download cost milliseconds.
+#[allow(unsafe_code)]
+fn keep_freed_memory_pooled(ctx: &CudaContext) -> Result<(), DeviceError> {
+    use cudarc::driver::sys;
+    let fail = |what: &str, r: sys::CUresult| DeviceError::Driver(format!("{what}: {r:?}"));
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    // SAFETY: `pool` is written by the driver for the context's device; the attribute
+    // value is a u64, as CU_MEMPOOL_ATTR_RELEASE_THRESHOLD takes.
+    unsafe {
+        let r = sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device());
+        if r != sys::CUresult::CUDA_SUCCESS {
+            return Err(fail("default memory pool", r));
+        }
+        let mut keep = u64::MAX;
+        let r = sys::cuMemPoolSetAttribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            (&mut keep as *mut u64).cast(),
+        );
+        if r != sys::CUresult::CUDA_SUCCESS {
+            return Err(fail("memory pool release threshold", r));
+        }
+    }
+    Ok(())
+}
+
 impl Gpu {
     /// Open device `ordinal`: check the libraries, create the context and stream, compile
     /// (or load cached) kernels for the device's compute capability.
@@ -141,6 +170,7 @@ impl Gpu {
         let stream = ctx
             .new_stream()
             .map_err(|e| DeviceError::Driver(format!("creating a stream: {e:?}")))?;
+        keep_freed_memory_pooled(&ctx)?;
         let (major, minor) = ctx
             .compute_capability()
             .map_err(|e| DeviceError::Driver(format!("{e:?}")))?;
