@@ -214,6 +214,27 @@ fn bench_prefill_table_on_cpu_with_peer() {
     assert!(err.contains("n_routed_experts"), "{err}");
 }
 
+/// `--chunk`: each prompt as forwards of at most that many tokens (the last one shorter),
+/// the table saying so; a prompt shorter than the chunk runs whole.
+#[test]
+fn bench_prefill_in_chunks_on_cpu() {
+    let mut args = vec!["bench", "prefill"];
+    args.extend(TINY);
+    args.extend([
+        "--tokens", "8,40", "--chunk", "16", "--repeats", "1", "--warmup", "0",
+    ]);
+    let out = run(&args);
+    let (head, rows) = table(&out, "tokens");
+    let col = |name: &str| head.iter().position(|h| h == name).unwrap();
+    assert_eq!(rows.len(), 2, "{out}");
+    assert_eq!(rows[0][col("chunk")], "8", "{out}");
+    assert_eq!(rows[1][col("chunk")], "16", "{out}");
+    for r in &rows {
+        positive(&r[col("seconds")]);
+        assert_eq!(r[col("finite")], "yes");
+    }
+}
+
 #[test]
 fn bench_without_cuda_fails_clearly() {
     if pdserve_kernels::device::driver_present() {

@@ -1,4 +1,5 @@
-//! `pdserve bench prefill`: one sequence of N random tokens prefilled in one forward,
+//! `pdserve bench prefill`: one sequence of N random tokens prefilled in one forward (or in
+//! chunks of `--chunk` tokens, one forward each, as the prefill server runs long prompts),
 //! tokens/s and the fraction of the GEMM rate measured in the same run.
 
 use super::config::ModelFlags;
@@ -10,6 +11,7 @@ use super::traffic::prefill_flops;
 use super::{progress, Prepared};
 use anyhow::{bail, Context, Result};
 use pdserve_engine::backend::{BatchPlan, SeqPlan};
+use pdserve_engine::kv::KvLayout;
 use rand::{Rng, SeedableRng};
 use std::path::PathBuf;
 use std::time::Instant;
@@ -27,6 +29,12 @@ pub struct PrefillArgs {
     /// Untimed prefills per length first.
     #[arg(long, default_value_t = 1)]
     pub warmup: usize,
+    /// Prefill each prompt in chunks of at most this many tokens, one forward per chunk
+    /// (its keys and compressor state carried to the next, as the prefill server's
+    /// `--chunked-prefill-size` does); 0: the whole prompt in one forward. The time covers every
+    /// chunk.
+    #[arg(long, default_value_t = 0)]
+    pub chunk: usize,
     /// JSON written by scripts/peer_bench.py: adds the peer's seconds and our speed-up.
     #[arg(long)]
     pub peer: Option<PathBuf>,
@@ -42,6 +50,9 @@ pub struct PrefillArgs {
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct PrefillRow {
     pub tokens: usize,
+    /// Tokens per forward (`--chunk`; the whole prompt when it ran in one).
+    #[serde(default)]
+    pub chunk: usize,
     /// The `--weights` format of the model the row ran.
     pub weights: String,
     pub seconds: f64,
@@ -130,36 +141,34 @@ fn run_format<B: BenchBackend>(
         let tokens: Vec<u32> = (0..n)
             .map(|_| rng.random_range(0..cfg.vocab_size as u32))
             .collect();
-        let plan = BatchPlan {
-            seqs: vec![SeqPlan {
-                start: 0,
-                len: n,
-                row0: 0,
-                pages: (0..layout.pages_for(n) as u32).collect(),
-                state: 0,
-            }],
-            tokens,
-            positions: (0..n).collect(),
-            row_seq: vec![0; n],
-        };
+        let per = if a.chunk == 0 { n } else { a.chunk.min(n) };
+        let plans: Vec<BatchPlan> = (0..n)
+            .step_by(per)
+            .map(|s| chunk_plan(layout, &tokens, s, per.min(n - s)))
+            .collect();
         let (mut times, mut finite) = (Vec::new(), true);
         for i in 0..a.warmup + a.repeats {
             backend.reset_state(&mut kv, 0)?;
             backend.sync()?;
             let t = Instant::now();
-            let logits = p.model.forward(backend, &mut kv, layout, &plan, &[n - 1])?;
+            let mut logits = None;
+            for plan in &plans {
+                let last = plan.rows() - 1;
+                logits = Some(p.model.forward(backend, &mut kv, layout, plan, &[last])?);
+            }
             backend.sync()?;
             let dt = t.elapsed().as_secs_f64();
             bar.inc(1);
             if i >= a.warmup {
                 times.push(dt);
-                finite &= logits.data.iter().all(|v| v.is_finite());
+                finite &= logits.is_some_and(|l| l.data.iter().all(|v| v.is_finite()));
             }
         }
         let s = median(times);
         let flops = prefill_flops(cfg, n);
         rows.push(PrefillRow {
             tokens: n,
+            chunk: per,
             weights: format.clone(),
             seconds: s,
             tokens_per_s: n as f64 / s,
@@ -172,9 +181,27 @@ fn run_format<B: BenchBackend>(
     Ok(rows)
 }
 
+/// Chunk `start .. start + len` of one sequence's prompt `tokens`, after `start` tokens
+/// already prefilled into the same pages and state.
+fn chunk_plan(layout: &KvLayout, tokens: &[u32], start: usize, len: usize) -> BatchPlan {
+    BatchPlan {
+        seqs: vec![SeqPlan {
+            start,
+            len,
+            row0: 0,
+            pages: (0..layout.pages_for(start + len) as u32).collect(),
+            state: 0,
+        }],
+        tokens: tokens[start..start + len].to_vec(),
+        positions: (start..start + len).collect(),
+        row_seq: vec![0; len],
+    }
+}
+
 pub fn table(rows: &[PrefillRow], peer: Option<&Peer>) -> Table {
     let mut headers = vec![
         "tokens",
+        "chunk",
         "weights",
         "seconds",
         "tok/s",
@@ -191,6 +218,7 @@ pub fn table(rows: &[PrefillRow], peer: Option<&Peer>) -> Table {
         .map(|r| {
             let mut v = vec![
                 r.tokens.to_string(),
+                r.chunk.to_string(),
                 r.weights.clone(),
                 num(r.seconds),
                 num(r.tokens_per_s),

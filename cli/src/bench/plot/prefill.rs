@@ -100,6 +100,7 @@ mod tests {
             .iter()
             .flat_map(|w| {
                 [1024, 8192, 32768].map(|n| PrefillRow {
+                    chunk: n,
                     tokens: n,
                     weights: w.to_string(),
                     seconds: 1.0,
