@@ -45,7 +45,7 @@ impl CudaBackend {
         weights: WeightDtype,
     ) -> Result<Self, DeviceError> {
         let mut gpu = Gpu::open(ordinal, cache)?;
-        gpu.exact_attention = weights == WeightDtype::F32;
+        gpu.fp32_reference = weights == WeightDtype::F32;
         Ok(CudaBackend {
             gpu,
             weights,

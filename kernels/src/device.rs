@@ -59,10 +59,11 @@ pub struct Gpu {
     pub(crate) deterministic: bool,
     /// Which kernel computes attention (see [`crate::CudaBackend::set_attention_kernel`]).
     pub(crate) attention_kernel: AttentionKernel,
-    /// fp32 weights: attention stays on the fp32 split-key kernel unless
-    /// [`AttentionKernel::TensorCores`] asks for tensor cores, whose products then take hi +
-    /// lo bf16 halves. Otherwise tensor-core products round queries and probabilities to bf16.
-    pub(crate) exact_attention: bool,
+    /// fp32 weights, the reference mode gpu-check holds to the CPU engine: attention stays
+    /// on the fp32 split-key kernel (unless [`AttentionKernel::TensorCores`] asks for tensor
+    /// cores, whose products then take hi + lo bf16 halves) and the prefill indexer's GEMM
+    /// is fp32. Under bf16 weights both round their query-side operands to bf16.
+    pub(crate) fp32_reference: bool,
 }
 
 /// Which kernel computes attention. The serving choice is [`AttentionKernel::Auto`]; the
@@ -225,7 +226,7 @@ impl Gpu {
             sms,
             deterministic: false,
             attention_kernel: AttentionKernel::Auto,
-            exact_attention: true,
+            fp32_reference: true,
         })
     }
 

@@ -261,7 +261,7 @@ kernels! {
         GatherIndexK = "k_gather_index_k" {
             pages: DevPtr, page_bytes: i64, seq: DevPtr, pt: DevPtr, si: i32, nv: i32,
             ihd: i32, rate: i32, entry_off: i64, scale_off: i64, entries_per_page: i32,
-            page_tokens: i32, dt: i32, out: DevPtr,
+            page_tokens: i32, dt: i32, out: DevPtr, out_bf16: i32,
         }
         /// Indexer scores of a chunk of rows from its per-head dot products (prefill path).
         IndexReduce = "k_index_reduce" {

@@ -41,7 +41,7 @@ extern "C" __global__ void k_index_scores(const unsigned char* pages, i64 page_b
 // out [nv, ihd]. One warp per entry.
 extern "C" __global__ void k_gather_index_k(const unsigned char* pages, i64 page_bytes, const int* seq, const u32* pt,
                                             int si, int nv, int ihd, int rate, i64 entry_off, i64 scale_off,
-                                            int entries_per_page, int page_tokens, int dt, float* out) {
+                                            int entries_per_page, int page_tokens, int dt, void* out, int out_bf16) {
     int s = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     int lane = threadIdx.x & 31;
     if (s >= nv) return;
@@ -50,7 +50,11 @@ extern "C" __global__ void k_gather_index_k(const unsigned char* pages, i64 page
     const unsigned char* base = pages + (i64)page * page_bytes;
     const unsigned char* k = base + entry_off + (i64)(s % entries_per_page) * ihd * dt_bytes(dt);
     float sc = dt == 2 ? *(const float*)(base + scale_off + (i64)(s % entries_per_page) * 4) : 1.f;
-    for (int c = lane; c < ihd; c += 32) out[(i64)s * ihd + c] = dt == 2 ? e4m3_to_f(k[c]) * sc : ld_entry(k, c, dt);
+    for (int c = lane; c < ihd; c += 32) {
+        float v = dt == 2 ? e4m3_to_f(k[c]) * sc : ld_entry(k, c, dt);
+        if (out_bf16) ((bf16_t*)out)[(i64)s * ihd + c] = f_to_bf16(v);
+        else ((float*)out)[(i64)s * ihd + c] = v;
+    }
 }
 
 // Scores of plan rows row0.. from d [(r * n_heads + h) * nvs + s] (the chunk's per-head dot

@@ -125,15 +125,15 @@ pub fn attention(
         comp_scale_off: l.comp_scale_offset as i64,
     };
     let tensor_cores = match g.attention_kernel {
-        AttentionKernel::Auto => !g.exact_attention,
+        AttentionKernel::Auto => !g.fp32_reference,
         AttentionKernel::TensorCores => true,
         AttentionKernel::Split | AttentionKernel::Reference => false,
     };
     if g.attention_kernel == AttentionKernel::Reference {
         launch_reference(g, &args, max_keys)?;
-    } else if tensor_cores && attention_mma::takes(&args, g.exact_attention) {
+    } else if tensor_cores && attention_mma::takes(&args, g.fp32_reference) {
         let plan = MmaPlan::choose(rows, n_heads, max_keys, g.sms, g.deterministic);
-        attention_mma::launch(g, &args, plan, g.exact_attention)?;
+        attention_mma::launch(g, &args, plan, g.fp32_reference)?;
     } else {
         attention_split::launch(g, &args, split)?;
     }

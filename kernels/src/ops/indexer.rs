@@ -8,6 +8,7 @@ use crate::kernels::{self, DevPtr};
 use crate::kv_store::{dt_code, DevPlan, GpuKv};
 use crate::launch::BLOCK;
 use crate::ops::kv_reach::{check_visible_reach, entry_bucket, layer_of};
+use crate::ops::tensors::to_bf16;
 use crate::tensor::GpuTensor;
 use pdserve_engine::backend::{BResult, BatchPlan};
 use pdserve_engine::config::LayerKind;
@@ -150,19 +151,25 @@ impl Scoring<'_> {
         )
     }
 
-    /// Per sequence: its visible entries gathered into a dense fp32 matrix, then per chunk
-    /// of rows every head's dot products as one cuBLAS fp32 GEMM (`[rows * heads, ihd] x
-    /// [nv, ihd]^T`) and `k_index_reduce`: tensor-free fp32, so the same values as
-    /// [`Scoring::by_kernel`] up to the dot products' summation order.
+    /// Per sequence: its visible entries gathered into a dense matrix, then per chunk of
+    /// rows every head's dot products as one cuBLAS GEMM (`[rows * heads, ihd] x [nv,
+    /// ihd]^T`, fp32 out) and `k_index_reduce`. In the fp32 reference mode the operands are
+    /// fp32 (tensor-free: the same values as [`Scoring::by_kernel`] up to the dot products'
+    /// summation order); under bf16 weights the queries and entries are rounded to bf16 for
+    /// tensor cores (bf16 index-K entries are exact; DeepSeek's reference scores in fp8).
     fn by_gemm(&self, g: &Gpu, plan: &BatchPlan, scores: &DevMem<f32>) -> BResult<()> {
         let (kv, layout, l, dp) = (self.kv, self.layout, self.l, self.dp);
         let (ihd, n_heads) = (layout.index_head_dim, self.n_heads);
         let q = f32_buf(self.q, "index_select")?;
         let wts = f32_buf(self.weights, "index_select")?;
         let dt = dt_code(layout.index_k_dtype)?;
+        let bf16 = !g.fp32_reference;
+        let q_bf16 = bf16.then(|| to_bf16(g, q)).transpose()?;
+        let (q_ptr, esz) = q_bf16.as_ref().map_or((q.ptr(), 4), |b| (b.ptr(), 2));
         for (si, s) in plan.seqs.iter().enumerate() {
             let nvs = (s.start + s.len) / l.rate;
-            let keys = g.zeros::<f32>(nvs * ihd)?;
+            // Every entry is written by the gather, as bf16 or fp32 values.
+            let keys = g.uninit::<u8>(nvs * ihd * esz)?;
             if nvs > 0 {
                 g.launch(
                     (nvs.div_ceil(WARPS) as u32, 1, 1),
@@ -182,24 +189,26 @@ impl Scoring<'_> {
                         page_tokens: layout.page_tokens as i32,
                         dt,
                         out: DevPtr::of(&keys),
+                        out_bf16: i32::from(bf16),
                     },
                 )?;
             }
             let chunk = (GEMM_CHUNK_FLOATS / (n_heads * nvs.max(1))).clamp(1, s.len.max(1));
-            let dots = g.zeros::<f32>(chunk * n_heads * nvs.max(1))?;
+            // Every dot product is written by the GEMM (beta 0) before the reduce reads it.
+            let dots = g.uninit::<f32>(chunk * n_heads * nvs.max(1))?;
             for c0 in (0..s.len).step_by(chunk) {
                 let n = chunk.min(s.len - c0);
                 let row0 = s.row0 + c0;
                 if nvs > 0 {
                     g.gemm_nt(
-                        q.ptr() + (row0 * n_heads * ihd * 4) as u64,
+                        q_ptr + (row0 * n_heads * ihd * esz) as u64,
                         keys.ptr(),
                         dots.ptr(),
                         (n * n_heads, nvs, ihd),
                         (ihd, ihd, nvs),
                         (0, 0, 0),
                         1,
-                        false,
+                        bf16,
                     )?;
                 }
                 g.launch(
