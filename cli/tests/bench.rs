@@ -221,7 +221,14 @@ fn bench_prefill_in_chunks_on_cpu() {
     let mut args = vec!["bench", "prefill"];
     args.extend(TINY);
     args.extend([
-        "--tokens", "8,40", "--chunk", "16", "--repeats", "1", "--warmup", "0",
+        "--tokens",
+        "8,40",
+        "--chunk",
+        "16",
+        "--repeats",
+        "1",
+        "--warmup",
+        "0",
     ]);
     let out = run(&args);
     let (head, rows) = table(&out, "tokens");

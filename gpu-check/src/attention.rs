@@ -39,12 +39,42 @@ pub fn check_attention_ab(ordinal: usize) -> AnyResult<Vec<CheckRow>> {
     let cfg = ModelConfig::from_model_dir(&dir)?;
     let (f32w, bf16w) = (WeightDtype::F32, WeightDtype::Bf16);
     let pairs = [
-        (AttentionKernel::Split, AttentionKernel::Reference, EntryDtype::F32, f32w),
-        (AttentionKernel::Split, AttentionKernel::Reference, EntryDtype::Bf16, f32w),
-        (AttentionKernel::Split, AttentionKernel::Reference, EntryDtype::Fp8E4m3, f32w),
-        (AttentionKernel::TensorCores, AttentionKernel::Split, EntryDtype::Bf16, f32w),
-        (AttentionKernel::TensorCores, AttentionKernel::Split, EntryDtype::Fp8E4m3, f32w),
-        (AttentionKernel::Auto, AttentionKernel::Split, EntryDtype::Bf16, bf16w),
+        (
+            AttentionKernel::Split,
+            AttentionKernel::Reference,
+            EntryDtype::F32,
+            f32w,
+        ),
+        (
+            AttentionKernel::Split,
+            AttentionKernel::Reference,
+            EntryDtype::Bf16,
+            f32w,
+        ),
+        (
+            AttentionKernel::Split,
+            AttentionKernel::Reference,
+            EntryDtype::Fp8E4m3,
+            f32w,
+        ),
+        (
+            AttentionKernel::TensorCores,
+            AttentionKernel::Split,
+            EntryDtype::Bf16,
+            f32w,
+        ),
+        (
+            AttentionKernel::TensorCores,
+            AttentionKernel::Split,
+            EntryDtype::Fp8E4m3,
+            f32w,
+        ),
+        (
+            AttentionKernel::Auto,
+            AttentionKernel::Split,
+            EntryDtype::Bf16,
+            bf16w,
+        ),
     ];
     let mut out = Vec::new();
     for (new_kernel, old_kernel, kv, weights) in pairs {
@@ -70,8 +100,12 @@ pub fn check_attention_ab(ordinal: usize) -> AnyResult<Vec<CheckRow>> {
             got.extend(logits_prefill_decode(&mut new, &ids, k, 0)?);
         }
         let (name, w) = match (new_kernel, weights) {
-            (AttentionKernel::TensorCores, _) => ("tensor-core attention (hi+lo) == split-key", "f32"),
-            (AttentionKernel::Auto, _) => ("tensor-core attention (bf16 products) vs split-key", "bf16"),
+            (AttentionKernel::TensorCores, _) => {
+                ("tensor-core attention (hi+lo) == split-key", "f32")
+            }
+            (AttentionKernel::Auto, _) => {
+                ("tensor-core attention (bf16 products) vs split-key", "bf16")
+            }
             _ => ("split-key attention == old kernel", "f32"),
         };
         let mut row = compare(

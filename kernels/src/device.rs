@@ -178,7 +178,9 @@ impl Gpu {
         let arch = format!("compute_{major}{minor}");
         let device_name = ctx.name().unwrap_or_else(|_| "unknown".into());
         let sms = ctx
-            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .attribute(
+                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            )
             .map_err(|e| DeviceError::Driver(format!("multiprocessor count: {e:?}")))?
             .max(1) as usize;
         let blas = Blas::new(&stream).map_err(DeviceError::Driver)?;

@@ -80,13 +80,17 @@ pub fn attention(
     }
     let max_keys = window + max_comp;
     let dt = kv_dt_code(layout)?;
-    let split = SplitPlan::choose(rows, n_heads, hd, max_keys, g.sms, g.deterministic)
-        .ok_or_else(|| {
+    let split = SplitPlan::choose(rows, n_heads, hd, max_keys, g.sms, g.deterministic).ok_or_else(
+        || {
             shape_err(
                 "attention",
-                format!("head_dim {hd} is not a multiple of 32 up to {}", 32 * ATT_MAXQ),
+                format!(
+                    "head_dim {hd} is not a multiple of 32 up to {}",
+                    32 * ATT_MAXQ
+                ),
             )
-        })?;
+        },
+    )?;
     let dp = DevPlan::upload(g, kv, plan)?;
     let sinks = param_f32(g, sinks)?;
     let out = new_f32(g, rows, n_heads * hd)?;

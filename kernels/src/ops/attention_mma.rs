@@ -197,7 +197,10 @@ mod tests {
         let one = MmaPlan::choose(1, 64, 640, 132, false);
         assert!(one.nsplit > 1 && !one.direct, "{one:?}");
         assert!(one.split_keys * one.nsplit >= 640);
-        assert!(one.split_keys * (one.nsplit - 1) < 640, "no empty split: {one:?}");
+        assert!(
+            one.split_keys * (one.nsplit - 1) < 640,
+            "no empty split: {one:?}"
+        );
         assert_eq!(one.split_keys % TILE, 0);
         let full = MmaPlan::choose(8192, 64, 640, 132, false);
         assert_eq!(
