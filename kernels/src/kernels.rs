@@ -27,6 +27,45 @@ pub(crate) enum Elem {
     F32,
 }
 
+/// The selector of a handle with two kernels: whether its second name runs.
+pub(crate) trait Variant: Copy {
+    fn second(self) -> bool;
+}
+
+impl Variant for Elem {
+    fn second(self) -> bool {
+        self == Elem::F32
+    }
+}
+
+/// Products of the tensor-core attention: queries and probabilities rounded to bf16, or
+/// split into hi + lo bf16 halves (gpu-check's A/B under fp32 weights).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Products {
+    Bf16,
+    HiLo,
+}
+
+impl Variant for Products {
+    fn second(self) -> bool {
+        self == Products::HiLo
+    }
+}
+
+/// Picks per pass of the grouped expert kernels: 8, or 2 for batches of at most 2 rows
+/// (fewer registers, more loads in flight; the same arithmetic per pick).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum PickTile {
+    Full,
+    Small,
+}
+
+impl Variant for PickTile {
+    fn second(self) -> bool {
+        self == PickTile::Small
+    }
+}
+
 /// Kind of a kernel parameter as the `.cu` signature declares it.
 #[cfg(test)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -98,9 +137,10 @@ pub(crate) trait Kernel {
     fn with_args<R>(&self, f: impl FnOnce(&[Arg]) -> R) -> R;
 }
 
-/// One handle struct; a handle with two names gets an `elem` field choosing the variant.
+/// One handle struct; a handle with two names gets a `variant` field (of the type named
+/// after `by`) choosing which runs.
 macro_rules! kernel_handle {
-    ($(#[$doc:meta])* $ty:ident, [$name:literal], { $($field:ident: $fty:ty),+ }) => {
+    ($(#[$doc:meta])* $ty:ident, [$name:literal], [], { $($field:ident: $fty:ty),+ }) => {
         $(#[$doc])*
         pub(crate) struct $ty {
             $(pub $field: $fty),+
@@ -116,19 +156,20 @@ macro_rules! kernel_handle {
             }
         }
     };
-    ($(#[$doc:meta])* $ty:ident, [$bf16:literal, $f32:literal], { $($field:ident: $fty:ty),+ }) => {
+    ($(#[$doc:meta])* $ty:ident, [$first:literal, $second:literal], [$sel:ty], { $($field:ident: $fty:ty),+ }) => {
         $(#[$doc])*
         pub(crate) struct $ty {
             /// Which variant runs.
-            pub elem: Elem,
+            pub variant: $sel,
             $(pub $field: $fty),+
         }
 
         impl Kernel for $ty {
             fn name(&self) -> &'static str {
-                match self.elem {
-                    Elem::Bf16 => $bf16,
-                    Elem::F32 => $f32,
+                if Variant::second(self.variant) {
+                    $second
+                } else {
+                    $first
                 }
             }
 
@@ -145,12 +186,12 @@ macro_rules! kernels {
         module $module:literal {
             $(
                 $(#[$doc:meta])*
-                $ty:ident = $($name:literal)|+ { $($field:ident: $fty:ty),+ $(,)? }
+                $ty:ident = $($name:literal)|+ $(by $sel:ty)? { $($field:ident: $fty:ty),+ $(,)? }
             )+
         }
     )+) => {
         $($(
-            kernel_handle!($(#[$doc])* $ty, [$($name),+], { $($field: $fty),+ });
+            kernel_handle!($(#[$doc])* $ty, [$($name),+], [$($sel)?], { $($field: $fty),+ });
         )+)+
 
         /// Every kernel function by module: what the device loads.
@@ -190,7 +231,7 @@ kernels! {
             x: DevPtr, y: DevPtr, n: i64, inter: i32, limit: f32,
         }
         /// Embedding rows of `tokens`, `copies` times over; one variant per table storage.
-        Embed = "k_embed_bf16" | "k_embed_f32" {
+        Embed = "k_embed_bf16" | "k_embed_f32" by Elem {
             table: DevPtr, tokens: DevPtr, out: DevPtr, h: i32, copies: i32,
         }
         /// `out[r] = x[idx[r]]`, one block per row.
@@ -202,7 +243,7 @@ kernels! {
             x: DevPtr, idx: DevPtr, out: DevPtr, cols: i32,
         }
         /// `--deterministic` GEMM: each output's reduction order fixed, whatever the batch.
-        MatmulRows = "k_matmul_rows_bf16" | "k_matmul_rows_f32" {
+        MatmulRows = "k_matmul_rows_bf16" | "k_matmul_rows_f32" by Elem {
             x: DevPtr, w: DevPtr, y: DevPtr, m: i32, n: i32, k: i32, ldx: i32, dout: i32,
         }
     }
@@ -210,6 +251,10 @@ kernels! {
         /// RMS norm over groups of `group` values; `w` may be null.
         RmsNorm = "k_rms_norm" {
             x: DevPtr, w: DevPtr, out: DevPtr, group: i32, eps: f32,
+        }
+        /// The same norm, one warp per group (small groups: per-head norms).
+        RmsNormWarp = "k_rms_norm_warp" {
+            x: DevPtr, w: DevPtr, out: DevPtr, group: i32, groups: i32, eps: f32,
         }
         /// Interleaved partial rope of every head, in place; `inverse` uses -sin.
         Rope = "k_rope" {
@@ -318,8 +363,8 @@ kernels! {
     }
     module "attention_mma" {
         /// The same attention on tensor cores, all heads of a row per block (bf16/fp8
-        /// entries): products in bf16 (`Elem::Bf16`) or exact as hi + lo halves (`Elem::F32`).
-        AttentionMma = "k_attention_mma" | "k_attention_mma_exact" {
+        /// entries), its products in bf16 or as hi + lo halves.
+        AttentionMma = "k_attention_mma" | "k_attention_mma_exact" by Products {
             pages: DevPtr, states: DevPtr, page_bytes: i64, state_bytes: i64, seq: DevPtr,
             pt: DevPtr, row_seq: DevPtr, positions: DevPtr, q: DevPtr, new_rows: DevPtr,
             new_scales: DevPtr, sinks: DevPtr, sel: DevPtr, topk: i32, out: DevPtr,
@@ -343,13 +388,13 @@ kernels! {
         }
         /// Routed experts' gate+up and SwiGLU over each expert's picks, over weights `w`
         /// in format `fmt` (f32, bf16, or stored FP8/FP4 with scales `s`).
-        MoeGateUpGrouped = "k_moe_gate_up_grouped" {
+        MoeGateUpGrouped = "k_moe_gate_up_grouped" | "k_moe_gate_up_grouped_small" by PickTile {
             x: DevPtr, w: DevPtr, s: DevPtr, fmt: i32, group_rows: i32, list: DevPtr,
             active: DevPtr, count: DevPtr, act: DevPtr, rows: i32, e: i32, h: i32, i: i32,
             k: i32, limit: f32,
         }
         /// Routed experts' down projection over each expert's picks, as [`MoeGateUpGrouped`].
-        MoeDownGrouped = "k_moe_down_grouped" {
+        MoeDownGrouped = "k_moe_down_grouped" | "k_moe_down_grouped_small" by PickTile {
             act: DevPtr, w: DevPtr, s: DevPtr, fmt: i32, group_rows: i32, list: DevPtr,
             active: DevPtr, count: DevPtr, y: DevPtr, rows: i32, e: i32, h: i32, i: i32,
         }
@@ -392,7 +437,7 @@ kernels! {
     }
     module "random" {
         /// Counter-based random values (the host generator's arithmetic); one variant per storage.
-        Random = "k_random_bf16" | "k_random_f32" {
+        Random = "k_random_bf16" | "k_random_f32" by Elem {
             out: DevPtr, n: i64, seed: u64, kind: i32, a: f32, b: f32,
         }
         /// Read-bandwidth probe: 16-byte loads summed into one value per block.
@@ -495,7 +540,7 @@ mod tests {
     #[test]
     fn arguments_follow_field_order() {
         let k = Random {
-            elem: Elem::F32,
+            variant: Elem::F32,
             out: DevPtr(7),
             n: 3,
             seed: u64::MAX,

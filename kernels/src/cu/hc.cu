@@ -78,18 +78,34 @@ extern "C" __global__ void k_hc_pre(const float* streams, const float* mix, cons
     }
 }
 
-// new[k] = post[k] * out + sum_j comb[j,k] * streams[j]; one block per row.
+// new[k] = post[k] * out + sum_j comb[j,k] * streams[j]; one block per row. Each thread
+// takes channel d of every stream once and writes all hc outputs of it (the sums in j
+// order, as before: the same values with a quarter of the stream loads at hc = 4).
 extern "C" __global__ void k_hc_post(const float* streams, const float* out, const float* post, const float* comb,
                                      float* res, int h, int hc) {
+    __shared__ float cb[HC_MAX * HC_MAX];
+    __shared__ float ps[HC_MAX];
     int r = blockIdx.x;
     const float* s = streams + (i64)r * hc * h;
     const float* o = out + (i64)r * h;
-    const float* cb = comb + (i64)r * hc * hc;
-    for (int t = threadIdx.x; t < hc * h; t += blockDim.x) {
-        int k = t / h, d = t % h;
-        float mixv = 0.f;
-        for (int j = 0; j < hc; j++) mixv += cb[j * hc + k] * s[(i64)j * h + d];
-        res[(i64)r * hc * h + t] = post[(i64)r * hc + k] * o[d] + mixv;
+    for (int i = threadIdx.x; i < hc * hc; i += blockDim.x) cb[i] = comb[(i64)r * hc * hc + i];
+    for (int i = threadIdx.x; i < hc; i += blockDim.x) ps[i] = post[(i64)r * hc + i];
+    __syncthreads();
+    float* dst = res + (i64)r * hc * h;
+    for (int d = threadIdx.x; d < h; d += blockDim.x) {
+        float sv[HC_MAX];
+#pragma unroll
+        for (int j = 0; j < HC_MAX; j++) sv[j] = j < hc ? s[(i64)j * h + d] : 0.f;
+        float od = o[d];
+#pragma unroll
+        for (int k = 0; k < HC_MAX; k++) {
+            if (k >= hc) break;
+            float mixv = 0.f;
+#pragma unroll
+            for (int j = 0; j < HC_MAX; j++)
+                if (j < hc) mixv += cb[j * hc + k] * sv[j];
+            dst[(i64)k * h + d] = ps[k] * od + mixv;
+        }
     }
 }
 

@@ -91,14 +91,18 @@ extern "C" __global__ void k_moe_lists(const int* ids, int* list, int* count, in
     }
 }
 
-// Picks handled per pass over an expert's weights (per-lane accumulators in registers).
+// Picks handled per pass over an expert's weights (per-lane accumulators in registers):
+// MOE_TILE, or MOE_TILE_SMALL in the `_small` kernels for batches of at most that many
+// rows (an expert then has at most that many picks; fewer registers, more warps resident
+// and more weight loads in flight). Per pick the arithmetic is the same in both.
 #define MOE_TILE 8
+#define MOE_TILE_SMALL 2
 
 // grid (E, ceil(I / warps)): each warp owns one intermediate unit of one expert and runs
-// every pick of that expert against it, reading the weight rows once per MOE_TILE picks.
+// every pick of that expert against it, reading the weight rows once per TILE picks.
 // Per pick the sums are formed exactly as in moe_gate_up (lane-strided, then warp_sum).
 // `gu` is any weight matrix of common.cuh (bf16, f32, stored FP8/FP4).
-template <typename M>
+template <int TILE, typename M>
 __device__ void moe_gate_up_grouped(const float* x, M gu, const int* list, const int* count,
                                     const int* active, float* act, int rows, int E, int H, int I, int k,
                                     float limit) {
@@ -110,25 +114,28 @@ __device__ void moe_gate_up_grouped(const float* x, M gu, const int* list, const
     auto g = gu.row((i64)e * 2 * I + i);
     auto u = gu.row((i64)e * 2 * I + I + i);
     const int* picks = list + (i64)e * rows;
-    for (int t0 = 0; t0 < n; t0 += MOE_TILE) {
-        int nt = min(MOE_TILE, n - t0);
-        float dg[MOE_TILE], du[MOE_TILE];
-        const float* xr[MOE_TILE];
-        for (int t = 0; t < MOE_TILE; t++) {
+    for (int t0 = 0; t0 < n; t0 += TILE) {
+        int nt = min(TILE, n - t0);
+        float dg[TILE], du[TILE];
+        const float* xr[TILE];
+        for (int t = 0; t < TILE; t++) {
             dg[t] = 0.f;
             du[t] = 0.f;
             xr[t] = x + (i64)(picks[t0 + min(t, nt - 1)] / k) * H;
         }
         // 8 weights per lane per load (wider loads of the stored formats measured slower
         // here at batch 8+: more registers per pick tile): a warp reads 256 weights of a row.
+        // The small tile unrolls the row loop: several loads in flight per lane.
         constexpr int V = 8;
+        constexpr int UNROLL = TILE <= MOE_TILE_SMALL ? 4 : 1;
         if (g.vec8(H) && u.vec8(H)) {
+#pragma unroll UNROLL
             for (int c = lane * V; c < H; c += 32 * V) {
                 float wg[V], wu[V];
                 g.ld8(c, wg);
                 u.ld8(c, wu);
 #pragma unroll
-                for (int t = 0; t < MOE_TILE; t++) {
+                for (int t = 0; t < TILE; t++) {
                     if (t < nt) {
                         float xc[V];
 #pragma unroll
@@ -145,7 +152,7 @@ __device__ void moe_gate_up_grouped(const float* x, M gu, const int* list, const
             for (int c = lane; c < H; c += 32) {
                 float wg = g.ld(c), wu = u.ld(c);
 #pragma unroll
-                for (int t = 0; t < MOE_TILE; t++) {
+                for (int t = 0; t < TILE; t++) {
                     float xv = xr[t][c];
                     dg[t] += xv * wg;
                     du[t] += xv * wu;
@@ -153,7 +160,7 @@ __device__ void moe_gate_up_grouped(const float* x, M gu, const int* list, const
             }
         }
 #pragma unroll
-        for (int t = 0; t < MOE_TILE; t++) {
+        for (int t = 0; t < TILE; t++) {
             float a = warp_sum(dg[t]), b = warp_sum(du[t]);
             if (lane == 0 && t < nt) act[(i64)picks[t0 + t] * I + i] = swiglu_(a, b, limit);
         }
@@ -161,22 +168,38 @@ __device__ void moe_gate_up_grouped(const float* x, M gu, const int* list, const
 }
 
 // `w` holds the weights in format `fmt` (WF_*), `s` their scales (stored formats only).
+template <int TILE>
+__device__ void moe_gate_up_grouped_fmt(const float* x, const unsigned char* w, const unsigned char* s, int fmt,
+                                        int group_rows, const int* list, const int* active, const int* count,
+                                        float* act, int rows, int E, int H, int I, int k, float limit) {
+    if (fmt == WF_BF16)
+        moe_gate_up_grouped<TILE>(x, MatBf16{(const bf16_t*)w, H}, list, count, active, act, rows, E, H, I, k, limit);
+    else if (fmt == WF_F32)
+        moe_gate_up_grouped<TILE>(x, MatF32{(const float*)w, H}, list, count, active, act, rows, E, H, I, k, limit);
+    else if (fmt == WF_FP8)
+        moe_gate_up_grouped<TILE>(x, MatFp8{w, s, H, group_rows}, list, count, active, act, rows, E, H, I, k, limit);
+    else
+        moe_gate_up_grouped<TILE>(x, MatFp4{w, s, H}, list, count, active, act, rows, E, H, I, k, limit);
+}
+
 extern "C" __global__ void k_moe_gate_up_grouped(const float* x, const unsigned char* w, const unsigned char* s,
                                                  int fmt, int group_rows, const int* list, const int* active,
                                                  const int* count, float* act, int rows, int E, int H, int I,
                                                  int k, float limit) {
-    if (fmt == WF_BF16)
-        moe_gate_up_grouped(x, MatBf16{(const bf16_t*)w, H}, list, count, active, act, rows, E, H, I, k, limit);
-    else if (fmt == WF_F32)
-        moe_gate_up_grouped(x, MatF32{(const float*)w, H}, list, count, active, act, rows, E, H, I, k, limit);
-    else if (fmt == WF_FP8)
-        moe_gate_up_grouped(x, MatFp8{w, s, H, group_rows}, list, count, active, act, rows, E, H, I, k, limit);
-    else
-        moe_gate_up_grouped(x, MatFp4{w, s, H}, list, count, active, act, rows, E, H, I, k, limit);
+    moe_gate_up_grouped_fmt<MOE_TILE>(x, w, s, fmt, group_rows, list, active, count, act, rows, E, H, I, k, limit);
+}
+
+extern "C" __global__ void k_moe_gate_up_grouped_small(const float* x, const unsigned char* w,
+                                                       const unsigned char* s, int fmt, int group_rows,
+                                                       const int* list, const int* active, const int* count,
+                                                       float* act, int rows, int E, int H, int I, int k,
+                                                       float limit) {
+    moe_gate_up_grouped_fmt<MOE_TILE_SMALL>(x, w, s, fmt, group_rows, list, active, count, act, rows, E, H, I, k,
+                                            limit);
 }
 
 // grid (E, ceil(H / warps)); the down projection of every pick of expert e, as moe_down.
-template <typename M>
+template <int TILE, typename M>
 __device__ void moe_down_grouped(const float* act, M down, const int* list, const int* count,
                                  const int* active, float* y, int rows, int E, int H, int I) {
     if ((int)blockIdx.x >= active[E]) return;
@@ -186,21 +209,23 @@ __device__ void moe_down_grouped(const float* act, M down, const int* list, cons
     if (hh >= H) return;
     auto w = down.row((i64)e * H + hh);
     const int* picks = list + (i64)e * rows;
-    for (int t0 = 0; t0 < n; t0 += MOE_TILE) {
-        int nt = min(MOE_TILE, n - t0);
-        float d[MOE_TILE];
-        const float* ar[MOE_TILE];
-        for (int t = 0; t < MOE_TILE; t++) {
+    for (int t0 = 0; t0 < n; t0 += TILE) {
+        int nt = min(TILE, n - t0);
+        float d[TILE];
+        const float* ar[TILE];
+        for (int t = 0; t < TILE; t++) {
             d[t] = 0.f;
             ar[t] = act + (i64)picks[t0 + min(t, nt - 1)] * I;
         }
         constexpr int V = 8;
+        constexpr int UNROLL = TILE <= MOE_TILE_SMALL ? 4 : 1;
         if (w.vec8(I)) {
+#pragma unroll UNROLL
             for (int c = lane * V; c < I; c += 32 * V) {
                 float wv[V];
                 w.ld8(c, wv);
 #pragma unroll
-                for (int t = 0; t < MOE_TILE; t++) {
+                for (int t = 0; t < TILE; t++) {
                     if (t < nt) {
                         float ac[V];
 #pragma unroll
@@ -214,28 +239,41 @@ __device__ void moe_down_grouped(const float* act, M down, const int* list, cons
             for (int c = lane; c < I; c += 32) {
                 float wv = w.ld(c);
 #pragma unroll
-                for (int t = 0; t < MOE_TILE; t++) d[t] += ar[t][c] * wv;
+                for (int t = 0; t < TILE; t++) d[t] += ar[t][c] * wv;
             }
         }
 #pragma unroll
-        for (int t = 0; t < MOE_TILE; t++) {
+        for (int t = 0; t < TILE; t++) {
             float v = warp_sum(d[t]);
             if (lane == 0 && t < nt) y[(i64)picks[t0 + t] * H + hh] = v;
         }
     }
 }
 
+template <int TILE>
+__device__ void moe_down_grouped_fmt(const float* act, const unsigned char* w, const unsigned char* s, int fmt,
+                                     int group_rows, const int* list, const int* active, const int* count, float* y,
+                                     int rows, int E, int H, int I) {
+    if (fmt == WF_BF16)
+        moe_down_grouped<TILE>(act, MatBf16{(const bf16_t*)w, I}, list, count, active, y, rows, E, H, I);
+    else if (fmt == WF_F32)
+        moe_down_grouped<TILE>(act, MatF32{(const float*)w, I}, list, count, active, y, rows, E, H, I);
+    else if (fmt == WF_FP8)
+        moe_down_grouped<TILE>(act, MatFp8{w, s, I, group_rows}, list, count, active, y, rows, E, H, I);
+    else
+        moe_down_grouped<TILE>(act, MatFp4{w, s, I}, list, count, active, y, rows, E, H, I);
+}
+
 extern "C" __global__ void k_moe_down_grouped(const float* act, const unsigned char* w, const unsigned char* s,
                                               int fmt, int group_rows, const int* list, const int* active,
                                               const int* count, float* y, int rows, int E, int H, int I) {
-    if (fmt == WF_BF16)
-        moe_down_grouped(act, MatBf16{(const bf16_t*)w, I}, list, count, active, y, rows, E, H, I);
-    else if (fmt == WF_F32)
-        moe_down_grouped(act, MatF32{(const float*)w, I}, list, count, active, y, rows, E, H, I);
-    else if (fmt == WF_FP8)
-        moe_down_grouped(act, MatFp8{w, s, I, group_rows}, list, count, active, y, rows, E, H, I);
-    else
-        moe_down_grouped(act, MatFp4{w, s, I}, list, count, active, y, rows, E, H, I);
+    moe_down_grouped_fmt<MOE_TILE>(act, w, s, fmt, group_rows, list, active, count, y, rows, E, H, I);
+}
+
+extern "C" __global__ void k_moe_down_grouped_small(const float* act, const unsigned char* w, const unsigned char* s,
+                                                    int fmt, int group_rows, const int* list, const int* active,
+                                                    const int* count, float* y, int rows, int E, int H, int I) {
+    moe_down_grouped_fmt<MOE_TILE_SMALL>(act, w, s, fmt, group_rows, list, active, count, y, rows, E, H, I);
 }
 
 // Padded per-expert batches for one strided-batched GEMM: xp[e, t] = bf16(x[row of the

@@ -13,6 +13,21 @@ extern "C" __global__ void k_rms_norm(const float* x, const float* w, float* out
         o[i] = w ? w[i] * (v[i] * r) : v[i] * r;
 }
 
+// One warp per group (groups of at most a few thousand values, e.g. per-head norms): grid
+// ceil(groups / warps per block); `groups` groups of `group` values.
+extern "C" __global__ void k_rms_norm_warp(const float* x, const float* w, float* out, int group, int groups,
+                                           float eps) {
+    int gi = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (gi >= groups) return;
+    const float* v = x + (i64)gi * group;
+    float* o = out + (i64)gi * group;
+    float ss = 0.f;
+    for (int i = lane; i < group; i += 32) ss += v[i] * v[i];
+    ss = warp_sum(ss) / (float)group;
+    float r = 1.f / sqrtf(ss + eps);
+    for (int i = lane; i < group; i += 32) o[i] = w ? w[i] * (v[i] * r) : v[i] * r;
+}
+
 // One block per row. cos/sin: [rows, rd/2] at each row's position. Rotates the trailing
 // `rd` channels of every `head_dim` head; `inverse` uses -sin.
 extern "C" __global__ void k_rope(float* x, const float* cs, const float* sn, int cols, int head_dim, int rd, int inverse) {

@@ -11,7 +11,7 @@
 
 use crate::device::{Gpu, MMA_SHARED};
 use crate::devmem::DevMem;
-use crate::kernels::{self, DevPtr, Elem};
+use crate::kernels::{self, DevPtr, Products};
 use crate::launch::BLOCK;
 use crate::ops::attention_split::{self, AttentionArgs, DETERMINISTIC_SPLIT_KEYS};
 use pdserve_engine::backend::BResult;
@@ -133,7 +133,7 @@ pub(crate) fn launch(g: &Gpu, a: &AttentionArgs, plan: MmaPlan, exact: bool) -> 
         ),
         MmaPlan::shared_bytes(hd, exact) as u32,
         &kernels::AttentionMma {
-            elem: if exact { Elem::F32 } else { Elem::Bf16 },
+            variant: if exact { Products::HiLo } else { Products::Bf16 },
             pages: a.pages,
             states: a.states,
             page_bytes: a.page_bytes,

@@ -27,7 +27,7 @@ pub(crate) fn embed(
         (tokens.len() as u32, 1, 1),
         0,
         &kernels::Embed {
-            elem,
+            variant: elem,
             table: DevPtr(tp),
             tokens: DevPtr::of(&toks),
             out: out_ptr(&out)?,
@@ -99,7 +99,7 @@ fn matmul_rows(
         grid,
         0,
         &kernels::MatmulRows {
-            elem,
+            variant: elem,
             x: DevPtr::of(xs),
             w: wp,
             y: DevPtr::of(o),
@@ -164,6 +164,9 @@ fn matmul_into(g: &Gpu, x: &GpuTensor, w: &GpuTensor, groups: usize) -> BResult<
     Ok(out)
 }
 
+/// Largest group the one-warp-per-group norm takes (16 values per lane).
+const WARP_NORM_MAX_GROUP: usize = 512;
+
 pub(crate) fn rms_norm(
     g: &Gpu,
     x: &GpuTensor,
@@ -174,17 +177,40 @@ pub(crate) fn rms_norm(
     shapes::check_rms_norm(x.cols, weight.map(|w| w.len()), group)?;
     let w = weight.map(|w| param_f32(g, w)).transpose()?;
     let out = new_f32(g, x.rows, x.cols)?;
-    g.launch(
-        ((x.len() / group) as u32, 1, 1),
-        0,
-        &kernels::RmsNorm {
-            x: DevPtr::of(f32_buf(x, "rms_norm")?),
-            w: w.as_ref().map_or(DevPtr::NULL, DevPtr::of),
-            out: out_ptr(&out)?,
-            group: group as i32,
-            eps,
-        },
-    )?;
+    let (xp, wp, op) = (
+        DevPtr::of(f32_buf(x, "rms_norm")?),
+        w.as_ref().map_or(DevPtr::NULL, DevPtr::of),
+        out_ptr(&out)?,
+    );
+    let groups = x.len() / group;
+    if group <= WARP_NORM_MAX_GROUP {
+        // A block per group of 512 (a per-head norm) left most of its threads idle.
+        let warps = (BLOCK / 32) as usize;
+        g.launch(
+            (groups.div_ceil(warps) as u32, 1, 1),
+            0,
+            &kernels::RmsNormWarp {
+                x: xp,
+                w: wp,
+                out: op,
+                group: group as i32,
+                groups: groups as i32,
+                eps,
+            },
+        )?;
+    } else {
+        g.launch(
+            (groups as u32, 1, 1),
+            0,
+            &kernels::RmsNorm {
+                x: xp,
+                w: wp,
+                out: op,
+                group: group as i32,
+                eps,
+            },
+        )?;
+    }
     Ok(out)
 }
 

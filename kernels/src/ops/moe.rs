@@ -5,13 +5,17 @@
 use crate::buf::{f32_buf, out_ptr, shape_err};
 use crate::device::Gpu;
 use crate::devmem::DevMem;
-use crate::kernels::{self, DevPtr};
+use crate::kernels::{self, DevPtr, PickTile};
 use crate::launch::BLOCK;
 use crate::ops::dense::matmul;
 use crate::ops::moe_gemm;
 use crate::ops::tensors::{new_f32, param_f32};
 use crate::tensor::GpuTensor;
 use pdserve_engine::backend::{BResult, MoeParams, PickKind, Picks, RowPicks};
+
+/// Batches of at most this many rows take the grouped kernels' small pick tile
+/// (`MOE_TILE_SMALL` in moe.cu).
+const SMALL_TILE_ROWS: usize = 2;
 use pdserve_engine::config::ScoringFunc;
 
 const WARPS: usize = BLOCK as usize / 32;
@@ -173,10 +177,17 @@ fn routed_grouped(
             .ok_or_else(|| shape_err("moe", format!("expert weight of {} rows", t.rows)))
     };
     let (gu, down) = (operand(p.gate_up)?, operand(p.down)?);
+    // An expert has at most one pick per row (a row's picks are distinct experts).
+    let tile = if n <= SMALL_TILE_ROWS {
+        PickTile::Small
+    } else {
+        PickTile::Full
+    };
     g.launch(
         (slots, inter.div_ceil(WARPS) as u32, 1),
         0,
         &kernels::MoeGateUpGrouped {
+            variant: tile,
             x: DevPtr::of(xs),
             w: DevPtr(gu.w),
             s: DevPtr(gu.s),
@@ -198,6 +209,7 @@ fn routed_grouped(
         (slots, h.div_ceil(WARPS) as u32, 1),
         0,
         &kernels::MoeDownGrouped {
+            variant: tile,
             act: DevPtr::of(&act),
             w: DevPtr(down.w),
             s: DevPtr(down.s),

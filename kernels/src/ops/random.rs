@@ -32,7 +32,7 @@ pub(crate) fn random_tensor(
         grid_1d(n),
         0,
         &kernels::Random {
-            elem,
+            variant: elem,
             out: ptr,
             n: n as i64,
             seed,
