@@ -9,7 +9,7 @@ use pdserve_engine::backend::{Backend, BackendError};
 use pdserve_engine::config::ModelConfig;
 use pdserve_engine::kv::{EntryDtype, KvLayoutSpec};
 use pdserve_engine::numerics::Numerics;
-use pdserve_engine::{Engine, EngineError, PoolSize};
+use pdserve_engine::{Engine, EngineError, PoolSize, PoolSpec};
 use pdserve_kernels::{CudaBackend, GraphMode, WeightDtype};
 use std::path::PathBuf;
 
@@ -140,6 +140,10 @@ pub struct EngineSpec {
     pub pool: PoolSize,
     /// KV canary: check pages every N steps, state slots every step (0: off).
     pub kv_audit_every: u32,
+    /// `--kv-mem-fraction`: size the device pool once the weights are loaded, as this
+    /// fraction of the memory the backend has free then (the device's memory on CUDA, the
+    /// host's on the CPU); `pool.pages` is then the estimate `inspect` reports.
+    pub pool_fraction: Option<f64>,
 }
 
 /// Load the model of `spec` onto `backend`: THE way every command builds its engine.
@@ -147,7 +151,14 @@ pub struct EngineSpec {
 #[allow(clippy::result_large_err)]
 pub fn open_engine<B: Backend>(spec: &EngineSpec, backend: B) -> Result<Engine<B>, EngineError> {
     let t0 = std::time::Instant::now();
-    let mut engine = Engine::load(&spec.dir, backend, Some(spec.layout), spec.pool)?;
+    let pool = match spec.pool_fraction {
+        None => PoolSpec::Size(spec.pool),
+        Some(fraction) => PoolSpec::FreeFraction {
+            fraction,
+            states: spec.pool.states,
+        },
+    };
+    let mut engine = Engine::load_pool(&spec.dir, backend, Some(spec.layout), pool)?;
     engine.set_kv_audit_every(spec.kv_audit_every);
     tracing::info!(
         model = %spec.dir.display(),

@@ -62,8 +62,9 @@ pub struct ModelArgs {
     /// KV pages in the device pool.
     #[arg(long, default_value_t = 1024, conflicts_with = "kv_mem_fraction")]
     pub kv_pages: usize,
-    /// Size the device KV pool as this fraction (0, 1] of the device's memory instead
-    /// (host memory available now, with --device cpu).
+    /// Size the device KV pool instead as this fraction (0, 1] of the memory free once the
+    /// weights are loaded: the GPU's free memory with --device cuda:N, the host's available
+    /// memory with --device cpu (`inspect` estimates it from the host's memory now).
     #[arg(long)]
     pub kv_mem_fraction: Option<f64>,
     /// Host (hierarchical cache) pool = this many times the device pool's pages (>= 1).
@@ -122,8 +123,16 @@ const STATE_SLOTS: usize = 64;
 
 impl ModelArgs {
     /// Device and host pool pages from the flags; sizes that cannot work are errors here,
-    /// at startup.
-    pub fn pool_pages(&self, layout: &KvLayout, states: usize) -> Result<(usize, usize)> {
+    /// at startup. `device_in_host`: the device pool lives in host memory too (`--device
+    /// cpu`), so the host pool gets what it leaves. With `--kv-mem-fraction` the device
+    /// pages are an estimate from the host's memory now: the engine sizes the pool at load
+    /// from the backend's free memory ([`EngineSpec::pool_fraction`]).
+    pub fn pool_pages(
+        &self,
+        layout: &KvLayout,
+        states: usize,
+        device_in_host: bool,
+    ) -> Result<(usize, usize)> {
         let available = sizing::host_memory_available();
         let device = match self.kv_mem_fraction {
             Some(fraction) => DeviceSize::MemFraction {
@@ -138,11 +147,13 @@ impl ModelArgs {
             Some(gb) => HostSize::Gb(gb),
             None => HostSize::Ratio(self.hicache_ratio),
         };
-        // With --device cpu the device pool lives in host memory too.
+        let device_bytes = (device_pages * layout.page_bytes + states * layout.state_bytes) as u64;
         let left = available.map(|a| {
-            a.saturating_sub(
-                (device_pages * layout.page_bytes + states * layout.state_bytes) as u64,
-            )
+            if device_in_host {
+                a.saturating_sub(device_bytes)
+            } else {
+                a
+            }
         });
         let host_pages = sizing::host_pages(layout, device_pages, host, left)?;
         Ok((device_pages, host_pages))
@@ -219,7 +230,8 @@ impl ModelArgs {
         let cfg = pdserve_engine::config::ModelConfig::from_model_dir(&dir)?;
         let layout_spec = self.layout_spec(&cfg)?;
         let layout = KvLayout::new(&cfg, layout_spec).context("KV layout")?;
-        let (device_pages, host_pages) = self.pool_pages(&layout, STATE_SLOTS)?;
+        let on_cpu = self.backend_choice(&layout_spec)? == BackendChoice::Cpu;
+        let (device_pages, host_pages) = self.pool_pages(&layout, STATE_SLOTS, on_cpu)?;
         let spec = EngineSpec {
             dir,
             layout: layout_spec,
@@ -228,6 +240,7 @@ impl ModelArgs {
                 states: STATE_SLOTS,
             },
             kv_audit_every: self.kv_audit_every.unwrap_or(u32::from(self.kv_audit)),
+            pool_fraction: self.kv_mem_fraction,
         };
         Ok(EnginePlan {
             spec,

@@ -138,6 +138,7 @@ fn engine_factory<B: Backend + 'static>(
             states: cfg.max_batch,
         },
         kv_audit_every: cfg.kv_audit_every,
+        pool_fraction: None,
     };
     let factory: EngineFactory<B> = Box::new(move || open_engine(&spec, open()?));
     Ok((factory, host_pages))

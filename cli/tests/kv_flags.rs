@@ -105,3 +105,50 @@ fn bad_pool_sizes_are_startup_errors() {
         assert!(err.contains(msg), "{args:?}: {err}");
     }
 }
+
+/// `--kv-mem-fraction` sizes the pool at load, after the weights, from the backend's free
+/// memory (the host's on the CPU): the engine logs the size it took and the command runs.
+#[test]
+fn kv_mem_fraction_sizes_the_pool_after_loading() {
+    let out = bin()
+        .env("RUST_LOG", "info")
+        .args([
+            "generate",
+            "--model",
+            &mixed(),
+            "--device",
+            "cpu",
+            "--kv-mem-fraction",
+            "0.0005",
+            "--tokens",
+            "1,2,3",
+            "--max-new-tokens",
+            "2",
+        ])
+        .output()
+        .unwrap();
+    let raw = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{raw}");
+    // The log may be coloured: drop the escape sequences.
+    let mut err = String::new();
+    let mut in_escape = false;
+    for c in raw.chars() {
+        match (in_escape, c) {
+            (false, '\x1b') => in_escape = true,
+            (true, 'm') => in_escape = false,
+            (false, c) => err.push(c),
+            (true, _) => {}
+        }
+    }
+    let line = err
+        .lines()
+        .find(|l| l.contains("device KV pool sized from the memory free"))
+        .unwrap_or_else(|| panic!("no sizing line: {err}"));
+    let pages: usize = line
+        .split("pages=")
+        .nth(1)
+        .and_then(|s| s.split_whitespace().next())
+        .and_then(|s| s.trim_matches(|c: char| !c.is_ascii_digit()).parse().ok())
+        .unwrap_or_else(|| panic!("{line}"));
+    assert!(pages > 0, "{line}");
+}

@@ -208,6 +208,10 @@ impl TensorOps for CudaBackend {
         )
     }
 
+    fn memory_free(&self) -> Option<u64> {
+        self.gpu.ctx.mem_get_info().ok().map(|(free, _total)| free as u64)
+    }
+
     fn dims(&self, t: &GpuTensor) -> (usize, usize) {
         (t.rows, t.cols)
     }

@@ -92,6 +92,10 @@ impl TensorOps for CpuBackend {
         format!("cpu ({} threads)", rayon::current_num_threads())
     }
 
+    fn memory_free(&self) -> Option<u64> {
+        crate::kv::sizing::host_memory_available()
+    }
+
     fn dims(&self, t: &HostTensor) -> (usize, usize) {
         (t.rows, t.cols)
     }

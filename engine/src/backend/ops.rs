@@ -30,6 +30,10 @@ pub trait TensorOps: KvStorage {
     type Selection: Send + Sync;
 
     fn name(&self) -> String;
+    /// Bytes free now where this backend keeps its KV pool (host `MemAvailable` for the
+    /// CPU, the device's free memory for CUDA); `None` where unknown. `--kv-mem-fraction`
+    /// sizes the pool from it once the weights are loaded.
+    fn memory_free(&self) -> Option<u64>;
     fn dims(&self, t: &Self::Tensor) -> (usize, usize);
     fn upload(&self, t: HostTensor) -> BResult<Self::Tensor>;
     /// Upload a weight the model uses as `usage`; the backend stores it accordingly (the

@@ -34,6 +34,9 @@ pub enum EngineError {
     },
     #[error(transparent)]
     Host(#[from] crate::kv::HostPoolError),
+    /// A pool size that cannot work (`--kv-mem-fraction` sized at load).
+    #[error(transparent)]
+    Sizing(#[from] crate::kv::sizing::SizingError),
 }
 
 /// What kind of failure an [`EngineError`] is, decided where it arises; the servers map
@@ -66,7 +69,8 @@ impl EngineError {
             | EngineError::Pool(_)
             | EngineError::Backend(_)
             | EngineError::Internal(_)
-            | EngineError::Host(_) => ErrorClass::Internal,
+            | EngineError::Host(_)
+            | EngineError::Sizing(_) => ErrorClass::Internal,
         }
     }
 }

@@ -7,6 +7,7 @@ use crate::backend::{
 use crate::checkpoint::Checkpoint;
 use crate::config::ModelConfig;
 use crate::kv::audit::{Scribble, ScribbleTarget, StepAudit};
+use crate::kv::sizing::{self, DeviceSize};
 use crate::kv::{DevicePool, KvAllocator, KvLayout, KvLayoutSpec, PageId, SeqKv};
 use crate::model::{Model, ModelWeights};
 use std::path::Path;
@@ -18,10 +19,20 @@ mod pages;
 pub use error::{EngineError, ErrorClass};
 
 /// Pool sizing.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct PoolSize {
     pub pages: usize,
     pub states: usize,
+}
+
+/// How [`Engine::load_pool`] sizes the device pool.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum PoolSpec {
+    /// These many pages and state slots.
+    Size(PoolSize),
+    /// `states` slots, and as many pages as `fraction` (0, 1] of the memory the backend has
+    /// free after loading the weights holds, less the slots (`--kv-mem-fraction`).
+    FreeFraction { fraction: f64, states: usize },
 }
 
 impl Default for PoolSize {
@@ -113,9 +124,46 @@ impl<B: Backend> Engine<B> {
         spec: Option<KvLayoutSpec>,
         size: PoolSize,
     ) -> Result<Self, EngineError> {
+        Self::load_pool(dir, backend, spec, PoolSpec::Size(size))
+    }
+
+    /// [`Engine::load`] with the device pool sized as `pool` says: a fixed size, or a
+    /// fraction of the memory the backend has free once the weights are in
+    /// ([`crate::backend::TensorOps::memory_free`]: the device's memory on CUDA).
+    pub fn load_pool(
+        dir: &Path,
+        backend: B,
+        spec: Option<KvLayoutSpec>,
+        pool: PoolSpec,
+    ) -> Result<Self, EngineError> {
         let cfg = ModelConfig::from_model_dir(dir)?;
         let ckpt = Checkpoint::open(dir)?;
         let weights = ModelWeights::load(&ckpt, &cfg, &backend)?;
+        let size = match pool {
+            PoolSpec::Size(size) => size,
+            PoolSpec::FreeFraction { fraction, states } => {
+                let spec = spec.unwrap_or_else(|| KvLayoutSpec::default_for(&cfg));
+                let layout = KvLayout::new(&cfg, spec)?;
+                let free = backend.memory_free().ok_or_else(|| {
+                    EngineError::Internal(format!(
+                        "{} cannot tell how much memory is free to size the KV pool",
+                        backend.name()
+                    ))
+                })?;
+                let size = DeviceSize::MemFraction {
+                    fraction,
+                    memory_bytes: free,
+                };
+                let pages = sizing::device_pages(&layout, size, states)?;
+                tracing::info!(
+                    fraction,
+                    free_bytes = free,
+                    pages,
+                    "device KV pool sized from the memory free after loading the weights"
+                );
+                PoolSize { pages, states }
+            }
+        };
         Self::new(cfg, weights, backend, spec, size)
     }
 
