@@ -191,9 +191,8 @@ pub fn generate<B: Backend>(
         let logits = prefill(engine, seq, &req.prompt, req.chunk_size, Logits::Last)?
             .pop()
             .unwrap_or_default();
-        let sampling = |e: crate::sampling::SamplingError| {
-            EngineError::Internal(format!("sampling: {e}"))
-        };
+        let sampling =
+            |e: crate::sampling::SamplingError| EngineError::Internal(format!("sampling: {e}"));
         let mut t = sampler.sample(&logits).map_err(sampling)?;
         // A plain greedy request takes the decode steps' greedy token (on the GPU only
         // its id comes back), any other samples each step's logits.
