@@ -108,17 +108,12 @@ __device__ __forceinline__ void atm_body(const unsigned char* pages, const unsig
     bf16_t* qs_lo = ps_lo + ATM_H * ATM_PST;                  // EXACT: [ATM_H][ldk]
     int r = blockIdx.x, h0 = blockIdx.y * ATM_H, split = blockIdx.z;
     int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int* sq = seq + row_seq[r] * SEQ_INTS;
-    int start = sq[SEQ_START], row0 = sq[SEQ_ROW0];
-    const unsigned char* st = states + (i64)sq[SEQ_STATE] * state_bytes + win_off;
-    const unsigned char* st_sc = states + (i64)sq[SEQ_STATE] * state_bytes + win_scale_off;
-    const u32* table = pt + sq[SEQ_PT];
-    int pos = positions[r];
-    int lo = pos + 1 - window;
-    if (lo < 0) lo = 0;
-    int nwin = pos - lo + 1;
+    const AttnRow keys = attn_row(r, pages, states, page_bytes, state_bytes, seq, pt, row_seq, positions, new_rows,
+                                  new_scales, sel, topk, hd, window, win_off, rate, mode, comp_off, comp_epp,
+                                  page_tokens, dt, rd, win_scale_off, comp_scale_off);
+    int nwin = keys.nwin;
     int nsel = 0;
-    if (mode == 1) nsel = (pos + 1) / rate;
+    if (mode == 1) nsel = (keys.pos + 1) / rate;
     if (mode == 2)
         for (int j0 = 0; j0 < topk; j0 += blockDim.x) {
             int j = j0 + tid;
@@ -154,30 +149,13 @@ __device__ __forceinline__ void atm_body(const unsigned char* pages, const unsig
         lrun[tid] = 0.f;
     }
     int nope = hd - rd;
-    i64 eb = dt == 3 ? fp8kv_row_bytes(nope, rd) : (i64)hd * 2;
-    i64 sb = fp8kv_scale_bytes(nope);
     int ntiles = (k1 - k0 + ATM_T - 1) / ATM_T;
     // Addresses of tile t's keys into slot b (past the split's keys: its last key again,
     // whose scores are masked, so that every loaded value is a finite key).
     auto stage = [&](int t, int b) {
         if (tid < ATM_T) {
-            int j = min(k0 + t * ATM_T + tid, k1 - 1);
-            unsigned long long a, sa = 0;
-            if (j < nwin) {
-                int kp = lo + j;
-                if (kp < start) {
-                    a = (unsigned long long)(st + (i64)(kp % window) * eb);
-                    sa = (unsigned long long)(st_sc + (i64)(kp % window) * sb);
-                } else {
-                    a = (unsigned long long)(new_rows + (i64)(row0 + kp - start) * eb);
-                    sa = (unsigned long long)(new_scales + (i64)(row0 + kp - start) * sb);
-                }
-            } else {
-                int e = mode == 1 ? j - nwin : sel[(i64)r * topk + (j - nwin)];
-                u32 pg = table[(e * rate) / page_tokens];
-                a = (unsigned long long)(pages + (i64)pg * page_bytes + comp_off + (i64)(e % comp_epp) * eb);
-                sa = (unsigned long long)(pages + (i64)pg * page_bytes + comp_scale_off + (i64)(e % comp_epp) * sb);
-            }
+            unsigned long long a, sa;
+            keys.key(min(k0 + t * ATM_T + tid, k1 - 1), a, sa);
             kaddr[b * ATM_T + tid] = a;
             saddr[b * ATM_T + tid] = sa;
         }

@@ -122,17 +122,12 @@ extern "C" __global__ void k_attention_split(const unsigned char* pages, const u
     unsigned long long* saddr = kaddr + ATS_TILE;  // fp8 (dt 3): scale bytes per key
     int r = blockIdx.x, h0 = blockIdx.y * G, split = blockIdx.z;
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int* sq = seq + row_seq[r] * SEQ_INTS;
-    int start = sq[SEQ_START], row0 = sq[SEQ_ROW0];
-    const unsigned char* st = states + (i64)sq[SEQ_STATE] * state_bytes + win_off;
-    const unsigned char* st_sc = states + (i64)sq[SEQ_STATE] * state_bytes + win_scale_off;
-    const u32* table = pt + sq[SEQ_PT];
-    int pos = positions[r];
-    int lo = pos + 1 - window;
-    if (lo < 0) lo = 0;
-    int nwin = pos - lo + 1;
+    const AttnRow keys = attn_row(r, pages, states, page_bytes, state_bytes, seq, pt, row_seq, positions, new_rows,
+                                  new_scales, sel, topk, hd, window, win_off, rate, mode, comp_off, comp_epp,
+                                  page_tokens, dt, rd, win_scale_off, comp_scale_off);
+    int nwin = keys.nwin;
     int nsel = 0;
-    if (mode == 1) nsel = (pos + 1) / rate;
+    if (mode == 1) nsel = (keys.pos + 1) / rate;
     if (mode == 2)
         for (int j0 = 0; j0 < topk; j0 += blockDim.x) {
             int j = j0 + threadIdx.x;
@@ -155,8 +150,6 @@ extern "C" __global__ void k_attention_split(const unsigned char* pages, const u
         lrun[threadIdx.x] = 0.f;
     }
     int nope = hd - rd;
-    i64 eb = dt == 3 ? fp8kv_row_bytes(nope, rd) : (i64)hd * dt_bytes(dt);
-    i64 sb = fp8kv_scale_bytes(nope);
     int nq = hd >> 5;
     // Output items: 8 channels (ca .. ca+4 and cb .. cb+4, one half of the head apart, so
     // that a quarter-warp's 16-byte loads hit distinct banks) of 4 heads (hq .. hq+4).
@@ -172,23 +165,8 @@ extern "C" __global__ void k_attention_split(const unsigned char* pages, const u
         int n = min(ATS_TILE, k1 - kt);
         // Key addresses of the tile (and fp8 scale addresses).
         if ((int)threadIdx.x < n) {
-            int j = kt + threadIdx.x;
-            unsigned long long a, sa = 0;
-            if (j < nwin) {
-                int kp = lo + j;
-                if (kp < start) {
-                    a = (unsigned long long)(st + (i64)(kp % window) * eb);
-                    sa = (unsigned long long)(st_sc + (i64)(kp % window) * sb);
-                } else {
-                    a = (unsigned long long)(new_rows + (i64)(row0 + kp - start) * eb);
-                    sa = (unsigned long long)(new_scales + (i64)(row0 + kp - start) * sb);
-                }
-            } else {
-                int e = mode == 1 ? j - nwin : sel[(i64)r * topk + (j - nwin)];
-                u32 pg = table[(e * rate) / page_tokens];
-                a = (unsigned long long)(pages + (i64)pg * page_bytes + comp_off + (i64)(e % comp_epp) * eb);
-                sa = (unsigned long long)(pages + (i64)pg * page_bytes + comp_scale_off + (i64)(e % comp_epp) * sb);
-            }
+            unsigned long long a, sa;
+            keys.key(kt + threadIdx.x, a, sa);
             kaddr[threadIdx.x] = a;
             saddr[threadIdx.x] = sa;
         }

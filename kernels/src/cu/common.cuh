@@ -332,3 +332,74 @@ __device__ void st_fp8kv(const float* vals, unsigned char* row, unsigned char* s
     }
     __syncthreads();
 }
+
+// ---- The keys of one attention row, as the split-key and tensor-core kernels read them
+// (one source for where each key lives). Key j < nwin is window position lo + j: earlier
+// positions from the sequence's state ring, this forward's from `new_rows` (stored as
+// entries of the KV dtype by k_kv_entries); then the row's compressed entries (mode 1:
+// every visible entry, 2: the indexer's picks `sel`; mode 0: none). Entries take eb
+// bytes, fp8 entries' scales sb bytes.
+struct AttnRow {
+    const unsigned char *ring, *ring_sc, *new_rows, *new_scales, *pages;
+    const u32* table;
+    const int* sel;  // this row's topk picks (mode 2)
+    i64 eb, sb, page_bytes, comp_off, comp_scale_off;
+    int start, row0, pos, lo, nwin, window, mode, rate, page_tokens, comp_epp;
+
+    // Addresses of key j's entry and of its fp8 scale bytes.
+    __device__ __forceinline__ void key(int j, unsigned long long& a, unsigned long long& sa) const {
+        if (j < nwin) {
+            int kp = lo + j;
+            if (kp < start) {
+                a = (unsigned long long)(ring + (i64)(kp % window) * eb);
+                sa = (unsigned long long)(ring_sc + (i64)(kp % window) * sb);
+            } else {
+                a = (unsigned long long)(new_rows + (i64)(row0 + kp - start) * eb);
+                sa = (unsigned long long)(new_scales + (i64)(row0 + kp - start) * sb);
+            }
+        } else {
+            int e = mode == 1 ? j - nwin : sel[j - nwin];
+            u32 pg = table[(e * rate) / page_tokens];
+            a = (unsigned long long)(pages + (i64)pg * page_bytes + comp_off + (i64)(e % comp_epp) * eb);
+            sa = (unsigned long long)(pages + (i64)pg * page_bytes + comp_scale_off + (i64)(e % comp_epp) * sb);
+        }
+    }
+};
+
+// Row r of a forward's attention (the kernels' common parameters). dt: the KV dtype code;
+// hd, rd: head and rope dims (fp8 entry sizes).
+__device__ __forceinline__ AttnRow attn_row(int r, const unsigned char* pages, const unsigned char* states,
+                                            i64 page_bytes, i64 state_bytes, const int* seq, const u32* pt,
+                                            const int* row_seq, const int* positions, const unsigned char* new_rows,
+                                            const unsigned char* new_scales, const int* sel, int topk, int hd,
+                                            int window, i64 win_off, int rate, int mode, i64 comp_off, int comp_epp,
+                                            int page_tokens, int dt, int rd, i64 win_scale_off,
+                                            i64 comp_scale_off) {
+    AttnRow k;
+    const int* sq = seq + row_seq[r] * SEQ_INTS;
+    const unsigned char* st = states + (i64)sq[SEQ_STATE] * state_bytes;
+    k.start = sq[SEQ_START];
+    k.row0 = sq[SEQ_ROW0];
+    k.ring = st + win_off;
+    k.ring_sc = st + win_scale_off;
+    k.new_rows = new_rows;
+    k.new_scales = new_scales;
+    k.pages = pages;
+    k.table = pt + sq[SEQ_PT];
+    k.sel = sel + (i64)r * topk;
+    int nope = hd - rd;
+    k.eb = dt == 3 ? fp8kv_row_bytes(nope, rd) : (i64)hd * dt_bytes(dt);
+    k.sb = fp8kv_scale_bytes(nope);
+    k.page_bytes = page_bytes;
+    k.comp_off = comp_off;
+    k.comp_scale_off = comp_scale_off;
+    k.pos = positions[r];
+    k.lo = max(k.pos + 1 - window, 0);
+    k.nwin = k.pos - k.lo + 1;
+    k.window = window;
+    k.mode = mode;
+    k.rate = rate;
+    k.page_tokens = page_tokens;
+    k.comp_epp = comp_epp;
+    return k;
+}
