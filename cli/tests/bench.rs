@@ -460,3 +460,34 @@ fn bench_prefill_plot_draws_the_gemm_rate_and_redraws_from_json() {
         "refused before measuring: {stdout}"
     );
 }
+
+/// `bench transfer` on the tiny layout: one row per size, rounded up to whole pages, the
+/// payload counting pages + state slot + logits, a positive rate; a bad size is refused.
+#[test]
+fn bench_transfer_moves_page_sets_over_grpc() {
+    let mut args = vec!["bench", "transfer"];
+    args.extend(TINY);
+    args.extend(["--sizes", "1K,256K", "--repeats", "1", "--warmup", "0"]);
+    let out = run(&args);
+    let (head, rows) = table(&out, "transport");
+    let col = |name: &str| head.iter().position(|h| h == name).unwrap();
+    assert_eq!(rows.len(), 2, "{out}");
+    let pages: Vec<usize> = rows
+        .iter()
+        .map(|r| r[col("pages")].parse().unwrap())
+        .collect();
+    assert_eq!(pages[0], 1, "1 KiB rounds up to one page: {out}");
+    assert!(pages[1] > pages[0], "{out}");
+    for r in &rows {
+        assert_eq!(r[col("transport")], "grpc");
+        positive(&r[col("GB/s")]);
+        positive(&r[col("MB")]);
+    }
+    let o = bin()
+        .args(["bench", "transfer", "--tiny", "--sizes", "12Q"])
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("--sizes") && err.contains("12Q"), "{err}");
+}

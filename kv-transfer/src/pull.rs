@@ -12,6 +12,11 @@ use std::time::{Duration, Instant};
 /// receiver's progress deadline must be well above it.
 pub const HEARTBEAT: Duration = Duration::from_secs(1);
 
+/// HTTP/2 flow-control windows the receiving side grants: the stream's (several chunks of
+/// [`crate::MAX_CHUNK_BYTES`]) and the connection's.
+const STREAM_WINDOW: u32 = 32 << 20;
+const CONNECTION_WINDOW: u32 = 64 << 20;
+
 #[derive(Debug, Clone)]
 pub struct PullOptions {
     /// Deadline for the TCP/HTTP2 connection.
@@ -60,6 +65,10 @@ pub async fn pull_prefill(
     let endpoint = pdserve_proto::tls::endpoint(addr, opts.tls.as_ref())
         .map_err(|e| unreachable(e.to_string()))?
         .connect_timeout(opts.connect_timeout)
+        // HTTP/2's default 64 KiB windows cap a bulk stream at one window per round trip:
+        // the receiver grants the prefill server a window of several chunks.
+        .initial_stream_window_size(STREAM_WINDOW)
+        .initial_connection_window_size(CONNECTION_WINDOW)
         .http2_keep_alive_interval(Duration::from_secs(1))
         .keep_alive_timeout(Duration::from_secs(2));
     let channel = endpoint

@@ -15,6 +15,7 @@ mod serve;
 mod stats;
 pub(crate) mod table;
 mod traffic;
+mod transfer;
 
 use crate::engine_spec::{weight_dtype, CudaSpec, Device};
 use anyhow::{bail, Context, Result};
@@ -52,6 +53,9 @@ enum BenchCmd {
     /// checked token by token against the same model run in this process. Exits 1 when
     /// any request failed or differed (after printing the report).
     Serve(serve::ServeArgs),
+    /// GB/s of KV page sets (1 MB up) through the gRPC transfer path (CRC-checked chunks,
+    /// one stream, the decode side's verified reassembly) over loopback, no prefill in it.
+    Transfer(transfer::TransferArgs),
 }
 
 pub fn bench(a: BenchArgs) -> Result<()> {
@@ -69,6 +73,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         BenchCmd::Config(c) => config::print_config(c),
         BenchCmd::Plot(p) => plot::run(&p),
         BenchCmd::Serve(s) => serve::run(s),
+        BenchCmd::Transfer(t) => transfer::run(&t).map(drop),
     }
 }
 
