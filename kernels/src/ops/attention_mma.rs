@@ -13,7 +13,7 @@ use crate::device::{Gpu, MMA_SHARED};
 use crate::devmem::DevMem;
 use crate::kernels::{self, DevPtr, Products};
 use crate::launch::BLOCK;
-use crate::ops::attention_split::{self, AttentionArgs, DETERMINISTIC_SPLIT_KEYS};
+use crate::ops::attention_split::{self, key_splits, AttentionArgs, DETERMINISTIC_SPLIT_KEYS};
 use pdserve_engine::backend::BResult;
 
 /// Heads per block (`ATM_H`).
@@ -58,22 +58,12 @@ impl MmaPlan {
         sms: usize,
         deterministic: bool,
     ) -> MmaPlan {
-        let tiles = max_keys.div_ceil(TILE).max(1);
-        if deterministic {
-            return MmaPlan {
-                split_keys: DETERMINISTIC_SPLIT_KEYS,
-                nsplit: max_keys.div_ceil(DETERMINISTIC_SPLIT_KEYS).max(1),
-                direct: false,
-            };
-        }
         let blocks = rows * n_heads.div_ceil(HEADS);
-        let want = sms.div_ceil(blocks.max(1)).clamp(1, tiles);
-        let split_keys = tiles.div_ceil(want) * TILE;
-        let nsplit = max_keys.div_ceil(split_keys).max(1);
+        let (split_keys, nsplit, direct) = key_splits(max_keys, TILE, blocks, sms, deterministic);
         MmaPlan {
             split_keys,
             nsplit,
-            direct: nsplit == 1,
+            direct,
         }
     }
 
@@ -133,7 +123,11 @@ pub(crate) fn launch(g: &Gpu, a: &AttentionArgs, plan: MmaPlan, exact: bool) -> 
         ),
         MmaPlan::shared_bytes(hd, exact) as u32,
         &kernels::AttentionMma {
-            variant: if exact { Products::HiLo } else { Products::Bf16 },
+            variant: if exact {
+                Products::HiLo
+            } else {
+                Products::Bf16
+            },
             pages: a.pages,
             states: a.states,
             page_bytes: a.page_bytes,

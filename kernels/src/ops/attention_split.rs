@@ -72,24 +72,18 @@ impl SplitPlan {
             .find(|&gr| gr >= 4 && rows * (n_heads / gr) * tiles >= target)
             .or_else(|| groups.iter().copied().rfind(|&gr| gr >= 4))
             .or_else(|| groups.last().copied())?;
-        if deterministic {
-            let split_keys = DETERMINISTIC_SPLIT_KEYS;
-            return Some(SplitPlan {
-                group,
-                split_keys,
-                nsplit: max_keys.div_ceil(split_keys).max(1),
-                direct: false,
-            });
-        }
-        let blocks = rows * (n_heads / group);
-        let want = target.div_ceil(blocks).clamp(1, tiles);
-        let split_keys = tiles.div_ceil(want) * TILE;
-        let nsplit = max_keys.div_ceil(split_keys).max(1);
+        let (split_keys, nsplit, direct) = key_splits(
+            max_keys,
+            TILE,
+            rows * (n_heads / group),
+            target,
+            deterministic,
+        );
         Some(SplitPlan {
             group,
             split_keys,
             nsplit,
-            direct: nsplit == 1,
+            direct,
         })
     }
 
@@ -99,6 +93,29 @@ impl SplitPlan {
         let gp = self.group.next_multiple_of(4);
         (self.group * hd + TILE * hd + TILE * gp + 3 * MAX_GROUP) * 4 + TILE * 16
     }
+}
+
+/// How the keys of each row divide among blocks, for both split kernels: `(keys per split
+/// (a multiple of `tile`), splits, whether the single split writes the result itself)`,
+/// so that `blocks` blocks per split (rows x head groups) make about `target` in all.
+/// Under `--deterministic` the split is [`DETERMINISTIC_SPLIT_KEYS`] whatever the batch,
+/// and the combine always runs.
+pub(crate) fn key_splits(
+    max_keys: usize,
+    tile: usize,
+    blocks: usize,
+    target: usize,
+    deterministic: bool,
+) -> (usize, usize, bool) {
+    if deterministic {
+        let nsplit = max_keys.div_ceil(DETERMINISTIC_SPLIT_KEYS).max(1);
+        return (DETERMINISTIC_SPLIT_KEYS, nsplit, false);
+    }
+    let tiles = max_keys.div_ceil(tile).max(1);
+    let want = target.div_ceil(blocks.max(1)).clamp(1, tiles);
+    let split_keys = tiles.div_ceil(want) * tile;
+    let nsplit = max_keys.div_ceil(split_keys).max(1);
+    (split_keys, nsplit, nsplit == 1)
 }
 
 /// The buffers and scalars both attention kernels read.
