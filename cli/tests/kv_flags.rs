@@ -112,6 +112,7 @@ fn bad_pool_sizes_are_startup_errors() {
 fn kv_mem_fraction_sizes_the_pool_after_loading() {
     let out = bin()
         .env("RUST_LOG", "info")
+        .env("NO_COLOR", "1")
         .args([
             "generate",
             "--model",
@@ -127,19 +128,8 @@ fn kv_mem_fraction_sizes_the_pool_after_loading() {
         ])
         .output()
         .unwrap();
-    let raw = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{raw}");
-    // The log may be coloured: drop the escape sequences.
-    let mut err = String::new();
-    let mut in_escape = false;
-    for c in raw.chars() {
-        match (in_escape, c) {
-            (false, '\x1b') => in_escape = true,
-            (true, 'm') => in_escape = false,
-            (false, c) => err.push(c),
-            (true, _) => {}
-        }
-    }
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
     let line = err
         .lines()
         .find(|l| l.contains("device KV pool sized from the memory free"))
