@@ -203,7 +203,9 @@ impl Gpu {
                     // Scores of long contexts' compressed keys live in shared memory.
                     "k_attention" | "k_attention_split" => Some(ATTENTION_SHARED),
                     // Queries and two key tiles of all 64 heads (and their lo halves).
-                    "k_attention_mma" | "k_attention_mma_exact" => Some(MMA_SHARED),
+                    "k_attention_mma" | "k_attention_mma_exact" | "k_index_scores_mma" => {
+                        Some(MMA_SHARED)
+                    }
                     _ => None,
                 };
                 if let Some(shared) = shared {

@@ -302,6 +302,13 @@ kernels! {
             entries_per_page: i32, page_tokens: i32, dt: i32, softmax_scale: f32,
             weight_scale: f32,
         }
+        /// The same scores on tensor cores (bf16 entries, queries rounded to bf16).
+        IndexScoresMma = "k_index_scores_mma" {
+            pages: DevPtr, page_bytes: i64, seq: DevPtr, pt: DevPtr, row_seq: DevPtr,
+            positions: DevPtr, q: DevPtr, wts: DevPtr, scores: DevPtr, max_nv: i32,
+            n_heads: i32, ihd: i32, rate: i32, entry_off: i64, entries_per_page: i32,
+            page_tokens: i32, softmax_scale: f32, weight_scale: f32,
+        }
         /// One sequence's visible index-K entries as a dense fp32 matrix (prefill path).
         GatherIndexK = "k_gather_index_k" {
             pages: DevPtr, page_bytes: i64, seq: DevPtr, pt: DevPtr, si: i32, nv: i32,

@@ -34,47 +34,6 @@
 #define ATM_SST (ATM_T + 4)
 #define ATM_PST (ATM_T + ATM_PAD)
 
-__device__ __forceinline__ u32 atm_smem(const void* p) {
-    u32 a;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-    return a;
-}
-
-__device__ __forceinline__ void atm_ldsm_x4(u32 addr, u32 (&r)[4]) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
-}
-
-__device__ __forceinline__ void atm_ldsm_x4_t(u32 addr, u32 (&r)[4]) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
-}
-
-__device__ __forceinline__ void atm_ldsm_x2_t(u32 addr, u32& r0, u32& r1) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];"
-                 : "=r"(r0), "=r"(r1)
-                 : "r"(addr));
-}
-
-// d += a (16x16, row-major fragments) * b (16x8, column fragments).
-__device__ __forceinline__ void atm_mma(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ void atm_cp16(void* dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(atm_smem(dst)), "l"(src));
-}
-
-__device__ __forceinline__ void atm_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-
-__device__ __forceinline__ void atm_wait_prev() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
-
 // Two e4m3 codes (bytes 0 and 1 of w) times the power-of-two scale s, as a bf16 pair (the
 // products are exact in bf16).
 __device__ __forceinline__ u32 atm_fp8_pair(u32 w, float s) {
@@ -169,7 +128,7 @@ __device__ __forceinline__ void atm_body(const unsigned char* pages, const unsig
             const unsigned char* a = (const unsigned char*)kaddr[b * ATM_T + key];
             bf16_t* d = kb + key * ldk + c8 * 8;
             if (dt == 1) {
-                atm_cp16(d, a + c8 * 16);
+                tc_cp16(d, a + c8 * 16);
             } else {
                 int c = c8 * 8;
                 uint4 w;
@@ -190,7 +149,7 @@ __device__ __forceinline__ void atm_body(const unsigned char* pages, const unsig
     stage(0, 0);
     __syncthreads();
     load(0);
-    atm_commit();
+    tc_commit();
     int g = lane >> 2, tq = lane & 3;
     int nt = hd >> 6;              // 8-channel n-tiles per warp in the values product
     int cw = warp * (hd >> 3);     // this warp's first output channel
@@ -209,27 +168,27 @@ __device__ __forceinline__ void atm_body(const unsigned char* pages, const unsig
         // buffer the next copies overwrite).
         __syncthreads();
         if (t + 1 < ntiles) load(b ^ 1);
-        atm_commit();
-        atm_wait_prev();
+        tc_commit();
+        tc_wait_prev();
         __syncthreads();
         const bf16_t* kb = ks + b * ATM_T * ldk;
         int lim = min(ATM_T, k1 - k0 - t * ATM_T);  // keys of this tile
         {
             float s0[4] = {0.f, 0.f, 0.f, 0.f}, s1[4] = {0.f, 0.f, 0.f, 0.f};
-            u32 qa = atm_smem(qs + (mi_s * 16 + (lane & 15)) * ldk + (lane >> 4) * 8);
-            u32 qa_lo = atm_smem(qs_lo + (mi_s * 16 + (lane & 15)) * ldk + (lane >> 4) * 8);
-            u32 ka = atm_smem(kb + (nk_s + (lane & 7) + (lane >> 4) * 8) * ldk + ((lane >> 3) & 1) * 8);
+            u32 qa = tc_smem(qs + (mi_s * 16 + (lane & 15)) * ldk + (lane >> 4) * 8);
+            u32 qa_lo = tc_smem(qs_lo + (mi_s * 16 + (lane & 15)) * ldk + (lane >> 4) * 8);
+            u32 ka = tc_smem(kb + (nk_s + (lane & 7) + (lane >> 4) * 8) * ldk + ((lane >> 3) & 1) * 8);
 #pragma unroll 4
             for (int kk = 0; kk < hd; kk += 16) {
                 u32 a[4], kf[4];
-                atm_ldsm_x4(qa + kk * 2, a);
-                atm_ldsm_x4(ka + kk * 2, kf);
-                atm_mma(s0, a, kf[0], kf[1]);
-                atm_mma(s1, a, kf[2], kf[3]);
+                tc_ldsm_x4(qa + kk * 2, a);
+                tc_ldsm_x4(ka + kk * 2, kf);
+                tc_mma(s0, a, kf[0], kf[1]);
+                tc_mma(s1, a, kf[2], kf[3]);
                 if (EXACT) {
-                    atm_ldsm_x4(qa_lo + kk * 2, a);
-                    atm_mma(s0, a, kf[0], kf[1]);
-                    atm_mma(s1, a, kf[2], kf[3]);
+                    tc_ldsm_x4(qa_lo + kk * 2, a);
+                    tc_mma(s0, a, kf[0], kf[1]);
+                    tc_mma(s1, a, kf[2], kf[3]);
                 }
             }
             int row = mi_s * 16 + g;
@@ -279,31 +238,31 @@ __device__ __forceinline__ void atm_body(const unsigned char* pages, const unsig
 #pragma unroll
             for (int mi = 0; mi < 4; mi++) {
                 int at = (mi * 16 + (lane & 15)) * ATM_PST + kk + (lane >> 4) * 8;
-                atm_ldsm_x4(atm_smem(ps + at), pa[mi]);
-                if (EXACT) atm_ldsm_x4(atm_smem(ps_lo + at), pa_lo[mi]);
+                tc_ldsm_x4(tc_smem(ps + at), pa[mi]);
+                if (EXACT) tc_ldsm_x4(tc_smem(ps_lo + at), pa_lo[mi]);
             }
             const bf16_t* vrow = kb + (kk + (lane & 7) + ((lane >> 3) & 1) * 8) * ldk + cw;
 #pragma unroll
             for (int nj = 0; nj < ATM_MAXNT / 2; nj++) {
                 if (2 * nj + 1 < nt) {
                     u32 v[4];
-                    atm_ldsm_x4_t(atm_smem(vrow + nj * 16 + (lane >> 4) * 8), v);
+                    tc_ldsm_x4_t(tc_smem(vrow + nj * 16 + (lane >> 4) * 8), v);
 #pragma unroll
                     for (int mi = 0; mi < 4; mi++) {
-                        atm_mma(acc[mi][2 * nj], pa[mi], v[0], v[1]);
-                        atm_mma(acc[mi][2 * nj + 1], pa[mi], v[2], v[3]);
+                        tc_mma(acc[mi][2 * nj], pa[mi], v[0], v[1]);
+                        tc_mma(acc[mi][2 * nj + 1], pa[mi], v[2], v[3]);
                         if (EXACT) {
-                            atm_mma(acc[mi][2 * nj], pa_lo[mi], v[0], v[1]);
-                            atm_mma(acc[mi][2 * nj + 1], pa_lo[mi], v[2], v[3]);
+                            tc_mma(acc[mi][2 * nj], pa_lo[mi], v[0], v[1]);
+                            tc_mma(acc[mi][2 * nj + 1], pa_lo[mi], v[2], v[3]);
                         }
                     }
                 } else if (2 * nj < nt) {
                     u32 v0, v1;
-                    atm_ldsm_x2_t(atm_smem(vrow + nj * 16), v0, v1);
+                    tc_ldsm_x2_t(tc_smem(vrow + nj * 16), v0, v1);
 #pragma unroll
                     for (int mi = 0; mi < 4; mi++) {
-                        atm_mma(acc[mi][2 * nj], pa[mi], v0, v1);
-                        if (EXACT) atm_mma(acc[mi][2 * nj], pa_lo[mi], v0, v1);
+                        tc_mma(acc[mi][2 * nj], pa[mi], v0, v1);
+                        if (EXACT) tc_mma(acc[mi][2 * nj], pa_lo[mi], v0, v1);
                     }
                 }
             }

@@ -33,6 +33,93 @@ extern "C" __global__ void k_index_scores(const unsigned char* pages, i64 page_b
     if (lane == 0) scores[(i64)r * max_nv + s] = total;
 }
 
+// The same scores on tensor cores for bf16 index-K entries (decode steps and short
+// forwards under bf16 weights): per row, S[entries x heads] = K Q^T as bf16 mma.sync with
+// fp32 accumulators (the queries rounded to bf16; the entries are bf16 already), then
+// relu, head weights and the sum over heads in registers. grid (rows, ceil(max_nv /
+// IXM_E)), 8 warps: warp w takes entries 16 w .. +16 of the block's IXM_E against every
+// head (heads past n_heads: zero queries). Requires n_heads <= IXM_H, ihd a multiple of 16
+// up to IXM_MAXD, 16-byte aligned entry rows. Dynamic shared memory (IxmPlan::shared_bytes,
+// ops/indexer.rs): queries [IXM_H][ihd + 8] then entries [IXM_E][ihd + 8], bf16.
+#define IXM_H 64
+#define IXM_E 128
+#define IXM_MAXD 256
+extern "C" __global__ void k_index_scores_mma(const unsigned char* pages, i64 page_bytes, const int* seq,
+                                              const u32* pt, const int* row_seq, const int* positions, const float* q,
+                                              const float* wts, float* scores, int max_nv, int n_heads, int ihd,
+                                              int rate, i64 entry_off, int entries_per_page, int page_tokens,
+                                              float softmax_scale, float weight_scale) {
+    extern __shared__ __align__(16) unsigned char ixm_sh[];
+    int ld = ihd + 8;
+    bf16_t* qs = (bf16_t*)ixm_sh;   // [IXM_H][ld]
+    bf16_t* ks = qs + IXM_H * ld;   // [IXM_E][ld]
+    int r = blockIdx.x, e0 = blockIdx.y * IXM_E;
+    int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    int nv = (positions[r] + 1) / rate;
+    const int* sq = seq + row_seq[r] * SEQ_INTS;
+    const float* qr = q + (i64)r * n_heads * ihd;
+    for (int i = tid * 4; i < IXM_H * ihd; i += blockDim.x * 4) {
+        int h = i / ihd, c = i - h * ihd;
+        float4 v = h < n_heads ? *reinterpret_cast<const float4*>(qr + (i64)h * ihd + c) : make_float4(0.f, 0.f, 0.f, 0.f);
+        *reinterpret_cast<uint2*>(qs + h * ld + c) =
+            make_uint2((u32)f_to_bf16(v.x) | ((u32)f_to_bf16(v.y) << 16), (u32)f_to_bf16(v.z) | ((u32)f_to_bf16(v.w) << 16));
+    }
+    int cpr = ihd >> 3;  // 16-byte chunks per entry
+    for (int i = tid; i < IXM_E * cpr; i += blockDim.x) {
+        int j = i / cpr, c8 = i - j * cpr, s = e0 + j;
+        uint4 w = make_uint4(0u, 0u, 0u, 0u);
+        if (s < nv) {
+            u32 page = pt[sq[SEQ_PT] + (i64)s * rate / page_tokens];
+            const unsigned char* k = pages + (i64)page * page_bytes + entry_off + (i64)(s % entries_per_page) * ihd * 2;
+            w = *reinterpret_cast<const uint4*>(k + c8 * 16);
+        }
+        *reinterpret_cast<uint4*>(ks + j * ld + c8 * 8) = w;
+    }
+    __syncthreads();
+    int g = lane >> 2, t = lane & 3;
+    float acc[IXM_H / 8][4];
+#pragma unroll
+    for (int n = 0; n < IXM_H / 8; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) acc[n][e] = 0.f;
+    // A: entries 16 warp + (lane & 15), channel (lane >> 4) * 8; B: heads 16 p + (lane & 7)
+    // + (lane >> 4) * 8, channel ((lane >> 3) & 1) * 8.
+    u32 ka = tc_smem(ks + (warp * 16 + (lane & 15)) * ld + (lane >> 4) * 8);
+    u32 qa = tc_smem(qs + ((lane & 7) + (lane >> 4) * 8) * ld + ((lane >> 3) & 1) * 8);
+    for (int kk = 0; kk < ihd; kk += 16) {
+        u32 a[4];
+        tc_ldsm_x4(ka + kk * 2, a);
+#pragma unroll
+        for (int p = 0; p < IXM_H / 16; p++) {
+            u32 b[4];
+            tc_ldsm_x4(qa + (p * 16 * ld + kk) * 2, b);
+            tc_mma(acc[2 * p], a, b[0], b[1]);
+            tc_mma(acc[2 * p + 1], a, b[2], b[3]);
+        }
+    }
+    // Entry g (acc[.][0..1]) and g + 8 (acc[.][2..3]) of the warp's 16, heads 8 n + 2 t + {0, 1}.
+    const float* wr = wts + (i64)r * n_heads;
+    float top = 0.f, bot = 0.f;
+#pragma unroll
+    for (int n = 0; n < IXM_H / 8; n++)
+#pragma unroll
+        for (int u = 0; u < 2; u++) {
+            int h = n * 8 + 2 * t + u;
+            float w = h < n_heads ? softmax_scale * (wr[h] * weight_scale) : 0.f;
+            top += fmaxf(acc[n][u], 0.f) * w;
+            bot += fmaxf(acc[n][2 + u], 0.f) * w;
+        }
+    top += __shfl_xor_sync(0xffffffffu, top, 1);
+    top += __shfl_xor_sync(0xffffffffu, top, 2);
+    bot += __shfl_xor_sync(0xffffffffu, bot, 1);
+    bot += __shfl_xor_sync(0xffffffffu, bot, 2);
+    if (t == 0) {
+        int s0 = e0 + warp * 16 + g, s1 = s0 + 8;
+        if (s0 < max_nv) scores[(i64)r * max_nv + s0] = s0 < nv ? top : NEG_INF;
+        if (s1 < max_nv) scores[(i64)r * max_nv + s1] = s1 < nv ? bot : NEG_INF;
+    }
+}
+
 // The prefill path (many rows of one sequence): its visible index-K entries gathered once
 // into a dense fp32 matrix, the per-head dot products as one cuBLAS fp32 GEMM per chunk of
 // rows, then k_index_reduce. Same values as k_index_scores up to the dot products' order.

@@ -2,7 +2,7 @@
 //! top-k (`cu/indexer.cu`).
 
 use crate::buf::{f32_buf, shape_err};
-use crate::device::Gpu;
+use crate::device::{Gpu, MMA_SHARED};
 use crate::devmem::DevMem;
 use crate::kernels::{self, DevPtr};
 use crate::kv_store::{dt_code, DevPlan, GpuKv};
@@ -92,6 +92,31 @@ pub fn index_select(
     Ok(GpuSelection { sel, rows, topk })
 }
 
+/// Heads (`IXM_H`), entries per block (`IXM_E`) and most channels (`IXM_MAXD`) of
+/// `k_index_scores_mma`.
+const MMA_HEADS: usize = 64;
+const MMA_ENTRIES: usize = 128;
+const MMA_MAX_DIM: usize = 256;
+/// bf16 entries (`EntryDtype` code).
+const DT_BF16: i32 = 1;
+
+/// Whether `k_index_scores_mma` takes the layer: bf16 entries, at most 64 heads, a head
+/// dim that is a multiple of 16 up to 256, 16-byte aligned entry rows.
+fn mma_takes(dt: i32, n_heads: usize, ihd: usize, page_bytes: usize, entry_off: usize) -> bool {
+    dt == DT_BF16
+        && n_heads <= MMA_HEADS
+        && ihd.is_multiple_of(16)
+        && ihd <= MMA_MAX_DIM
+        && page_bytes.is_multiple_of(16)
+        && entry_off.is_multiple_of(16)
+        && mma_shared_bytes(ihd) <= MMA_SHARED
+}
+
+/// Its dynamic shared memory: queries and entries as padded bf16 rows.
+fn mma_shared_bytes(ihd: usize) -> usize {
+    (MMA_HEADS + MMA_ENTRIES) * (ihd + 8) * 2
+}
+
 /// A sequence's rows from which the scores go through the GEMM path.
 const GEMM_ROWS: usize = 64;
 
@@ -118,11 +143,45 @@ struct Scoring<'a> {
 }
 
 impl Scoring<'_> {
-    /// One warp per (row, entry), every head's dot product in turn (`k_index_scores`).
+    /// One warp per (row, entry), every head's dot product in turn (`k_index_scores`); or,
+    /// under bf16 weights with bf16 entries, the same scores on tensor cores
+    /// (`k_index_scores_mma`: a block per row and 128 entries, every head at once).
     fn by_kernel(&self, g: &Gpu, rows: usize, scores: &DevMem<f32>) -> BResult<()> {
         let (kv, layout, l, dp) = (self.kv, self.layout, self.l, self.dp);
         let ihd = layout.index_head_dim;
         let n_heads = self.n_heads;
+        let dt = dt_code(layout.index_k_dtype)?;
+        let (q, wts) = (
+            DevPtr::of(f32_buf(self.q, "index_select")?),
+            DevPtr::of(f32_buf(self.weights, "index_select")?),
+        );
+        let (softmax_scale, weight_scale) = ((ihd as f32).powf(-0.5), (n_heads as f32).powf(-0.5));
+        if !g.fp32_reference && mma_takes(dt, n_heads, ihd, kv.page_bytes, l.index_page_offset) {
+            return g.launch(
+                (rows as u32, self.max_nv.div_ceil(MMA_ENTRIES) as u32, 1),
+                mma_shared_bytes(ihd) as u32,
+                &kernels::IndexScoresMma {
+                    pages: DevPtr::of(&kv.pages),
+                    page_bytes: kv.page_bytes as i64,
+                    seq: DevPtr::of(&dp.seq),
+                    pt: DevPtr::of(&dp.pt),
+                    row_seq: DevPtr::of(&dp.row_seq),
+                    positions: DevPtr::of(&dp.positions),
+                    q,
+                    wts,
+                    scores: DevPtr::of(scores),
+                    max_nv: self.max_nv as i32,
+                    n_heads: n_heads as i32,
+                    ihd: ihd as i32,
+                    rate: l.rate as i32,
+                    entry_off: l.index_page_offset as i64,
+                    entries_per_page: l.index_entries_per_page as i32,
+                    page_tokens: layout.page_tokens as i32,
+                    softmax_scale,
+                    weight_scale,
+                },
+            );
+        }
         g.launch(
             (rows as u32, self.max_nv.div_ceil(WARPS) as u32, 1),
             0,
@@ -133,8 +192,8 @@ impl Scoring<'_> {
                 pt: DevPtr::of(&dp.pt),
                 row_seq: DevPtr::of(&dp.row_seq),
                 positions: DevPtr::of(&dp.positions),
-                q: DevPtr::of(f32_buf(self.q, "index_select")?),
-                wts: DevPtr::of(f32_buf(self.weights, "index_select")?),
+                q,
+                wts,
                 scores: DevPtr::of(scores),
                 max_nv: self.max_nv as i32,
                 n_heads: n_heads as i32,
@@ -144,9 +203,9 @@ impl Scoring<'_> {
                 scale_off: l.index_scale_offset as i64,
                 entries_per_page: l.index_entries_per_page as i32,
                 page_tokens: layout.page_tokens as i32,
-                dt: dt_code(layout.index_k_dtype)?,
-                softmax_scale: (ihd as f32).powf(-0.5),
-                weight_scale: (n_heads as f32).powf(-0.5),
+                dt,
+                softmax_scale,
+                weight_scale,
             },
         )
     }
