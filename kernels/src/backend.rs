@@ -2,7 +2,7 @@
 //! an op module (`ops/`) or the KV store (`kv_store`); `graphs` implements the step runner;
 //! this file holds only the backend's settings and the weight-storage policy.
 
-use crate::device::{AttentionKernel, DeviceError, Gpu};
+use crate::device::{AttentionKernel, DeviceError, ExpertKernel, Gpu};
 use crate::graph_cache::{GraphCache, GraphStats};
 use crate::kv_store::GpuKv;
 use crate::launch::dev_err;
@@ -104,6 +104,12 @@ impl CudaBackend {
     /// same inputs. The others are slower; not a serving option.
     pub fn set_attention_kernel(&mut self, kernel: AttentionKernel) {
         self.gpu.attention_kernel = kernel;
+    }
+
+    /// Which kernels run the routed experts in decode steps: [`ExpertKernel::Auto`] unless
+    /// a benchmark compares the tensor-core kernels with what they replaced.
+    pub fn set_expert_kernel(&mut self, kernel: ExpertKernel) {
+        self.gpu.expert_kernel = kernel;
     }
 
     /// Test only: drop every captured graph and plant, in the next one captured, a write

@@ -18,6 +18,7 @@ pub const MODULES: &[(&str, &str)] = &[
     ("attention_split", include_str!("cu/attention_split.cu")),
     ("attention_mma", include_str!("cu/attention_mma.cu")),
     ("moe", include_str!("cu/moe.cu")),
+    ("moe_mma", include_str!("cu/moe_mma.cu")),
     ("quant", include_str!("cu/quant.cu")),
     ("random", include_str!("cu/random.cu")),
     ("audit", include_str!("cu/audit.cu")),

@@ -59,11 +59,31 @@ pub struct Gpu {
     pub(crate) deterministic: bool,
     /// Which kernel computes attention (see [`crate::CudaBackend::set_attention_kernel`]).
     pub(crate) attention_kernel: AttentionKernel,
+    /// Which kernels run the routed experts inside decode steps (see
+    /// [`crate::CudaBackend::set_expert_kernel`]).
+    pub(crate) expert_kernel: ExpertKernel,
     /// fp32 weights, the reference mode gpu-check holds to the CPU engine: attention stays
     /// on the fp32 split-key kernel (unless [`AttentionKernel::TensorCores`] asks for tensor
     /// cores, whose products then take hi + lo bf16 halves) and the prefill indexer's GEMM
     /// is fp32. Under bf16 weights both round their query-side operands to bf16.
     pub(crate) fp32_reference: bool,
+}
+
+/// Which kernels run the routed experts of a decode step (and of short forwards). The
+/// serving choice is [`ExpertKernel::Auto`]; the others are for A/B runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ExpertKernel {
+    /// Past 2 rows, the tensor-core kernels (`k_moe_*_mma`) where the shape allows (measured
+    /// faster than the padded-batch cuBLAS GEMMs at batch 8-256 with bf16 experts, and than
+    /// the CUDA-core grouped kernels in every format); else the CUDA-core grouped kernels.
+    #[default]
+    Auto,
+    /// The tensor-core kernels wherever the shape allows, bf16 batches included.
+    TensorCores,
+    /// What the tensor-core kernels replaced: the padded-batch GEMMs for bf16 (with a pick
+    /// per expert on average), else the CUDA-core grouped kernels; and for dense
+    /// stored-format weights of 17-64 rows the bf16 copy + cuBLAS.
+    CudaCores,
 }
 
 /// Which kernel computes attention. The serving choice is [`AttentionKernel::Auto`]; the
@@ -206,6 +226,10 @@ impl Gpu {
                     "k_attention_mma" | "k_attention_mma_exact" | "k_index_scores_mma" => {
                         Some(MMA_SHARED)
                     }
+                    // Stages of expert weight slabs and their picks' activations.
+                    f if f.contains("_mma_") && (f.starts_with("k_moe_") || f.starts_with("k_matmul_")) => {
+                        Some(MMA_SHARED)
+                    }
                     _ => None,
                 };
                 if let Some(shared) = shared {
@@ -230,6 +254,7 @@ impl Gpu {
             sms,
             deterministic: false,
             attention_kernel: AttentionKernel::Auto,
+            expert_kernel: ExpertKernel::Auto,
             fp32_reference: true,
         })
     }

@@ -27,14 +27,14 @@ pub(crate) enum Elem {
     F32,
 }
 
-/// The selector of a handle with two kernels: whether its second name runs.
+/// The selector of a handle with several kernels: the position of the name that runs.
 pub(crate) trait Variant: Copy {
-    fn second(self) -> bool;
+    fn index(self) -> usize;
 }
 
 impl Variant for Elem {
-    fn second(self) -> bool {
-        self == Elem::F32
+    fn index(self) -> usize {
+        usize::from(self == Elem::F32)
     }
 }
 
@@ -47,8 +47,8 @@ pub(crate) enum Products {
 }
 
 impl Variant for Products {
-    fn second(self) -> bool {
-        self == Products::HiLo
+    fn index(self) -> usize {
+        usize::from(self == Products::HiLo)
     }
 }
 
@@ -61,8 +61,36 @@ pub(crate) enum PickTile {
 }
 
 impl Variant for PickTile {
-    fn second(self) -> bool {
-        self == PickTile::Small
+    fn index(self) -> usize {
+        usize::from(self == PickTile::Small)
+    }
+}
+
+/// Weight format of the tensor-core expert kernels: one kernel per format (each its own
+/// register allocation), in the order of their names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ExpertFormat {
+    Bf16,
+    Fp8,
+    Fp4,
+}
+
+impl Variant for ExpertFormat {
+    fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// Stored format of the tensor-core dense GEMM: one kernel per format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum StoredFormat {
+    Fp8,
+    Fp4,
+}
+
+impl Variant for StoredFormat {
+    fn index(self) -> usize {
+        self as usize
     }
 }
 
@@ -137,8 +165,8 @@ pub(crate) trait Kernel {
     fn with_args<R>(&self, f: impl FnOnce(&[Arg]) -> R) -> R;
 }
 
-/// One handle struct; a handle with two names gets a `variant` field (of the type named
-/// after `by`) choosing which runs.
+/// One handle struct; a handle with several names gets a `variant` field (of the type
+/// named after `by`) choosing which runs.
 macro_rules! kernel_handle {
     ($(#[$doc:meta])* $ty:ident, [$name:literal], [], { $($field:ident: $fty:ty),+ }) => {
         $(#[$doc])*
@@ -156,7 +184,7 @@ macro_rules! kernel_handle {
             }
         }
     };
-    ($(#[$doc:meta])* $ty:ident, [$first:literal, $second:literal], [$sel:ty], { $($field:ident: $fty:ty),+ }) => {
+    ($(#[$doc:meta])* $ty:ident, [$first:literal $(, $more:literal)+], [$sel:ty], { $($field:ident: $fty:ty),+ }) => {
         $(#[$doc])*
         pub(crate) struct $ty {
             /// Which variant runs.
@@ -166,11 +194,8 @@ macro_rules! kernel_handle {
 
         impl Kernel for $ty {
             fn name(&self) -> &'static str {
-                if Variant::second(self.variant) {
-                    $second
-                } else {
-                    $first
-                }
+                let names: &[&'static str] = &[$first $(, $more)+];
+                names.get(Variant::index(self.variant)).copied().unwrap_or($first)
             }
 
             fn with_args<R>(&self, f: impl FnOnce(&[Arg]) -> R) -> R {
@@ -420,6 +445,30 @@ kernels! {
         /// Weighted sum of each row's picks plus the shared expert.
         MoeCombine = "k_moe_combine" {
             y: DevPtr, ids: DevPtr, wts: DevPtr, shared: DevPtr, out: DevPtr, h: i32, k: i32,
+        }
+    }
+    module "moe_mma" {
+        /// Routed experts' gate/up projections on tensor cores (bf16 inputs, bf16 SwiGLU
+        /// output; bf16 or stored FP8/FP4 weights dequantized in registers).
+        MoeGateUpMma = "k_moe_gate_up_mma_bf16" | "k_moe_gate_up_mma_fp8" | "k_moe_gate_up_mma_fp4" by ExpertFormat {
+            x: DevPtr, w: DevPtr, s: DevPtr, group_rows: i32, list: DevPtr,
+            active: DevPtr, count: DevPtr, act: DevPtr, rows: i32, e: i32, h: i32, i: i32,
+            k: i32, limit: f32,
+        }
+        /// Their down projection on tensor cores, as [`MoeGateUpMma`].
+        MoeDownMma = "k_moe_down_mma_bf16" | "k_moe_down_mma_fp8" | "k_moe_down_mma_fp4" by ExpertFormat {
+            act: DevPtr, w: DevPtr, s: DevPtr, group_rows: i32, list: DevPtr,
+            active: DevPtr, count: DevPtr, y: DevPtr, rows: i32, e: i32, h: i32, i: i32,
+        }
+        /// A dense stored-format GEMM on tensor cores (decode batches past the fused
+        /// kernel's), each split's partial sums to `ys`.
+        MatmulMma = "k_matmul_mma_fp8" | "k_matmul_mma_fp4" by StoredFormat {
+            x: DevPtr, w: DevPtr, s: DevPtr, group_rows: i32, ys: DevPtr, rows: i32, n: i32,
+            k: i32,
+        }
+        /// The splits' partial sums added in split order.
+        SplitSum = "k_split_sum" {
+            ys: DevPtr, y: DevPtr, n: i64, splits: i32,
         }
     }
     module "quant" {

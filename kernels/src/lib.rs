@@ -26,7 +26,7 @@ pub mod tensor;
 
 pub use backend::CudaBackend;
 pub use compile::{CompileError, MODULES};
-pub use device::{AttentionKernel, DeviceError};
+pub use device::{AttentionKernel, DeviceError, ExpertKernel};
 pub use devmem::DevMem;
 pub use graph_cache::{GraphStats, StepPhases};
 pub use graph_mode::GraphMode;

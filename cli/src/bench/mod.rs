@@ -26,7 +26,7 @@ use pdserve_engine::backend::Backend;
 use pdserve_engine::kv::KvLayout;
 use pdserve_engine::model::{Model, ModelWeights};
 use pdserve_engine::CpuBackend;
-use pdserve_kernels::{AttentionKernel, CudaBackend, GraphMode};
+use pdserve_kernels::{AttentionKernel, CudaBackend, ExpertKernel, GraphMode};
 use std::io::IsTerminal;
 use std::time::Instant;
 
@@ -96,6 +96,11 @@ fn on_device(
             if m.attention == "split" {
                 backend.set_attention_kernel(AttentionKernel::Split);
             }
+            backend.set_expert_kernel(match m.expert_kernel.as_str() {
+                "tensor-cores" => ExpertKernel::TensorCores,
+                "cuda-cores" => ExpertKernel::CudaCores,
+                _ => ExpertKernel::Auto,
+            });
             cuda(backend)
         }
         Device::Auto => bail!("--device auto is not accepted by bench: name cpu or cuda:N"),

@@ -6,7 +6,7 @@ use crate::device::Gpu;
 use crate::devmem::DevMem;
 use crate::kernels::{self, DevPtr};
 use crate::launch::{dev_err, BLOCK};
-use crate::ops::stored;
+use crate::ops::{moe_mma, stored};
 use crate::ops::tensors::{new_f32, param_f32, to_bf16};
 use crate::tensor::{Buf, GpuTensor};
 use pdserve_engine::backend::{shapes, BResult};
@@ -136,6 +136,12 @@ fn matmul_into(g: &Gpu, x: &GpuTensor, w: &GpuTensor, groups: usize) -> BResult<
             let xb = to_bf16(g, xs)?;
             let xa = stored::Activations::Bf16(&xb);
             stored::matmul_fused(g, (xa, x.cols, x.rows), (sw, w.rows), o, (din, dout))?;
+            return Ok(out);
+        }
+        // Up to 64 rows: tensor cores on the stored bytes (no bf16 copy of the weight).
+        if groups == 1 && x.cols == din && moe_mma::dense_takes(g, sw, x.rows, din) {
+            let xb = to_bf16(g, xs)?;
+            moe_mma::matmul_dense(g, &xb, sw, o, (x.rows, w.rows, din))?;
             return Ok(out);
         }
     } else if g.deterministic {

@@ -3,12 +3,13 @@
 //! against all of that expert's picks; fp32 accumulation), shared expert, combine.
 
 use crate::buf::{f32_buf, out_ptr, shape_err};
-use crate::device::Gpu;
+use crate::device::{ExpertKernel, Gpu};
 use crate::devmem::DevMem;
 use crate::kernels::{self, DevPtr, PickTile};
 use crate::launch::BLOCK;
 use crate::ops::dense::matmul;
 use crate::ops::moe_gemm;
+use crate::ops::moe_mma;
 use crate::ops::tensors::{new_f32, param_f32};
 use crate::tensor::GpuTensor;
 use pdserve_engine::backend::{BResult, MoeParams, PickKind, Picks, RowPicks};
@@ -111,6 +112,9 @@ pub fn moe(g: &Gpu, x: &GpuTensor, p: &MoeParams<'_, GpuTensor>) -> BResult<GpuT
         routed_grouped(g, x, p, &ids)?
     } else if moe_gemm::worthwhile(g, n, k, e) {
         moe_gemm::routed(g, x, p, &ids)?
+    } else if tensor_cores(g, n) && moe_mma::takes(g, p, h) {
+        let (list, count) = expert_lists(g, &ids, n, e, k)?;
+        moe_mma::routed(g, x, p, &list, &count)?
     } else if moe_gemm::padded_worthwhile(p, n, k, e) {
         let (list, count) = expert_lists(g, &ids, n, e, k)?;
         moe_gemm::routed_padded(g, x, p, &list, &count)?
@@ -148,6 +152,17 @@ pub fn moe(g: &Gpu, x: &GpuTensor, p: &MoeParams<'_, GpuTensor>) -> BResult<GpuT
         },
     )?;
     Ok(out)
+}
+
+/// Whether the tensor-core expert kernels are asked for: past 2 rows (where the CUDA-core
+/// small-tile kernels read the weights as fast, measured at batch 1), or always when a
+/// benchmark asks for them.
+fn tensor_cores(g: &Gpu, rows: usize) -> bool {
+    match g.expert_kernel {
+        ExpertKernel::Auto => rows > SMALL_TILE_ROWS,
+        ExpertKernel::TensorCores => true,
+        ExpertKernel::CudaCores => false,
+    }
 }
 
 /// Routed experts on CUDA cores, picks grouped by expert on the device (no host

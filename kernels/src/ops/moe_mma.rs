@@ -1,0 +1,241 @@
+//! Routed experts on tensor cores in decode steps (`cu/moe_mma.cu`): each expert's picks
+//! against its bf16, FP8 or FP4 weights as bf16 `mma.sync`, the weights read once per 32
+//! picks in their own format and dequantized in registers. No host synchronisation, so it
+//! runs inside captured graphs. The inputs of both projections are rounded to bf16, as in
+//! the padded cuBLAS path; outside the fp32 reference mode and `--deterministic` only.
+//! The same kernel body also runs dense stored-format GEMMs of decode batches
+//! ([`matmul_dense`]).
+
+use crate::buf::{f32_buf, shape_err};
+use crate::device::{ExpertKernel, Gpu, MMA_SHARED};
+use crate::devmem::DevMem;
+use crate::kernels::{self, DevPtr, ExpertFormat, StoredFormat};
+use crate::launch::grid_1d;
+use crate::ops::tensors::to_bf16;
+use crate::tensor::{GpuTensor, StoredBuf, WeightOperand};
+use pdserve_engine::checkpoint::WeightFormat;
+use pdserve_engine::backend::{BResult, MoeParams};
+
+/// Weight formats the kernels take (`WF_*` in common.cuh).
+const WF_BF16: i32 = 1;
+const WF_FP8: i32 = 2;
+const WF_FP4: i32 = 3;
+
+/// Weight rows per block (`MMA_ROWS`), bytes of each per stage (`MMA_SLAB`), pick rows
+/// staged with them (`MMA_PICKS`).
+const TILE_ROWS: usize = 128;
+const SLAB_BYTES: usize = 128;
+const TILE_PICKS: usize = 32;
+
+/// Weights of a row per stage (`KS`) and stages in flight (`STAGES`) of each format's
+/// `Slice*` in moe_mma.cu.
+fn stage_shape(f: ExpertFormat) -> (usize, usize) {
+    match f {
+        ExpertFormat::Bf16 => (64, 4),
+        ExpertFormat::Fp8 => (128, 4),
+        ExpertFormat::Fp4 => (256, 3),
+    }
+}
+
+/// Dynamic shared memory of a format's kernels: every stage's weight slab and the picks'
+/// bf16 activations of the same columns.
+fn shared_bytes(f: ExpertFormat) -> usize {
+    let (ks, stages) = stage_shape(f);
+    stages * (TILE_ROWS * SLAB_BYTES + TILE_PICKS * ks * 2)
+}
+
+/// The kernel variant of a weight format (`None`: f32, which these kernels do not take).
+fn format_of(fmt: i32) -> Option<ExpertFormat> {
+    match fmt {
+        WF_BF16 => Some(ExpertFormat::Bf16),
+        WF_FP8 => Some(ExpertFormat::Fp8),
+        WF_FP4 => Some(ExpertFormat::Fp4),
+        _ => None,
+    }
+}
+
+/// Intermediate units per gate/up block and output channels per down block (8 warps of
+/// 8 units, 8 warps of 16 channels).
+const GATE_UP_UNITS: usize = 64;
+const DOWN_CHANNELS: usize = 128;
+
+/// Whether the tensor-core kernels take this MoE: not the fp32 reference mode or
+/// `--deterministic`, weights in bf16 or a stored format, and each projection's reduction
+/// a whole number of stages (which also keeps every row and unit 16-byte aligned).
+pub(crate) fn takes(g: &Gpu, p: &MoeParams<'_, GpuTensor>, hidden: usize) -> bool {
+    let fits = |t: &GpuTensor, k: usize| {
+        t.buf
+            .operand()
+            .and_then(|o| format_of(o.fmt))
+            .is_some_and(|f| k.is_multiple_of(stage_shape(f).0) && shared_bytes(f) <= MMA_SHARED)
+    };
+    !g.fp32_reference
+        && !g.deterministic
+        && p.intermediate.is_multiple_of(8)
+        && fits(p.gate_up, hidden)
+        && fits(p.down, p.intermediate)
+}
+
+fn operand(t: &GpuTensor) -> BResult<(WeightOperand, ExpertFormat)> {
+    t.buf
+        .operand()
+        .and_then(|o| format_of(o.fmt).map(|f| (o, f)))
+        .ok_or_else(|| shape_err("moe", format!("expert weight of {} rows", t.rows)))
+}
+
+/// The routed experts of `x` given each expert's picks (`list`, `count`: see
+/// `moe::expert_lists`). Returns `y`: `[rows * k, H]`, one row per pick.
+pub(crate) fn routed(
+    g: &Gpu,
+    x: &GpuTensor,
+    p: &MoeParams<'_, GpuTensor>,
+    list: &DevMem<i32>,
+    count: &DevMem<i32>,
+) -> BResult<DevMem<f32>> {
+    let (n, h) = (x.rows, x.cols);
+    let (e, k, inter) = (p.n_experts, p.top_k, p.intermediate);
+    let active = count.view_from(e);
+    // One block column per expert that may be used: at most one per pick.
+    let slots = e.min(n * k) as u32;
+    let ((gu, gu_fmt), (down, down_fmt)) = (operand(p.gate_up)?, operand(p.down)?);
+    let xb = to_bf16(g, f32_buf(x, "moe")?)?;
+    let act = g.uninit::<u16>(n * k * inter)?;
+    g.launch(
+        (slots, inter.div_ceil(GATE_UP_UNITS) as u32, 1),
+        shared_bytes(gu_fmt) as u32,
+        &kernels::MoeGateUpMma {
+            variant: gu_fmt,
+            x: DevPtr::of(&xb),
+            w: DevPtr(gu.w),
+            s: DevPtr(gu.s),
+            group_rows: gu.group_rows,
+            list: DevPtr::of(list),
+            active: DevPtr::of(&active),
+            count: DevPtr::of(count),
+            act: DevPtr::of(&act),
+            rows: n as i32,
+            e: e as i32,
+            h: h as i32,
+            i: inter as i32,
+            k: k as i32,
+            limit: p.swiglu_limit,
+        },
+    )?;
+    let y = g.uninit::<f32>(n * k * h)?;
+    g.launch(
+        (slots, h.div_ceil(DOWN_CHANNELS) as u32, 1),
+        shared_bytes(down_fmt) as u32,
+        &kernels::MoeDownMma {
+            variant: down_fmt,
+            act: DevPtr::of(&act),
+            w: DevPtr(down.w),
+            s: DevPtr(down.s),
+            group_rows: down.group_rows,
+            list: DevPtr::of(list),
+            active: DevPtr::of(&active),
+            count: DevPtr::of(count),
+            y: DevPtr::of(&y),
+            rows: n as i32,
+            e: e as i32,
+            h: h as i32,
+            i: inter as i32,
+        },
+    )?;
+    Ok(y)
+}
+
+/// Largest batch the dense tensor-core GEMM takes: past it the bf16 copy + cuBLAS reads
+/// fewer bytes than passes of 32 rows over the stored weight (each pass reads it again).
+pub(crate) const DENSE_MAX_ROWS: usize = 64;
+
+/// Whether the dense tensor-core GEMM takes `rows` rows of `x` (`ldx == k`) against stored
+/// weight `w` of `k` inputs.
+pub(crate) fn dense_takes(g: &Gpu, w: &StoredBuf, rows: usize, k: usize) -> bool {
+    let f = stored_format(w);
+    rows <= DENSE_MAX_ROWS
+        && g.expert_kernel != ExpertKernel::CudaCores
+        && !g.deterministic
+        && !g.fp32_reference
+        && k.is_multiple_of(stage_shape(expert_format(f)).0)
+}
+
+fn stored_format(w: &StoredBuf) -> StoredFormat {
+    match w.format {
+        WeightFormat::Fp8Block => StoredFormat::Fp8,
+        _ => StoredFormat::Fp4,
+    }
+}
+
+fn expert_format(f: StoredFormat) -> ExpertFormat {
+    match f {
+        StoredFormat::Fp8 => ExpertFormat::Fp8,
+        StoredFormat::Fp4 => ExpertFormat::Fp4,
+    }
+}
+
+/// `y[rows, n] = x @ w^T` over stored weight `w` (`n` outputs, `k` inputs), `x` in bf16,
+/// the reduction split over enough blocks to fill the device twice; the splits' sums added
+/// in a fixed order (the same bits every run).
+pub(crate) fn matmul_dense(
+    g: &Gpu,
+    xb: &DevMem<u16>,
+    w: &StoredBuf,
+    y: &DevMem<f32>,
+    (rows, n, k): (usize, usize, usize),
+) -> BResult<()> {
+    let f = stored_format(w);
+    let stages = k / stage_shape(expert_format(f)).0;
+    let col_blocks = n.div_ceil(TILE_ROWS);
+    let splits = (2 * g.sms).div_ceil(col_blocks).clamp(1, stages.max(1));
+    let partial = (splits > 1).then(|| g.uninit::<f32>(splits * rows * n)).transpose()?;
+    let ys = partial.as_ref().unwrap_or(y);
+    let int = |v: usize, what: &str| {
+        i32::try_from(v).map_err(|_| shape_err("matmul", format!("{what} {v} past i32")))
+    };
+    g.launch(
+        (1, col_blocks as u32, splits as u32),
+        shared_bytes(expert_format(f)) as u32,
+        &kernels::MatmulMma {
+            variant: f,
+            x: DevPtr::of(xb),
+            w: DevPtr::of(&w.q),
+            s: DevPtr::of(&w.s),
+            group_rows: int(w.group_rows, "group rows")?,
+            ys: DevPtr::of(ys),
+            rows: int(rows, "rows")?,
+            n: int(n, "outputs")?,
+            k: int(k, "inputs")?,
+        },
+    )?;
+    if let Some(partial) = &partial {
+        g.launch(
+            grid_1d(rows * n),
+            0,
+            &kernels::SplitSum {
+                ys: DevPtr::of(partial),
+                y: DevPtr::of(y),
+                n: (rows * n) as i64,
+                splits: splits as i32,
+            },
+        )?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stages_are_128_byte_slabs_and_two_blocks_fit_an_sm() {
+        // bf16 2 bytes, FP8 1, FP4 half a byte per weight: every stage slab is 128 bytes.
+        assert_eq!(stage_shape(ExpertFormat::Bf16).0 * 2, SLAB_BYTES);
+        assert_eq!(stage_shape(ExpertFormat::Fp8).0, SLAB_BYTES);
+        assert_eq!(stage_shape(ExpertFormat::Fp4).0 / 2, SLAB_BYTES);
+        // Two blocks per SM (the kernels' launch bounds) within the H200's 227 KiB.
+        for f in [ExpertFormat::Bf16, ExpertFormat::Fp8, ExpertFormat::Fp4] {
+            assert!(2 * (shared_bytes(f) + 1024) <= MMA_SHARED, "{f:?}");
+        }
+        assert_eq!(shared_bytes(ExpertFormat::Fp8), 4 * (16384 + 8192));
+    }
+}
