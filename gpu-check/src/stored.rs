@@ -232,10 +232,7 @@ fn moe_rows(gpu: &CudaBackend, det: &CudaBackend) -> AnyResult<Vec<CheckRow>> {
         };
         for &experts in formats {
             let default_tol = if case.crowded { MMA_TOL } else { REL_TOL };
-            for (b, tol, label) in [
-                (gpu, default_tol, ""),
-                (det, GEMM_TOL, " --deterministic"),
-            ] {
+            for (b, tol, label) in [(gpu, default_tol, ""), (det, GEMM_TOL, " --deterministic")] {
                 let (worst, rows) = moe_case(b, case, experts)?;
                 out.push(CheckRow {
                     name: format!(
@@ -260,11 +257,7 @@ fn moe_rows(gpu: &CudaBackend, det: &CudaBackend) -> AnyResult<Vec<CheckRow>> {
 
 /// The worst row's relative error of one case and expert format on backend `b`, and the
 /// rows compared.
-fn moe_case(
-    b: &CudaBackend,
-    case: &MoeCase,
-    experts: WeightFormat,
-) -> AnyResult<(f64, usize)> {
+fn moe_case(b: &CudaBackend, case: &MoeCase, experts: WeightFormat) -> AnyResult<(f64, usize)> {
     let MoeCase {
         e, h, inter, top_k, ..
     } = *case;

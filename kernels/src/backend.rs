@@ -215,7 +215,11 @@ impl TensorOps for CudaBackend {
     }
 
     fn memory_free(&self) -> Option<u64> {
-        self.gpu.ctx.mem_get_info().ok().map(|(free, _total)| free as u64)
+        self.gpu
+            .ctx
+            .mem_get_info()
+            .ok()
+            .map(|(free, _total)| free as u64)
     }
 
     fn dims(&self, t: &GpuTensor) -> (usize, usize) {

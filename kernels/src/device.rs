@@ -227,7 +227,9 @@ impl Gpu {
                         Some(MMA_SHARED)
                     }
                     // Stages of expert weight slabs and their picks' activations.
-                    f if f.contains("_mma_") && (f.starts_with("k_moe_") || f.starts_with("k_matmul_")) => {
+                    f if f.contains("_mma_")
+                        && (f.starts_with("k_moe_") || f.starts_with("k_matmul_")) =>
+                    {
                         Some(MMA_SHARED)
                     }
                     _ => None,

@@ -245,6 +245,7 @@ mod tests {
             weights: vec!["bf16".into()],
             deterministic: false,
             attention: "auto".into(),
+            expert_kernel: "auto".into(),
         }
     }
 

@@ -202,6 +202,7 @@ mod tests {
             weights: vec![weights.into()],
             deterministic: false,
             attention: "auto".into(),
+            expert_kernel: "auto".into(),
         }
         .config()
         .unwrap()

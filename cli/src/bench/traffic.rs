@@ -224,6 +224,7 @@ mod tests {
             weights: vec!["bf16".into()],
             deterministic: false,
             attention: "auto".into(),
+            expert_kernel: "auto".into(),
         };
         let cfg = f.config().unwrap();
         let layout = f.layout(&cfg).unwrap();

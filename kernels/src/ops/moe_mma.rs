@@ -13,8 +13,8 @@ use crate::kernels::{self, DevPtr, ExpertFormat, StoredFormat};
 use crate::launch::grid_1d;
 use crate::ops::tensors::to_bf16;
 use crate::tensor::{GpuTensor, StoredBuf, WeightOperand};
-use pdserve_engine::checkpoint::WeightFormat;
 use pdserve_engine::backend::{BResult, MoeParams};
+use pdserve_engine::checkpoint::WeightFormat;
 
 /// Weight formats the kernels take (`WF_*` in common.cuh).
 const WF_BF16: i32 = 1;
@@ -187,7 +187,9 @@ pub(crate) fn matmul_dense(
     let stages = k / stage_shape(expert_format(f)).0;
     let col_blocks = n.div_ceil(TILE_ROWS);
     let splits = (2 * g.sms).div_ceil(col_blocks).clamp(1, stages.max(1));
-    let partial = (splits > 1).then(|| g.uninit::<f32>(splits * rows * n)).transpose()?;
+    let partial = (splits > 1)
+        .then(|| g.uninit::<f32>(splits * rows * n))
+        .transpose()?;
     let ys = partial.as_ref().unwrap_or(y);
     let int = |v: usize, what: &str| {
         i32::try_from(v).map_err(|_| shape_err("matmul", format!("{what} {v} past i32")))
