@@ -23,15 +23,17 @@ type AnyResult<T> = Result<T, Box<dyn std::error::Error>>;
 
 /// A GEMM of exact weights and fp32 sums: only the summation order differs from the CPU.
 const GEMM_TOL: f64 = 1e-5;
-/// Batch sizes: the fused kernel up to 64 rows (one and several 8-row tiles, a partial
-/// tile), then the bf16 copy + cuBLAS.
+/// Batch sizes: the fused kernel up to 16 rows (one and several 8-row tiles, a partial
+/// tile), the tensor-core kernel up to 128 where the shape allows, then the bf16 copy +
+/// cuBLAS.
 const BATCHES: [usize; 7] = [1, 3, 8, 33, 64, 65, 300];
 
 /// `(outputs, inputs, groups)` of each GEMM shape class.
-const SHAPES: [(usize, usize, usize); 4] = [
+const SHAPES: [(usize, usize, usize); 5] = [
     (200, 160, 1),  // partial 128-blocks both ways
-    (512, 1024, 1), // whole blocks, several 256-input warp passes
+    (512, 1024, 1), // whole blocks, several 256-input warp passes; m=33..65 on tensor cores
     (192, 160, 2),  // grouped (the output projection's groups)
+    (256, 256, 2),  // grouped on tensor cores (128 outputs per group) at m=33..65
     (64, 100, 1),   // inputs not a multiple of 8: the scalar path
 ];
 

@@ -82,7 +82,7 @@ pub enum ExpertKernel {
     TensorCores,
     /// What the tensor-core kernels replaced: the padded-batch GEMMs for bf16 (with a pick
     /// per expert on average), else the CUDA-core grouped kernels; and for dense
-    /// stored-format weights of 17-64 rows the bf16 copy + cuBLAS.
+    /// stored-format weights of 17-128 rows the bf16 copy + cuBLAS.
     CudaCores,
 }
 

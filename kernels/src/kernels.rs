@@ -463,8 +463,8 @@ kernels! {
         /// A dense stored-format GEMM on tensor cores (decode batches past the fused
         /// kernel's), each split's partial sums to `ys`.
         MatmulMma = "k_matmul_mma_fp8" | "k_matmul_mma_fp4" by StoredFormat {
-            x: DevPtr, w: DevPtr, s: DevPtr, group_rows: i32, ys: DevPtr, rows: i32, n: i32,
-            k: i32,
+            x: DevPtr, ldx: i32, w: DevPtr, s: DevPtr, group_rows: i32, ys: DevPtr, rows: i32,
+            n: i32, k: i32, dout: i32,
         }
         /// The splits' partial sums added in split order.
         SplitSum = "k_split_sum" {

@@ -60,7 +60,7 @@ pub struct ModelFlags {
     /// CUDA routed-expert kernels of decode steps: auto (tensor cores past 2 rows),
     /// tensor-cores (wherever the shape allows), or cuda-cores (what the tensor-core kernels
     /// replaced: padded-batch cuBLAS GEMMs for bf16, CUDA-core grouped kernels, and the bf16
-    /// copy + cuBLAS for dense FP8/FP4 GEMMs of 17-64 rows).
+    /// copy + cuBLAS for dense FP8/FP4 GEMMs of 17-128 rows).
     #[arg(long, default_value = "auto", value_parser = ["auto", "tensor-cores", "cuda-cores"])]
     pub expert_kernel: String,
 }

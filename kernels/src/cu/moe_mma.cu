@@ -166,7 +166,7 @@ struct MmaTile {
 // `units`: I (gate/up) or the outputs; `K`: the reduction; `per_row`: k (gate/up: pick ->
 // row) or 1.
 template <bool GATE_UP, typename S, typename M>
-__device__ void mm_run(const bf16_t* x, M w, const int* picks, int n, int e, void* out, int units, int K,
+__device__ void mm_run(const bf16_t* x, i64 ldx, M w, const int* picks, int n, int e, void* out, int units, int K,
                        int per_row, float limit, int s0, int s1) {
     typedef MmaTile<S> T;
     extern __shared__ __align__(16) unsigned char mm_sh[];
@@ -202,7 +202,7 @@ __device__ void mm_run(const bf16_t* x, M w, const int* picks, int n, int e, voi
         for (int j = 0; j < T::A_PER_THREAD; j++) {
             int i = tid + 32 * MMA_WARPS * j, pr = i / T::A_UNITS;
             asrc[j] = pr < np && i < MMA_PICKS * T::A_UNITS
-                          ? (const unsigned char*)(x + pick_at(p0 + pr) / per_row * K) + (i % T::A_UNITS) * 16
+                          ? (const unsigned char*)(x + pick_at(p0 + pr) / per_row * ldx) + (i % T::A_UNITS) * 16
                           : nullptr;
         }
         auto issue = [&](int st) {
@@ -300,17 +300,22 @@ __device__ void moe_mma(const bf16_t* x, M w, const int* list, const int* count,
                         int rows, int E, int units, int K, int per_row, float limit) {
     if ((int)blockIdx.x >= active[E]) return;
     int e = active[blockIdx.x];
-    mm_run<GATE_UP, S>(x, w, list + (i64)e * rows, count[e], e, out, units, K, per_row, limit, 0, K / S::KS);
+    mm_run<GATE_UP, S>(x, K, w, list + (i64)e * rows, count[e], e, out, units, K, per_row, limit, 0, K / S::KS);
 }
 
-// A dense GEMM y = x @ w^T of `rows` rows (decode batches past the fused kernel's): grid (1,
-// ceil(N / 128), splits); split z writes its stages' partial sums to ys + z rows N, which
-// k_split_sum adds in split order.
+// A dense GEMM y = x @ w^T of `rows` rows (decode batches past the fused kernel's), per
+// group of `dout` outputs (group i: x's columns i K .., x row stride ldx): grid
+// (ceil(rows / 32), ceil(N / 128), splits), block x taking rows 32 x .. + 32 (the blocks of
+// one weight slab run together, so it is read from memory about once); split z writes its
+// stages' partial sums to ys + z rows N, which k_split_sum adds in split order. dout is a
+// multiple of 128 where there are several groups (a block within one group).
 template <typename S, typename M>
-__device__ void matmul_mma(const bf16_t* x, M w, float* ys, int rows, int N, int K) {
+__device__ void matmul_mma(const bf16_t* x, int ldx, M w, float* ys, int rows, int N, int K, int dout) {
     int nst = K / S::KS, z = blockIdx.z, splits = gridDim.z;
     int s0 = (int)((i64)nst * z / splits), s1 = (int)((i64)nst * (z + 1) / splits);
-    mm_run<false, S>(x, w, nullptr, rows, 0, ys + (i64)z * rows * N, N, K, 1, 0.f, s0, s1);
+    int r0 = blockIdx.x * MMA_PICKS, group = (int)blockIdx.y * MMA_ROWS / dout;
+    mm_run<false, S>(x + (i64)r0 * ldx + (i64)group * K, ldx, w, nullptr, min(MMA_PICKS, rows - r0), 0,
+                     ys + (i64)z * rows * N + (i64)r0 * N, N, K, 1, 0.f, s0, s1);
 }
 
 // One kernel per weight format, each with its own register allocation (written out: the
@@ -352,17 +357,17 @@ extern "C" __launch_bounds__(256, 2) __global__ void k_moe_down_mma_fp4(
     moe_mma<false, SliceFp4>(act, MatFp4{w, s, I}, list, count, active, y, rows, E, H, I, 1, 0.f);
 }
 
-// Dense stored weights (FP8 block-scaled, FP4): x bf16 [rows, K]; ys f32 [splits, rows, N].
-extern "C" __launch_bounds__(256, 2) __global__ void k_matmul_mma_fp8(const bf16_t* x, const unsigned char* w,
+// Dense stored weights (FP8 block-scaled, FP4): x bf16 [rows, ldx]; ys f32 [splits, rows, N].
+extern "C" __launch_bounds__(256, 2) __global__ void k_matmul_mma_fp8(const bf16_t* x, int ldx, const unsigned char* w,
                                                                      const unsigned char* s, int group_rows,
-                                                                     float* ys, int rows, int N, int K) {
-    matmul_mma<SliceFp8>(x, MatFp8{w, s, K, group_rows}, ys, rows, N, K);
+                                                                     float* ys, int rows, int N, int K, int dout) {
+    matmul_mma<SliceFp8>(x, ldx, MatFp8{w, s, K, group_rows}, ys, rows, N, K, dout);
 }
 
-extern "C" __launch_bounds__(256, 2) __global__ void k_matmul_mma_fp4(const bf16_t* x, const unsigned char* w,
+extern "C" __launch_bounds__(256, 2) __global__ void k_matmul_mma_fp4(const bf16_t* x, int ldx, const unsigned char* w,
                                                                      const unsigned char* s, int group_rows,
-                                                                     float* ys, int rows, int N, int K) {
-    matmul_mma<SliceFp4>(x, MatFp4{w, s, K}, ys, rows, N, K);
+                                                                     float* ys, int rows, int N, int K, int dout) {
+    matmul_mma<SliceFp4>(x, ldx, MatFp4{w, s, K}, ys, rows, N, K, dout);
 }
 
 // y[i] = sum over splits z (in order) of ys[z, i]; n = rows N.

@@ -138,10 +138,10 @@ fn matmul_into(g: &Gpu, x: &GpuTensor, w: &GpuTensor, groups: usize) -> BResult<
             stored::matmul_fused(g, (xa, x.cols, x.rows), (sw, w.rows), o, (din, dout))?;
             return Ok(out);
         }
-        // Up to 64 rows: tensor cores on the stored bytes (no bf16 copy of the weight).
-        if groups == 1 && x.cols == din && moe_mma::dense_takes(g, sw, x.rows, din) {
+        // Up to 128 rows: tensor cores on the stored bytes (no bf16 copy of the weight).
+        if x.cols == din * groups && moe_mma::dense_takes(g, sw, x.rows, (din, dout, groups)) {
             let xb = to_bf16(g, xs)?;
-            moe_mma::matmul_dense(g, &xb, sw, o, (x.rows, w.rows, din))?;
+            moe_mma::matmul_dense(g, &xb, sw, o, (x.rows, din, dout, groups))?;
             return Ok(out);
         }
     } else if g.deterministic {

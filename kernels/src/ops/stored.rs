@@ -14,7 +14,9 @@ use pdserve_engine::backend::{BResult, WeightInit};
 use pdserve_engine::checkpoint::{StoredWeight, WeightFormat};
 
 /// Batches up to this many rows run the fused kernel (each weight byte read once per 8
-/// rows, no bf16 copy); larger ones dequantize the weight to bf16 once and run cuBLAS.
+/// rows, no bf16 copy); larger ones, up to `moe_mma::DENSE_MAX_ROWS`, the tensor-core
+/// kernel on the stored bytes where the shape allows, else a bf16 copy of the weight and
+/// cuBLAS.
 /// Measured on the H200 (V4-Flash layers, docs/performance.md): at 64 rows the fused
 /// kernel's CUDA-core work (8 row tiles, each decoding the weights again) costs more than
 /// the bf16 copy's extra bytes.
