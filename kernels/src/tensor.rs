@@ -24,6 +24,12 @@ pub struct StoredBuf {
     pub s: DevMem<u8>,
 }
 
+/// The kernels' weight format codes (`WF_*` in cu/common.cuh).
+pub(crate) const WF_F32: i32 = 0;
+pub(crate) const WF_BF16: i32 = 1;
+pub(crate) const WF_FP8: i32 = 2;
+pub(crate) const WF_FP4: i32 = 3;
+
 /// A weight as the kernels that take any format read it (`WF_*` in cu/common.cuh).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct WeightOperand {
@@ -46,8 +52,8 @@ impl Buf {
             group_rows: 0,
         };
         Some(match self {
-            Buf::F32(b) => plain(b.ptr(), 0),
-            Buf::Bf16(b) => plain(b.ptr(), 1),
+            Buf::F32(b) => plain(b.ptr(), WF_F32),
+            Buf::Bf16(b) => plain(b.ptr(), WF_BF16),
             Buf::Stored(st) => WeightOperand {
                 w: st.q.ptr(),
                 s: st.s.ptr(),
@@ -62,8 +68,8 @@ impl StoredBuf {
     /// The kernels' `fmt` code (`WF_FP8` / `WF_FP4` in cu/common.cuh).
     pub(crate) fn fmt(&self) -> i32 {
         match self.format {
-            WeightFormat::Fp8Block => 2,
-            _ => 3,
+            WeightFormat::Fp8Block => WF_FP8,
+            _ => WF_FP4,
         }
     }
 

@@ -116,8 +116,6 @@ struct SliceFp4 {
     }
 };
 
-// acc[nt] += W[rows g, g + 8 of `lo`, `hi`] . X[picks of n-tile nt] over all K.
-// xr[nt]: the activation row of pick g of n-tile nt, already offset by t VEC.
 // Shared-memory tile offsets: 16-byte unit u of weight row r and of pick row r, swizzled so
 // a warp's 8-lane read phases hit 8 distinct unit columns.
 __device__ __forceinline__ int mm_w_unit(int r, int u) { return u ^ ((r & 1) << 2); }

@@ -139,7 +139,7 @@ fn matmul_into(g: &Gpu, x: &GpuTensor, w: &GpuTensor, groups: usize) -> BResult<
             return Ok(out);
         }
         // Up to 128 rows: tensor cores on the stored bytes (no bf16 copy of the weight).
-        if x.cols == din * groups && moe_mma::dense_takes(g, sw, x.rows, (din, dout, groups)) {
+        if moe_mma::dense_takes(g, sw, x.rows, (din, dout, groups)) {
             let xb = to_bf16(g, xs)?;
             moe_mma::matmul_dense(g, &xb, sw, o, (x.rows, din, dout, groups))?;
             return Ok(out);

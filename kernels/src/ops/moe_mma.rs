@@ -7,19 +7,15 @@
 //! ([`matmul_dense`]).
 
 use crate::buf::{f32_buf, shape_err};
-use crate::device::{ExpertKernel, Gpu, MMA_SHARED};
+use crate::device::{ExpertKernel, Gpu};
 use crate::devmem::DevMem;
 use crate::kernels::{self, DevPtr, ExpertFormat, StoredFormat};
 use crate::launch::grid_1d;
+use crate::ops::stored::to_i32;
 use crate::ops::tensors::to_bf16;
-use crate::tensor::{GpuTensor, StoredBuf, WeightOperand};
+use crate::tensor::{GpuTensor, StoredBuf, WeightOperand, WF_BF16, WF_FP4, WF_FP8};
 use pdserve_engine::backend::{BResult, MoeParams};
 use pdserve_engine::checkpoint::WeightFormat;
-
-/// Weight formats the kernels take (`WF_*` in common.cuh).
-const WF_BF16: i32 = 1;
-const WF_FP8: i32 = 2;
-const WF_FP4: i32 = 3;
 
 /// Weight rows per block (`MMA_ROWS`), bytes of each per stage (`MMA_SLAB`), pick rows
 /// staged with them (`MMA_PICKS`).
@@ -61,13 +57,14 @@ const DOWN_CHANNELS: usize = 128;
 
 /// Whether the tensor-core kernels take this MoE: not the fp32 reference mode or
 /// `--deterministic`, weights in bf16 or a stored format, and each projection's reduction
-/// a whole number of stages (which also keeps every row and unit 16-byte aligned).
+/// a whole number of stages (which also keeps every row and unit 16-byte aligned). Every
+/// format's shared memory fits (the unit test below).
 pub(crate) fn takes(g: &Gpu, p: &MoeParams<'_, GpuTensor>, hidden: usize) -> bool {
     let fits = |t: &GpuTensor, k: usize| {
         t.buf
             .operand()
             .and_then(|o| format_of(o.fmt))
-            .is_some_and(|f| k.is_multiple_of(stage_shape(f).0) && shared_bytes(f) <= MMA_SHARED)
+            .is_some_and(|f| k.is_multiple_of(stage_shape(f).0))
     };
     !g.fp32_reference
         && !g.deterministic
@@ -158,26 +155,20 @@ pub(crate) fn dense_takes(
     rows: usize,
     (k, dout, groups): (usize, usize, usize),
 ) -> bool {
-    let f = stored_format(w);
+    let (_, ef) = formats(w);
     rows <= DENSE_MAX_ROWS
         && g.expert_kernel != ExpertKernel::CudaCores
         && !g.deterministic
         && !g.fp32_reference
-        && k.is_multiple_of(stage_shape(expert_format(f)).0)
+        && k.is_multiple_of(stage_shape(ef).0)
         && (groups == 1 || dout.is_multiple_of(TILE_ROWS))
 }
 
-fn stored_format(w: &StoredBuf) -> StoredFormat {
+/// A stored weight's dense-kernel variant and the stage shape it shares with the experts'.
+fn formats(w: &StoredBuf) -> (StoredFormat, ExpertFormat) {
     match w.format {
-        WeightFormat::Fp8Block => StoredFormat::Fp8,
-        _ => StoredFormat::Fp4,
-    }
-}
-
-fn expert_format(f: StoredFormat) -> ExpertFormat {
-    match f {
-        StoredFormat::Fp8 => ExpertFormat::Fp8,
-        StoredFormat::Fp4 => ExpertFormat::Fp4,
+        WeightFormat::Fp8Block => (StoredFormat::Fp8, ExpertFormat::Fp8),
+        _ => (StoredFormat::Fp4, ExpertFormat::Fp4),
     }
 }
 
@@ -192,9 +183,9 @@ pub(crate) fn matmul_dense(
     y: &DevMem<f32>,
     (rows, k, dout, groups): (usize, usize, usize, usize),
 ) -> BResult<()> {
-    let f = stored_format(w);
+    let (f, ef) = formats(w);
     let n = dout * groups;
-    let stages = k / stage_shape(expert_format(f)).0;
+    let stages = k / stage_shape(ef).0;
     let (row_blocks, col_blocks) = (rows.div_ceil(TILE_PICKS), n.div_ceil(TILE_ROWS));
     let splits = (2 * g.sms)
         .div_ceil(row_blocks * col_blocks)
@@ -203,24 +194,21 @@ pub(crate) fn matmul_dense(
         .then(|| g.uninit::<f32>(splits * rows * n))
         .transpose()?;
     let ys = partial.as_ref().unwrap_or(y);
-    let int = |v: usize, what: &str| {
-        i32::try_from(v).map_err(|_| shape_err("matmul", format!("{what} {v} past i32")))
-    };
     g.launch(
         (row_blocks as u32, col_blocks as u32, splits as u32),
-        shared_bytes(expert_format(f)) as u32,
+        shared_bytes(ef) as u32,
         &kernels::MatmulMma {
             variant: f,
             x: DevPtr::of(xb),
-            ldx: int(k * groups, "row stride")?,
+            ldx: to_i32(k * groups, "row stride")?,
             w: DevPtr::of(&w.q),
             s: DevPtr::of(&w.s),
-            group_rows: int(w.group_rows, "group rows")?,
+            group_rows: to_i32(w.group_rows, "group rows")?,
             ys: DevPtr::of(ys),
-            rows: int(rows, "rows")?,
-            n: int(n, "outputs")?,
-            k: int(k, "inputs")?,
-            dout: int(dout, "group outputs")?,
+            rows: to_i32(rows, "rows")?,
+            n: to_i32(n, "outputs")?,
+            k: to_i32(k, "inputs")?,
+            dout: to_i32(dout, "group outputs")?,
         },
     )?;
     if let Some(partial) = &partial {
@@ -241,6 +229,7 @@ pub(crate) fn matmul_dense(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::device::MMA_SHARED;
 
     #[test]
     fn stages_are_128_byte_slabs_and_two_blocks_fit_an_sm() {

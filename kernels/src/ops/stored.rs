@@ -24,7 +24,7 @@ pub(crate) const FUSED_MAX_ROWS: usize = 16;
 /// Rows per block row of `k_matmul_q` (`QMM_TILE` in cu/quant.cu).
 const QMM_TILE: usize = 8;
 
-fn to_i32(v: usize, what: &str) -> BResult<i32> {
+pub(crate) fn to_i32(v: usize, what: &str) -> BResult<i32> {
     i32::try_from(v).map_err(|_| dev_err(format!("{what} {v} too large for the kernels")))
 }
 
