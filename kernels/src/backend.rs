@@ -303,6 +303,10 @@ impl TensorOps for CudaBackend {
         dense::rms_norm(&self.gpu, x, weight, group, eps)
     }
 
+    fn rms_norm_matmul(&self, x: &GpuTensor, w: &GpuTensor, eps: f32) -> BResult<GpuTensor> {
+        dense::rms_norm_matmul(&self.gpu, x, w, eps)
+    }
+
     fn rope(
         &self,
         x: &mut GpuTensor,

@@ -263,9 +263,17 @@ kernels! {
         GatherRows = "k_gather_rows" {
             x: DevPtr, idx: DevPtr, out: DevPtr, cols: i32,
         }
-        /// `out[idx[r]] = x[r]`, one block per row.
-        ScatterRows = "k_scatter_rows" {
+        /// `out[r] = bf16(x[idx[r]])`, one block per row.
+        GatherRowsBf16 = "k_gather_rows_bf16" {
             x: DevPtr, idx: DevPtr, out: DevPtr, cols: i32,
+        }
+        /// `rinv[r] = 1 / sqrt(mean(x[r]^2) + eps)`, one block per row.
+        RowInvRms = "k_row_inv_rms" {
+            x: DevPtr, rinv: DevPtr, cols: i32, eps: f32,
+        }
+        /// `y[r, c] *= s[r]`.
+        ScaleRows = "k_scale_rows" {
+            y: DevPtr, s: DevPtr, rows: i32, cols: i32,
         }
         /// `--deterministic` GEMM: each output's reduction order fixed, whatever the batch.
         MatmulRows = "k_matmul_rows_bf16" | "k_matmul_rows_f32" by Elem {
@@ -444,7 +452,8 @@ kernels! {
         }
         /// Weighted sum of each row's picks plus the shared expert.
         MoeCombine = "k_moe_combine" {
-            y: DevPtr, ids: DevPtr, wts: DevPtr, shared: DevPtr, out: DevPtr, h: i32, k: i32,
+            y: DevPtr, pos: DevPtr, ids: DevPtr, wts: DevPtr, shared: DevPtr, out: DevPtr, h: i32,
+            k: i32,
         }
     }
     module "moe_mma" {

@@ -111,6 +111,19 @@ pub trait TensorOps: KvStorage {
         group: usize,
         eps: f32,
     ) -> BResult<Self::Tensor>;
+    /// `rms_norm(x, None, <x's columns>, eps) @ w^T`: the hyper-connection mix logits.
+    /// Default: those two ops; the CUDA backend runs the GEMM on the raw rows and scales
+    /// each row's result by its norm (no normalised copy of the streams).
+    fn rms_norm_matmul(
+        &self,
+        x: &Self::Tensor,
+        w: &Self::Tensor,
+        eps: f32,
+    ) -> BResult<Self::Tensor> {
+        let (_, cols) = self.dims(x);
+        let normed = self.rms_norm(x, None, cols, eps)?;
+        self.matmul(&normed, w)
+    }
     /// Interleaved rope on the trailing `rope.dim()` channels of every `head_dim` head,
     /// at each row's position (`positions[r]`); `inverse` rotates back (`-sin`).
     fn rope(

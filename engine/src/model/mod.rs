@@ -85,13 +85,7 @@ impl<B: Backend> Model<B> {
 
     /// Mix logits of the hyper-connection mapping: `rmsnorm(streams) @ fn^T`.
     fn hc_mix(&self, b: &B, streams: &B::Tensor, fn_: &B::Tensor) -> BResult<B::Tensor> {
-        let flat = b.rms_norm(
-            streams,
-            None,
-            self.cfg.hc_mult * self.cfg.hidden_size,
-            self.cfg.rms_norm_eps,
-        )?;
-        b.matmul(&flat, fn_)
+        b.rms_norm_matmul(streams, fn_, self.cfg.rms_norm_eps)
     }
 
     fn hc_pre(&self, b: &B, streams: &B::Tensor, w: &HcWeights<B>) -> BResult<HcPre<B::Tensor>> {

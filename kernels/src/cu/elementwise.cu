@@ -1,8 +1,19 @@
 // Conversions, embedding, row gathers and SwiGLU.
 
+// Four values per thread and step where both buffers allow 16- and 8-byte accesses (the
+// same rounding either way).
 extern "C" __global__ void k_f32_to_bf16(const float* x, bf16_t* y, i64 n) {
-    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
-        y[i] = f_to_bf16(x[i]);
+    i64 t = blockIdx.x * (i64)blockDim.x + threadIdx.x, stride = (i64)gridDim.x * blockDim.x, done = 0;
+    if ((((unsigned long long)x & 15) | ((unsigned long long)y & 7)) == 0) {
+        i64 n4 = n >> 2;
+        for (i64 i = t; i < n4; i += stride) {
+            float4 v = reinterpret_cast<const float4*>(x)[i];
+            reinterpret_cast<uint2*>(y)[i] = make_uint2((u32)f_to_bf16(v.x) | ((u32)f_to_bf16(v.y) << 16),
+                                                        (u32)f_to_bf16(v.z) | ((u32)f_to_bf16(v.w) << 16));
+        }
+        done = n4 << 2;
+    }
+    for (i64 i = done + t; i < n; i += stride) y[i] = f_to_bf16(x[i]);
 }
 
 extern "C" __global__ void k_bf16_to_f32(const bf16_t* x, float* y, i64 n) {
@@ -44,11 +55,45 @@ extern "C" __global__ void k_gather_rows(const float* x, const int* idx, float* 
     for (int i = threadIdx.x; i < cols; i += blockDim.x) out[(i64)r * cols + i] = src[i];
 }
 
-// out[idx[r]] = x[r], one block per row.
-extern "C" __global__ void k_scatter_rows(const float* x, const int* idx, float* out, int cols) {
+// out[r] = bf16(x[idx[r]]), one block per row (the bf16 input of the prefill's expert GEMMs).
+extern "C" __global__ void k_gather_rows_bf16(const float* x, const int* idx, bf16_t* out, int cols) {
     int r = blockIdx.x;
-    float* dst = out + (i64)idx[r] * cols;
-    for (int i = threadIdx.x; i < cols; i += blockDim.x) dst[i] = x[(i64)r * cols + i];
+    const float* src = x + (i64)idx[r] * cols;
+    bf16_t* dst = out + (i64)r * cols;
+    if (((cols & 3) | (((unsigned long long)x | (unsigned long long)out) & 15)) == 0) {
+        for (int i = threadIdx.x * 4; i < cols; i += blockDim.x * 4) {
+            float4 v = *reinterpret_cast<const float4*>(src + i);
+            *reinterpret_cast<uint2*>(dst + i) = make_uint2((u32)f_to_bf16(v.x) | ((u32)f_to_bf16(v.y) << 16),
+                                                            (u32)f_to_bf16(v.z) | ((u32)f_to_bf16(v.w) << 16));
+        }
+    } else {
+        for (int i = threadIdx.x; i < cols; i += blockDim.x) dst[i] = f_to_bf16(src[i]);
+    }
+}
+
+// rinv[r] = 1 / sqrt(mean(x[r]^2) + eps), one block per row: the scale of an unweighted RMS
+// norm, applied after a GEMM on the raw rows (the hyper-connection mix).
+extern "C" __global__ void k_row_inv_rms(const float* x, float* rinv, int cols, float eps) {
+    __shared__ float sh[32];
+    const float* v = x + (i64)blockIdx.x * cols;
+    float ss = 0.f;
+    if (((cols & 3) | ((unsigned long long)x & 15)) == 0) {
+        for (int i = threadIdx.x * 4; i < cols; i += blockDim.x * 4) {
+            float4 a = *reinterpret_cast<const float4*>(v + i);
+            ss += a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w;
+        }
+    } else {
+        for (int i = threadIdx.x; i < cols; i += blockDim.x) ss += v[i] * v[i];
+    }
+    ss = block_sum(ss, sh) / (float)cols;
+    if (threadIdx.x == 0) rinv[blockIdx.x] = 1.f / sqrtf(ss + eps);
+}
+
+// y[r, c] *= s[r] over `rows` rows of `cols`.
+extern "C" __global__ void k_scale_rows(float* y, const float* s, int rows, int cols) {
+    i64 n = (i64)rows * cols;
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
+        y[i] *= s[i / cols];
 }
 
 // --deterministic: y[r, j] = x[r, (j / dout) * K ..] . w[j, :K] with one fixed reduction

@@ -291,10 +291,25 @@ extern "C" __global__ void k_moe_gather_padded(const float* x, const int* list, 
 }
 
 // gu: [n, 2*inter] (gate columns, then up columns) -> act: bf16 [n, inter].
+// Row by row (a block-stride loop over the n / inter rows), four channels per thread and
+// step where the rows allow 16-byte accesses.
 extern "C" __global__ void k_swiglu_halves_bf16(const float* gu, bf16_t* act, i64 n, int inter, float limit) {
-    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
-        i64 r = i / inter, c = i % inter;
-        act[i] = f_to_bf16(swiglu_(gu[r * 2 * inter + c], gu[r * 2 * inter + inter + c], limit));
+    i64 rows = n / inter;
+    bool vec = ((inter & 3) | (((unsigned long long)gu | (unsigned long long)act) & 15)) == 0;
+    for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        const float* g = gu + r * 2 * inter;
+        const float* u = g + inter;
+        bf16_t* y = act + r * inter;
+        if (vec) {
+            for (int c = threadIdx.x * 4; c < inter; c += blockDim.x * 4) {
+                float4 a = *reinterpret_cast<const float4*>(g + c), b = *reinterpret_cast<const float4*>(u + c);
+                *reinterpret_cast<uint2*>(y + c) =
+                    make_uint2((u32)f_to_bf16(swiglu_(a.x, b.x, limit)) | ((u32)f_to_bf16(swiglu_(a.y, b.y, limit)) << 16),
+                               (u32)f_to_bf16(swiglu_(a.z, b.z, limit)) | ((u32)f_to_bf16(swiglu_(a.w, b.w, limit)) << 16));
+            }
+        } else {
+            for (int c = threadIdx.x; c < inter; c += blockDim.x) y[c] = f_to_bf16(swiglu_(g[c], u[c], limit));
+        }
     }
 }
 
@@ -312,12 +327,14 @@ extern "C" __global__ void k_moe_scatter_padded(const float* yp, const int* list
 // grid (rows, ceil(H / COMBINE_COLS)): each block a slice of one row's channels, so a small
 // batch still spreads over the device.
 #define COMBINE_COLS 512
-extern "C" __global__ void k_moe_combine(const float* y, const int* ids, const float* wts, const float* shared,
-                                         float* out, int H, int k) {
+// `pos` (may be null): the row of y that holds pick a is pos[a] (the prefill's expert GEMMs
+// leave their outputs sorted by expert), else a.
+extern "C" __global__ void k_moe_combine(const float* y, const int* pos, const int* ids, const float* wts,
+                                         const float* shared, float* out, int H, int k) {
     // Picks in ascending (expert id, pick) order, like the CPU's per-expert loop: ordered
     // once per row by thread 0, then used by every channel.
-    __shared__ int order[64];
     __shared__ float weight[64];
+    __shared__ i64 src[64];
     int r = blockIdx.x;
     if (threadIdx.x == 0) {
         i64 last = -1;
@@ -329,15 +346,16 @@ extern "C" __global__ void k_moe_combine(const float* y, const int* ids, const f
                 if (key > last && (bj < 0 || key < bkey)) { bj = j; bkey = key; }
             }
             last = bkey;
-            order[n] = bj;
             weight[n] = wts[(i64)r * k + bj];
+            i64 a = (i64)r * k + bj;
+            src[n] = (pos ? (i64)pos[a] : a) * H;
         }
     }
     __syncthreads();
     int end = min(H, ((int)blockIdx.y + 1) * COMBINE_COLS);
     for (int c = blockIdx.y * COMBINE_COLS + threadIdx.x; c < end; c += blockDim.x) {
         float acc = 0.f;
-        for (int n = 0; n < k; n++) acc += y[((i64)r * k + order[n]) * H + c] * weight[n];
+        for (int n = 0; n < k; n++) acc += y[src[n] + c] * weight[n];
         out[(i64)r * H + c] = acc + shared[(i64)r * H + c];
     }
 }

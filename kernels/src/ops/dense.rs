@@ -5,7 +5,7 @@ use crate::buf::{f32_buf, out_ptr, shape_err, storage};
 use crate::device::Gpu;
 use crate::devmem::DevMem;
 use crate::kernels::{self, DevPtr};
-use crate::launch::{dev_err, BLOCK};
+use crate::launch::{dev_err, grid_1d, BLOCK};
 use crate::ops::tensors::{new_f32, param_f32, to_bf16};
 use crate::ops::{moe_mma, stored};
 use crate::tensor::{Buf, GpuTensor};
@@ -73,6 +73,40 @@ pub(crate) fn grouped_matmul(
 ) -> BResult<GpuTensor> {
     shapes::check_grouped_matmul((x.rows, x.cols), (w.rows, w.cols), groups)?;
     matmul_into(g, x, w, groups)
+}
+
+/// `rms_norm(x) @ w^T` (unweighted, over whole rows) as `(x @ w^T) * rinv` per row: the
+/// GEMM reads the raw rows instead of a normalised copy written for it.
+pub(crate) fn rms_norm_matmul(
+    g: &Gpu,
+    x: &GpuTensor,
+    w: &GpuTensor,
+    eps: f32,
+) -> BResult<GpuTensor> {
+    shapes::check_matmul((x.rows, x.cols), (w.rows, w.cols))?;
+    let rinv = g.uninit::<f32>(x.rows)?;
+    g.launch(
+        (x.rows as u32, 1, 1),
+        0,
+        &kernels::RowInvRms {
+            x: DevPtr::of(f32_buf(x, "rms_norm_matmul")?),
+            rinv: DevPtr::of(&rinv),
+            cols: x.cols as i32,
+            eps,
+        },
+    )?;
+    let y = matmul_into(g, x, w, 1)?;
+    g.launch(
+        grid_1d(y.len()),
+        0,
+        &kernels::ScaleRows {
+            y: out_ptr(&y)?,
+            s: DevPtr::of(&rinv),
+            rows: y.rows as i32,
+            cols: y.cols as i32,
+        },
+    )?;
+    Ok(y)
 }
 
 /// [`matmul_into`] by the batch-invariant kernel (`--deterministic`): fp32 activations,

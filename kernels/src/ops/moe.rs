@@ -108,18 +108,20 @@ pub fn moe(g: &Gpu, x: &GpuTensor, p: &MoeParams<'_, GpuTensor>) -> BResult<GpuT
                 .collect(),
         });
     }
-    let y = if g.deterministic {
-        routed_grouped(g, x, p, &ids)?
+    // The routed experts' outputs, and where each pick's row is (None: in pick order).
+    let (y, pos) = if g.deterministic {
+        (routed_grouped(g, x, p, &ids)?, None)
     } else if moe_gemm::worthwhile(g, n, k, e) {
-        moe_gemm::routed(g, x, p, &ids)?
+        let sorted = moe_gemm::routed(g, x, p, &ids)?;
+        (sorted.y, Some(sorted.pos))
     } else if tensor_cores(g, n) && moe_mma::takes(g, p, h) {
         let (list, count) = expert_lists(g, &ids, n, e, k)?;
-        moe_mma::routed(g, x, p, &list, &count)?
+        (moe_mma::routed(g, x, p, &list, &count)?, None)
     } else if moe_gemm::padded_worthwhile(p, n, k, e) {
         let (list, count) = expert_lists(g, &ids, n, e, k)?;
-        moe_gemm::routed_padded(g, x, p, &list, &count)?
+        (moe_gemm::routed_padded(g, x, p, &list, &count)?, None)
     } else {
-        routed_grouped(g, x, p, &ids)?
+        (routed_grouped(g, x, p, &ids)?, None)
     };
     // Shared expert.
     let sg = matmul(g, x, p.shared_gate)?;
@@ -143,6 +145,7 @@ pub fn moe(g: &Gpu, x: &GpuTensor, p: &MoeParams<'_, GpuTensor>) -> BResult<GpuT
         0,
         &kernels::MoeCombine {
             y: DevPtr::of(&y),
+            pos: pos.as_ref().map_or(DevPtr::NULL, DevPtr::of),
             ids: DevPtr::of(&ids),
             wts: DevPtr::of(&wts),
             shared: DevPtr::of(f32_buf(&shared, "moe")?),

@@ -1,7 +1,8 @@
 //! Routed experts as cuBLAS GEMMs (prefill): the routing is copied to the host, picks are
-//! sorted by expert, their rows gathered, and each used expert runs two tensor-core GEMMs
-//! over all of its picks (gate+up, then down), with SwiGLU between; rows are scattered
-//! back to pick order. Used outside decode steps only (it synchronises on the routing).
+//! sorted by expert, their rows gathered (in bf16 next to bf16 weights), and each used
+//! expert runs two tensor-core GEMMs over all of its picks (gate+up, then down), with
+//! SwiGLU between; the outputs stay sorted, and the combine reads them through each pick's
+//! position. Used outside decode steps only (it synchronises on the routing).
 
 use crate::buf::{f32_buf, storage};
 use crate::device::Gpu;
@@ -9,7 +10,6 @@ use crate::devmem::DevMem;
 use crate::kernels::{self, DevPtr};
 use crate::launch::grid_1d;
 use crate::ops::stored;
-use crate::ops::tensors::to_bf16;
 use crate::tensor::{Buf, GpuTensor};
 use pdserve_engine::backend::{BResult, MoeParams};
 
@@ -67,36 +67,63 @@ fn span_gemm(
     )
 }
 
+/// Routed experts' outputs sorted by expert: `y` holds one row per pick, pick `a`'s at row
+/// `pos[a]` (what `k_moe_combine` reads).
+pub(crate) struct SortedRows {
+    pub y: DevMem<f32>,
+    pub pos: DevMem<i32>,
+}
+
 pub(crate) fn routed(
     g: &Gpu,
     x: &GpuTensor,
     p: &MoeParams<'_, GpuTensor>,
     ids: &DevMem<i32>,
-) -> BResult<DevMem<f32>> {
+) -> BResult<SortedRows> {
     let (n, h) = (x.rows, x.cols);
     let (e, k, inter) = (p.n_experts, p.top_k, p.intermediate);
     let host_ids = g.download(ids, n * k)?;
     let (order, spans) = sort_picks(&host_ids, e);
     let rows_of: Vec<i32> = order.iter().map(|&a| a / k as i32).collect();
+    let mut pos = vec![0i32; order.len()];
+    for (j, &a) in order.iter().enumerate() {
+        pos[a as usize] = j as i32;
+    }
     let picks = n * k;
     let gather = g.upload(&rows_of)?;
-    let xs = g.uninit::<f32>(picks * h)?;
-    g.launch(
-        (picks as u32, 1, 1),
-        0,
-        &kernels::GatherRows {
-            x: DevPtr::of(f32_buf(x, "moe")?),
-            idx: DevPtr::of(&gather),
-            out: DevPtr::of(&xs),
-            cols: h as i32,
-        },
-    )?;
     let gu_w = ExpertWeights::new(g, p.gate_up, 2 * inter)?;
     let down_w = ExpertWeights::new(g, p.down, h)?;
     let (gu_bf16, down_bf16) = (gu_w.bf16, down_w.bf16);
+    // Each pick's row, sorted by expert: bf16 (rounded as the GEMM input) or fp32.
+    let xs = f32_buf(x, "moe")?;
+    let xin = if gu_bf16 {
+        let xb = g.uninit::<u16>(picks * h)?;
+        g.launch(
+            (picks as u32, 1, 1),
+            0,
+            &kernels::GatherRowsBf16 {
+                x: DevPtr::of(xs),
+                idx: DevPtr::of(&gather),
+                out: DevPtr::of(&xb),
+                cols: h as i32,
+            },
+        )?;
+        Gathered::Bf16(xb)
+    } else {
+        let xf = g.uninit::<f32>(picks * h)?;
+        g.launch(
+            (picks as u32, 1, 1),
+            0,
+            &kernels::GatherRows {
+                x: DevPtr::of(xs),
+                idx: DevPtr::of(&gather),
+                out: DevPtr::of(&xf),
+                cols: h as i32,
+            },
+        )?;
+        Gathered::F32(xf)
+    };
     // Gate and up rows of every pick: [picks, 2I].
-    let xin = gu_bf16.then(|| to_bf16(g, &xs)).transpose()?;
-    let a = xin.as_ref().map_or(xs.ptr(), |t| t.ptr());
     let gu = g.uninit::<f32>(picks * 2 * inter)?;
     for (ex, &(first, count)) in spans.iter().enumerate() {
         if count == 0 {
@@ -104,22 +131,39 @@ pub(crate) fn routed(
         }
         let w = gu_w.expert(g, ex)?;
         let c = gu.ptr() + (first * 2 * inter * 4) as u64;
-        span_gemm(g, (a, first * h), w, c, count, 2 * inter, h, gu_bf16)?;
+        span_gemm(g, (xin.ptr(), first * h), w, c, count, 2 * inter, h, gu_bf16)?;
     }
-    let act = g.uninit::<f32>(picks * inter)?;
-    g.launch(
-        grid_1d(picks * inter),
-        0,
-        &kernels::SwigluHalves {
-            x: DevPtr::of(&gu),
-            y: DevPtr::of(&act),
-            n: (picks * inter) as i64,
-            inter: inter as i32,
-            limit: p.swiglu_limit,
-        },
-    )?;
-    let ain = down_bf16.then(|| to_bf16(g, &act)).transpose()?;
-    let a = ain.as_ref().map_or(act.ptr(), |t| t.ptr());
+    drop(xin);
+    let act = if down_bf16 {
+        let ab = g.uninit::<u16>(picks * inter)?;
+        g.launch(
+            grid_1d(picks * inter),
+            0,
+            &kernels::SwigluHalvesBf16 {
+                gu: DevPtr::of(&gu),
+                act: DevPtr::of(&ab),
+                n: (picks * inter) as i64,
+                inter: inter as i32,
+                limit: p.swiglu_limit,
+            },
+        )?;
+        Gathered::Bf16(ab)
+    } else {
+        let af = g.uninit::<f32>(picks * inter)?;
+        g.launch(
+            grid_1d(picks * inter),
+            0,
+            &kernels::SwigluHalves {
+                x: DevPtr::of(&gu),
+                y: DevPtr::of(&af),
+                n: (picks * inter) as i64,
+                inter: inter as i32,
+                limit: p.swiglu_limit,
+            },
+        )?;
+        Gathered::F32(af)
+    };
+    drop(gu);
     let ys = g.uninit::<f32>(picks * h)?;
     for (ex, &(first, count)) in spans.iter().enumerate() {
         if count == 0 {
@@ -127,22 +171,27 @@ pub(crate) fn routed(
         }
         let w = down_w.expert(g, ex)?;
         let c = ys.ptr() + (first * h * 4) as u64;
-        span_gemm(g, (a, first * inter), w, c, count, h, inter, down_bf16)?;
+        span_gemm(g, (act.ptr(), first * inter), w, c, count, h, inter, down_bf16)?;
     }
-    // Back to pick order: y[order[j]] = ys[j].
-    let scatter = g.upload(&order)?;
-    let y = g.uninit::<f32>(picks * h)?;
-    g.launch(
-        (picks as u32, 1, 1),
-        0,
-        &kernels::ScatterRows {
-            x: DevPtr::of(&ys),
-            idx: DevPtr::of(&scatter),
-            out: DevPtr::of(&y),
-            cols: h as i32,
-        },
-    )?;
-    Ok(y)
+    Ok(SortedRows {
+        y: ys,
+        pos: g.upload(&pos)?,
+    })
+}
+
+/// Rows gathered for a GEMM: bf16 next to bf16 (or dequantized) weights, else fp32.
+enum Gathered {
+    Bf16(DevMem<u16>),
+    F32(DevMem<f32>),
+}
+
+impl Gathered {
+    fn ptr(&self) -> u64 {
+        match self {
+            Gathered::Bf16(b) => b.ptr(),
+            Gathered::F32(b) => b.ptr(),
+        }
+    }
 }
 
 /// One projection of every expert (`per` rows each) as GEMM operands: bf16 or fp32 rows
