@@ -6,6 +6,7 @@ use crate::compile::{self, CompileError};
 use crate::devmem::DevMem;
 use crate::kernels::{Kernel, REGISTRY};
 use crate::launch::{dev_err, Arg, BLOCK};
+use crate::ops::rope_tables::RopeTableCache;
 use crate::recorder::{StepMode, StepRecord};
 use crate::step::{StepState, Temp, Upload};
 use cudarc::driver::{
@@ -49,6 +50,8 @@ pub struct Gpu {
     step: Mutex<StepState>,
     /// Page-locked bounce buffer of large device-to-host copies.
     pinned: Mutex<Option<cudarc::driver::PinnedHostSlice<u8>>>,
+    /// Rope tables kept between calls outside decode steps (see `ops::rope_tables`).
+    rope_tables: Mutex<RopeTableCache>,
     /// Every kernel of [`REGISTRY`] by name.
     funcs: HashMap<&'static str, CudaFunction>,
     pub arch: String,
@@ -250,6 +253,7 @@ impl Gpu {
             blas,
             step: Mutex::new(StepState::default()),
             pinned: Mutex::new(None),
+            rope_tables: Mutex::new(RopeTableCache::default()),
             funcs,
             arch,
             device_name,
@@ -259,6 +263,12 @@ impl Gpu {
             expert_kernel: ExpertKernel::Auto,
             fp32_reference: true,
         })
+    }
+
+    pub(crate) fn rope_tables(&self) -> BResult<std::sync::MutexGuard<'_, RopeTableCache>> {
+        self.rope_tables
+            .lock()
+            .map_err(|_| BackendError::Device("rope table cache poisoned by a panic".into()))
     }
 
     fn step(&self) -> BResult<std::sync::MutexGuard<'_, StepState>> {

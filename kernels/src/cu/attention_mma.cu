@@ -15,24 +15,27 @@
 // nsplit == 1) or the split kernel's partials, which k_attention_combine merges.
 //
 // A tile: the keys' bf16 values in shared memory (cp.async for bf16 entries, the next
-// tile's copies in flight while this one computes; fp8 entries converted on the way), then
-//   scores  S[ATM_H x ATM_T] = Q K^T: warp w computes heads 16 (w % 4) .. +16 over keys
-//           16 (w / 4) .. +16, the whole head_dim;
-//   softmax one warp per 8 heads, lane = key: running max and sum per head, P as bf16;
-//   values  O[ATM_H x hd] += P V: warp w owns channels w hd/8 .. +hd/8 of every head, its
-//           accumulators in registers across the tiles.
+// tile's copies in flight while this one computes; fp8 entries converted on the way). Warp
+// w owns heads 16 (w % 4) .. +16 and channels (w / 4) hd/2 .. +hd/2, its partner w ^ 4 the
+// other half of the same heads:
+//   scores  each warp takes S[16 x ATM_T] = Q K^T over its half of the channels; the pair
+//           swaps halves through shared memory (a 64-thread named barrier) and both add
+//           them in the same order, so both hold the same scores in registers;
+//   softmax in registers, each thread two heads (rows g and g + 8 of the mma layout), the
+//           row max and sum across the lane quad; running max and sum in registers;
+//   values  O[16 x hd/2] += P V: the probabilities go from the score accumulators straight
+//           into the mma's A operand (as bf16), the accumulators in registers across tiles.
 // Shared rows are padded by ATM_PAD bf16 (16 bytes): ldmatrix's 8 rows hit distinct banks.
-// Requires hd a multiple of 64, at most 64 * ATM_MAXNT; fp8 entries with 16-byte aligned
-// rows (nope a multiple of 16). Dynamic shared memory: MmaPlan::shared_bytes
-// (ops/attention_mma.rs) gives the layout below (the exact variant: the lo halves of the
-// probabilities and queries after the key tiles).
+// Requires hd a multiple of 32, at most 16 * ATM_MAXNT (the host takes multiples of 64 up
+// to 512); fp8 entries with 16-byte aligned rows (nope a multiple of 16). Dynamic
+// shared memory: MmaPlan::shared_bytes (ops/attention_mma.rs) gives the layout below (the
+// exact variant: the lo halves of the queries after the key tiles).
 #define ATM_H 64
 #define ATM_T 32
 #define ATM_PAD 8
 #define ATM_THREADS 256
-#define ATM_MAXNT 8
-#define ATM_SST (ATM_T + 4)
-#define ATM_PST (ATM_T + ATM_PAD)
+// 8-channel output tiles of one warp: hd / 2 / 8 at hd 512.
+#define ATM_MAXNT 32
 
 // Two e4m3 codes (bytes 0 and 1 of w) times the power-of-two scale s, as a bf16 pair (the
 // products are exact in bf16).
@@ -41,6 +44,15 @@ __device__ __forceinline__ u32 atm_fp8_pair(u32 w, float s) {
     float f0 = (b0 & 0x7fu) == 0x7fu ? __int_as_float(0x7fc00000) : e4m3w(b0) * s;
     float f1 = (b1 & 0x7fu) == 0x7fu ? __int_as_float(0x7fc00000) : e4m3w(b1) * s;
     return (u32)f_to_bf16(f0) | ((u32)f_to_bf16(f1) << 16);
+}
+
+__device__ __forceinline__ u32 atm_pack(float lo, float hi) {
+    return (u32)f_to_bf16(lo) | ((u32)f_to_bf16(hi) << 16);
+}
+
+// The 64 threads of warps w and w ^ 4 (barrier 1 + w % 4; 0 is __syncthreads').
+__device__ __forceinline__ void atm_pair_sync(int warp) {
+    asm volatile("bar.sync %0, 64;" ::"r"(1 + (warp & 3)) : "memory");
 }
 
 template <bool EXACT>
@@ -56,15 +68,10 @@ __device__ __forceinline__ void atm_body(const unsigned char* pages, const unsig
     const int ldk = hd + ATM_PAD;
     unsigned long long* kaddr = (unsigned long long*)atm_sh;  // [2][ATM_T] key addresses
     unsigned long long* saddr = kaddr + 2 * ATM_T;            // [2][ATM_T] fp8 scale addresses
-    float* mrun = (float*)(saddr + 2 * ATM_T);                // [ATM_H] running max
-    float* lrun = mrun + ATM_H;                               // [ATM_H] running sum
-    float* alpha = lrun + ATM_H;                              // [ATM_H] this tile's rescale
-    float* ss = alpha + ATM_H;                                // [ATM_H][ATM_SST] scores
-    bf16_t* ps = (bf16_t*)(ss + ATM_H * ATM_SST);             // [ATM_H][ATM_PST] probabilities
-    bf16_t* qs = ps + ATM_H * ATM_PST;                        // [ATM_H][ldk] queries
+    float* sx = (float*)(saddr + 2 * ATM_T);                  // [8 warps][4 tiles][32 lanes][4] partial scores
+    bf16_t* qs = (bf16_t*)(sx + 8 * 4 * 32 * 4);              // [ATM_H][ldk] queries
     bf16_t* ks = qs + ATM_H * ldk;                            // [2][ATM_T][ldk] keys
-    bf16_t* ps_lo = ks + 2 * ATM_T * ldk;                     // EXACT: [ATM_H][ATM_PST]
-    bf16_t* qs_lo = ps_lo + ATM_H * ATM_PST;                  // EXACT: [ATM_H][ldk]
+    bf16_t* qs_lo = ks + 2 * ATM_T * ldk;                     // EXACT: [ATM_H][ldk]
     int r = blockIdx.x, h0 = blockIdx.y * ATM_H, split = blockIdx.z;
     int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const AttnRow keys = attn_row(r, pages, states, page_bytes, state_bytes, seq, pt, row_seq, positions, new_rows,
@@ -89,23 +96,6 @@ __device__ __forceinline__ void atm_body(const unsigned char* pages, const unsig
             part_ml[((rh + h) * nsplit + split) * 2 + 1] = 0.f;
         }
         return;
-    }
-    for (int i = tid * 4; i < ATM_H * hd; i += ATM_THREADS * 4) {
-        int h = i / hd, c = i - h * hd;
-        float4 v = h < nh ? *reinterpret_cast<const float4*>(q + (rh + h) * hd + c) : make_float4(0.f, 0.f, 0.f, 0.f);
-        bf16_t b0 = f_to_bf16(v.x), b1 = f_to_bf16(v.y), b2 = f_to_bf16(v.z), b3 = f_to_bf16(v.w);
-        *reinterpret_cast<uint2*>(qs + h * ldk + c) =
-            make_uint2((u32)b0 | ((u32)b1 << 16), (u32)b2 | ((u32)b3 << 16));
-        if (EXACT) {
-            bf16_t l0 = f_to_bf16(v.x - bf16_to_f(b0)), l1 = f_to_bf16(v.y - bf16_to_f(b1));
-            bf16_t l2 = f_to_bf16(v.z - bf16_to_f(b2)), l3 = f_to_bf16(v.w - bf16_to_f(b3));
-            *reinterpret_cast<uint2*>(qs_lo + h * ldk + c) =
-                make_uint2((u32)l0 | ((u32)l1 << 16), (u32)l2 | ((u32)l3 << 16));
-        }
-    }
-    if (tid < ATM_H) {
-        mrun[tid] = NEG_INF;
-        lrun[tid] = 0.f;
     }
     int nope = hd - rd;
     int ntiles = (k1 - k0 + ATM_T - 1) / ATM_T;
@@ -146,26 +136,43 @@ __device__ __forceinline__ void atm_body(const unsigned char* pages, const unsig
             }
         }
     };
+    // The first tile's copies go out before the queries are read.
     stage(0, 0);
     __syncthreads();
     load(0);
     tc_commit();
+    for (int i = tid * 4; i < ATM_H * hd; i += ATM_THREADS * 4) {
+        int h = i / hd, c = i - h * hd;
+        float4 v = h < nh ? *reinterpret_cast<const float4*>(q + (rh + h) * hd + c) : make_float4(0.f, 0.f, 0.f, 0.f);
+        bf16_t b0 = f_to_bf16(v.x), b1 = f_to_bf16(v.y), b2 = f_to_bf16(v.z), b3 = f_to_bf16(v.w);
+        *reinterpret_cast<uint2*>(qs + h * ldk + c) =
+            make_uint2((u32)b0 | ((u32)b1 << 16), (u32)b2 | ((u32)b3 << 16));
+        if (EXACT) {
+            bf16_t l0 = f_to_bf16(v.x - bf16_to_f(b0)), l1 = f_to_bf16(v.y - bf16_to_f(b1));
+            bf16_t l2 = f_to_bf16(v.z - bf16_to_f(b2)), l3 = f_to_bf16(v.w - bf16_to_f(b3));
+            *reinterpret_cast<uint2*>(qs_lo + h * ldk + c) =
+                make_uint2((u32)l0 | ((u32)l1 << 16), (u32)l2 | ((u32)l3 << 16));
+        }
+    }
     int g = lane >> 2, tq = lane & 3;
-    int nt = hd >> 6;              // 8-channel n-tiles per warp in the values product
-    int cw = warp * (hd >> 3);     // this warp's first output channel
-    int mi_s = warp & 3, nk_s = (warp >> 2) * 16;  // this warp's score tile
-    float acc[4][ATM_MAXNT][4];
+    int hg = warp & 3, half = warp >> 2;
+    int hdh = hd >> 1;             // channels per warp
+    int c0 = half * hdh;           // this warp's first channel
+    int nt = hdh >> 3;             // its 8-channel output tiles
+    float* sx_mine = sx + warp * (4 * 32 * 4);
+    const float* sx_pair = sx + (warp ^ 4) * (4 * 32 * 4);
+    // Running max and sum of heads hg*16 + g (index 0) and + 8 (index 1).
+    float mrun[2] = {NEG_INF, NEG_INF}, lrun[2] = {0.f, 0.f};
+    float acc[ATM_MAXNT][4];
 #pragma unroll
-    for (int mi = 0; mi < 4; mi++)
+    for (int ni = 0; ni < ATM_MAXNT; ni++)
 #pragma unroll
-        for (int ni = 0; ni < ATM_MAXNT; ni++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) acc[mi][ni][e] = 0.f;
+        for (int e = 0; e < 4; e++) acc[ni][e] = 0.f;
     for (int t = 0; t < ntiles; t++) {
         int b = t & 1;
         if (t + 1 < ntiles) stage(t + 1, b ^ 1);
         // The next addresses are visible, and every warp is done with tile t - 1 (whose
-        // buffer the next copies overwrite).
+        // buffer the next copies overwrite, and whose partial scores the pair read).
         __syncthreads();
         if (t + 1 < ntiles) load(b ^ 1);
         tc_commit();
@@ -173,133 +180,138 @@ __device__ __forceinline__ void atm_body(const unsigned char* pages, const unsig
         __syncthreads();
         const bf16_t* kb = ks + b * ATM_T * ldk;
         int lim = min(ATM_T, k1 - k0 - t * ATM_T);  // keys of this tile
+        // s[j]: keys 8j .. 8j+7; [0], [1] head g, [2], [3] head g + 8.
+        float s[4][4];
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) s[j][e] = 0.f;
         {
-            float s0[4] = {0.f, 0.f, 0.f, 0.f}, s1[4] = {0.f, 0.f, 0.f, 0.f};
-            u32 qa = tc_smem(qs + (mi_s * 16 + (lane & 15)) * ldk + (lane >> 4) * 8);
-            u32 qa_lo = tc_smem(qs_lo + (mi_s * 16 + (lane & 15)) * ldk + (lane >> 4) * 8);
-            u32 ka = tc_smem(kb + (nk_s + (lane & 7) + (lane >> 4) * 8) * ldk + ((lane >> 3) & 1) * 8);
+            u32 qa = tc_smem(qs + (hg * 16 + (lane & 15)) * ldk + c0 + (lane >> 4) * 8);
+            u32 qa_lo = tc_smem(qs_lo + (hg * 16 + (lane & 15)) * ldk + c0 + (lane >> 4) * 8);
+            u32 ka = tc_smem(kb + ((lane & 7) + (lane >> 4) * 8) * ldk + c0 + ((lane >> 3) & 1) * 8);
+            u32 kb16 = 16 * ldk * 2;  // 16 keys further, in bytes
 #pragma unroll 4
-            for (int kk = 0; kk < hd; kk += 16) {
-                u32 a[4], kf[4];
+            for (int kk = 0; kk < hdh; kk += 16) {
+                u32 a[4], k01[4], k23[4];
                 tc_ldsm_x4(qa + kk * 2, a);
-                tc_ldsm_x4(ka + kk * 2, kf);
-                tc_mma(s0, a, kf[0], kf[1]);
-                tc_mma(s1, a, kf[2], kf[3]);
+                tc_ldsm_x4(ka + kk * 2, k01);
+                tc_ldsm_x4(ka + kb16 + kk * 2, k23);
+                tc_mma(s[0], a, k01[0], k01[1]);
+                tc_mma(s[1], a, k01[2], k01[3]);
+                tc_mma(s[2], a, k23[0], k23[1]);
+                tc_mma(s[3], a, k23[2], k23[3]);
                 if (EXACT) {
                     tc_ldsm_x4(qa_lo + kk * 2, a);
-                    tc_mma(s0, a, kf[0], kf[1]);
-                    tc_mma(s1, a, kf[2], kf[3]);
+                    tc_mma(s[0], a, k01[0], k01[1]);
+                    tc_mma(s[1], a, k01[2], k01[3]);
+                    tc_mma(s[2], a, k23[0], k23[1]);
+                    tc_mma(s[3], a, k23[2], k23[3]);
                 }
             }
-            int row = mi_s * 16 + g;
+        }
+        // Swap halves with the partner warp; both add (half 0) + (half 1).
 #pragma unroll
-            for (int n = 0; n < 2; n++) {
-                const float* s = n == 0 ? s0 : s1;
-                int col = nk_s + n * 8 + 2 * tq;
-                float2 top = make_float2(col < lim ? s[0] * scale : NEG_INF, col + 1 < lim ? s[1] * scale : NEG_INF);
-                float2 bot = make_float2(col < lim ? s[2] * scale : NEG_INF, col + 1 < lim ? s[3] * scale : NEG_INF);
-                *reinterpret_cast<float2*>(ss + row * ATM_SST + col) = top;
-                *reinterpret_cast<float2*>(ss + (row + 8) * ATM_SST + col) = bot;
+        for (int j = 0; j < 4; j++)
+            *reinterpret_cast<float4*>(sx_mine + (j * 32 + lane) * 4) = make_float4(s[j][0], s[j][1], s[j][2], s[j][3]);
+        atm_pair_sync(warp);
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            float4 o = *reinterpret_cast<const float4*>(sx_pair + (j * 32 + lane) * 4);
+            float lo[4] = {o.x, o.y, o.z, o.w};
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                float sum = half == 0 ? s[j][e] + lo[e] : lo[e] + s[j][e];
+                int col = j * 8 + 2 * tq + (e & 1);
+                s[j][e] = col < lim ? sum * scale : NEG_INF;
             }
         }
-        __syncthreads();
-        for (int hh = warp; hh < ATM_H; hh += ATM_THREADS / 32) {
-            float s = ss[hh * ATM_SST + lane];
-            float mo = mrun[hh];
-            float mn = fmaxf(mo, warp_max(s));
-            float p = lane < lim ? expf(s - mn) : 0.f;
-            bf16_t pb = f_to_bf16(p);
-            // The sum of what the products take: the bf16 value, or (EXACT) p itself.
-            float sum = warp_sum(EXACT ? p : bf16_to_f(pb));
-            ps[hh * ATM_PST + lane] = pb;
-            if (EXACT) ps_lo[hh * ATM_PST + lane] = f_to_bf16(p - bf16_to_f(pb));
-            if (lane == 0) {
-                float al = expf(mo - mn);
-                alpha[hh] = al;
-                mrun[hh] = mn;
-                lrun[hh] = lrun[hh] * al + sum;
+        // Online softmax of heads g (i = 0) and g + 8 (i = 1).
+        float alpha[2];
+        u32 pa[2][4], pl[2][4];
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            float mx = NEG_INF;
+#pragma unroll
+            for (int j = 0; j < 4; j++) mx = fmaxf(mx, fmaxf(s[j][2 * i], s[j][2 * i + 1]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            float mn = fmaxf(mrun[i], mx);
+            float sum = 0.f;
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                int col = j * 8 + 2 * tq;
+                float p0 = col < lim ? expf(s[j][2 * i] - mn) : 0.f;
+                float p1 = col + 1 < lim ? expf(s[j][2 * i + 1] - mn) : 0.f;
+                bf16_t b0 = f_to_bf16(p0), b1 = f_to_bf16(p1);
+                // The sum of what the products take: the bf16 value, or (EXACT) p itself.
+                sum += EXACT ? p0 + p1 : bf16_to_f(b0) + bf16_to_f(b1);
+                // A operand of k-step j / 2: a[0] head g, keys 0-7 of the step; a[1] head
+                // g + 8; a[2], a[3] keys 8-15.
+                pa[j >> 1][(j & 1) * 2 + i] = (u32)b0 | ((u32)b1 << 16);
+                if (EXACT) pl[j >> 1][(j & 1) * 2 + i] = atm_pack(p0 - bf16_to_f(b0), p1 - bf16_to_f(b1));
             }
+            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+            alpha[i] = expf(mrun[i] - mn);
+            mrun[i] = mn;
+            lrun[i] = lrun[i] * alpha[i] + sum;
         }
-        __syncthreads();
 #pragma unroll
-        for (int mi = 0; mi < 4; mi++) {
-            float a_top = alpha[mi * 16 + g], a_bot = alpha[mi * 16 + g + 8];
-#pragma unroll
-            for (int ni = 0; ni < ATM_MAXNT; ni++) {
-                acc[mi][ni][0] *= a_top;
-                acc[mi][ni][1] *= a_top;
-                acc[mi][ni][2] *= a_bot;
-                acc[mi][ni][3] *= a_bot;
-            }
+        for (int ni = 0; ni < ATM_MAXNT; ni++) {
+            acc[ni][0] *= alpha[0];
+            acc[ni][1] *= alpha[0];
+            acc[ni][2] *= alpha[1];
+            acc[ni][3] *= alpha[1];
         }
 #pragma unroll
-        for (int kk = 0; kk < ATM_T; kk += 16) {
-            u32 pa[4][4], pa_lo[4][4];
-#pragma unroll
-            for (int mi = 0; mi < 4; mi++) {
-                int at = (mi * 16 + (lane & 15)) * ATM_PST + kk + (lane >> 4) * 8;
-                tc_ldsm_x4(tc_smem(ps + at), pa[mi]);
-                if (EXACT) tc_ldsm_x4(tc_smem(ps_lo + at), pa_lo[mi]);
-            }
-            const bf16_t* vrow = kb + (kk + (lane & 7) + ((lane >> 3) & 1) * 8) * ldk + cw;
+        for (int kq = 0; kq < 2; kq++) {
+            const bf16_t* vrow = kb + (kq * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * ldk + c0;
 #pragma unroll
             for (int nj = 0; nj < ATM_MAXNT / 2; nj++) {
-                if (2 * nj + 1 < nt) {
+                if (2 * nj < nt) {
                     u32 v[4];
                     tc_ldsm_x4_t(tc_smem(vrow + nj * 16 + (lane >> 4) * 8), v);
-#pragma unroll
-                    for (int mi = 0; mi < 4; mi++) {
-                        tc_mma(acc[mi][2 * nj], pa[mi], v[0], v[1]);
-                        tc_mma(acc[mi][2 * nj + 1], pa[mi], v[2], v[3]);
-                        if (EXACT) {
-                            tc_mma(acc[mi][2 * nj], pa_lo[mi], v[0], v[1]);
-                            tc_mma(acc[mi][2 * nj + 1], pa_lo[mi], v[2], v[3]);
-                        }
-                    }
-                } else if (2 * nj < nt) {
-                    u32 v0, v1;
-                    tc_ldsm_x2_t(tc_smem(vrow + nj * 16), v0, v1);
-#pragma unroll
-                    for (int mi = 0; mi < 4; mi++) {
-                        tc_mma(acc[mi][2 * nj], pa[mi], v0, v1);
-                        if (EXACT) tc_mma(acc[mi][2 * nj], pa_lo[mi], v0, v1);
+                    tc_mma(acc[2 * nj], pa[kq], v[0], v[1]);
+                    tc_mma(acc[2 * nj + 1], pa[kq], v[2], v[3]);
+                    if (EXACT) {
+                        tc_mma(acc[2 * nj], pl[kq], v[0], v[1]);
+                        tc_mma(acc[2 * nj + 1], pl[kq], v[2], v[3]);
                     }
                 }
             }
         }
     }
 #pragma unroll
-    for (int mi = 0; mi < 4; mi++)
-#pragma unroll
-        for (int half = 0; half < 2; half++) {
-            int hh = mi * 16 + g + half * 8;
-            if (hh >= nh) continue;
-            float w = 1.f;
-            float* dst;
-            if (direct) {
-                // The sink joins the softmax here (as in k_attention_combine for nsplit 1).
-                float sink = sinks[h0 + hh], m = mrun[hh];
-                float mx = fmaxf(m, sink);
-                float e = expf(m - mx);
-                w = e / (lrun[hh] * e + expf(sink - mx));
-                dst = out + (rh + hh) * hd;
-            } else {
-                dst = part + ((rh + hh) * nsplit + split) * hd;
+    for (int i = 0; i < 2; i++) {
+        int hh = hg * 16 + g + i * 8;
+        if (hh >= nh) continue;
+        float w = 1.f;
+        float* dst;
+        if (direct) {
+            // The sink joins the softmax here (as in k_attention_combine for nsplit 1).
+            float sink = sinks[h0 + hh], m = mrun[i];
+            float mx = fmaxf(m, sink);
+            float e = expf(m - mx);
+            w = e / (lrun[i] * e + expf(sink - mx));
+            dst = out + (rh + hh) * hd;
+        } else {
+            dst = part + ((rh + hh) * nsplit + split) * hd;
+            if (half == 0 && tq == 0) {
+                part_ml[((rh + hh) * nsplit + split) * 2] = mrun[i];
+                part_ml[((rh + hh) * nsplit + split) * 2 + 1] = lrun[i];
             }
-#pragma unroll
-            for (int ni = 0; ni < ATM_MAXNT; ni++)
-                if (ni < nt)
-                    *reinterpret_cast<float2*>(dst + cw + ni * 8 + 2 * tq) =
-                        make_float2(acc[mi][ni][2 * half] * w, acc[mi][ni][2 * half + 1] * w);
         }
-    if (!direct && tid < nh) {
-        part_ml[((rh + tid) * nsplit + split) * 2] = mrun[tid];
-        part_ml[((rh + tid) * nsplit + split) * 2 + 1] = lrun[tid];
+#pragma unroll
+        for (int ni = 0; ni < ATM_MAXNT; ni++)
+            if (ni < nt)
+                *reinterpret_cast<float2*>(dst + c0 + ni * 8 + 2 * tq) =
+                    make_float2(acc[ni][2 * i] * w, acc[ni][2 * i + 1] * w);
     }
 }
 
 // Products in bf16 (bf16 and stored-format weights).
-extern "C" __global__ void k_attention_mma(const unsigned char* pages, const unsigned char* states, i64 page_bytes,
+extern "C" __launch_bounds__(256, 1) __global__ void k_attention_mma(const unsigned char* pages, const unsigned char* states, i64 page_bytes,
                                            i64 state_bytes, const int* seq, const u32* pt, const int* row_seq,
                                            const int* positions, const float* q, const unsigned char* new_rows,
                                            const unsigned char* new_scales, const float* sinks, const int* sel,
@@ -313,7 +325,7 @@ extern "C" __global__ void k_attention_mma(const unsigned char* pages, const uns
 }
 
 // Products of hi + lo bf16 halves, ~16 bits (gpu-check's A/B under fp32 weights).
-extern "C" __global__ void k_attention_mma_exact(const unsigned char* pages, const unsigned char* states, i64 page_bytes,
+extern "C" __launch_bounds__(256, 1) __global__ void k_attention_mma_exact(const unsigned char* pages, const unsigned char* states, i64 page_bytes,
                                            i64 state_bytes, const int* seq, const u32* pt, const int* row_seq,
                                            const int* positions, const float* q, const unsigned char* new_rows,
                                            const unsigned char* new_scales, const float* sinks, const int* sel,

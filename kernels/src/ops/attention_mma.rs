@@ -22,11 +22,10 @@ const HEADS: usize = 64;
 const TILE: usize = 32;
 /// bf16 padding of every shared row (`ATM_PAD`).
 const PAD: usize = 8;
-/// Channels one warp's values product owns at most: head_dim up to 8 warps x 64.
+/// Largest head_dim: each warp owns half of it, in at most `ATM_MAXNT` (32) tiles of 8.
 const MAX_HEAD_DIM: usize = 512;
-/// Score row stride in floats (`ATM_SST`) and probability row stride in bf16 (`ATM_PST`).
-const SCORE_STRIDE: usize = TILE + 4;
-const PROB_STRIDE: usize = TILE + PAD;
+/// Partial scores the warps swap with their pairs (`sx`): 8 warps x 16 heads x `TILE` keys.
+const PARTIAL_SCORES: usize = 8 * 16 * TILE;
 /// KV entry dtype codes (`kv_dt_code`): bf16, and fp8 in FlashMLA's V4 layout.
 const DT_BF16: i32 = 1;
 const DT_FP8: i32 = 3;
@@ -48,7 +47,7 @@ pub(crate) struct MmaPlan {
 
 impl MmaPlan {
     /// The division of `rows` rows of `n_heads` heads over at most `max_keys` keys on a
-    /// device of `sms` SMs (one block per SM fits: the block takes ~146 KiB of shared
+    /// device of `sms` SMs (one block per SM fits: the block takes ~147 KiB of shared
     /// memory at head_dim 512). Under `--deterministic` the split is a constant, so that
     /// a row's result is the same function of its keys whatever the batch.
     pub(crate) fn choose(
@@ -68,15 +67,11 @@ impl MmaPlan {
     }
 
     /// Dynamic shared memory of a block (`k_attention_mma`'s layout): key and scale
-    /// addresses of two tiles, running max/sum/rescale, scores, probabilities, queries and
-    /// two key tiles; `exact`: the lo halves of the probabilities and queries too.
+    /// addresses of two tiles, the warps' partial scores, queries and two key tiles;
+    /// `exact`: the lo halves of the queries too.
     pub(crate) fn shared_bytes(hd: usize, exact: bool) -> usize {
         let halves = if exact { 2 } else { 1 };
-        4 * TILE * 8
-            + 3 * HEADS * 4
-            + HEADS * SCORE_STRIDE * 4
-            + halves * HEADS * PROB_STRIDE * 2
-            + (halves * HEADS + 2 * TILE) * (hd + PAD) * 2
+        4 * TILE * 8 + PARTIAL_SCORES * 4 + (halves * HEADS + 2 * TILE) * (hd + PAD) * 2
     }
 }
 

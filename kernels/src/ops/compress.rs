@@ -5,8 +5,8 @@ use crate::buf::{f32_buf, shape_err};
 use crate::device::Gpu;
 use crate::kernels::{self, DevPtr};
 use crate::kv_store::{check_entry_page, dt_code, kv_dt_code, DevPlan, GpuKv};
-use crate::ops::dense::rope_tables;
 use crate::ops::kv_reach::layer_of;
+use crate::ops::rope_tables::rope_tables;
 use crate::ops::tensors::param_f32;
 use crate::tensor::GpuTensor;
 use pdserve_engine::backend::{BResult, BatchPlan, CompressorParams, CompressorPart};
@@ -92,17 +92,18 @@ pub fn compress(
         }
     }
     let dp = DevPlan::upload(g, kv, plan)?;
-    let (cs, sn) = rope_tables(
-        g,
-        p.rope,
-        plan.positions.iter().map(|&pos| {
+    let window_positions: Vec<usize> = plan
+        .positions
+        .iter()
+        .map(|&pos| {
             if (pos + 1).is_multiple_of(rate) {
                 ((pos + 1) / rate - 1) * rate
             } else {
                 0
             }
-        }),
-    )?;
+        })
+        .collect();
+    let table = rope_tables(g, p.rope, &window_positions)?;
     let bias = param_f32(g, p.position_bias)?;
     let norm = param_f32(g, p.norm_weight)?;
     // Outside decode steps (prefill), one block per window this forward closes, then the
@@ -135,8 +136,8 @@ pub fn compress(
         proj_gate: pgate,
         bias: DevPtr::of(&bias),
         norm_w: DevPtr::of(&norm),
-        cs: DevPtr::of(&cs),
-        sn: DevPtr::of(&sn),
+        cs: DevPtr::of(&table.cs),
+        sn: DevPtr::of(&table.sn),
         width: width as i32,
         rate: rate as i32,
         slots: slots as i32,

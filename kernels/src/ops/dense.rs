@@ -6,6 +6,7 @@ use crate::device::Gpu;
 use crate::devmem::DevMem;
 use crate::kernels::{self, DevPtr};
 use crate::launch::{dev_err, grid_1d, BLOCK};
+use crate::ops::rope_tables::rope_tables;
 use crate::ops::tensors::{new_f32, param_f32, to_bf16};
 use crate::ops::{moe_mma, stored};
 use crate::tensor::{Buf, GpuTensor};
@@ -263,36 +264,18 @@ pub(crate) fn rope(
     inverse: bool,
 ) -> BResult<()> {
     shapes::check_rope((x.rows, x.cols), head_dim, positions.len(), rope.dim())?;
-    let (cs, sn) = rope_tables(g, rope, positions.iter().copied())?;
+    let table = rope_tables(g, rope, positions)?;
     g.launch(
         (x.rows as u32, 1, 1),
         0,
         &kernels::Rope {
             x: out_ptr(x)?,
-            cs: DevPtr::of(&cs),
-            sn: DevPtr::of(&sn),
+            cs: DevPtr::of(&table.cs),
+            sn: DevPtr::of(&table.sn),
             cols: x.cols as i32,
             head_dim: head_dim as i32,
             rd: rope.dim() as i32,
             inverse: inverse as i32,
         },
     )
-}
-
-/// cos/sin tables `[rows, rope.dim()/2]` at `positions`, computed on the host exactly
-/// like the CPU backend.
-pub(crate) fn rope_tables(
-    g: &Gpu,
-    rope: &Rope,
-    positions: impl Iterator<Item = usize>,
-) -> BResult<(DevMem<f32>, DevMem<f32>)> {
-    let half = rope.dim() / 2;
-    let (mut cs, mut sn) = (Vec::new(), Vec::new());
-    let (mut c, mut s) = (vec![0f32; half], vec![0f32; half]);
-    for p in positions {
-        rope.cos_sin(p, &mut c, &mut s);
-        cs.extend_from_slice(&c);
-        sn.extend_from_slice(&s);
-    }
-    Ok((g.upload(&cs)?, g.upload(&sn)?))
 }

@@ -131,7 +131,16 @@ pub(crate) fn routed(
         }
         let w = gu_w.expert(g, ex)?;
         let c = gu.ptr() + (first * 2 * inter * 4) as u64;
-        span_gemm(g, (xin.ptr(), first * h), w, c, count, 2 * inter, h, gu_bf16)?;
+        span_gemm(
+            g,
+            (xin.ptr(), first * h),
+            w,
+            c,
+            count,
+            2 * inter,
+            h,
+            gu_bf16,
+        )?;
     }
     drop(xin);
     let act = if down_bf16 {
@@ -171,7 +180,16 @@ pub(crate) fn routed(
         }
         let w = down_w.expert(g, ex)?;
         let c = ys.ptr() + (first * h * 4) as u64;
-        span_gemm(g, (act.ptr(), first * inter), w, c, count, h, inter, down_bf16)?;
+        span_gemm(
+            g,
+            (act.ptr(), first * inter),
+            w,
+            c,
+            count,
+            h,
+            inter,
+            down_bf16,
+        )?;
     }
     Ok(SortedRows {
         y: ys,
