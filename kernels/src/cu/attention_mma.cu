@@ -141,6 +141,9 @@ __device__ __forceinline__ void atm_body(const unsigned char* pages, const unsig
     __syncthreads();
     load(0);
     tc_commit();
+    // Unrolled so that several rows' loads are in flight per thread (the block is alone on
+    // its SM: nothing else hides their latency).
+#pragma unroll 8
     for (int i = tid * 4; i < ATM_H * hd; i += ATM_THREADS * 4) {
         int h = i / hd, c = i - h * hd;
         float4 v = h < nh ? *reinterpret_cast<const float4*>(q + (rh + h) * hd + c) : make_float4(0.f, 0.f, 0.f, 0.f);
