@@ -293,10 +293,7 @@ __device__ __forceinline__ void atm_body(const unsigned char* pages, const unsig
         float* dst;
         if (direct) {
             // The sink joins the softmax here (as in k_attention_combine for nsplit 1).
-            float sink = sinks[h0 + hh], m = mrun[i];
-            float mx = fmaxf(m, sink);
-            float e = expf(m - mx);
-            w = e / (lrun[i] * e + expf(sink - mx));
+            w = attn_sink_weight(mrun[i], lrun[i], sinks[h0 + hh]);
             dst = out + (rh + hh) * hd;
         } else {
             dst = part + ((rh + hh) * nsplit + split) * hd;

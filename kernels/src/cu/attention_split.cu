@@ -249,10 +249,7 @@ extern "C" __global__ void k_attention_split(const unsigned char* pages, const u
             float w = 1.f;
             if (direct) {
                 // The sink joins the softmax here (as in k_attention_combine for nsplit 1).
-                float sink = sinks[h0 + g], m = mrun[g];
-                float mx = fmaxf(m, sink);
-                float e = expf(m - mx);
-                w = e / (lrun[g] * e + expf(sink - mx));
+                w = attn_sink_weight(mrun[g], lrun[g], sinks[h0 + g]);
                 dst = out + (rh + g) * hd;
             } else {
                 dst = part + ((rh + g) * nsplit + split) * hd;

@@ -447,3 +447,10 @@ __device__ __forceinline__ void tc_commit() { asm volatile("cp.async.commit_grou
 
 __device__ __forceinline__ void tc_wait_prev() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
 
+// The output weight of a head whose keys gave running max m and sum l once its sink joins
+// the softmax: e^(m - mx) / (l e^(m - mx) + e^(sink - mx)), mx = max(m, sink).
+__device__ __forceinline__ float attn_sink_weight(float m, float l, float sink) {
+    float mx = fmaxf(m, sink);
+    float e = expf(m - mx);
+    return e / (l * e + expf(sink - mx));
+}

@@ -96,33 +96,14 @@ pub(crate) fn routed(
     let (gu_bf16, down_bf16) = (gu_w.bf16, down_w.bf16);
     // Each pick's row, sorted by expert: bf16 (rounded as the GEMM input) or fp32.
     let xs = f32_buf(x, "moe")?;
-    let xin = if gu_bf16 {
-        let xb = g.uninit::<u16>(picks * h)?;
-        g.launch(
-            (picks as u32, 1, 1),
-            0,
-            &kernels::GatherRowsBf16 {
-                x: DevPtr::of(xs),
-                idx: DevPtr::of(&gather),
-                out: DevPtr::of(&xb),
-                cols: h as i32,
-            },
-        )?;
-        Gathered::Bf16(xb)
+    let xin = Gathered::new(g, gu_bf16, picks * h)?;
+    let (x, idx, out, cols) = (DevPtr::of(xs), DevPtr::of(&gather), xin.dev_ptr(), h as i32);
+    let rows = (picks as u32, 1, 1);
+    if gu_bf16 {
+        g.launch(rows, 0, &kernels::GatherRowsBf16 { x, idx, out, cols })?;
     } else {
-        let xf = g.uninit::<f32>(picks * h)?;
-        g.launch(
-            (picks as u32, 1, 1),
-            0,
-            &kernels::GatherRows {
-                x: DevPtr::of(xs),
-                idx: DevPtr::of(&gather),
-                out: DevPtr::of(&xf),
-                cols: h as i32,
-            },
-        )?;
-        Gathered::F32(xf)
-    };
+        g.launch(rows, 0, &kernels::GatherRows { x, idx, out, cols })?;
+    }
     // Gate and up rows of every pick: [picks, 2I].
     let gu = g.uninit::<f32>(picks * 2 * inter)?;
     for (ex, &(first, count)) in spans.iter().enumerate() {
@@ -143,35 +124,28 @@ pub(crate) fn routed(
         )?;
     }
     drop(xin);
-    let act = if down_bf16 {
-        let ab = g.uninit::<u16>(picks * inter)?;
-        g.launch(
-            grid_1d(picks * inter),
-            0,
-            &kernels::SwigluHalvesBf16 {
-                gu: DevPtr::of(&gu),
-                act: DevPtr::of(&ab),
-                n: (picks * inter) as i64,
-                inter: inter as i32,
-                limit: p.swiglu_limit,
-            },
-        )?;
-        Gathered::Bf16(ab)
+    let act = Gathered::new(g, down_bf16, picks * inter)?;
+    let (n, limit) = ((picks * inter) as i64, p.swiglu_limit);
+    let (gu_in, act_out, halves) = (DevPtr::of(&gu), act.dev_ptr(), inter as i32);
+    if down_bf16 {
+        let k = kernels::SwigluHalvesBf16 {
+            gu: gu_in,
+            act: act_out,
+            n,
+            inter: halves,
+            limit,
+        };
+        g.launch(grid_1d(picks * inter), 0, &k)?;
     } else {
-        let af = g.uninit::<f32>(picks * inter)?;
-        g.launch(
-            grid_1d(picks * inter),
-            0,
-            &kernels::SwigluHalves {
-                x: DevPtr::of(&gu),
-                y: DevPtr::of(&af),
-                n: (picks * inter) as i64,
-                inter: inter as i32,
-                limit: p.swiglu_limit,
-            },
-        )?;
-        Gathered::F32(af)
-    };
+        let k = kernels::SwigluHalves {
+            x: gu_in,
+            y: act_out,
+            n,
+            inter: halves,
+            limit,
+        };
+        g.launch(grid_1d(picks * inter), 0, &k)?;
+    }
     drop(gu);
     let ys = g.uninit::<f32>(picks * h)?;
     for (ex, &(first, count)) in spans.iter().enumerate() {
@@ -197,13 +171,26 @@ pub(crate) fn routed(
     })
 }
 
-/// Rows gathered for a GEMM: bf16 next to bf16 (or dequantized) weights, else fp32.
+/// A GEMM input built for it: bf16 next to bf16 (or dequantized) weights, else fp32.
 enum Gathered {
     Bf16(DevMem<u16>),
     F32(DevMem<f32>),
 }
 
 impl Gathered {
+    /// `n` values, bf16 when `bf16`, written by the caller's kernel.
+    fn new(g: &Gpu, bf16: bool, n: usize) -> BResult<Self> {
+        Ok(if bf16 {
+            Gathered::Bf16(g.uninit::<u16>(n)?)
+        } else {
+            Gathered::F32(g.uninit::<f32>(n)?)
+        })
+    }
+
+    fn dev_ptr(&self) -> DevPtr {
+        DevPtr(self.ptr())
+    }
+
     fn ptr(&self) -> u64 {
         match self {
             Gathered::Bf16(b) => b.ptr(),
