@@ -9,7 +9,7 @@ use pdserve_engine::backend::{Backend, BackendError};
 use pdserve_engine::config::ModelConfig;
 use pdserve_engine::kv::{EntryDtype, KvLayoutSpec};
 use pdserve_engine::numerics::Numerics;
-use pdserve_engine::{Engine, EngineError, PoolSize, PoolSpec};
+use pdserve_engine::{Engine, EngineError, LoadFormat, PoolSize, PoolSpec};
 use pdserve_kernels::{CudaBackend, GraphMode, WeightDtype};
 use std::path::PathBuf;
 
@@ -144,6 +144,8 @@ pub struct EngineSpec {
     /// fraction of the memory the backend has free then (the device's memory on CUDA, the
     /// host's on the CPU); `pool.pages` is then the estimate `inspect` reports.
     pub pool_fraction: Option<f64>,
+    /// `--load-format`: the folder's checkpoint or random weights of its config.
+    pub load_format: LoadFormat,
 }
 
 /// Load the model of `spec` onto `backend`: THE way every command builds its engine.
@@ -158,10 +160,12 @@ pub fn open_engine<B: Backend>(spec: &EngineSpec, backend: B) -> Result<Engine<B
             states: spec.pool.states,
         },
     };
-    let mut engine = Engine::load_pool(&spec.dir, backend, Some(spec.layout), pool)?;
+    let mut engine =
+        Engine::load_format(&spec.dir, backend, Some(spec.layout), pool, spec.load_format)?;
     engine.set_kv_audit_every(spec.kv_audit_every);
     tracing::info!(
         model = %spec.dir.display(),
+        load_format = ?spec.load_format,
         backend = %engine.backend().name(),
         layout = %engine.layout().fingerprint(),
         secs = t0.elapsed().as_secs_f32(),

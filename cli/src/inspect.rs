@@ -15,7 +15,7 @@ use pdserve_engine::backend::TensorOps;
 use pdserve_engine::checkpoint::Checkpoint;
 use pdserve_engine::config::{ModelConfig, Quantization};
 use pdserve_engine::model::storage::{storage_report, StorageReport};
-use pdserve_engine::CpuBackend;
+use pdserve_engine::{CpuBackend, LoadFormat};
 use pdserve_kernels::WeightDtype;
 use std::fmt::Write;
 use std::path::PathBuf;
@@ -45,6 +45,12 @@ pub fn inspect(mut a: InspectArgs) -> Result<()> {
     // Headers and flags only: the config, the engine the flags describe (layout, pool
     // sizes) and the safetensors headers. Loading the weights would dequantize a released
     // FP8/FP4 checkpoint on the CPU (hours, hundreds of GB) just to print this.
+    if a.model.load_format != LoadFormat::Auto {
+        anyhow::bail!(
+            "inspect reports the checkpoint's tensors; --load-format {:?} has none (leave it at auto)",
+            a.model.load_format
+        );
+    }
     let plan = a.model.plan()?;
     let backend = backend_name(a.model.backend_choice(&plan.spec.layout)?);
     let storage = storage_report(&Checkpoint::open(&plan.spec.dir)?, matrix_elem);

@@ -8,7 +8,7 @@ use anyhow::{Context, Result};
 use pdserve_engine::backend::Backend;
 use pdserve_engine::kv::sizing::{self, DeviceSize, HostSize};
 use pdserve_engine::kv::{KvLayout, KvLayoutSpec};
-use pdserve_engine::{CpuBackend, Engine, PoolSize};
+use pdserve_engine::{CpuBackend, Engine, LoadFormat, PoolSize};
 use pdserve_tokenizer::Tokenizer;
 use std::path::PathBuf;
 
@@ -17,6 +17,11 @@ pub struct ModelArgs {
     /// Model folder (config.json, *.safetensors, optional tokenizer.json). Default: the embedded model.
     #[arg(long, env = "PDSERVE_MODEL")]
     pub model: Option<PathBuf>,
+    /// Where the weights come from: `auto` (the folder's safetensors) or `dummy[:SEED]`
+    /// (random weights of config.json's shapes and formats, seed 0 by default, as `pdserve
+    /// bench` draws them; only config.json is read: load tests of checkpoints one lacks).
+    #[arg(long, default_value = "auto", value_parser = parse_load_format)]
+    pub load_format: LoadFormat,
     /// Compute device: `cpu`, `cuda:N` (fails if CUDA device N cannot be used), or
     /// `auto` (cuda:0 when its driver, cuBLAS and NVRTC load, else cpu with a warning).
     #[arg(long, default_value = "cpu")]
@@ -241,6 +246,7 @@ impl ModelArgs {
             },
             kv_audit_every: self.kv_audit_every.unwrap_or(u32::from(self.kv_audit)),
             pool_fraction: self.kv_mem_fraction,
+            load_format: self.load_format,
         };
         Ok(EnginePlan {
             spec,
@@ -263,6 +269,11 @@ impl ModelArgs {
             dir: spec.dir,
         })
     }
+}
+
+/// `--load-format`'s value.
+fn parse_load_format(s: &str) -> Result<LoadFormat, String> {
+    s.parse()
 }
 
 /// Parse `5,17,2` (spaces allowed).

@@ -139,6 +139,7 @@ fn engine_factory<B: Backend + 'static>(
         },
         kv_audit_every: cfg.kv_audit_every,
         pool_fraction: None,
+        load_format: cfg.load_format()?,
     };
     let factory: EngineFactory<B> = Box::new(move || open_engine(&spec, open()?));
     Ok((factory, host_pages))

@@ -6,7 +6,7 @@ use crate::compile::{self, CompileError};
 use crate::devmem::DevMem;
 use crate::kernels::{Kernel, REGISTRY};
 use crate::launch::{dev_err, Arg, BLOCK};
-use crate::ops::rope_tables::RopeTableCache;
+use crate::rope_cache::RopeTableCache;
 use crate::recorder::{StepMode, StepRecord};
 use crate::step::{StepState, Temp, Upload};
 use cudarc::driver::{

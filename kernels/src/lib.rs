@@ -20,6 +20,7 @@ mod launch;
 mod ops;
 pub mod probe;
 mod recorder;
+mod rope_cache;
 mod step;
 mod step_output;
 pub mod tensor;

@@ -2,6 +2,7 @@
 
 use super::{one_or_many, redact, ClusterTokenFlags};
 use crate::engine_spec::{Device, GraphChoice};
+use pdserve_engine::LoadFormat;
 use crate::layered::{self, flag, Entry, Flags};
 use anyhow::{bail, Result};
 use pdserve_engine::kv::{EntryDtype, KvLayoutSpec};
@@ -28,6 +29,9 @@ impl WorkerRole {
 pub struct WorkerConfig {
     /// Model folder; none: the embedded model.
     pub model: Option<PathBuf>,
+    /// Where the weights come from: auto (the folder's safetensors) or dummy[:SEED]
+    /// (random weights of config.json's shapes; every server must use the same seed).
+    pub load_format: String,
     /// Names the model is served under (see [`pdserve_router::served_model`]); empty: the
     /// folder's name.
     #[serde(deserialize_with = "one_or_many")]
@@ -64,6 +68,7 @@ pub struct WorkerConfig {
 
 pub const WORKER_KEYS: &[&str] = &[
     "model",
+    "load_format",
     "served_model_name",
     "device",
     "index_k_dtype",
@@ -96,6 +101,7 @@ impl WorkerConfig {
     pub fn defaults(role: WorkerRole) -> Self {
         WorkerConfig {
             model: None,
+            load_format: "auto".into(),
             served_model_name: Vec::new(),
             device: "cpu".into(),
             index_k_dtype: "f32".into(),
@@ -141,10 +147,17 @@ impl WorkerConfig {
         self.cuda_graph.parse()
     }
 
+    pub fn load_format(&self) -> Result<LoadFormat> {
+        self.load_format
+            .parse()
+            .map_err(|e| anyhow::anyhow!("--load-format: {e}"))
+    }
+
     /// Refuse invalid values and values that need machinery this build lacks.
     pub fn validate(&self, role: WorkerRole) -> Result<()> {
         let cuda = matches!(self.device()?, Device::Cuda(_));
         pdserve_router::served_model::check_names(&self.served_model_name)?;
+        self.load_format()?;
         EntryDtype::parse(&self.index_k_dtype)
             .map_err(|e| anyhow::anyhow!("--index-k-dtype: {e}"))?;
         let kv_dtype =
@@ -243,6 +256,12 @@ pub struct WorkerFlags {
     /// Model folder (config.json, *.safetensors, tokenizer.json). Default: the embedded model.
     #[arg(long)]
     pub model: Option<PathBuf>,
+    /// Where the weights come from: `auto` (the folder's safetensors) or `dummy[:SEED]`
+    /// (random weights of config.json's shapes and formats, seed 0 by default, as `pdserve
+    /// bench` draws them; only config.json is read). Prefill and decode servers must use
+    /// the same seed.
+    #[arg(long)]
+    pub load_format: Option<String>,
     /// Name(s) this server reports its model under (Worker.Info, the `model_name` metrics
     /// label; the first of several): give prefill and decode servers the router's
     /// --served-model-name. Default: the model folder's name.
@@ -347,6 +366,7 @@ impl WorkerFlags {
     pub fn resolve(&self, role: WorkerRole) -> Result<(WorkerConfig, Vec<Entry>)> {
         let mut f = Flags::new();
         flag(&mut f, "model", &self.model);
+        flag(&mut f, "load_format", &self.load_format);
         flag(&mut f, "served_model_name", &self.served_model_name);
         flag(&mut f, "device", &self.device);
         flag(&mut f, "index_k_dtype", &self.index_k_dtype);

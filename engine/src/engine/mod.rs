@@ -35,6 +35,38 @@ pub enum PoolSpec {
     FreeFraction { fraction: f64, states: usize },
 }
 
+/// Where [`Engine::load_pool`] takes the weights from (vLLM's and SGLang's `--load-format`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum LoadFormat {
+    /// The folder's safetensors (FP8/FP4 kept as stored where the backend computes on them).
+    #[default]
+    Auto,
+    /// Random weights of the config's shapes and formats, drawn from the counter-based
+    /// generator with this seed: the weights `pdserve bench` times (seed 0 by default).
+    /// Every process drawing with one seed holds the same weights on every backend (up to
+    /// storage rounding), so prefill and decode servers agree. For load tests of
+    /// checkpoint shapes one does not have.
+    Dummy { seed: u64 },
+}
+
+impl std::str::FromStr for LoadFormat {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" | "safetensors" => Ok(LoadFormat::Auto),
+            "dummy" => Ok(LoadFormat::Dummy { seed: 0 }),
+            other => other
+                .strip_prefix("dummy:")
+                .and_then(|seed| seed.parse().ok())
+                .map(|seed| LoadFormat::Dummy { seed })
+                .ok_or_else(|| {
+                    format!("unknown load format `{other}` (expected auto, dummy or dummy:SEED)")
+                }),
+        }
+    }
+}
+
 impl Default for PoolSize {
     fn default() -> Self {
         PoolSize {
@@ -136,9 +168,23 @@ impl<B: Backend> Engine<B> {
         spec: Option<KvLayoutSpec>,
         pool: PoolSpec,
     ) -> Result<Self, EngineError> {
+        Self::load_format(dir, backend, spec, pool, LoadFormat::Auto)
+    }
+
+    /// [`Engine::load_pool`] with the weights from `format`: the folder's checkpoint, or
+    /// random weights of its config (only config.json is read).
+    pub fn load_format(
+        dir: &Path,
+        backend: B,
+        spec: Option<KvLayoutSpec>,
+        pool: PoolSpec,
+        format: LoadFormat,
+    ) -> Result<Self, EngineError> {
         let cfg = ModelConfig::from_model_dir(dir)?;
-        let ckpt = Checkpoint::open(dir)?;
-        let weights = ModelWeights::load(&ckpt, &cfg, &backend)?;
+        let weights = match format {
+            LoadFormat::Auto => ModelWeights::load(&Checkpoint::open(dir)?, &cfg, &backend)?,
+            LoadFormat::Dummy { seed } => ModelWeights::random(&cfg, &backend, seed)?,
+        };
         let size = match pool {
             PoolSpec::Size(size) => size,
             PoolSpec::FreeFraction { fraction, states } => {

@@ -6,27 +6,10 @@
 //! Inside a decode step each call uploads its own table into the step's arena.
 
 use crate::device::Gpu;
-use crate::devmem::DevMem;
+use crate::rope_cache::RopeTable;
 use pdserve_engine::backend::BResult;
 use pdserve_engine::rope::Rope;
-use std::collections::VecDeque;
 use std::sync::Arc;
-
-/// cos and sin `[rows, rope.dim() / 2]`, one row per position.
-pub(crate) struct RopeTable {
-    pub cs: DevMem<f32>,
-    pub sn: DevMem<f32>,
-}
-
-/// Tables kept at most: a forward uses one per rope and position set (queries and keys at
-/// the rows' positions, each compressor rate at its windows' positions).
-const KEPT: usize = 8;
-
-/// The tables kept outside decode steps, most recent last.
-#[derive(Default)]
-pub(crate) struct RopeTableCache {
-    entries: VecDeque<(Rope, Vec<usize>, Arc<RopeTable>)>,
-}
 
 /// The table of `rope` at `positions`.
 pub(crate) fn rope_tables(g: &Gpu, rope: &Rope, positions: &[usize]) -> BResult<Arc<RopeTable>> {
@@ -34,20 +17,11 @@ pub(crate) fn rope_tables(g: &Gpu, rope: &Rope, positions: &[usize]) -> BResult<
         return Ok(Arc::new(compute(g, rope, positions)?));
     }
     let mut cache = g.rope_tables()?;
-    if let Some((_, _, t)) = cache
-        .entries
-        .iter()
-        .find(|(r, p, _)| r == rope && p.as_slice() == positions)
-    {
-        return Ok(t.clone());
+    if let Some(t) = cache.get(rope, positions) {
+        return Ok(t);
     }
     let t = Arc::new(compute(g, rope, positions)?);
-    if cache.entries.len() == KEPT {
-        cache.entries.pop_front();
-    }
-    cache
-        .entries
-        .push_back((rope.clone(), positions.to_vec(), t.clone()));
+    cache.put(rope, positions, t.clone());
     Ok(t)
 }
 
