@@ -11,10 +11,13 @@ use pdserve_engine::{CpuBackend, Engine, LoadFormat, PoolSize, PoolSpec};
 use std::path::Path;
 use support::*;
 
-/// The bench's tiny synthetic config (vocab 97) in a folder of its own: no weights.
+/// The bench's tiny synthetic config (vocab 97) in a folder of its own (`bench config
+/// --out` makes the folder): no weights.
 fn config_only_folder(name: &str) -> std::path::PathBuf {
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(name);
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(name)
+        .join("model");
+    let _ = std::fs::remove_dir_all(&dir);
     let out = bin()
         .args(["bench", "config", "--tiny", "--out"])
         .arg(dir.join("config.json"))

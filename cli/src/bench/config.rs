@@ -217,6 +217,11 @@ pub fn print_config(a: ConfigArgs) -> Result<()> {
     a.model.config()?;
     match a.out {
         Some(p) => {
+            // A new model folder: `--out DIR/config.json` makes DIR.
+            if let Some(dir) = p.parent().filter(|d| !d.as_os_str().is_empty()) {
+                std::fs::create_dir_all(dir)
+                    .with_context(|| format!("creating {}", dir.display()))?;
+            }
             std::fs::write(&p, text + "\n").with_context(|| format!("writing {}", p.display()))
         }
         None => {
