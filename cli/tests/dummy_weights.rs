@@ -11,6 +11,15 @@ use pdserve_engine::{CpuBackend, Engine, LoadFormat, PoolSize, PoolSpec};
 use std::path::Path;
 use support::*;
 
+/// `pdserve args`: whether it succeeded, and its stderr.
+fn run(args: &[&str]) -> (bool, String) {
+    let out = bin().args(args).output().unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
 /// The bench's tiny synthetic config (vocab 97) in a folder of its own (`bench config
 /// --out` makes the folder): no weights.
 fn config_only_folder(name: &str) -> std::path::PathBuf {
@@ -18,16 +27,15 @@ fn config_only_folder(name: &str) -> std::path::PathBuf {
         .join(name)
         .join("model");
     let _ = std::fs::remove_dir_all(&dir);
-    let out = bin()
-        .args(["bench", "config", "--tiny", "--out"])
-        .arg(dir.join("config.json"))
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let config = dir.join("config.json");
+    let (ok, err) = run(&[
+        "bench",
+        "config",
+        "--tiny",
+        "--out",
+        config.to_str().unwrap(),
+    ]);
+    assert!(ok, "{err}");
     dir
 }
 
@@ -71,48 +79,27 @@ fn dummy_weights_serve_through_the_cluster_as_in_one_process() {
 #[test]
 fn load_format_is_checked_at_startup() {
     let dir = config_only_folder("dummy-weights-bad-format");
-    let out = bin()
-        .args([
-            "prefill",
-            "--model",
-            dir.to_str().unwrap(),
-            "--load-format",
-            "dummy:x",
-        ])
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
+    let model = dir.to_str().unwrap();
+    let (ok, err) = run(&["prefill", "--model", model, "--load-format", "dummy:x"]);
+    assert!(!ok);
     assert!(
         err.contains("--load-format") && err.contains("dummy:SEED"),
         "{err}"
     );
     // Without dummy weights, a folder with no safetensors is a clear load error.
-    let out = bin()
-        .args([
-            "generate",
-            "--model",
-            dir.to_str().unwrap(),
-            "--tokens",
-            "5,6",
-        ])
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let out = bin()
-        .args([
-            "generate",
-            "--model",
-            dir.to_str().unwrap(),
-            "--load-format",
-            "dummy",
-        ])
-        .args(["--tokens", "5,6", "--max-new-tokens", "3"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let (ok, err) = run(&["generate", "--model", model, "--tokens", "5,6"]);
+    assert!(!ok);
+    assert!(err.contains("no model.safetensors"), "{err}");
+    let (ok, err) = run(&[
+        "generate",
+        "--model",
+        model,
+        "--load-format",
+        "dummy",
+        "--tokens",
+        "5,6",
+        "--max-new-tokens",
+        "3",
+    ]);
+    assert!(ok, "{err}");
 }
