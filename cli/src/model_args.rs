@@ -20,7 +20,7 @@ pub struct ModelArgs {
     /// Where the weights come from: `auto` (the folder's safetensors) or `dummy[:SEED]`
     /// (random weights of config.json's shapes and formats, seed 0 by default, as `pdserve
     /// bench` draws them; only config.json is read: load tests of checkpoints one lacks).
-    #[arg(long, default_value = "auto", value_parser = parse_load_format)]
+    #[arg(long, default_value = "auto")]
     pub load_format: LoadFormat,
     /// Compute device: `cpu`, `cuda:N` (fails if CUDA device N cannot be used), or
     /// `auto` (cuda:0 when its driver, cuBLAS and NVRTC load, else cpu with a warning).
@@ -269,11 +269,6 @@ impl ModelArgs {
             dir: spec.dir,
         })
     }
-}
-
-/// `--load-format`'s value.
-fn parse_load_format(s: &str) -> Result<LoadFormat, String> {
-    s.parse()
 }
 
 /// Parse `5,17,2` (spaces allowed).
