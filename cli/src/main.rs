@@ -13,6 +13,7 @@ mod roles;
 mod serve;
 mod trust;
 mod up;
+mod up_devices;
 mod wait_ready;
 
 use clap::{Parser, Subcommand};

@@ -2,6 +2,7 @@
 //! loopback, health-checked, stopped together on Ctrl-C or when any of them dies.
 
 use crate::serve::{shutdown_signal, LISTENING};
+use crate::up_devices::DeviceFlags;
 use anyhow::{bail, Context, Result};
 use std::path::PathBuf;
 use std::process::Stdio;
@@ -42,6 +43,21 @@ pub struct UpArgs {
     /// Deadline for every process to come up and report healthy, in seconds.
     #[arg(long, default_value_t = 120.0)]
     ready_timeout_s: f64,
+    /// Device of every prefill and decode server: cpu, cuda:N, cuda (this machine's GPUs
+    /// handed out in order, prefill servers first, then decode, wrapping around: one
+    /// prefill and one decode server on two GPUs run on cuda:0 and cuda:1) or auto (cuda
+    /// where a GPU exists, else cpu). Default: each server's own (`--device` in --config or
+    /// the role's args; cpu).
+    #[arg(long)]
+    device: Option<String>,
+    /// Devices of the prefill servers, over --device: one for all, or one per server
+    /// (comma-separated).
+    #[arg(long, value_delimiter = ',')]
+    prefill_device: Vec<String>,
+    /// Devices of the decode servers, over --device: one for all, or one per server
+    /// (comma-separated).
+    #[arg(long, value_delimiter = ',')]
+    decode_device: Vec<String>,
     /// Plain gRPC between the processes (the cluster token still authenticates them).
     /// Default: mutual TLS with a throwaway CA and per-role certificates made for this
     /// run (in a private temporary folder, deleted on exit).
@@ -51,6 +67,8 @@ pub struct UpArgs {
 
 struct Proc {
     name: String,
+    /// The `--device` it was given (`None`: its own flags or config decide).
+    device: Option<String>,
     child: Child,
     pid: u32,
     addr: String,
@@ -92,6 +110,7 @@ async fn spawn(name: String, mut cmd: Command, deadline: Instant) -> Result<Proc
         }
     });
     Ok(Proc {
+        device: None,
         name,
         child,
         pid,
@@ -247,22 +266,39 @@ async fn run(a: UpArgs, log_json: bool) -> Result<()> {
         }
         c
     };
+    let devices = DeviceFlags {
+        device: a.device.as_deref(),
+        prefill_device: &a.prefill_device,
+        decode_device: &a.decode_device,
+        prefill: a.prefill,
+        decode: a.decode,
+    };
+    let gpus = match devices.given() {
+        true => pdserve_kernels::device::count().context("counting CUDA devices")?,
+        false => 0,
+    };
+    let placement = devices.place(gpus)?;
     let mut procs: Vec<Proc> = Vec::new();
     let result = async {
-        for (role, n, extra) in [
-            ("prefill", a.prefill, &a.prefill_args),
-            ("decode", a.decode, &a.decode_args),
+        for (role, on, extra) in [
+            ("prefill", &placement.prefill, &a.prefill_args),
+            ("decode", &placement.decode, &a.decode_args),
         ] {
-            for i in 0..n {
+            for (i, device) in on.iter().enumerate() {
                 let mut c = base(role);
                 c.args(["--listen", "127.0.0.1:0"]);
                 if let Some(cfg) = &a.config {
                     c.arg("--config").arg(cfg);
                 }
+                if let Some(d) = device {
+                    c.args(["--device", d]);
+                }
                 if let Some(x) = extra {
                     c.args(x.split_whitespace());
                 }
-                procs.push(spawn(format!("{role}[{i}]"), c, deadline).await?);
+                let mut p = spawn(format!("{role}[{i}]"), c, deadline).await?;
+                p.device = device.clone();
+                procs.push(p);
             }
         }
         let addrs = |role: &str| {
@@ -284,7 +320,15 @@ async fn run(a: UpArgs, log_json: bool) -> Result<()> {
         let raddr = router.addr.clone();
         procs.push(router);
         for p in &procs {
-            println!("pdserve up: {} pid {} on {}", p.name, p.pid(), p.addr);
+            match &p.device {
+                Some(d) => println!(
+                    "pdserve up: {} pid {} on {} ({d})",
+                    p.name,
+                    p.pid(),
+                    p.addr
+                ),
+                None => println!("pdserve up: {} pid {} on {}", p.name, p.pid(), p.addr),
+            }
         }
         loop {
             if let Some(why) = exited(&mut procs) {

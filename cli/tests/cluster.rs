@@ -14,7 +14,16 @@ const LENGTHS: [usize; 5] = [5, 33, 40, 70, 300];
 
 #[test]
 fn greedy_through_the_cluster_equals_single_process() {
-    let up = Up::start(&[]);
+    let up = Up::start(&["--device", "cpu"]);
+    for name in ["prefill[0]", "decode[0]"] {
+        assert!(
+            up.startup
+                .iter()
+                .any(|l| l.contains(&format!(" {name} pid ")) && l.ends_with(" (cpu)")),
+            "{name} placed on the cpu: {:?}",
+            up.startup
+        );
+    }
     let mut e = engine();
     for (i, &n) in LENGTHS.iter().enumerate() {
         let p = prompt(i as u64, n);
@@ -182,4 +191,23 @@ fn concurrent_conversations_match_single_process() {
     eprintln!("concurrent conversations: {total} completions, {mismatches} mismatches");
     assert_eq!(total, CONVS * TURNS);
     assert_eq!(mismatches, 0);
+}
+
+/// A device this machine cannot have is refused before any server starts, naming the flag.
+#[test]
+fn up_refuses_a_device_that_is_not_there() {
+    let out = bin()
+        .args(["up", "--port", "0", "--decode-device", "cuda:64"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--decode-device cuda:64: ") && err.contains("CUDA device(s) found"),
+        "{err}"
+    );
+    assert!(
+        !String::from_utf8_lossy(&out.stdout).contains(" pid "),
+        "no server was started"
+    );
 }

@@ -42,6 +42,7 @@ fn expected(role: &str) -> Vec<(&'static str, &'static str)> {
             ("pdserve_decode_step_seconds", "histogram"),
             ("pdserve_decode_batch_size", "histogram"),
             ("pdserve_decode_step_gap_seconds", "histogram"),
+            ("pdserve_decode_step_gap_part_seconds", "histogram"),
             ("pdserve_cuda_graph_captures_total", "counter"),
             ("pdserve_cuda_graph_replays_total", "counter"),
             ("pdserve_graph_verify_mismatches_total", "counter"),
@@ -162,6 +163,24 @@ fn every_process_exports_its_own_series_with_their_prometheus_types() {
     assert!(s
         .value("pdserve_decode_step_gap_seconds_bucket", &["le=\"0.0001\""])
         .is_some());
+    // Each gap is split into its parts, which add up to it.
+    let mut parts_sum = 0.0;
+    for part in ["sample", "admit", "other"] {
+        let label = format!("part=\"{part}\"");
+        assert_eq!(
+            s.value("pdserve_decode_step_gap_part_seconds_count", &[&label]),
+            Some(gaps),
+            "{part}"
+        );
+        parts_sum += s
+            .value("pdserve_decode_step_gap_part_seconds_sum", &[&label])
+            .unwrap();
+    }
+    let total = s.value("pdserve_decode_step_gap_seconds_sum", &[]).unwrap();
+    assert!(
+        (parts_sum - total).abs() <= 1e-9 + 1e-6 * total,
+        "parts {parts_sum} vs gaps {total}"
+    );
     let r = scrape(&ra);
     for (name, kind) in ROUTER_SERIES {
         assert_eq!(

@@ -8,6 +8,7 @@
 use crate::admission::Permit;
 use crate::events::{Event, Events};
 use crate::logits::Processing;
+use crate::step_gaps::StepGaps;
 use pdserve_engine::backend::Backend;
 use pdserve_engine::config::LayerKind;
 use pdserve_engine::generate::FinishReason;
@@ -245,57 +246,20 @@ struct Batch<B: Backend> {
     gaps: StepGaps,
 }
 
-/// Host time from the end of one decode step (its logits back, so its kernels done) to the
-/// start of the next one while the batch stays busy: the GPU idles that long (sampling,
-/// streaming, admission). Recorded as `pdserve_decode_step_gap_seconds`, and logged every
-/// [`StepGaps::REPORT_EVERY`] steps as quantiles of the last steps.
-#[derive(Default)]
-struct StepGaps {
-    /// When the last step's forward returned; `None` after the batch went idle.
-    last_end: Option<std::time::Instant>,
-    /// Gaps (seconds) since the last report.
-    recent: Vec<f64>,
-}
-
-impl StepGaps {
-    const REPORT_EVERY: usize = 1000;
-
-    /// A step starts now.
-    fn step_starts(&mut self, batch: usize) {
-        let Some(end) = self.last_end.take() else {
-            return;
-        };
-        let gap = end.elapsed().as_secs_f64();
-        pdserve_worker::metrics::decode_step_gap(gap);
-        self.recent.push(gap);
-        if self.recent.len() >= Self::REPORT_EVERY {
-            self.recent.sort_by(f64::total_cmp);
-            let at = |q: f64| self.recent[((self.recent.len() - 1) as f64 * q) as usize] * 1e6;
-            tracing::info!(
-                steps = self.recent.len(),
-                batch,
-                p50_us = format!("{:.1}", at(0.5)),
-                p99_us = format!("{:.1}", at(0.99)),
-                max_us = format!("{:.1}", at(1.0)),
-                "decode loop: host time between steps"
-            );
-            self.recent.clear();
-        }
-    }
-}
-
 impl<B: Backend> Batch<B> {
     fn run(mut self, mut rx: mpsc::Receiver<Admit>) {
         loop {
             if self.running.is_empty() {
-                self.gaps.last_end = None;
+                self.gaps.idle();
                 match rx.blocking_recv() {
                     Some(a) => self.admit(a),
                     None => break,
                 }
             }
             while let Ok(a) = rx.try_recv() {
+                let t = std::time::Instant::now();
                 self.admit(a);
+                self.gaps.admitted(t.elapsed());
             }
             self.drop_cancelled();
             if self.life.is_aborted() {
@@ -528,7 +492,7 @@ impl<B: Backend> Batch<B> {
             }
             out
         });
-        self.gaps.last_end = Some(std::time::Instant::now());
+        self.gaps.forward_returned();
         drop(items);
         let outputs = match out {
             Ok(o) => o,
@@ -573,5 +537,6 @@ impl<B: Backend> Batch<B> {
                 None => self.finish(r),
             }
         }
+        self.gaps.step_done();
     }
 }

@@ -7,6 +7,7 @@ mod batch;
 mod events;
 mod logits;
 mod service;
+mod step_gaps;
 
 use pdserve_engine::backend::Backend;
 use pdserve_engine::{Engine, EngineError};

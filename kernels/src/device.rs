@@ -6,8 +6,8 @@ use crate::compile::{self, CompileError};
 use crate::devmem::DevMem;
 use crate::kernels::{Kernel, REGISTRY};
 use crate::launch::{dev_err, Arg, BLOCK};
-use crate::rope_cache::RopeTableCache;
 use crate::recorder::{StepMode, StepRecord};
+use crate::rope_cache::RopeTableCache;
 use crate::step::{StepState, Temp, Upload};
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
@@ -136,6 +136,22 @@ fn libs_present() -> Result<(), DeviceError> {
         return Err(CompileError::NvrtcMissing.into());
     }
     Ok(())
+}
+
+/// How many CUDA devices the driver sees: 0 where no driver library loads.
+#[allow(unsafe_code)]
+pub fn count() -> Result<usize, DeviceError> {
+    // SAFETY: this only tries to load the driver library.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return Ok(0);
+    }
+    match CudaContext::device_count() {
+        Ok(n) => Ok(n.max(0) as usize),
+        Err(cudarc::driver::DriverError(cudarc::driver::sys::CUresult::CUDA_ERROR_NO_DEVICE)) => {
+            Ok(0)
+        }
+        Err(e) => Err(DeviceError::Driver(format!("counting devices: {e:?}"))),
+    }
 }
 
 /// Keep memory freed into the device's default pool cached there instead of handing it

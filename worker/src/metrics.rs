@@ -21,6 +21,7 @@
 //! | `pdserve_decode_step_seconds` | histogram | one batched decode step, sampling included (decode) |
 //! | `pdserve_decode_batch_size` | histogram | requests in one decode step (decode) |
 //! | `pdserve_decode_step_gap_seconds` | histogram | host time from one decode step's end to the next one's start while the batch is busy: the GPU's idle time (decode) |
+//! | `pdserve_decode_step_gap_part_seconds` | histogram | that gap's parts, by `part`: `sample` (sampling and streaming the step's tokens), `admit` (joining new requests, their KV imported), `other` (decode) |
 
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use std::sync::OnceLock;
@@ -40,6 +41,7 @@ pub const PREFILL_TIME: &str = "pdserve_request_prefill_time_seconds";
 pub const DECODE_STEP: &str = "pdserve_decode_step_seconds";
 pub const BATCH_SIZE: &str = "pdserve_decode_batch_size";
 pub const DECODE_STEP_GAP: &str = "pdserve_decode_step_gap_seconds";
+pub const DECODE_STEP_GAP_PART: &str = "pdserve_decode_step_gap_part_seconds";
 
 const SECONDS_BUCKETS: [f64; 17] = [
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
@@ -63,6 +65,12 @@ pub fn install(model_name: &str, role: &str) -> Result<&'static PrometheusHandle
                 .add_global_label("model_name", model_name)
                 .add_global_label("role", role)
                 .set_buckets_for_metric(Matcher::Full(DECODE_STEP_GAP.into()), &GAP_BUCKETS)
+                .and_then(|b| {
+                    b.set_buckets_for_metric(
+                        Matcher::Full(DECODE_STEP_GAP_PART.into()),
+                        &GAP_BUCKETS,
+                    )
+                })
                 .and_then(|b| {
                     b.set_buckets_for_metric(Matcher::Suffix("_seconds".into()), &SECONDS_BUCKETS)
                 })
@@ -145,9 +153,19 @@ pub fn decode_step(d: Duration, batch: usize) {
     metrics::histogram!(BATCH_SIZE).record(batch as f64);
 }
 
-/// Host time between two decode steps of a busy batch.
-pub fn decode_step_gap(seconds: f64) {
-    metrics::histogram!(DECODE_STEP_GAP).record(seconds);
+/// Host time between two decode steps of a busy batch, in seconds, by part.
+#[derive(Debug, Clone, Copy)]
+pub struct GapParts {
+    pub sample: f64,
+    pub admit: f64,
+    pub other: f64,
+}
+
+pub fn decode_step_gap(g: &GapParts) {
+    metrics::histogram!(DECODE_STEP_GAP).record(g.sample + g.admit + g.other);
+    for (part, v) in [("sample", g.sample), ("admit", g.admit), ("other", g.other)] {
+        metrics::histogram!(DECODE_STEP_GAP_PART, "part" => part).record(v);
+    }
 }
 
 /// The recorder, once [`install`] succeeded.

@@ -138,6 +138,8 @@ pub struct Up {
     pub proc: Proc,
     pub addr: String,
     pub pids: Vec<(String, u32)>,
+    /// What `up` printed up to "ready".
+    pub startup: Vec<String>,
 }
 
 impl Up {
@@ -145,13 +147,14 @@ impl Up {
         let mut c = bin();
         c.args(["up", "--port", "0"]).args(args);
         let proc = Proc::start(c);
-        let mut pids = Vec::new();
+        let (mut pids, mut startup) = (Vec::new(), Vec::new());
         let deadline = Instant::now() + Duration::from_secs(120);
         let addr = loop {
             let l = proc
                 .lines
                 .recv_timeout(deadline.saturating_duration_since(Instant::now()))
                 .expect("pdserve up did not become ready");
+            startup.push(l.clone());
             if let Some(rest) = l.strip_prefix("pdserve up: ready at http://") {
                 break rest.trim().to_string();
             }
@@ -160,7 +163,12 @@ impl Up {
                 pids.push((w[2].to_string(), w[4].parse().unwrap()));
             }
         };
-        Up { proc, addr, pids }
+        Up {
+            proc,
+            addr,
+            pids,
+            startup,
+        }
     }
 
     pub fn pid_of(&self, name: &str) -> u32 {
