@@ -12,29 +12,10 @@ BIN=${PDSERVE_BIN:-target/release/pdserve}
 DEVICE=${DEVICE:-0}
 [ -x "$BIN" ] || { echo "gpu-check: $BIN not found: cargo build --release first (or set PDSERVE_BIN)" >&2; exit 2; }
 
-# cudarc loads libcuda, libcublas(Lt) and libnvrtc at run time: put the folders that hold
-# them (CUDA toolkit or the nvidia-* Python wheels) on the library path.
-find_lib_dir() {
-  local name=$1 d
-  for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib /usr/lib/x86_64-linux-gnu; do
-    [ -e "$d/$name" ] && { echo "$d"; return; }
-  done
-  if command -v python3 >/dev/null 2>&1; then
-    for d in $(python3 -c 'import site; print(" ".join(site.getsitepackages()))' 2>/dev/null); do
-      local hit
-      hit=$(find "$d/nvidia" -name "$name" 2>/dev/null | head -n1)
-      [ -n "$hit" ] && { dirname "$hit"; return; }
-    done
-  fi
-}
-for lib in libnvrtc.so.13 libcublas.so.13 libcublasLt.so.13; do
-  d=$(find_lib_dir "$lib")
-  if [ -n "$d" ]; then
-    case ":${LD_LIBRARY_PATH:-}:" in *":$d:"*) ;; *) export LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}";; esac
-  else
-    echo "gpu-check: warning: $lib not found" >&2
-  fi
-done
+# cudarc loads libcuda, libcublas(Lt), libnvrtc and libnccl at run time.
+# shellcheck source=scripts/cuda-libs.sh
+source scripts/cuda-libs.sh
+cuda_libs gpu-check
 command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 export PDSERVE_KERNEL_CACHE=${PDSERVE_KERNEL_CACHE:-$(mktemp -d)/kernels}
 

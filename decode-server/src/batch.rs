@@ -6,7 +6,7 @@
 //! backend) instead of a logits row.
 
 use crate::admission::Permit;
-use crate::events::{Event, Events};
+use crate::events::{Courier, Event, Events, WireSender};
 use crate::logits::Processing;
 use crate::step_gaps::StepGaps;
 use pdserve_engine::backend::Backend;
@@ -36,7 +36,8 @@ pub struct Admit {
     pub top_logprobs: Option<u32>,
     /// Logits processing (structured output, min_tokens, ...), None when there is none.
     pub processing: Option<Processing>,
-    pub events: Events,
+    /// The request's stream (the batch loop's [`Courier`] delivers to it).
+    pub events: WireSender,
     pub permit: Permit,
     /// Counts the request for the drain until it leaves the batch.
     pub inflight: InFlight,
@@ -83,6 +84,7 @@ where
 {
     let (tx, rx) = mpsc::channel(1024);
     let (ready_tx, ready_rx) = oneshot::channel();
+    let courier = Courier::spawn()?;
     std::thread::Builder::new()
         .name("decode-engine".into())
         .spawn(move || {
@@ -108,6 +110,7 @@ where
                 steps: 0,
                 scribble,
                 gaps: StepGaps::default(),
+                courier,
             }
             .run(rx);
         })?;
@@ -244,6 +247,8 @@ struct Batch<B: Backend> {
     scribble: Option<DebugScribble>,
     /// The host time between steps (see [`StepGaps`]).
     gaps: StepGaps,
+    /// Delivers the requests' events, flushed once per loop turn.
+    courier: Courier,
 }
 
 impl<B: Backend> Batch<B> {
@@ -261,6 +266,8 @@ impl<B: Backend> Batch<B> {
                 self.admit(a);
                 self.gaps.admitted(t.elapsed());
             }
+            // The admitted requests' first tokens go out now, not after the step.
+            self.courier.flush();
             self.drop_cancelled();
             if self.life.is_aborted() {
                 self.fail_all(Event::ShuttingDown);
@@ -268,9 +275,11 @@ impl<B: Backend> Batch<B> {
             if !self.running.is_empty() {
                 self.step();
             }
+            self.courier.flush();
             self.publish_load();
         }
         self.fail_all(Event::ShuttingDown);
+        self.courier.flush();
     }
 
     /// End every running request with `why` (the drain's deadline passed, or the engine
@@ -311,6 +320,7 @@ impl<B: Backend> Batch<B> {
             tracing::warn!(error = %f.message, "request failed at admission");
             let _ = events.send(Event::Failed(f));
         };
+        let events = self.courier.events(a.events);
         let mut sampler = a.sampler;
         // The transferred logits were checksummed: failing to sample them, or sampling
         // another token than the prefill server did, means the KV state is not what P sent.
@@ -324,11 +334,11 @@ impl<B: Backend> Batch<B> {
         };
         let (t, lp) = match checked {
             Ok(s) => s,
-            Err(e) => return fail(&a.events, Failure::new(ErrorClass::Corrupt, e.to_string())),
+            Err(e) => return fail(&events, Failure::new(ErrorClass::Corrupt, e.to_string())),
         };
         if t != a.prefilled.first_token {
             return fail(
-                &a.events,
+                &events,
                 Failure::new(
                     ErrorClass::Corrupt,
                     format!(
@@ -340,7 +350,7 @@ impl<B: Backend> Batch<B> {
         }
         let seq = match self.engine.import_sequence(&a.prefilled.snapshot) {
             Ok(s) => s,
-            Err(e) => return fail(&a.events, Failure::from_engine(&e, Some("importing KV"))),
+            Err(e) => return fail(&events, Failure::from_engine(&e, Some("importing KV"))),
         };
         let mut r = Running {
             request_id: a.request_id,
@@ -353,7 +363,7 @@ impl<B: Backend> Batch<B> {
             prompt_tokens: a.prompt_tokens,
             top_logprobs: a.top_logprobs,
             processing: a.processing,
-            events: a.events,
+            events,
             _permit: a.permit,
             _inflight: a.inflight,
         };

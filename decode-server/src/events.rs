@@ -6,6 +6,7 @@ use pdserve_engine::sampling::TokenLogprobs;
 use pdserve_proto::pb;
 use pdserve_proto::pb::token_event::Kind;
 use pdserve_worker::Failure;
+use std::sync::{Arc, Mutex};
 use tokio::sync::mpsc;
 use tonic::Status;
 
@@ -27,27 +28,110 @@ pub enum Event {
 }
 
 /// A request's stream as the gRPC service returns it.
-pub type WireSender = mpsc::UnboundedSender<Result<pb::TokenEvent, Status>>;
+pub type WireSender = mpsc::UnboundedSender<WireItem>;
+type WireItem = Result<pb::TokenEvent, Status>;
+type Parcel = Vec<(WireSender, WireItem)>;
 
-/// The batch loop's end of a request's stream: takes [`Event`]s, sends their wire form.
+/// The batch loop's end of a request's stream: takes [`Event`]s and queues their wire form
+/// in the loop's [`Courier`], which delivers them when the loop flushes it.
 #[derive(Debug, Clone)]
-pub struct Events(WireSender);
+pub struct Events {
+    wire: WireSender,
+    outbox: Arc<Mutex<Parcel>>,
+}
 
 /// The request's stream is gone (the client went away).
 #[derive(Debug)]
 pub struct Closed;
 
 impl Events {
-    pub fn new(wire: WireSender) -> Self {
-        Events(wire)
-    }
-
+    /// Queue `e` for the request's stream (delivered at the courier's next flush).
     pub fn send(&self, e: Event) -> Result<(), Closed> {
-        self.0.send(to_wire(e)).map_err(|_| Closed)
+        if self.wire.is_closed() {
+            return Err(Closed);
+        }
+        let item = (self.wire.clone(), to_wire(e));
+        match self.outbox.lock() {
+            Ok(mut q) => q.push(item),
+            // The lock is only ever held to push or to take the queue: never poisoned
+            // in practice, and a poisoned queue still holds plain data.
+            Err(poisoned) => poisoned.into_inner().push(item),
+        }
+        Ok(())
     }
 
     pub fn is_closed(&self) -> bool {
-        self.0.is_closed()
+        self.wire.is_closed()
+    }
+}
+
+/// Delivers the batch loop's events from a thread of its own, a step's worth at a time.
+///
+/// Handing an event to a request's stream wakes that stream's task on another thread, a
+/// few microseconds each; done row by row on the loop's thread that cost lands between
+/// decode steps, while the GPU idles, and grows with the batch. The loop queues its
+/// events ([`Events::send`]) and [`Courier::flush`]es once per step: one wake of the
+/// courier thread, which does the per-request ones while the next step runs. A request's
+/// events keep their order (one queue, one thread).
+pub struct Courier {
+    outbox: Arc<Mutex<Parcel>>,
+    tx: Option<std::sync::mpsc::Sender<Parcel>>,
+}
+
+impl Courier {
+    /// Start the courier thread; it ends once the courier is dropped and everything
+    /// flushed is delivered.
+    pub fn spawn() -> std::io::Result<Courier> {
+        let (tx, rx) = std::sync::mpsc::channel::<Parcel>();
+        std::thread::Builder::new()
+            .name("decode-stream".into())
+            .spawn(move || {
+                for parcel in rx {
+                    deliver(parcel);
+                }
+            })?;
+        Ok(Courier {
+            outbox: Arc::default(),
+            tx: Some(tx),
+        })
+    }
+
+    /// The events of a request whose stream is `wire`.
+    pub fn events(&self, wire: WireSender) -> Events {
+        Events {
+            wire,
+            outbox: self.outbox.clone(),
+        }
+    }
+
+    /// Hand every queued event to the courier thread.
+    pub fn flush(&self) {
+        let parcel = match self.outbox.lock() {
+            Ok(mut q) => std::mem::take(&mut *q),
+            Err(poisoned) => std::mem::take(&mut *poisoned.into_inner()),
+        };
+        if parcel.is_empty() {
+            return;
+        }
+        // A courier thread that is gone (it cannot panic on plain sends) leaves the
+        // delivery to this thread.
+        if let Some(Err(e)) = self.tx.as_ref().map(|tx| tx.send(parcel)) {
+            deliver(e.0);
+        }
+    }
+}
+
+impl Drop for Courier {
+    fn drop(&mut self) {
+        self.flush();
+        self.tx = None;
+    }
+}
+
+fn deliver(parcel: Parcel) {
+    for (wire, item) in parcel {
+        // A stream that closed meanwhile: its request is dropped at the next step.
+        let _ = wire.send(item);
     }
 }
 
@@ -91,7 +175,8 @@ mod tests {
     #[test]
     fn events_reach_the_wire_in_their_wire_form() {
         let (tx, mut rx) = mpsc::unbounded_channel();
-        let ev = Events::new(tx);
+        let courier = Courier::spawn().unwrap();
+        let ev = courier.events(tx);
         ev.send(Event::Token(7)).unwrap();
         ev.send(Event::Scored(
             9,
@@ -110,9 +195,21 @@ mod tests {
         ev.send(Event::Failed(Failure::new(ErrorClass::Internal, "bug")))
             .unwrap();
         ev.send(Event::ShuttingDown).unwrap();
-        let token = rx.try_recv().unwrap().unwrap();
+        assert!(rx.try_recv().is_err(), "nothing goes out before the flush");
+        courier.flush();
+        let mut next = || {
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+            loop {
+                match rx.try_recv() {
+                    Ok(item) => return item,
+                    Err(_) if std::time::Instant::now() < deadline => std::thread::yield_now(),
+                    Err(e) => panic!("no event within 10 s: {e}"),
+                }
+            }
+        };
+        let token = next().unwrap();
         assert_eq!(token.kind, Some(Kind::Token(7)));
-        let scored = rx.try_recv().unwrap().unwrap();
+        let scored = next().unwrap();
         assert_eq!(
             scored.kind,
             Some(Kind::Scored(pb::ScoredToken {
@@ -122,7 +219,7 @@ mod tests {
                 top_logprobs: vec![-0.5, -1.25],
             }))
         );
-        let done = rx.try_recv().unwrap().unwrap();
+        let done = next().unwrap();
         assert_eq!(
             done.kind,
             Some(Kind::Finished(pb::Finished {
@@ -131,16 +228,40 @@ mod tests {
                 completion_tokens: 1,
             }))
         );
-        assert_eq!(
-            rx.try_recv().unwrap().unwrap_err().code(),
-            tonic::Code::Internal
-        );
-        assert_eq!(
-            rx.try_recv().unwrap().unwrap_err().code(),
-            tonic::Code::Unavailable
-        );
+        assert_eq!(next().unwrap_err().code(), tonic::Code::Internal);
+        assert_eq!(next().unwrap_err().code(), tonic::Code::Unavailable);
         drop(rx);
         assert!(ev.is_closed());
         assert!(ev.send(Event::Token(1)).is_err());
+    }
+
+    #[test]
+    fn dropping_the_courier_delivers_what_was_queued_in_order() {
+        let courier = Courier::spawn().unwrap();
+        let (a_tx, mut a_rx) = mpsc::unbounded_channel();
+        let (b_tx, mut b_rx) = mpsc::unbounded_channel();
+        let (a, b) = (courier.events(a_tx), courier.events(b_tx));
+        for t in 0..100 {
+            a.send(Event::Token(t)).unwrap();
+            b.send(Event::Token(1000 + t)).unwrap();
+            if t % 7 == 0 {
+                courier.flush();
+            }
+        }
+        drop(courier);
+        drop((a, b));
+        let tokens = |rx: &mut mpsc::UnboundedReceiver<WireItem>| {
+            let mut v = Vec::new();
+            // The channel closes once the courier thread has sent everything.
+            while let Some(item) = rx.blocking_recv() {
+                match item.unwrap().kind {
+                    Some(Kind::Token(t)) => v.push(t),
+                    k => panic!("{k:?}"),
+                }
+            }
+            v
+        };
+        assert_eq!(tokens(&mut a_rx), (0..100).collect::<Vec<_>>());
+        assert_eq!(tokens(&mut b_rx), (1000..1100).collect::<Vec<_>>());
     }
 }

@@ -3,7 +3,6 @@
 
 use crate::admission::Admission;
 use crate::batch::Admit;
-use crate::events::Events;
 use crate::logits::{Processing, Spec};
 use crate::DecodeSettings;
 use pdserve_engine::kv::KvLayout;
@@ -233,7 +232,7 @@ impl pb::decode_server::Decode for DecodeService {
                 prompt_tokens,
                 top_logprobs: r.top_logprobs,
                 processing,
-                events: Events::new(tx.clone()),
+                events: tx.clone(),
                 permit,
                 inflight,
             };

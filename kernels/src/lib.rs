@@ -14,6 +14,7 @@ mod graph_cache;
 pub mod graph_metrics;
 mod graph_mode;
 pub mod graphs;
+pub mod nccl_p2p;
 mod kernels;
 mod kv_store;
 mod launch;

@@ -37,6 +37,11 @@ pub struct TransferArgs {
     /// Untimed transfers per size first.
     #[arg(long, default_value_t = 1)]
     pub warmup: usize,
+    /// Raw NCCL send/recv of the same byte counts between two GPUs of this machine, the
+    /// physical reference for the transfer paths: `auto` (cuda:0 -> cuda:1 where two GPUs
+    /// and NCCL exist, else a line saying why not), `off`, or `A,B` (required).
+    #[arg(long, default_value = "auto")]
+    pub raw_nccl: String,
     /// Also write the rows as JSON to this file.
     #[arg(long)]
     pub json: Option<std::path::PathBuf>,
@@ -156,8 +161,12 @@ pub fn run(a: &TransferArgs) -> Result<Vec<TransferRow>> {
             .map(|&n| page_set(&layout, n, cfg.vocab_size))
             .collect(),
     );
+    let raw = raw_nccl_devices(&a.raw_nccl)?;
     let rt = tokio::runtime::Runtime::new().context("tokio runtime")?;
-    let rows = rt.block_on(transfer_rows(a, &layout, cfg.vocab_size, sets))?;
+    let mut rows = rt.block_on(transfer_rows(a, &layout, cfg.vocab_size, sets.clone()))?;
+    if let Some(devices) = raw {
+        rows.extend(raw_nccl_rows(a, devices, &sets)?);
+    }
     println!("{}", table(&rows));
     if let Some(path) = &a.json {
         super::write_json(path, &serde_json::to_value(&rows)?)?;
@@ -234,6 +243,60 @@ async fn transfer_rows(
     Ok(rows)
 }
 
+/// `--raw-nccl`: the two devices to time, if any.
+fn raw_nccl_devices(v: &str) -> Result<Option<[usize; 2]>> {
+    use pdserve_kernels::nccl_p2p::unavailable;
+    let devices = match v.trim() {
+        "off" => return Ok(None),
+        "auto" => {
+            return Ok(match unavailable([0, 1]) {
+                None => Some([0, 1]),
+                Some(why) => {
+                    println!("raw NCCL send/recv: not timed ({why})");
+                    None
+                }
+            })
+        }
+        pair => {
+            let d: Vec<usize> = pair
+                .split(',')
+                .map(|x| x.trim().trim_start_matches("cuda:").parse())
+                .collect::<Result<_, _>>()
+                .ok()
+                .filter(|d: &Vec<usize>| d.len() == 2)
+                .with_context(|| format!("--raw-nccl `{pair}`: expected auto, off or A,B"))?;
+            [d[0], d[1]]
+        }
+    };
+    if let Some(why) = unavailable(devices) {
+        bail!("--raw-nccl {}: {why}", v.trim());
+    }
+    Ok(Some(devices))
+}
+
+/// Raw NCCL sends of each page set's byte count from one GPU to the other.
+fn raw_nccl_rows(
+    a: &TransferArgs,
+    devices: [usize; 2],
+    sets: &[Prefilled],
+) -> Result<Vec<TransferRow>> {
+    let pair = pdserve_kernels::nccl_p2p::NcclPair::open(devices)?;
+    let mut rows = Vec::new();
+    for set in sets {
+        let bytes = set.payload_bytes();
+        let times = pair.time_sends(bytes, a.warmup, a.repeats)?;
+        let seconds = median(times);
+        rows.push(TransferRow {
+            transport: "nccl raw",
+            bytes,
+            pages: set.snapshot.pages.len(),
+            seconds,
+            gb_per_s: bytes as f64 / seconds / 1e9,
+        });
+    }
+    Ok(rows)
+}
+
 fn table(rows: &[TransferRow]) -> Table {
     Table {
         headers: vec!["transport", "MB", "pages", "seconds", "GB/s"],
@@ -266,5 +329,26 @@ mod tests {
         for bad in ["", "M", "0M", "x", "1T", "99999999999999G"] {
             assert!(parse_size(bad).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn raw_nccl_flag() {
+        assert_eq!(raw_nccl_devices("off").unwrap(), None);
+        // auto never fails: where NCCL cannot run, it says why and times nothing.
+        let auto = raw_nccl_devices("auto").unwrap();
+        assert!(auto.is_none() || auto == Some([0, 1]));
+        for bad in ["0,1,2", "x", "0"] {
+            let e = raw_nccl_devices(bad).unwrap_err().to_string();
+            assert!(e.contains("expected auto, off or A,B"), "{bad}: {e}");
+        }
+        // One device for both ranks is refused (or, without CUDA, the missing driver is).
+        let e = raw_nccl_devices("cuda:3,cuda:3").unwrap_err().to_string();
+        assert!(
+            e.starts_with("--raw-nccl cuda:3,cuda:3: ")
+                && (e.contains("NCCL needs two devices")
+                    || e.contains("library path")
+                    || e.contains("no CUDA")),
+            "{e}"
+        );
     }
 }
