@@ -36,6 +36,8 @@ pub struct Admit {
     pub top_logprobs: Option<u32>,
     /// Logits processing (structured output, min_tokens, ...), None when there is none.
     pub processing: Option<Processing>,
+    /// The first token, sampled from the transferred logits by [`first_token`].
+    pub first: (u32, Option<TokenLogprobs>),
     /// The request's stream (the batch loop's [`Courier`] delivers to it).
     pub events: WireSender,
     pub permit: Permit,
@@ -121,6 +123,39 @@ where
 /// on. Its own terminal error; the batch carries on.
 fn grammar_failure(e: &pdserve_grammar::GrammarError) -> Failure {
     Failure::new(ErrorClass::InvalidInput, e.to_string())
+}
+
+/// The first token from the transferred logits, checked against the one the prefill
+/// server sampled (done where the KV arrives, before the request reaches the batch loop:
+/// an argmax over the vocabulary is no work for the loop's time between steps).
+///
+/// The logits were checksummed: failing to sample them, or sampling another token than
+/// the prefill server did, means the KV state is not what P sent. (The prefill server
+/// samples the model's logits as they are: with logits processing a copy of the sampler
+/// checks that, and the batch loop samples the processed logits for the request; without,
+/// `sampler` advances as the prefill server's did.)
+pub fn first_token(
+    sampler: &mut Sampler,
+    processing: bool,
+    prefilled: &Prefilled,
+    top_logprobs: Option<u32>,
+) -> Result<(u32, Option<TokenLogprobs>), Failure> {
+    let mut check = sampler.clone();
+    let checked = match processing {
+        false => sample(sampler, &prefilled.last_logits, top_logprobs),
+        true => sample(&mut check, &prefilled.last_logits, None),
+    };
+    let (t, lp) = checked.map_err(|e| Failure::new(ErrorClass::Corrupt, e.to_string()))?;
+    if t != prefilled.first_token {
+        return Err(Failure::new(
+            ErrorClass::Corrupt,
+            format!(
+                "prefill server sampled token {} but the transferred logits give {t}",
+                prefilled.first_token
+            ),
+        ));
+    }
+    Ok((t, lp))
 }
 
 /// A token from `logits`, with its log-probabilities when the request asked for them.
@@ -321,33 +356,7 @@ impl<B: Backend> Batch<B> {
             let _ = events.send(Event::Failed(f));
         };
         let events = self.courier.events(a.events);
-        let mut sampler = a.sampler;
-        // The transferred logits were checksummed: failing to sample them, or sampling
-        // another token than the prefill server did, means the KV state is not what P sent.
-        // (The prefill server samples the model's logits as they are: with logits
-        // processing, a copy of the sampler checks that, the request's own samples the
-        // processed logits below.)
-        let mut check = sampler.clone();
-        let checked = match &a.processing {
-            None => sample(&mut sampler, &a.prefilled.last_logits, a.top_logprobs),
-            Some(_) => sample(&mut check, &a.prefilled.last_logits, None),
-        };
-        let (t, lp) = match checked {
-            Ok(s) => s,
-            Err(e) => return fail(&events, Failure::new(ErrorClass::Corrupt, e.to_string())),
-        };
-        if t != a.prefilled.first_token {
-            return fail(
-                &events,
-                Failure::new(
-                    ErrorClass::Corrupt,
-                    format!(
-                        "prefill server sampled token {} but the transferred logits give {t}",
-                        a.prefilled.first_token
-                    ),
-                ),
-            );
-        }
+        let (t, lp) = a.first;
         let seq = match self.engine.import_sequence(&a.prefilled.snapshot) {
             Ok(s) => s,
             Err(e) => return fail(&events, Failure::from_engine(&e, Some("importing KV"))),
@@ -355,7 +364,7 @@ impl<B: Backend> Batch<B> {
         let mut r = Running {
             request_id: a.request_id,
             seq,
-            sampler,
+            sampler: a.sampler,
             last: t,
             generated: 0,
             max_new_tokens: a.max_new_tokens,
@@ -547,6 +556,85 @@ impl<B: Backend> Batch<B> {
                 None => self.finish(r),
             }
         }
+        self.courier.flush();
         self.gaps.step_done();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use pdserve_engine::sampling::SamplingParams;
+    use pdserve_engine::SeqSnapshot;
+
+    fn prefilled(logits: &[f32], first_token: u32) -> Prefilled {
+        Prefilled {
+            snapshot: SeqSnapshot {
+                layout_fingerprint: String::new(),
+                len: 0,
+                pages: Vec::new(),
+                state: Vec::new(),
+            },
+            last_logits: logits.to_vec(),
+            first_token,
+        }
+    }
+
+    #[test]
+    fn the_first_token_is_checked_against_the_prefill_servers() {
+        let logits = [0.1, 0.2, 3.0, -1.0];
+        let mut greedy = Sampler::new(SamplingParams::default()).unwrap();
+        let got = first_token(&mut greedy, false, &prefilled(&logits, 2), None).unwrap();
+        assert_eq!(got, (2, None));
+        let e = first_token(&mut greedy, false, &prefilled(&logits, 1), None).unwrap_err();
+        assert_eq!(e.class, ErrorClass::Corrupt);
+        assert!(
+            e.message
+                .contains("sampled token 1 but the transferred logits give 2"),
+            "{}",
+            e.message
+        );
+        let scored = first_token(&mut greedy, false, &prefilled(&logits, 2), Some(2)).unwrap();
+        assert_eq!(scored.0, 2);
+        assert_eq!(scored.1.unwrap().top.len(), 2);
+    }
+
+    #[test]
+    fn a_seeded_sampler_advances_only_without_logits_processing() {
+        // 64 equally likely tokens: each draw shows where the sampler's stream is.
+        let flat = [0.0f32; 64];
+        let params = SamplingParams {
+            temperature: 1.0,
+            seed: 7,
+            ..SamplingParams::default()
+        };
+        let mut reference = Sampler::new(params).unwrap();
+        let first = reference.sample(&flat).unwrap();
+        let draws = |s: &mut Sampler| (0..8).map(|_| s.sample(&flat).unwrap()).collect::<Vec<_>>();
+        let after_first = draws(&mut reference.clone());
+
+        let mut plain = Sampler::new(params).unwrap();
+        assert_eq!(
+            first_token(&mut plain, false, &prefilled(&flat, first), None)
+                .unwrap()
+                .0,
+            first
+        );
+        assert_eq!(
+            draws(&mut plain),
+            after_first,
+            "advanced as the prefill server's did"
+        );
+
+        let mut processed = Sampler::new(params).unwrap();
+        first_token(&mut processed, true, &prefilled(&flat, first), None).unwrap();
+        let fresh = draws(&mut Sampler::new(params).unwrap());
+        assert_eq!(
+            draws(&mut processed),
+            fresh,
+            "left for the processed logits"
+        );
+        assert_ne!(fresh, after_first);
     }
 }

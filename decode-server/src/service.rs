@@ -2,7 +2,7 @@
 //! the prefill server the router granted, hand it to the batch loop, stream tokens back.
 
 use crate::admission::Admission;
-use crate::batch::Admit;
+use crate::batch::{first_token, Admit};
 use crate::logits::{Processing, Spec};
 use crate::DecodeSettings;
 use pdserve_engine::kv::KvLayout;
@@ -223,10 +223,20 @@ impl pb::decode_server::Decode for DecodeService {
                 .load
                 .add_transfer(prefilled.payload_bytes() as u64, t0.elapsed());
             tracing::info!(%request_id, prefill = %r.prefill_addr, pages = prefilled.snapshot.pages.len(), ms = t0.elapsed().as_millis() as u64, "KV received");
+            let mut sampler = sampler;
+            let first = match first_token(&mut sampler, processing.is_some(), &prefilled, r.top_logprobs) {
+                Ok(f) => f,
+                Err(f) => {
+                    tracing::warn!(%request_id, error = %f.message, "request failed at admission");
+                    let _ = tx.send(Err(f.to_status()));
+                    return;
+                }
+            };
             let admit = Admit {
                 request_id,
                 prefilled,
                 sampler,
+                first,
                 max_new_tokens: r.max_new_tokens,
                 stop_tokens: r.stop_tokens,
                 prompt_tokens,

@@ -47,10 +47,10 @@ pub fn unavailable(devices: [usize; 2]) -> Option<String> {
             devices[0]
         ));
     }
-    match devices.iter().find(|&&d| d >= n) {
-        Some(d) => Some(format!("cuda:{d} does not exist ({n} CUDA device(s))")),
-        None => None,
-    }
+    devices
+        .iter()
+        .find(|&&d| d >= n)
+        .map(|d| format!("cuda:{d} does not exist ({n} CUDA device(s))"))
 }
 
 impl NcclPair {
