@@ -17,6 +17,7 @@ find_lib_dir() {
       [ -n "$hit" ] && { dirname "$hit"; return; }
     done
   fi
+  return 0  # nothing printed: not found (callers run under set -e)
 }
 
 add_lib_dir() {
