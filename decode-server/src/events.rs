@@ -75,7 +75,7 @@ impl Events {
 /// events keep their order (one queue, one thread).
 pub struct Courier {
     outbox: Arc<Mutex<Parcel>>,
-    tx: Option<std::sync::mpsc::Sender<Parcel>>,
+    tx: std::sync::mpsc::Sender<Parcel>,
 }
 
 impl Courier {
@@ -92,7 +92,7 @@ impl Courier {
             })?;
         Ok(Courier {
             outbox: Arc::default(),
-            tx: Some(tx),
+            tx,
         })
     }
 
@@ -115,16 +115,16 @@ impl Courier {
         }
         // A courier thread that is gone (it cannot panic on plain sends) leaves the
         // delivery to this thread.
-        if let Some(Err(e)) = self.tx.as_ref().map(|tx| tx.send(parcel)) {
+        if let Err(e) = self.tx.send(parcel) {
             deliver(e.0);
         }
     }
 }
 
 impl Drop for Courier {
+    /// What is still queued goes out; the thread ends once `tx` is gone with the courier.
     fn drop(&mut self) {
         self.flush();
-        self.tx = None;
     }
 }
 

@@ -13,7 +13,6 @@ use std::time::Instant;
 /// Rank 0 on the sending GPU, rank 1 on the receiving one.
 pub struct NcclPair {
     comms: Vec<Comm>,
-    devices: [usize; 2],
 }
 
 fn nccl_err(what: &str) -> impl Fn(cudarc::nccl::result::NcclError) -> DeviceError + '_ {
@@ -65,11 +64,7 @@ impl NcclPair {
             streams.push(ctx.new_stream().map_err(driver_err("creating a stream"))?);
         }
         let comms = Comm::from_devices(streams).map_err(nccl_err("ncclCommInitAll"))?;
-        Ok(NcclPair { comms, devices })
-    }
-
-    pub fn devices(&self) -> [usize; 2] {
-        self.devices
+        Ok(NcclPair { comms })
     }
 
     fn alloc(&self, rank: usize, bytes: usize) -> Result<CudaSlice<u8>, DeviceError> {

@@ -176,7 +176,10 @@ fn no_delay(
     use tokio_stream::StreamExt;
     incoming.map(|conn| {
         let conn = conn?;
-        conn.set_nodelay(true)?;
+        // A connection that refuses the option is still served, only slower.
+        if let Err(e) = conn.set_nodelay(true) {
+            tracing::warn!(error = %e, "TCP_NODELAY not set on an accepted connection");
+        }
         Ok(conn)
     })
 }
