@@ -68,6 +68,11 @@ pub async fn serve(
             },
             _ = &mut shutdown => break,
         };
+        // Streamed tokens are small writes: with Nagle's algorithm on, each waits for the
+        // client's (delayed, up to 40 ms) ACK of the one before.
+        if let Err(e) = stream.set_nodelay(true) {
+            tracing::warn!(error = %e, "TCP_NODELAY not set on a client connection");
+        }
         let conn = hyper::server::conn::http1::Builder::new()
             .timer(TokioTimer::new())
             .header_read_timeout(limits.header_timeout)

@@ -15,7 +15,7 @@ mod status_code;
 
 pub use lifecycle::{InFlight, Lifecycle, NotTaking, Phase};
 pub use sampling::{sampling_from_pb, sampling_to_pb};
-pub use serve::{engine_ready, serve_grpc, Ports, ServeError, Startup};
+pub use serve::{engine_ready, no_delay, serve_grpc, Ports, ServeError, Startup};
 pub use status::{Load, WorkerService, WorkerStatus};
 pub use status_code::Failure;
 

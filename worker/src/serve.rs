@@ -170,7 +170,7 @@ pub async fn serve_grpc(
 /// prefill's header, its last chunk, a token) waits for the peer's ACK of the previous
 /// one, which Linux delays by up to 40 ms: measured as ~38 ms of "KV transfer" in every
 /// time to first token of a tiny model's cluster.
-fn no_delay(
+pub fn no_delay(
     incoming: tokio_stream::wrappers::TcpListenerStream,
 ) -> impl tokio_stream::Stream<Item = std::io::Result<tokio::net::TcpStream>> {
     use tokio_stream::StreamExt;

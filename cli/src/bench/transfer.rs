@@ -196,7 +196,9 @@ async fn transfer_rows(
                     .max_encoding_message_size(usize::MAX)
                     .max_decoding_message_size(usize::MAX),
             )
-            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+            .serve_with_incoming(pdserve_worker::no_delay(
+                tokio_stream::wrappers::TcpListenerStream::new(listener),
+            )),
     );
     let mut rows = Vec::new();
     for set in sets.iter() {
