@@ -7,11 +7,13 @@
 #
 #   peer      transformers' eager reference on the same GPU (scripts/peer_bench.py):
 #             $OUT/peer.json, which prefill and decode read when it exists (PEER=FILE
-#             to reuse one)
+#             to reuse one; PEER_ARGS="--decode-batch 1,8 ..." for fewer rows)
 #   prefill   1K, 8K, 32K tokens in one forward and 128K in chunks of 16K, bf16 and fp8,
 #             against the GEMM rate measured in the same run
 #   decode    batch 1..256, contexts 4K and 32K, bf16 and the stored formats, graphs and
 #             eager, against the byte floor (WEIGHTS=bf16 for a shorter run)
+#   ncu       one eager decode step of batch 1 and 64 (NCU_BATCH) and one 8K prefill
+#             forward (NCU_PREFILL) by kernel, through ncu and scripts/ncu_step.py
 #   ttft      an 8K prompt through router + prefill + decode (the bench's V4-Flash-dims
 #             model, random weights: --load-format dummy) with the worker-side breakdown
 set -euo pipefail
@@ -23,8 +25,10 @@ DEV=${DEV:-cuda:0}
 read -r -a DIMS <<<"${DIMS:---layers 4 --experts 64}"
 TTFT_TOKENS=${TTFT_TOKENS:-8192}
 WEIGHTS=${WEIGHTS:-bf16,fp8,fp8-fp4}
+NCU_BATCH=${NCU_BATCH:-1,64}
+NCU_PREFILL=${NCU_PREFILL:-8192}
 [ -x "$BIN" ] || { echo "perf-run: $BIN not found: cargo build --release first (or set BIN)" >&2; exit 2; }
-[ $# -gt 0 ] || { sed -n '2,18p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,20p' "$0"; exit 2; }
 mkdir -p "$OUT"
 work=$(mktemp -d)
 # shellcheck source=scripts/cluster-lib.sh
@@ -39,7 +43,8 @@ peer_flag() { [ -e "$PEER" ] && echo "--peer $PEER" || true; }
 
 part_peer() {
   "$BIN" bench config "${DIMS[@]}" --out "$OUT/bench-config/config.json"
-  python3 scripts/peer_bench.py --config "$OUT/bench-config/config.json" --out "$PEER"
+  # shellcheck disable=SC2086
+  python3 scripts/peer_bench.py --config "$OUT/bench-config/config.json" --out "$PEER" ${PEER_ARGS:-}
 }
 
 part_prefill() {
@@ -55,6 +60,33 @@ part_decode() {
   "$BIN" bench decode --device "$DEV" "${DIMS[@]}" --weights "$WEIGHTS" \
     --context 4096,32768 --graph capture,eager --steps 20 --warmup 3 \
     $(peer_flag) --json "$OUT/decode.json" --plot "$OUT/decode.svg"
+}
+
+part_ncu() {
+  # One eager bf16 step at 4K by kernel (ncu): batch 1 and 64 by default (NCU_BATCH=1,64).
+  local ncu b steps
+  ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -n1 || true)
+  [ -n "$ncu" ] || { echo "perf-run: ncu not found" >&2; return 1; }
+  for b in ${NCU_BATCH//,/ }; do
+    for steps in 1 2; do
+      "$ncu" --clock-control none --cache-control none --metrics gpu__time_duration.sum \
+        --csv --print-units base --log-file "$OUT/ncu-b$b-s$steps.csv" \
+        "$BIN" bench decode --device "$DEV" "${DIMS[@]}" --weights bf16 --batch "$b" \
+        --context 4096 --graph eager --warmup 0 --steps "$steps" >/dev/null
+    done
+    python3 scripts/ncu_step.py "$OUT/ncu-b$b-s1.csv" "$OUT/ncu-b$b-s2.csv" \
+      --title "bf16 batch $b, 4K, eager"
+  done
+  # One bf16 prefill forward of NCU_PREFILL tokens (one repeat less the other).
+  local reps
+  for reps in 1 2; do
+    "$ncu" --clock-control none --cache-control none --metrics gpu__time_duration.sum \
+      --csv --print-units base --log-file "$OUT/ncu-p$NCU_PREFILL-r$reps.csv" \
+      "$BIN" bench prefill --device "$DEV" "${DIMS[@]}" --weights bf16 \
+      --tokens "$NCU_PREFILL" --warmup 0 --repeats "$reps" >/dev/null
+  done
+  python3 scripts/ncu_step.py "$OUT/ncu-p$NCU_PREFILL-r1.csv" "$OUT/ncu-p$NCU_PREFILL-r2.csv" \
+    --title "bf16 prefill, $NCU_PREFILL tokens" --top 25
 }
 
 part_ttft() {
@@ -81,8 +113,8 @@ part_ttft() {
 
 for part in "$@"; do
   case $part in
-    peer|prefill|decode|ttft) ;;
-    *) echo "perf-run: unknown part '$part' (peer, prefill, decode, ttft)" >&2; exit 2;;
+    peer|prefill|decode|ttft|ncu) ;;
+    *) echo "perf-run: unknown part '$part' (peer, prefill, decode, ttft, ncu)" >&2; exit 2;;
   esac
 done
 for part in "$@"; do
