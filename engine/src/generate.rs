@@ -48,9 +48,16 @@ fn with_sequence<B: Backend, T>(
 pub struct Chunking {
     /// Tokens per forward (0: all at once).
     pub chunk: usize,
-    /// Also end a forward at every multiple of this many positions (the prefix cache's
-    /// cut points), so that the state at each one can be taken.
+    /// Also take the state at every multiple of this many positions (the prefix cache's
+    /// cut points): inside a forward through [`Engine::forward_with_cuts`], forwards that
+    /// stop before the prompt's end stopping on one.
     pub cut_every: Option<usize>,
+}
+
+/// The state slot's bytes at one cut inside a forward.
+pub struct CutState {
+    pub pos: usize,
+    pub state: Vec<u8>,
 }
 
 /// What a caller of [`prefill_chunks`] does around each forward.
@@ -63,8 +70,13 @@ pub trait ChunkHooks<B: Backend> {
         seq: &Sequence,
         end: usize,
     ) -> Result<bool, EngineError>;
-    /// After that forward (`seq.len()` is `end` now).
-    fn after(&mut self, engine: &mut Engine<B>, seq: &Sequence) -> Result<(), EngineError>;
+    /// After that forward (`seq.len()` is `end` now), with the state at each cut inside it.
+    fn after(
+        &mut self,
+        engine: &mut Engine<B>,
+        seq: &Sequence,
+        cuts: Vec<CutState>,
+    ) -> Result<(), EngineError>;
 }
 
 /// No hooks: a plain chunked prefill.
@@ -75,14 +87,49 @@ impl<B: Backend> ChunkHooks<B> for NoHooks {
         Ok(true)
     }
 
-    fn after(&mut self, _: &mut Engine<B>, _: &Sequence) -> Result<(), EngineError> {
+    fn after(
+        &mut self,
+        _: &mut Engine<B>,
+        _: &Sequence,
+        _: Vec<CutState>,
+    ) -> Result<(), EngineError> {
         Ok(())
     }
 }
 
-/// THE chunked prefill: feed `tokens` to `seq` in forwards of `chunking`, asking `hooks`
-/// around each; returns the logits `want` asks for, stacked, or `None` when a hook
-/// stopped it.
+/// Where the forward from `from` (absolute) stops and the cuts inside it: at most `chunk`
+/// tokens, up to `len`; short of `len` it stops on a cut point. A cut the rings cannot
+/// reach from `from` (closer than `span`), or past the state slots free, ends the forward.
+fn plan_forward(
+    from: usize,
+    len: usize,
+    chunk: usize,
+    cut: Option<usize>,
+    span: usize,
+    slots: usize,
+) -> (usize, Vec<usize>) {
+    let mut end = (from + chunk).min(len);
+    let Some(p) = cut else {
+        return (end, Vec::new());
+    };
+    if end < len && end / p * p > from {
+        end = end / p * p;
+    }
+    let mut cuts = Vec::new();
+    let mut c = (from / p + 1) * p;
+    while c < end {
+        if c - from < span || cuts.len() == slots {
+            end = c;
+            break;
+        }
+        cuts.push(c);
+        c += p;
+    }
+    (end, cuts)
+}
+
+/// Feed `tokens` to `seq` in forwards of [`Chunking::chunk`], calling `hooks` around each;
+/// returns the logits `want` asks for, stacked, or `None` when a hook stopped it.
 pub fn prefill_chunks<B: Backend>(
     engine: &mut Engine<B>,
     seq: &mut Sequence,
@@ -99,11 +146,17 @@ pub fn prefill_chunks<B: Backend>(
     let mut rows = Vec::new();
     let mut fed = 0;
     while fed < tokens.len() {
-        let mut end = (fed + chunk).min(tokens.len());
-        if let Some(p) = chunking.cut_every {
-            end = end.min(((start + fed) / p + 1) * p - start);
-        }
-        if !hooks.before(engine, seq, start + end)? {
+        let (span, slots) = (engine.cut_span(), engine.free_state_count());
+        let (to, cuts) = plan_forward(
+            start + fed,
+            start + tokens.len(),
+            chunk,
+            chunking.cut_every,
+            span,
+            slots,
+        );
+        let end = to - start;
+        if !hooks.before(engine, seq, to)? {
             return Ok(None);
         }
         let logits = match want {
@@ -111,15 +164,37 @@ pub fn prefill_chunks<B: Backend>(
             Logits::Last if end == tokens.len() => Logits::Last,
             _ => Logits::None,
         };
-        let out = engine.forward(&mut [ForwardItem {
+        let item = ForwardItem {
             seq: &mut *seq,
             tokens: &tokens[fed..end],
             logits,
-        }])?;
+        };
+        let t0 = std::time::Instant::now();
+        let n_cuts = cuts.len();
+        let (out, states) = if cuts.is_empty() {
+            (engine.forward(&mut [item])?, Vec::new())
+        } else {
+            let (t, states) = engine.forward_with_cuts(item, &cuts)?;
+            (vec![t], states)
+        };
+        let forward_s = t0.elapsed().as_secs_f64();
         for t in out {
             rows.extend(t.data.chunks(t.cols.max(1)).map(<[f32]>::to_vec));
         }
-        hooks.after(engine, seq)?;
+        let cut_states = cuts
+            .into_iter()
+            .zip(states)
+            .map(|(pos, state)| CutState { pos, state })
+            .collect();
+        hooks.after(engine, seq, cut_states)?;
+        tracing::debug!(
+            from = start + fed,
+            to,
+            cuts = n_cuts,
+            forward_ms = forward_s * 1e3,
+            after_ms = (t0.elapsed().as_secs_f64() - forward_s) * 1e3,
+            "prefill forward"
+        );
         fed = end;
     }
     Ok(Some(rows))
@@ -231,4 +306,65 @@ pub fn generate<B: Backend>(
             .map_err(sampling)?;
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::plan_forward;
+
+    #[test]
+    fn a_forward_runs_its_whole_chunk_with_the_page_cuts_inside() {
+        // 8K prompt, pages of 256, rings of 128, slots enough: one forward, 31 cuts.
+        let (end, cuts) = plan_forward(0, 8192 + 30, 8192, Some(256), 128, 64);
+        assert_eq!(end, 8192);
+        assert_eq!(cuts, (1..32).map(|k| k * 256).collect::<Vec<_>>());
+        // The tail after the last page: one forward, no cut.
+        assert_eq!(
+            plan_forward(8192, 8222, 8192, Some(256), 128, 64),
+            (8222, vec![])
+        );
+        // No cut points asked for: the chunk alone.
+        assert_eq!(plan_forward(0, 1000, 600, None, 128, 64), (600, vec![]));
+    }
+
+    #[test]
+    fn a_chunk_short_of_the_prompt_ends_on_a_page() {
+        // A chunk of 600 from 0 ends at 512 (cut at 256 inside); the next starts there.
+        assert_eq!(
+            plan_forward(0, 2000, 600, Some(256), 128, 64),
+            (512, vec![256])
+        );
+        assert_eq!(
+            plan_forward(512, 2000, 600, Some(256), 128, 64),
+            (1024, vec![768])
+        );
+        // A chunk within one page stops mid-page.
+        assert_eq!(
+            plan_forward(0, 2000, 100, Some(256), 128, 64),
+            (100, vec![])
+        );
+        assert_eq!(
+            plan_forward(100, 2000, 100, Some(256), 128, 64),
+            (200, vec![])
+        );
+    }
+
+    #[test]
+    fn a_cut_the_rings_or_slots_cannot_take_ends_the_forward() {
+        // Rings longer than the rows before the first cut: the forward ends at it.
+        assert_eq!(
+            plan_forward(200, 2000, 2000, Some(256), 128, 64),
+            (256, vec![])
+        );
+        assert_eq!(plan_forward(0, 2000, 2000, Some(16), 32, 64), (16, vec![]));
+        // Two free slots: two cuts, the forward ends at the third.
+        assert_eq!(
+            plan_forward(0, 2000, 2000, Some(256), 128, 2),
+            (768, vec![256, 512])
+        );
+        assert_eq!(
+            plan_forward(0, 2000, 2000, Some(256), 128, 0),
+            (256, vec![])
+        );
+    }
 }

@@ -11,8 +11,9 @@ use crate::ops::{attention, compress, dense, hc, moe, random, stored, tensors};
 use crate::tensor::{stores_bf16, GpuTensor, WeightDtype};
 use crate::GraphMode;
 use pdserve_engine::backend::{
-    dequantized, BResult, BatchPlan, CompressedKeys, CompressorParams, HcParams, HcPre, HostTensor,
-    KvStorage, MoeParams, PickKind, PickLog, Picks, RowPicks, TensorOps, WeightInit, WeightUse,
+    dequantized, BResult, BatchPlan, CompressedKeys, CompressorParams, CompressorPart, HcParams,
+    HcPre, HostTensor, KvStorage, MoeParams, PickKind, PickLog, Picks, RowPicks, TensorOps,
+    WeightInit, WeightUse,
 };
 use pdserve_engine::checkpoint::{StoredWeight, WeightFormat};
 use pdserve_engine::kv::{KvLayout, PageId, StateSlot};
@@ -357,6 +358,19 @@ impl TensorOps for CudaBackend {
         plan: &BatchPlan,
     ) -> BResult<()> {
         compress::compress(&self.gpu, kv, layout, layer, proj_kv, proj_gate, p, plan)
+    }
+
+    fn compress_ring(
+        &self,
+        kv: &mut GpuKv,
+        layout: &KvLayout,
+        layer: usize,
+        part: CompressorPart,
+        proj_kv: &GpuTensor,
+        proj_gate: &GpuTensor,
+        plan: &BatchPlan,
+    ) -> BResult<()> {
+        compress::compress_ring(&self.gpu, kv, layout, layer, part, proj_kv, proj_gate, plan)
     }
 
     fn index_select(

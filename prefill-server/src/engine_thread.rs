@@ -167,9 +167,16 @@ impl<B: Backend> Worker<B> {
             let first_token = sampler
                 .sample(&last)
                 .map_err(|e| EngineError::Internal(format!("sampling: {e}")))?;
+            let t0 = std::time::Instant::now();
+            let snapshot = self.engine.export_sequence(&seq)?;
+            tracing::debug!(
+                pages = snapshot.pages.len(),
+                ms = t0.elapsed().as_secs_f64() * 1e3,
+                "sequence exported"
+            );
             Ok(Some((
                 Prefilled {
-                    snapshot: self.engine.export_sequence(&seq)?,
+                    snapshot,
                     last_logits: last,
                     first_token,
                 },

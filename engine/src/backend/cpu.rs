@@ -7,8 +7,8 @@ use super::gemm::matmul_nt;
 use super::picks::{PickKind, PickLog, Picks, RowPicks};
 use super::shapes::shape_err;
 use super::{
-    cpu_attention, shapes, BResult, BatchPlan, CompressedKeys, CompressorParams, HcParams, HcPre,
-    HostTensor, KvStorage, MoeParams, StepRunner, TensorOps,
+    cpu_attention, shapes, BResult, BatchPlan, CompressedKeys, CompressorParams, CompressorPart,
+    HcParams, HcPre, HostTensor, KvStorage, MoeParams, StepRunner, TensorOps,
 };
 use crate::config::ScoringFunc;
 use crate::kv::{KvLayout, PageId, StateSlot};
@@ -347,6 +347,19 @@ impl TensorOps for CpuBackend {
         plan: &BatchPlan,
     ) -> BResult<()> {
         cpu_attention::compress(kv, layout, layer, proj_kv, proj_gate, p, plan)
+    }
+
+    fn compress_ring(
+        &self,
+        kv: &mut CpuKv,
+        layout: &KvLayout,
+        layer: usize,
+        part: CompressorPart,
+        proj_kv: &HostTensor,
+        proj_gate: &HostTensor,
+        plan: &BatchPlan,
+    ) -> BResult<()> {
+        cpu_attention::compress_ring(kv, layout, layer, part, proj_kv, proj_gate, plan)
     }
 
     fn index_select(

@@ -117,6 +117,49 @@ fn read_entries(
     Ok(out)
 }
 
+/// [`super::TensorOps::compress_ring`]: each sequence's last `slots` rows into its ring,
+/// at the slots `compress` writes them to.
+pub fn compress_ring(
+    kv: &mut CpuKv,
+    layout: &KvLayout,
+    layer: usize,
+    part: CompressorPart,
+    proj_kv: &HostTensor,
+    proj_gate: &HostTensor,
+    plan: &BatchPlan,
+) -> BResult<()> {
+    let l = layer_of(layout, layer)?;
+    let (ring_off, slots, width) = match part {
+        CompressorPart::Main => (l.comp_state_offset, l.comp_ring_slots, l.comp_width),
+        CompressorPart::Index => (l.index_state_offset, l.index_ring_slots, l.index_width),
+    };
+    if proj_kv.cols != width || proj_gate.cols != width || slots == 0 {
+        return Err(BackendError::Shape {
+            op: "compress_ring",
+            detail: format!(
+                "layer {layer}: rows of {} / {} for width {width}, {slots} slots",
+                proj_kv.cols, proj_gate.cols
+            ),
+        });
+    }
+    let row_bytes = 2 * width * 4;
+    for seq in &plan.seqs {
+        for i in seq.len.saturating_sub(slots)..seq.len {
+            let (pos, r) = (seq.start + i, seq.row0 + i);
+            let mut row = Vec::with_capacity(2 * width);
+            row.extend_from_slice(proj_kv.row(r));
+            row.extend_from_slice(proj_gate.row(r));
+            kv.write(
+                Region::State(seq.state),
+                ring_off + (pos % slots) * row_bytes,
+                EntryDtype::F32,
+                &row,
+            )?;
+        }
+    }
+    Ok(())
+}
+
 pub fn compress(
     kv: &mut CpuKv,
     layout: &KvLayout,
@@ -486,6 +529,7 @@ mod tests {
             tokens: vec![0; rows],
             positions: vec![0; rows],
             row_seq: vec![0; rows],
+            cuts: Vec::new(),
         };
         index_select(&kv, &layout, layer, q, w, 64, 64, &plan, None).unwrap()
     }

@@ -81,6 +81,12 @@ pub struct BatchPlan {
     pub positions: Vec<usize>,
     /// Sequence index (into `seqs`) of each row.
     pub row_seq: Vec<usize>,
+    /// Cuts inside this forward whose state is wanted too (the prefix cache's page
+    /// boundaries): each the plan of one sequence's rows up to the cut (the parent's rows,
+    /// the sequence's `len` ending at the cut) with a state slot of its own. Only the ring
+    /// writers ([`TensorOps::window_store`], [`TensorOps::compress_ring`]) take them: each
+    /// cut's slot gets the rings the sequence would have if the forward ended there.
+    pub cuts: Vec<BatchPlan>,
 }
 
 impl BatchPlan {

@@ -3,8 +3,8 @@
 
 use super::counter_rng::{self, WeightInit};
 use super::{
-    picks::PickLog, BResult, BackendError, BatchPlan, CompressedKeys, CompressorParams, HcParams,
-    HcPre, HostTensor, KvStorage, MoeParams,
+    picks::PickLog, BResult, BackendError, BatchPlan, CompressedKeys, CompressorParams,
+    CompressorPart, HcParams, HcPre, HostTensor, KvStorage, MoeParams,
 };
 use crate::checkpoint::{StoredWeight, WeightFormat};
 use crate::kv::KvLayout;
@@ -170,6 +170,21 @@ pub trait TensorOps: KvStorage {
         proj_kv: &Self::Tensor,
         proj_gate: &Self::Tensor,
         p: &CompressorParams<'_, Self::Tensor>,
+        plan: &BatchPlan,
+    ) -> BResult<()>;
+    /// The ring writes of [`TensorOps::compress`] without the pooling: each sequence's
+    /// last projected rows into its compressor ring. A cut inside a longer forward (a
+    /// prefix of a sequence's rows, with a state slot of its own) gets the ring that
+    /// sequence would have if the forward had ended at the cut.
+    #[allow(clippy::too_many_arguments)]
+    fn compress_ring(
+        &self,
+        kv: &mut Self::KvStore,
+        layout: &KvLayout,
+        layer: usize,
+        part: CompressorPart,
+        proj_kv: &Self::Tensor,
+        proj_gate: &Self::Tensor,
         plan: &BatchPlan,
     ) -> BResult<()>;
     /// Lightning indexer: score every visible index-K entry, keep the top `topk` per row;

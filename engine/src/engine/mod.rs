@@ -13,6 +13,7 @@ use crate::model::{Model, ModelWeights};
 use std::path::Path;
 use std::sync::Arc;
 
+mod cuts;
 mod error;
 mod pages;
 
@@ -429,6 +430,16 @@ impl<B: Backend> Engine<B> {
         &mut self,
         items: &mut [ForwardItem<'_>],
     ) -> Result<Vec<Result<ItemOutput, EngineError>>, EngineError> {
+        self.forward_planned(items, &[])
+    }
+
+    /// [`Engine::forward_each`], with `cuts` (of the single item) also written: each cut's
+    /// state slot gets the rings the item's sequence has at the cut's position.
+    fn forward_planned(
+        &mut self,
+        items: &mut [ForwardItem<'_>],
+        cuts: &[cuts::CutSlot],
+    ) -> Result<Vec<Result<ItemOutput, EngineError>>, EngineError> {
         let vocab = self.model.cfg.vocab_size;
         for it in items.iter() {
             if it.tokens.is_empty() {
@@ -484,8 +495,10 @@ impl<B: Backend> Engine<B> {
             outs.extend(std::iter::repeat_n(out, rows.len()));
             logit_rows.extend(rows);
         }
+        plan.cuts = cuts::cut_plans(&plan, cuts)?;
         let before = self.audit.before_step(&self.backend, &mut self.device)?;
-        let decode = !self.model.records_picks()
+        let decode = plan.cuts.is_empty()
+            && !self.model.records_picks()
             && items.iter().all(|it| {
                 it.tokens.len() == 1 && matches!(it.logits, Logits::Last | Logits::Greedy)
             });

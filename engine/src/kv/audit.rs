@@ -316,9 +316,15 @@ fn write_garbage<B: KvStorage>(
 }
 
 /// Pages and state slots a forward of `plan` may write: for each sequence, the pages
-/// covering positions `[start, start + len)` and its state slot.
+/// covering positions `[start, start + len)` and its state slot; each cut's state slot.
 pub fn expected_writes(plan: &BatchPlan, page_tokens: usize) -> Written {
     let mut w = Written::default();
+    // A cut's own state slot (its rings; it writes no page).
+    w.states.extend(
+        plan.cuts
+            .iter()
+            .flat_map(|c| c.seqs.iter().map(|s| s.state)),
+    );
     for s in &plan.seqs {
         w.states.insert(s.state);
         if s.len == 0 {

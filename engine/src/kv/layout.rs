@@ -446,6 +446,19 @@ impl KvLayout {
         merged
     }
 
+    /// Rows a forward must run before a cut inside it for every ring live at the cut
+    /// ([`KvLayout::state_ranges_live_at_cut`]: sliding windows, CSA compressor and
+    /// indexer rings) to be whole, written by that forward alone.
+    pub fn longest_ring(&self) -> usize {
+        self.layers
+            .iter()
+            .filter(|l| l.kind == LayerKind::Csa)
+            .flat_map(|l| [l.comp_ring_slots, l.index_ring_slots])
+            .chain([self.sliding_window])
+            .max()
+            .unwrap_or(0)
+    }
+
     /// Bytes of a prefix-cache state snapshot ([`KvLayout::state_ranges_live_at_cut`]).
     pub fn cut_snapshot_bytes(&self) -> usize {
         self.state_ranges_live_at_cut()

@@ -181,7 +181,11 @@ impl<B: Backend> Model<B> {
             &pg,
             &self.compressor_params(part, cw),
             plan,
-        )
+        )?;
+        for cut in &plan.cuts {
+            b.compress_ring(kv, layout, li, part, &pk, &pg, cut)?;
+        }
+        Ok(())
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -272,6 +276,9 @@ impl<B: Backend> Model<B> {
             plan,
         )?;
         b.window_store(kv, layout, li, &kv_new, plan)?;
+        for cut in &plan.cuts {
+            b.window_store(kv, layout, li, &kv_new, cut)?;
+        }
         // K = V carries rope: rotate the output's rope slice back at the query position.
         b.rope(&mut o, hd, rope, &plan.positions, true)?;
         let g = b.grouped_matmul(&o, &lw.o_a_proj, cfg.o_groups)?;

@@ -133,7 +133,8 @@ extern "C" __global__ void k_window_store(unsigned char* states, i64 state_bytes
     const int* sq = seq + row_seq[r] * SEQ_INTS;
     int end = sq[SEQ_START] + sq[SEQ_LEN];
     int pos = positions[r];
-    if (pos + window < end) return;
+    // Rows past the sequence's end: a cut's plan (a prefix of the forward's rows).
+    if (pos + window < end || pos >= end) return;
     unsigned char* slot = states + (i64)sq[SEQ_STATE] * state_bytes;
     if (dt == 3) {
         int nope = hd - rd;

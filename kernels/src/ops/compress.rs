@@ -173,3 +173,52 @@ pub fn compress(
         },
     )
 }
+
+/// [`pdserve_engine::backend::TensorOps::compress_ring`]: `k_compress_ring` alone (each
+/// sequence's last rows into its ring; the state at a cut inside a longer forward).
+#[allow(clippy::too_many_arguments)]
+pub fn compress_ring(
+    g: &Gpu,
+    kv: &mut GpuKv,
+    layout: &KvLayout,
+    layer: usize,
+    part: CompressorPart,
+    proj_kv: &GpuTensor,
+    proj_gate: &GpuTensor,
+    plan: &BatchPlan,
+) -> BResult<()> {
+    let l = layer_of(layout, layer)?;
+    let (ring_off, slots, width) = match part {
+        CompressorPart::Main => (l.comp_state_offset, l.comp_ring_slots, l.comp_width),
+        CompressorPart::Index => (l.index_state_offset, l.index_ring_slots, l.index_width),
+    };
+    if slots == 0
+        || proj_kv.cols != width
+        || proj_gate.cols != width
+        || proj_kv.rows != plan.rows()
+        || proj_gate.rows != plan.rows()
+    {
+        return Err(shape_err(
+            "compress_ring",
+            format!(
+                "layer {layer}: rows of {} / {} for width {width}, {slots} slots",
+                proj_kv.cols, proj_gate.cols
+            ),
+        ));
+    }
+    let dp = DevPlan::upload(g, kv, plan)?;
+    g.launch(
+        (plan.seqs.len() as u32, 1, 1),
+        0,
+        &kernels::CompressRing {
+            states: DevPtr::of(&kv.states),
+            state_bytes: kv.state_bytes as i64,
+            seq: DevPtr::of(&dp.seq),
+            proj_kv: DevPtr::of(f32_buf(proj_kv, "compress_ring")?),
+            proj_gate: DevPtr::of(f32_buf(proj_gate, "compress_ring")?),
+            width: width as i32,
+            slots: slots as i32,
+            ring_off: ring_off as i64,
+        },
+    )
+}

@@ -18,7 +18,7 @@ mod evict;
 use super::{metrics, HostPool, HostPoolError, PageId};
 use crate::backend::Backend;
 use crate::engine::{Engine, EngineError, Logits, Sequence};
-use crate::generate::{prefill_chunks, ChunkHooks, Chunking};
+use crate::generate::{prefill_chunks, ChunkHooks, Chunking, CutState};
 use std::collections::HashMap;
 
 type NodeId = usize;
@@ -396,13 +396,17 @@ impl PrefixCache {
         Ok(())
     }
 
-    /// Cache the cut `seq` just reached under `parent`; returns the node for it.
+    /// Cache `seq`'s cut at `pos` (the page ending there, `full`: the state slot's bytes
+    /// there) under `parent`; returns the node for it.
+    #[allow(clippy::too_many_arguments)]
     fn insert<B: Backend>(
         &mut self,
         engine: &mut Engine<B>,
         parent: NodeId,
         seq: &Sequence,
         key: &[u32],
+        pos: usize,
+        full: &[u8],
     ) -> Result<NodeId, EngineError> {
         if let Some(&c) = self.node(parent)?.children.get(key) {
             self.node_mut(c)?.last_use = self.tick;
@@ -411,14 +415,20 @@ impl PrefixCache {
         let page = *seq
             .kv()
             .pages
-            .get(seq.len() / self.page_tokens - 1)
+            .get(pos / self.page_tokens - 1)
             .ok_or_else(|| internal("sequence shorter than its cut".into()))?;
-        let full = engine.sequence_state(seq)?;
-        let state: Vec<u8> = self
-            .live
-            .iter()
-            .flat_map(|r| full[r.clone()].iter().copied())
-            .collect();
+        if full.len() != self.state_bytes {
+            return Err(internal(format!(
+                "state of {} bytes for slots of {}",
+                full.len(),
+                self.state_bytes
+            )));
+        }
+        // Range by range (a byte iterator here cost ~1.4 ms per cut of 1.1 MB slots).
+        let mut state = Vec::with_capacity(self.live.iter().map(|r| r.len()).sum());
+        for r in &self.live {
+            state.extend_from_slice(&full[r.clone()]);
+        }
         engine.retain_pages(&[page])?;
         let node = Node {
             parent,
@@ -474,11 +484,28 @@ impl<B: Backend> ChunkHooks<B> for CutHooks<'_> {
         Ok(true)
     }
 
-    fn after(&mut self, engine: &mut Engine<B>, seq: &Sequence) -> Result<(), EngineError> {
+    fn after(
+        &mut self,
+        engine: &mut Engine<B>,
+        seq: &Sequence,
+        cuts: Vec<CutState>,
+    ) -> Result<(), EngineError> {
         let (end, p) = (seq.len(), self.cache.page_tokens);
+        for c in cuts {
+            if !c.pos.is_multiple_of(p) {
+                return Err(internal(format!("cut at {} off the pages", c.pos)));
+            }
+            let key = &self.tokens[c.pos - p..c.pos];
+            self.node = self
+                .cache
+                .insert(engine, self.node, seq, key, c.pos, &c.state)?;
+        }
         if end.is_multiple_of(p) {
             let key = &self.tokens[end - p..end];
-            self.node = self.cache.insert(engine, self.node, seq, key)?;
+            let state = engine.sequence_state(seq)?;
+            self.node = self
+                .cache
+                .insert(engine, self.node, seq, key, end, &state)?;
         }
         Ok(())
     }
