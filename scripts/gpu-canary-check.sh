@@ -113,24 +113,8 @@ step_gap() {
   D=$(start decode "$BIN" decode --device "$DEV" --cuda-graph "$GRAPH" --metrics-listen "127.0.0.1:$port" --listen 127.0.0.1:0) || return 1
   R=$(start router "$BIN" router --prefill "$P" --decode "$D" --listen 127.0.0.1:0) || return 1
   out=$(load "$R" 64 2 64 --no-reference)
-  python3 - "$port" "$out" <<'PY' || echo "decode loop host gap: no metrics ($out)"
-import re, sys, urllib.request
-text = urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/metrics", timeout=10).read().decode()
-def series(name, *labels):
-    for line in text.splitlines():
-        if line.startswith(name + "{") and all(l in line for l in labels):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
-n = series("pdserve_decode_step_gap_seconds_count")
-mean = series("pdserve_decode_step_gap_seconds_sum") / max(n, 1) * 1e6
-under = series("pdserve_decode_step_gap_seconds_bucket", 'le="0.0001"') / max(n, 1) * 100
-def part_us(p):
-    return series("pdserve_decode_step_gap_part_seconds_sum", 'part="%s"' % p) / max(n, 1) * 1e6
-parts = ", ".join(f"{p} {part_us(p):.1f}" for p in ("sample", "admit", "other"))
-batch = series("pdserve_decode_batch_size_sum") / max(series("pdserve_decode_batch_size_count"), 1)
-print(f"decode loop host time between steps, 64 sessions: mean {mean:.1f} us ({parts}), {under:.1f}% below 100 us "
-      f"over {n:.0f} gaps, mean batch {batch:.1f}: info ({sys.argv[2]})")
-PY
+  python3 scripts/step_gaps.py "$port" "64 sessions" ": info ($out)" \
+    || echo "decode loop host gap: no metrics ($out)"
   stop_all
 }
 

@@ -14,6 +14,7 @@
 #             eager, against the byte floor (WEIGHTS=bf16 for a shorter run)
 #   ncu       one eager decode step of batch 1 and 64 (NCU_BATCH) and one 8K prefill
 #             forward (NCU_PREFILL) by kernel, through ncu and scripts/ncu_step.py
+#   gap       the decode loop's host time between steps at batch 64 (embedded model)
 #   ttft      an 8K prompt through router + prefill + decode (the bench's V4-Flash-dims
 #             model, random weights: --load-format dummy) with the worker-side breakdown
 set -euo pipefail
@@ -28,7 +29,7 @@ WEIGHTS=${WEIGHTS:-bf16,fp8,fp8-fp4}
 NCU_BATCH=${NCU_BATCH:-1,64}
 NCU_PREFILL=${NCU_PREFILL:-8192}
 [ -x "$BIN" ] || { echo "perf-run: $BIN not found: cargo build --release first (or set BIN)" >&2; exit 2; }
-[ $# -gt 0 ] || { sed -n '2,20p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,21p' "$0"; exit 2; }
 mkdir -p "$OUT"
 work=$(mktemp -d)
 # shellcheck source=scripts/cluster-lib.sh
@@ -89,22 +90,49 @@ part_ncu() {
     --title "bf16 prefill, $NCU_PREFILL tokens" --top 25
 }
 
+part_gap() {
+  # The decode loop's own host time between steps at batch 64 (issue 19: below 100 us):
+  # the embedded model, 64 requests of 256 tokens at once through router + prefill +
+  # decode (graphs), the gap histograms from decode's side port.
+  local P D R
+  P=$(start prefill "$BIN" prefill --device "$DEV" --listen 127.0.0.1:0)
+  D=$(start decode "$BIN" decode --device "$DEV" --listen 127.0.0.1:0 \
+    --metrics-listen 127.0.0.1:9103)
+  R=$(start router "$BIN" router --prefill "$P" --decode "$D" --listen 127.0.0.1:0)
+  "$BIN" wait-ready --address "$R" --timeout-s 300
+  "$BIN" bench serve --url "http://$R" --no-reference --concurrency 64 --sessions 64 \
+    --turns 1 --prompt-len 5:44 --output-len 256 --shared-prefix-len 300 --ignore-eos
+  python3 scripts/step_gaps.py 9103 "64 requests x 256 tokens"
+  stop_all
+}
+
 part_ttft() {
   local model="$work/v4"
   "$BIN" bench config "${DIMS[@]}" --out "$model/config.json"
-  local common=(--model "$model" --load-format dummy --device "$DEV" --kv-pages 512)
+  # The bench's KV layout (bf16 entries and index-K): the servers' default f32 entries
+  # take the fp32 attention kernel, not the tensor-core one the bench prefill times.
+  local common=(--model "$model" --load-format dummy --device "$DEV" --kv-pages 512
+    --kv-dtype bf16 --index-k-dtype bf16)
   local P D R
-  P=$(start prefill "$BIN" prefill "${common[@]}" --chunked-prefill-size "$TTFT_TOKENS" \
+  # Debug lines of the engine and the prefill server: each forward's and export's time.
+  P=$(start prefill env RUST_LOG=info,pdserve_engine=debug,pdserve_prefill_server=debug \
+    "$BIN" prefill "${common[@]}" --chunked-prefill-size "$TTFT_TOKENS" \
     --listen 127.0.0.1:0 --metrics-listen 127.0.0.1:9101)
   D=$(start decode "$BIN" decode "${common[@]}" --listen 127.0.0.1:0 \
     --metrics-listen 127.0.0.1:9102)
   R=$(start router "$BIN" router --model "$model" --prefill "$P" --decode "$D" \
     --listen 127.0.0.1:0)
   "$BIN" wait-ready --address "$R" --timeout-s 300
-  # One request at a time: the time to first token against the prefill's own compute.
+  # One request first, not counted (the servers' first forward sets up cuBLAS and the
+  # memory pool), then one at a time: the time to first token against the prefill's own
+  # compute, and each prefill's own line from the server's log.
+  "$BIN" bench serve --url "http://$R" --model "$model" --no-reference --concurrency 1 \
+    --sessions 1 --turns 1 --prompt-len "$TTFT_TOKENS" --output-len 1 --ignore-eos --seed 99 >/dev/null
   "$BIN" bench serve --url "http://$R" --model "$model" --no-reference --concurrency 1 \
     --sessions 8 --turns 1 --prompt-len "$TTFT_TOKENS" --output-len 1 --ignore-eos \
     --worker-metrics 127.0.0.1:9101,127.0.0.1:9102
+  grep -hE "prefilled|prefill forward|cut states|sequence exported" "$work/prefill.out" "$work/prefill.err" \
+    | tail -n 36 | sed 's/\x1b\[[0-9;]*m//g; s/.*pdserve_[a-z_]*::[a-z_:]*: //' || true
   stop_all
   # The prefill's compute alone on the same model and device, for the same prompt length.
   "$BIN" bench prefill --device "$DEV" "${DIMS[@]}" --tokens "$TTFT_TOKENS" --weights bf16 \
@@ -113,8 +141,8 @@ part_ttft() {
 
 for part in "$@"; do
   case $part in
-    peer|prefill|decode|ttft|ncu) ;;
-    *) echo "perf-run: unknown part '$part' (peer, prefill, decode, ttft, ncu)" >&2; exit 2;;
+    peer|prefill|decode|ttft|ncu|gap) ;;
+    *) echo "perf-run: unknown part '$part' (peer, prefill, decode, ttft, ncu, gap)" >&2; exit 2;;
   esac
 done
 for part in "$@"; do
