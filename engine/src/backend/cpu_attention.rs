@@ -129,10 +129,7 @@ pub fn compress_ring(
     plan: &BatchPlan,
 ) -> BResult<()> {
     let l = layer_of(layout, layer)?;
-    let (ring_off, slots, width) = match part {
-        CompressorPart::Main => (l.comp_state_offset, l.comp_ring_slots, l.comp_width),
-        CompressorPart::Index => (l.index_state_offset, l.index_ring_slots, l.index_width),
-    };
+    let (ring_off, slots, width) = l.ring(part);
     if proj_kv.cols != width || proj_gate.cols != width || slots == 0 {
         return Err(BackendError::Shape {
             op: "compress_ring",
@@ -170,10 +167,7 @@ pub fn compress(
     plan: &BatchPlan,
 ) -> BResult<()> {
     let l = layer_of(layout, layer)?.clone();
-    let (ring_off, slots, width) = match p.part {
-        CompressorPart::Main => (l.comp_state_offset, l.comp_ring_slots, l.comp_width),
-        CompressorPart::Index => (l.index_state_offset, l.index_ring_slots, l.index_width),
-    };
+    let (ring_off, slots, width) = l.ring(p.part);
     let overlap = l.kind == LayerKind::Csa;
     // Entry width: CSA rows carry two series (Ca | Cb), HCA rows one.
     let dim = if overlap { width / 2 } else { width };

@@ -28,10 +28,7 @@ pub fn compress(
     plan: &BatchPlan,
 ) -> BResult<()> {
     let l = layer_of(layout, layer)?;
-    let (ring_off, slots, width) = match p.part {
-        CompressorPart::Main => (l.comp_state_offset, l.comp_ring_slots, l.comp_width),
-        CompressorPart::Index => (l.index_state_offset, l.index_ring_slots, l.index_width),
-    };
+    let (ring_off, slots, width) = l.ring(p.part);
     let overlap = l.kind == LayerKind::Csa;
     let dim = if overlap { width / 2 } else { width };
     let rate = l.rate;
@@ -158,6 +155,18 @@ pub fn compress(
     if !windows {
         return Ok(());
     }
+    launch_ring(g, kv, plan, &dp, (pkv, pgate), (ring_off, slots, width))
+}
+
+/// `k_compress_ring`: each sequence's last rows of `proj` into its ring.
+fn launch_ring(
+    g: &Gpu,
+    kv: &GpuKv,
+    plan: &BatchPlan,
+    dp: &DevPlan,
+    (proj_kv, proj_gate): (DevPtr, DevPtr),
+    (ring_off, slots, width): (usize, usize, usize),
+) -> BResult<()> {
     g.launch(
         (plan.seqs.len() as u32, 1, 1),
         0,
@@ -165,8 +174,8 @@ pub fn compress(
             states: DevPtr::of(&kv.states),
             state_bytes: kv.state_bytes as i64,
             seq: DevPtr::of(&dp.seq),
-            proj_kv: pkv,
-            proj_gate: pgate,
+            proj_kv,
+            proj_gate,
             width: width as i32,
             slots: slots as i32,
             ring_off: ring_off as i64,
@@ -188,10 +197,7 @@ pub fn compress_ring(
     plan: &BatchPlan,
 ) -> BResult<()> {
     let l = layer_of(layout, layer)?;
-    let (ring_off, slots, width) = match part {
-        CompressorPart::Main => (l.comp_state_offset, l.comp_ring_slots, l.comp_width),
-        CompressorPart::Index => (l.index_state_offset, l.index_ring_slots, l.index_width),
-    };
+    let (ring_off, slots, width) = l.ring(part);
     if slots == 0
         || proj_kv.cols != width
         || proj_gate.cols != width
@@ -207,18 +213,9 @@ pub fn compress_ring(
         ));
     }
     let dp = DevPlan::upload(g, kv, plan)?;
-    g.launch(
-        (plan.seqs.len() as u32, 1, 1),
-        0,
-        &kernels::CompressRing {
-            states: DevPtr::of(&kv.states),
-            state_bytes: kv.state_bytes as i64,
-            seq: DevPtr::of(&dp.seq),
-            proj_kv: DevPtr::of(f32_buf(proj_kv, "compress_ring")?),
-            proj_gate: DevPtr::of(f32_buf(proj_gate, "compress_ring")?),
-            width: width as i32,
-            slots: slots as i32,
-            ring_off: ring_off as i64,
-        },
-    )
+    let proj = (
+        DevPtr::of(f32_buf(proj_kv, "compress_ring")?),
+        DevPtr::of(f32_buf(proj_gate, "compress_ring")?),
+    );
+    launch_ring(g, kv, plan, &dp, proj, (ring_off, slots, width))
 }
