@@ -317,3 +317,65 @@ fn pools_of_different_layouts_refuse_each_other() {
         assert!(err.contains(&format!("`{field}`")), "{err}");
     }
 }
+
+/// The state a forward writes for a cut inside it (`Engine::forward_with_cuts`) is, on
+/// every range a continuation reads, the bytes a forward ending at the cut leaves; the
+/// cuts' scratch slots are given back; a cut closer to the start than the rings reach is
+/// refused before anything runs.
+#[test]
+fn cut_states_equal_the_state_of_a_forward_ending_there() {
+    let mut tested = 0;
+    for name in fixture_names() {
+        let fx = load_fixture(&name);
+        let p = smallest_page_tokens(&fx.dir);
+        for kv in [EntryDtype::F32, EntryDtype::Bf16] {
+            let mut eng = engine_dtypes(&fx.dir, kv, EntryDtype::F32, p, 64);
+            let live = eng.layout().state_ranges_live_at_cut();
+            let span = eng.cut_span();
+            let n = fx.tokens.len();
+            let cuts: Vec<usize> = (1..)
+                .map(|k| k * p)
+                .take_while(|&c| c < n)
+                .filter(|&c| c >= span)
+                .collect();
+            if cuts.len() < 2 {
+                println!("{name}: page {p}, {n} tokens, span {span}: fewer than two cuts fit");
+                continue;
+            }
+            tested += 1;
+            let free = eng.free_state_count();
+            let mut seq = eng.new_sequence().unwrap();
+            let item = ForwardItem {
+                seq: &mut seq,
+                tokens: &fx.tokens,
+                logits: Logits::Last,
+            };
+            let (_, states) = eng.forward_with_cuts(item, &cuts).unwrap();
+            assert_eq!(eng.free_state_count(), free - 1, "{name}: cut slots kept");
+            eng.release(seq).unwrap();
+            for (&c, got) in cuts.iter().zip(&states) {
+                let mut one = eng.new_sequence().unwrap();
+                prefill(&mut eng, &mut one, &fx.tokens[..c], 0, Logits::None).unwrap();
+                let want = eng.export_sequence(&one).unwrap().state;
+                eng.release(one).unwrap();
+                for r in &live {
+                    assert!(
+                        got[r.clone()] == want[r.clone()],
+                        "{name} kv={kv:?}: state at cut {c}, bytes {r:?}, differs"
+                    );
+                }
+            }
+            // Too close to the start for the rings: refused, nothing allocated.
+            let mut seq = eng.new_sequence().unwrap();
+            let item = ForwardItem {
+                seq: &mut seq,
+                tokens: &fx.tokens,
+                logits: Logits::Last,
+            };
+            assert!(eng.forward_with_cuts(item, &[span - 1]).is_err());
+            assert_eq!(eng.free_state_count(), free - 1);
+            eng.release(seq).unwrap();
+        }
+    }
+    assert!(tested >= 2, "only {tested} fixture runs had two cuts");
+}
