@@ -265,7 +265,7 @@ fn the_units_exec_start_lines_with_their_env_files_serve_a_request() {
     );
     assert_eq!(st, 200);
     assert!(
-        body.contains("127.0.0.1:51100") && body.contains("127.0.0.1:51201"),
+        body.contains("127.0.0.1:7100") && body.contains("127.0.0.1:7201"),
         "{body}"
     );
     let decode = as_systemd_starts("pdserve-decode@.service", "1", etc.path(), cache.path());
