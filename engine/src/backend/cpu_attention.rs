@@ -129,7 +129,7 @@ pub fn compress_ring(
     plan: &BatchPlan,
 ) -> BResult<()> {
     let l = layer_of(layout, layer)?;
-    let (ring_off, slots, width) = l.ring(part);
+    let (ring_off, slots, width) = part.ring(l);
     if proj_kv.cols != width || proj_gate.cols != width || slots == 0 {
         return Err(BackendError::Shape {
             op: "compress_ring",
@@ -167,7 +167,7 @@ pub fn compress(
     plan: &BatchPlan,
 ) -> BResult<()> {
     let l = layer_of(layout, layer)?.clone();
-    let (ring_off, slots, width) = l.ring(p.part);
+    let (ring_off, slots, width) = p.part.ring(&l);
     let overlap = l.kind == LayerKind::Csa;
     // Entry width: CSA rows carry two series (Ca | Cb), HCA rows one.
     let dim = if overlap { width / 2 } else { width };

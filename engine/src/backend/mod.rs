@@ -104,6 +104,17 @@ pub enum CompressorPart {
     Index,
 }
 
+impl CompressorPart {
+    /// Where this compressor's ring lives in layer `l`'s part of the state slot: its byte
+    /// offset, its slots (rows) and the width of a row's kv (and of its gate) half.
+    pub fn ring(self, l: &crate::kv::LayerKvLayout) -> (usize, usize, usize) {
+        match self {
+            CompressorPart::Main => (l.comp_state_offset, l.comp_ring_slots, l.comp_width),
+            CompressorPart::Index => (l.index_state_offset, l.index_ring_slots, l.index_width),
+        }
+    }
+}
+
 /// Parameters of a softmax-gated pooling compressor.
 pub struct CompressorParams<'a, T> {
     pub part: CompressorPart,

@@ -168,23 +168,6 @@ pub struct LayerKvLayout {
 }
 
 impl LayerKvLayout {
-    /// Where one of the layer's compressor rings lives in the state slot: its byte
-    /// offset, its slots (rows) and the width of a row's kv (and of its gate) half.
-    pub fn ring(&self, part: crate::backend::CompressorPart) -> (usize, usize, usize) {
-        match part {
-            crate::backend::CompressorPart::Main => (
-                self.comp_state_offset,
-                self.comp_ring_slots,
-                self.comp_width,
-            ),
-            crate::backend::CompressorPart::Index => (
-                self.index_state_offset,
-                self.index_ring_slots,
-                self.index_width,
-            ),
-        }
-    }
-
     /// f32 values in one compressor ring row (kv followed by gate).
     pub fn comp_row_floats(&self) -> usize {
         2 * self.comp_width

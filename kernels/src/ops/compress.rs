@@ -28,7 +28,7 @@ pub fn compress(
     plan: &BatchPlan,
 ) -> BResult<()> {
     let l = layer_of(layout, layer)?;
-    let (ring_off, slots, width) = l.ring(p.part);
+    let (ring_off, slots, width) = p.part.ring(l);
     let overlap = l.kind == LayerKind::Csa;
     let dim = if overlap { width / 2 } else { width };
     let rate = l.rate;
@@ -197,7 +197,7 @@ pub fn compress_ring(
     plan: &BatchPlan,
 ) -> BResult<()> {
     let l = layer_of(layout, layer)?;
-    let (ring_off, slots, width) = l.ring(part);
+    let (ring_off, slots, width) = part.ring(l);
     if slots == 0
         || proj_kv.cols != width
         || proj_gate.cols != width
