@@ -146,7 +146,7 @@ pub fn prefill_chunks<B: Backend>(
     let mut rows = Vec::new();
     let mut fed = 0;
     while fed < tokens.len() {
-        let (span, slots) = (engine.cut_span(), engine.free_state_count());
+        let (span, slots) = (engine.cut_span(), engine.allocator().free_state_count());
         let (to, cuts) = plan_forward(
             start + fed,
             start + tokens.len(),

@@ -343,7 +343,7 @@ fn cut_states_equal_the_state_of_a_forward_ending_there() {
                 continue;
             }
             tested += 1;
-            let free = eng.free_state_count();
+            let free = eng.allocator().free_state_count();
             let mut seq = eng.new_sequence().unwrap();
             let item = ForwardItem {
                 seq: &mut seq,
@@ -351,7 +351,11 @@ fn cut_states_equal_the_state_of_a_forward_ending_there() {
                 logits: Logits::Last,
             };
             let (_, states) = eng.forward_with_cuts(item, &cuts).unwrap();
-            assert_eq!(eng.free_state_count(), free - 1, "{name}: cut slots kept");
+            assert_eq!(
+                eng.allocator().free_state_count(),
+                free - 1,
+                "{name}: cut slots kept"
+            );
             eng.release(seq).unwrap();
             for (&c, got) in cuts.iter().zip(&states) {
                 let mut one = eng.new_sequence().unwrap();
@@ -373,7 +377,7 @@ fn cut_states_equal_the_state_of_a_forward_ending_there() {
                 logits: Logits::Last,
             };
             assert!(eng.forward_with_cuts(item, &[span - 1]).is_err());
-            assert_eq!(eng.free_state_count(), free - 1);
+            assert_eq!(eng.allocator().free_state_count(), free - 1);
             eng.release(seq).unwrap();
         }
     }

@@ -9,8 +9,8 @@ use super::cpu_math::{rms_norm_into, softmax};
 use super::gemm::dot;
 use super::picks::{PickKind, PickLog, Picks, RowPicks};
 use super::{
-    BResult, BackendError, BatchPlan, CompressedKeys, CompressorParams, CompressorPart, HostTensor,
-    SeqPlan,
+    shapes, BResult, BackendError, BatchPlan, CompressedKeys, CompressorParams, CompressorPart,
+    HostTensor, SeqPlan,
 };
 use crate::config::LayerKind;
 use crate::kv::{EntryDtype, KvLayout, LayerKvLayout};
@@ -117,6 +117,29 @@ fn read_entries(
     Ok(out)
 }
 
+/// Row `r` of the projections (kv then gate, fp32) into its slot of `seq`'s ring at
+/// `ring_off` (`slots` rows of `2 * width` floats): what `compress` does for every row and
+/// `compress_ring` for a sequence's last ones.
+fn write_ring_row(
+    kv: &mut CpuKv,
+    seq: &SeqPlan,
+    (ring_off, slots, width): (usize, usize, usize),
+    proj_kv: &HostTensor,
+    proj_gate: &HostTensor,
+    i: usize,
+) -> BResult<()> {
+    let (pos, r) = (seq.start + i, seq.row0 + i);
+    let mut row = Vec::with_capacity(2 * width);
+    row.extend_from_slice(proj_kv.row(r));
+    row.extend_from_slice(proj_gate.row(r));
+    kv.write(
+        Region::State(seq.state),
+        ring_off + (pos % slots) * 2 * width * 4,
+        EntryDtype::F32,
+        &row,
+    )
+}
+
 /// [`super::TensorOps::compress_ring`]: each sequence's last `slots` rows into its ring,
 /// at the slots `compress` writes them to.
 pub fn compress_ring(
@@ -128,30 +151,18 @@ pub fn compress_ring(
     proj_gate: &HostTensor,
     plan: &BatchPlan,
 ) -> BResult<()> {
-    let l = layer_of(layout, layer)?;
-    let (ring_off, slots, width) = part.ring(l);
-    if proj_kv.cols != width || proj_gate.cols != width || slots == 0 {
-        return Err(BackendError::Shape {
-            op: "compress_ring",
-            detail: format!(
-                "layer {layer}: rows of {} / {} for width {width}, {slots} slots",
-                proj_kv.cols, proj_gate.cols
-            ),
-        });
-    }
-    let row_bytes = 2 * width * 4;
+    let ring = part.ring(layer_of(layout, layer)?);
+    let (_, slots, width) = ring;
+    shapes::check_compress_ring(
+        layer,
+        (width, slots),
+        (proj_kv.rows, proj_kv.cols),
+        (proj_gate.rows, proj_gate.cols),
+        plan.rows(),
+    )?;
     for seq in &plan.seqs {
         for i in seq.len.saturating_sub(slots)..seq.len {
-            let (pos, r) = (seq.start + i, seq.row0 + i);
-            let mut row = Vec::with_capacity(2 * width);
-            row.extend_from_slice(proj_kv.row(r));
-            row.extend_from_slice(proj_gate.row(r));
-            kv.write(
-                Region::State(seq.state),
-                ring_off + (pos % slots) * row_bytes,
-                EntryDtype::F32,
-                &row,
-            )?;
+            write_ring_row(kv, seq, ring, proj_kv, proj_gate, i)?;
         }
     }
     Ok(())
@@ -186,7 +197,6 @@ pub fn compress(
         });
     }
     let bias = &p.position_bias.data;
-    let row_bytes = 2 * width * 4;
     let nslots = if overlap { 2 * rate } else { rate };
     let mut logits = vec![0f32; nslots];
     let mut vals = vec![0f32; nslots];
@@ -197,16 +207,7 @@ pub fn compress(
         let state = Region::State(seq.state);
         for i in 0..seq.len {
             let pos = seq.start + i;
-            let r = seq.row0 + i;
-            let mut row = Vec::with_capacity(2 * width);
-            row.extend_from_slice(proj_kv.row(r));
-            row.extend_from_slice(proj_gate.row(r));
-            kv.write(
-                state,
-                ring_off + (pos % slots) * row_bytes,
-                EntryDtype::F32,
-                &row,
-            )?;
+            write_ring_row(kv, seq, (ring_off, slots, width), proj_kv, proj_gate, i)?;
             if (pos + 1) % rate != 0 {
                 continue;
             }

@@ -129,3 +129,29 @@ pub fn check_hc_head(
     }
     Ok(())
 }
+
+/// A compressor ring write: projections of `width` columns, one row per plan row, into a
+/// ring of at least one slot.
+pub fn check_compress_ring(
+    layer: usize,
+    (width, slots): (usize, usize),
+    proj_kv: (usize, usize),
+    proj_gate: (usize, usize),
+    plan_rows: usize,
+) -> BResult<()> {
+    if slots == 0
+        || proj_kv.1 != width
+        || proj_gate.1 != width
+        || proj_kv.0 != plan_rows
+        || proj_gate.0 != plan_rows
+    {
+        return Err(shape_err(
+            "compress_ring",
+            format!(
+                "layer {layer}: rows of {} / {} for width {width}, {slots} slots",
+                proj_kv.1, proj_gate.1
+            ),
+        ));
+    }
+    Ok(())
+}

@@ -57,11 +57,6 @@ impl<B: Backend> Engine<B> {
         self.device.layout.longest_ring()
     }
 
-    /// State slots free now (each cut of [`Engine::forward_with_cuts`] takes one).
-    pub fn free_state_count(&self) -> usize {
-        self.device.allocator.free_state_count()
-    }
-
     /// One forward of `item`, also returning the state slot's bytes the sequence has at
     /// each of `cuts` (positions inside the forward, ascending, each at least
     /// [`Engine::cut_span`] rows past its start): what a forward ending there would leave.

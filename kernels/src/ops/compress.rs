@@ -9,7 +9,7 @@ use crate::ops::kv_reach::layer_of;
 use crate::ops::rope_tables::rope_tables;
 use crate::ops::tensors::param_f32;
 use crate::tensor::GpuTensor;
-use pdserve_engine::backend::{BResult, BatchPlan, CompressorParams, CompressorPart};
+use pdserve_engine::backend::{shapes, BResult, BatchPlan, CompressorParams, CompressorPart};
 use pdserve_engine::config::LayerKind;
 use pdserve_engine::kv::KvLayout;
 
@@ -198,20 +198,13 @@ pub fn compress_ring(
 ) -> BResult<()> {
     let l = layer_of(layout, layer)?;
     let (ring_off, slots, width) = part.ring(l);
-    if slots == 0
-        || proj_kv.cols != width
-        || proj_gate.cols != width
-        || proj_kv.rows != plan.rows()
-        || proj_gate.rows != plan.rows()
-    {
-        return Err(shape_err(
-            "compress_ring",
-            format!(
-                "layer {layer}: rows of {} / {} for width {width}, {slots} slots",
-                proj_kv.cols, proj_gate.cols
-            ),
-        ));
-    }
+    shapes::check_compress_ring(
+        layer,
+        (width, slots),
+        (proj_kv.rows, proj_kv.cols),
+        (proj_gate.rows, proj_gate.cols),
+        plan.rows(),
+    )?;
     let dp = DevPlan::upload(g, kv, plan)?;
     let proj = (
         DevPtr::of(f32_buf(proj_kv, "compress_ring")?),
