@@ -4,6 +4,7 @@ use anyhow::{bail, Context, Result};
 use pdserve_gpu_check::attention::check_attention_ab;
 use pdserve_gpu_check::batched::check_batched;
 use pdserve_gpu_check::check::{check_embedded, check_fixture, header, CheckRow};
+use pdserve_gpu_check::cuts::check_cuts;
 use pdserve_gpu_check::graphs::check_graphs;
 use pdserve_gpu_check::picks::check_picks;
 use pdserve_gpu_check::stored::check_stored;
@@ -58,9 +59,18 @@ pub fn gpu_check(a: GpuCheckArgs) -> Result<()> {
         );
     }
     if run("fixtures") {
+        let mut cut_rows = Vec::new();
         for d in &dirs {
             show(check_fixture(d, a.device).map_err(|e| anyhow::anyhow!("{}: {e}", d.display()))?);
+            cut_rows.extend(
+                check_cuts(d, a.device)
+                    .map_err(|e| anyhow::anyhow!("{} cut states: {e}", d.display()))?,
+            );
         }
+        if cut_rows.is_empty() {
+            bail!("no fixture's prompt holds a cut: the cut-state check ran nowhere");
+        }
+        show(cut_rows);
     }
     if run("stored") {
         show(check_stored(a.device).map_err(|e| anyhow::anyhow!("stored FP8/FP4 weights: {e}"))?);

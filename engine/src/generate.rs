@@ -54,7 +54,8 @@ pub struct Chunking {
     pub cut_every: Option<usize>,
 }
 
-/// The state slot's bytes at one cut inside a forward.
+/// The state slot's live bytes at one cut inside a forward
+/// ([`crate::kv::KvLayout::state_ranges_live_at_cut`], one range after another).
 pub struct CutState {
     pub pos: usize,
     pub state: Vec<u8>,

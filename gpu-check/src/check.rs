@@ -70,12 +70,12 @@ pub fn header() -> String {
     )
 }
 
-struct Fixture {
-    tokens: Vec<u32>,
+pub(crate) struct Fixture {
+    pub(crate) tokens: Vec<u32>,
     prefill_lens: Vec<usize>,
 }
 
-fn load_fixture(dir: &Path) -> Result<Fixture, FixtureError> {
+pub(crate) fn load_fixture(dir: &Path) -> Result<Fixture, FixtureError> {
     let fx_err = |detail: String| FixtureError {
         dir: dir.to_path_buf(),
         detail,

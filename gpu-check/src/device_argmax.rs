@@ -171,7 +171,7 @@ fn decode_steps(ordinal: usize, mode: GraphMode, steps: usize) -> AnyResult<Chec
             tokens: pick.iter().map(|&s| next[s]).collect(),
             positions: pick.iter().map(|&s| pos[s]).collect(),
             row_seq: (0..n).collect(),
-            cuts: Vec::new(),
+            cuts: None,
         };
         let out = b.decode_step(
             &mut kv,

@@ -4,7 +4,8 @@
 //! ([`graphs`]), and batched decode against one-at-a-time decode and the CPU
 //! ([`batched`]), weights kept in DeepSeek's stored FP8/FP4 formats ([`stored`]), the
 //! split-key attention kernel against the one it replaced ([`attention`]), greedy tokens
-//! sampled on the device against the host's argmax ([`device_argmax`]), and the routing
+//! sampled on the device against the host's argmax ([`device_argmax`]), the states at
+//! cuts inside a forward against the CPU engine's ([`cuts`]), and the routing
 //! and indexer picks behind every bf16 row that jumps away from the CPU ([`picks`]). It
 //! uses only the public API of `pdserve-kernels`, so the check code is not part of the
 //! backend library.
@@ -12,6 +13,7 @@
 pub mod attention;
 pub mod batched;
 pub mod check;
+pub mod cuts;
 pub mod device_argmax;
 pub mod graphs;
 pub mod picks;

@@ -187,6 +187,15 @@ impl KvStorage for CudaBackend {
         kv.read_state(&self.gpu, slot)
     }
 
+    fn state_ranges(
+        &self,
+        kv: &GpuKv,
+        slots: &[StateSlot],
+        ranges: &[std::ops::Range<usize>],
+    ) -> BResult<Vec<u8>> {
+        kv.read_state_ranges(&self.gpu, slots, ranges)
+    }
+
     fn write_page(&self, kv: &mut GpuKv, page: PageId, bytes: &[u8]) -> BResult<()> {
         kv.write_page(&self.gpu, page, bytes)
     }

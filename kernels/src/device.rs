@@ -443,6 +443,20 @@ impl Gpu {
         Ok(v)
     }
 
+    /// `bytes` bytes from device address `src` to `dst` on the stream (outside a decode
+    /// step).
+    #[allow(unsafe_code)]
+    pub(crate) fn copy_dtod(&self, dst: u64, src: u64, bytes: usize) -> BResult<()> {
+        if self.in_step() {
+            return Err(BackendError::Device(
+                "a device-to-device copy inside a decode step".into(),
+            ));
+        }
+        // SAFETY: callers pass two `bytes`-long ranges inside live allocations.
+        unsafe { cudarc::driver::result::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream()) }
+            .map_err(dev_err)
+    }
+
     /// Copy `bytes` to device address `dst` (outside a decode step).
     #[allow(unsafe_code)]
     pub(crate) fn copy_to_device(&self, dst: u64, bytes: &[u8]) -> BResult<()> {

@@ -370,9 +370,8 @@ kernels! {
         }
         /// New keys into each sequence's sliding-window ring.
         WindowStore = "k_window_store" {
-            states: DevPtr, state_bytes: i64, seq: DevPtr, row_seq: DevPtr, positions: DevPtr,
-            kv_new: DevPtr, hd: i32, window: i32, win_off: i64, dt: i32, rd: i32,
-            win_scale_off: i64,
+            states: DevPtr, state_bytes: i64, seq: DevPtr, kv_new: DevPtr, hd: i32,
+            window: i32, win_off: i64, dt: i32, rd: i32, win_scale_off: i64,
         }
         /// fp8 KV: rows as storing and loading one entry gives them (this forward's keys).
         KvRoundTrip = "k_kv_round_trip" {

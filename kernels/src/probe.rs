@@ -55,21 +55,6 @@ impl CudaBackend {
         Ok(out)
     }
 
-    /// `bytes` bytes from device address `src` to `dst` on the stream.
-    #[allow(unsafe_code)]
-    fn copy_dtod(&self, dst: u64, src: u64, bytes: usize) -> BResult<()> {
-        if self.gpu.in_step() {
-            return Err(BackendError::Device(
-                "bandwidth probe inside a decode step".into(),
-            ));
-        }
-        // SAFETY: both ranges are `bytes` long inside live allocations made by the caller.
-        unsafe {
-            cudarc::driver::result::memcpy_dtod_async(dst, src, bytes, self.gpu.stream.cu_stream())
-        }
-        .map_err(dev_err)
-    }
-
     /// Memory bandwidth over a `bytes`-byte buffer (use one far larger than the L2 cache).
     pub fn measure_bandwidth(&self, bytes: usize, iters: usize) -> BResult<Bandwidth> {
         let n = (bytes / 16).max(1) * 4;
@@ -79,7 +64,7 @@ impl CudaBackend {
         };
         let dst = self.gpu.zeros_owned::<f32>(n)?;
         let (sp, dp) = (src.ptr(), dst.ptr());
-        let copy = self.time_runs(iters, || self.copy_dtod(dp, sp, n * 4))?;
+        let copy = self.time_runs(iters, || self.gpu.copy_dtod(dp, sp, n * 4))?;
         let blocks = (n / 4).div_ceil(BLOCK as usize).clamp(1, 16 * 1024);
         let sums = self.gpu.zeros_owned::<f32>(blocks)?;
         let read = self.time_runs(iters, || {

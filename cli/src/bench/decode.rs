@@ -91,7 +91,7 @@ pub fn step_plan(layout: &KvLayout, pages_per_seq: usize, pos: usize, tokens: &[
         tokens: tokens.to_vec(),
         positions: vec![pos; n],
         row_seq: (0..n).collect(),
-        cuts: Vec::new(),
+        cuts: None,
     }
 }
 

@@ -195,7 +195,7 @@ fn chunk_plan(layout: &KvLayout, tokens: &[u32], start: usize, len: usize) -> Ba
         tokens: tokens[start..start + len].to_vec(),
         positions: (start..start + len).collect(),
         row_seq: vec![0; len],
-        cuts: Vec::new(),
+        cuts: None,
     }
 }
 

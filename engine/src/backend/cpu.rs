@@ -64,6 +64,15 @@ impl KvStorage for CpuBackend {
         kv.bytes(Region::State(slot))
     }
 
+    fn state_ranges(
+        &self,
+        kv: &CpuKv,
+        slots: &[StateSlot],
+        ranges: &[std::ops::Range<usize>],
+    ) -> BResult<Vec<u8>> {
+        kv.ranges_of(slots, ranges)
+    }
+
     fn write_page(&self, kv: &mut CpuKv, page: PageId, bytes: &[u8]) -> BResult<()> {
         kv.write_bytes(Region::Page(page), bytes)
     }

@@ -524,7 +524,7 @@ mod tests {
             tokens: vec![0; rows],
             positions: vec![0; rows],
             row_seq: vec![0; rows],
-            cuts: Vec::new(),
+            cuts: None,
         };
         index_select(&kv, &layout, layer, q, w, 64, 64, &plan, None).unwrap()
     }

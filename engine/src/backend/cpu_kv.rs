@@ -1,6 +1,6 @@
 //! Host-memory storage of a KV pool for the CPU backend, addressed through the layout.
 
-use super::{BResult, BackendError};
+use super::{check_state_ranges, BResult, BackendError};
 use crate::kv::checksum::section_checksums;
 use crate::kv::fp8;
 use crate::kv::fp8_kv::Fp8KvFormat;
@@ -75,6 +75,19 @@ impl CpuKv {
 
     pub fn bytes(&self, r: Region) -> BResult<Vec<u8>> {
         Ok(bytemuck::cast_slice::<u32, u8>(self.words(r)?).to_vec())
+    }
+
+    /// The bytes `ranges` of each of `slots`, slot after slot.
+    pub fn ranges_of(&self, slots: &[StateSlot], ranges: &[std::ops::Range<usize>]) -> BResult<Vec<u8>> {
+        let per = check_state_ranges(ranges, self.state_words * 4)?;
+        let mut out = Vec::with_capacity(per * slots.len());
+        for &s in slots {
+            let slot: &[u8] = bytemuck::cast_slice(self.words(Region::State(s))?);
+            for r in ranges {
+                out.extend_from_slice(&slot[r.clone()]);
+            }
+        }
+        Ok(out)
     }
 
     /// Overwrite the whole region with `bytes` (exactly its size).

@@ -3,6 +3,7 @@
 //! the store was allocated with.
 
 use super::BResult;
+use std::ops::Range;
 use crate::kv::{KvLayout, PageId, StateSlot};
 
 pub trait KvStorage: Send + Sync {
@@ -15,6 +16,15 @@ pub trait KvStorage: Send + Sync {
     /// Raw bytes of a page / state slot.
     fn page_bytes(&self, kv: &Self::KvStore, page: PageId) -> BResult<Vec<u8>>;
     fn state_bytes(&self, kv: &Self::KvStore, slot: StateSlot) -> BResult<Vec<u8>>;
+    /// The bytes `ranges` (of a state slot, ascending, inside it) of each of `slots`,
+    /// slot after slot: the prefix cache's snapshots of a prompt's cuts, in one copy from
+    /// the device.
+    fn state_ranges(
+        &self,
+        kv: &Self::KvStore,
+        slots: &[StateSlot],
+        ranges: &[Range<usize>],
+    ) -> BResult<Vec<u8>>;
     /// Overwrite a whole page / state slot (`layout.page_bytes` / `layout.state_bytes` bytes).
     fn write_page(&self, kv: &mut Self::KvStore, page: PageId, bytes: &[u8]) -> BResult<()>;
     fn write_state(&self, kv: &mut Self::KvStore, slot: StateSlot, bytes: &[u8]) -> BResult<()>;
@@ -22,4 +32,18 @@ pub trait KvStorage: Send + Sync {
     /// computed where the storage lives (on the GPU: one kernel, no copy of the pool).
     fn page_checksums(&self, kv: &Self::KvStore) -> BResult<Vec<u64>>;
     fn state_checksums(&self, kv: &Self::KvStore) -> BResult<Vec<u64>>;
+}
+
+/// Error unless every range lies inside a state slot of `state_bytes` bytes; returns the
+/// bytes per slot.
+pub fn check_state_ranges(ranges: &[Range<usize>], state_bytes: usize) -> BResult<usize> {
+    if let Some(r) = ranges
+        .iter()
+        .find(|r| r.start > r.end || r.end > state_bytes)
+    {
+        return Err(super::BackendError::Kv(format!(
+            "state range {r:?} outside a slot of {state_bytes} bytes"
+        )));
+    }
+    Ok(ranges.iter().map(Range::len).sum())
 }

@@ -19,7 +19,7 @@ mod step;
 use crate::kv::{PageId, StateSlot};
 use crate::rope::Rope;
 pub use counter_rng::WeightInit;
-pub use kv_storage::KvStorage;
+pub use kv_storage::{check_state_ranges, KvStorage};
 pub use ops::{dequantized, TensorOps, WeightUse};
 pub use picks::{PickKind, PickLog, Picks, RouteRecord, RowPicks};
 pub use step::{check_outs, RowArgmax, RowOut, StepForward, StepOutput, StepRunner};
@@ -82,11 +82,13 @@ pub struct BatchPlan {
     /// Sequence index (into `seqs`) of each row.
     pub row_seq: Vec<usize>,
     /// Cuts inside this forward whose state is wanted too (the prefix cache's page
-    /// boundaries): each the plan of one sequence's rows up to the cut (the parent's rows,
-    /// the sequence's `len` ending at the cut) with a state slot of its own. Only the ring
-    /// writers ([`TensorOps::window_store`], [`TensorOps::compress_ring`]) take them: each
-    /// cut's slot gets the rings the sequence would have if the forward ended there.
-    pub cuts: Vec<BatchPlan>,
+    /// boundaries), as one plan of this forward's rows with a sequence per cut: the
+    /// single sequence's `len` ending at the cut, with a state slot of its own. Only the
+    /// ring writers ([`TensorOps::window_store`], [`TensorOps::compress_ring`]) take it,
+    /// once per layer for all cuts: each cut's slot gets the rings the sequence would have
+    /// if the forward ended there. Its sequences share rows, so `row_seq` (all the first
+    /// cut's) is not theirs: the ring writers address rows by sequence.
+    pub cuts: Option<Box<BatchPlan>>,
 }
 
 impl BatchPlan {

@@ -7,6 +7,8 @@
 use super::{Engine, EngineError, ForwardItem};
 use crate::backend::{Backend, BatchPlan, HostTensor};
 use crate::kv::StateSlot;
+#[cfg(doc)]
+use crate::kv::KvLayout;
 
 /// A cut of a forward's single item: its position and the scratch slot its state goes to.
 #[derive(Debug, Clone, Copy)]
@@ -15,10 +17,14 @@ pub(super) struct CutSlot {
     pub state: StateSlot,
 }
 
-/// One plan per cut: the item's sequence up to the cut, writing the cut's slot.
-pub(super) fn cut_plans(plan: &BatchPlan, cuts: &[CutSlot]) -> Result<Vec<BatchPlan>, EngineError> {
+/// The cuts' plan ([`BatchPlan::cuts`]): the forward's rows, one sequence per cut, the
+/// item's sequence up to the cut writing the cut's slot.
+pub(super) fn cut_plan(
+    plan: &BatchPlan,
+    cuts: &[CutSlot],
+) -> Result<Option<Box<BatchPlan>>, EngineError> {
     if cuts.is_empty() {
-        return Ok(Vec::new());
+        return Ok(None);
     }
     let [seq] = plan.seqs.as_slice() else {
         return Err(EngineError::Internal(format!(
@@ -26,7 +32,8 @@ pub(super) fn cut_plans(plan: &BatchPlan, cuts: &[CutSlot]) -> Result<Vec<BatchP
             plan.seqs.len()
         )));
     };
-    cuts.iter()
+    let seqs = cuts
+        .iter()
         .map(|c| {
             if c.pos <= seq.start || c.pos >= seq.start + seq.len {
                 return Err(EngineError::Internal(format!(
@@ -39,15 +46,16 @@ pub(super) fn cut_plans(plan: &BatchPlan, cuts: &[CutSlot]) -> Result<Vec<BatchP
             let mut s = seq.clone();
             s.len = c.pos - seq.start;
             s.state = c.state;
-            Ok(BatchPlan {
-                seqs: vec![s],
-                tokens: plan.tokens.clone(),
-                positions: plan.positions.clone(),
-                row_seq: plan.row_seq.clone(),
-                cuts: Vec::new(),
-            })
+            Ok(s)
         })
-        .collect()
+        .collect::<Result<Vec<_>, EngineError>>()?;
+    Ok(Some(Box::new(BatchPlan {
+        seqs,
+        tokens: plan.tokens.clone(),
+        positions: plan.positions.clone(),
+        row_seq: plan.row_seq.clone(),
+        cuts: None,
+    })))
 }
 
 impl<B: Backend> Engine<B> {
@@ -57,9 +65,10 @@ impl<B: Backend> Engine<B> {
         self.device.layout.longest_ring()
     }
 
-    /// One forward of `item`, also returning the state slot's bytes the sequence has at
-    /// each of `cuts` (positions inside the forward, ascending, each at least
-    /// [`Engine::cut_span`] rows past its start): what a forward ending there would leave.
+    /// One forward of `item`, also returning the state slot's live bytes the sequence has
+    /// at each of `cuts` (positions inside the forward, ascending, each at least
+    /// [`Engine::cut_span`] rows past its start): what a forward ending there would leave
+    /// in [`KvLayout::state_ranges_live_at_cut`], those ranges one after another.
     pub fn forward_with_cuts(
         &mut self,
         item: ForwardItem<'_>,
@@ -92,10 +101,8 @@ impl<B: Backend> Engine<B> {
                 .pop()
                 .ok_or_else(|| EngineError::Internal("a forward returned no item".into()))??;
             let t0 = std::time::Instant::now();
-            let states = slots
-                .iter()
-                .map(|c| Ok(self.device.read_state(&self.backend, c.state)?))
-                .collect::<Result<Vec<_>, EngineError>>()?;
+            let ids: Vec<StateSlot> = slots.iter().map(|c| c.state).collect();
+            let states = self.device.read_live_states(&self.backend, &ids)?;
             tracing::debug!(
                 cuts = slots.len(),
                 ms = t0.elapsed().as_secs_f64() * 1e3,

@@ -495,9 +495,9 @@ impl<B: Backend> Engine<B> {
             outs.extend(std::iter::repeat_n(out, rows.len()));
             logit_rows.extend(rows);
         }
-        plan.cuts = cuts::cut_plans(&plan, cuts)?;
+        plan.cuts = cuts::cut_plan(&plan, cuts)?;
         let before = self.audit.before_step(&self.backend, &mut self.device)?;
-        let decode = plan.cuts.is_empty()
+        let decode = plan.cuts.is_none()
             && !self.model.records_picks()
             && items.iter().all(|it| {
                 it.tokens.len() == 1 && matches!(it.logits, Logits::Last | Logits::Greedy)

@@ -182,8 +182,8 @@ impl<B: Backend> Model<B> {
             &self.compressor_params(part, cw),
             plan,
         )?;
-        for cut in &plan.cuts {
-            b.compress_ring(kv, layout, li, part, &pk, &pg, cut)?;
+        if let Some(cuts) = &plan.cuts {
+            b.compress_ring(kv, layout, li, part, &pk, &pg, cuts)?;
         }
         Ok(())
     }
@@ -276,8 +276,8 @@ impl<B: Backend> Model<B> {
             plan,
         )?;
         b.window_store(kv, layout, li, &kv_new, plan)?;
-        for cut in &plan.cuts {
-            b.window_store(kv, layout, li, &kv_new, cut)?;
+        if let Some(cuts) = &plan.cuts {
+            b.window_store(kv, layout, li, &kv_new, cuts)?;
         }
         // K = V carries rope: rotate the output's rope slice back at the query position.
         b.rope(&mut o, hd, rope, &plan.positions, true)?;

@@ -123,18 +123,19 @@ extern "C" __global__ void k_attention(const unsigned char* pages, const unsigne
 #undef KEY_VAL
 }
 
-// Store rows into the sliding-window rings: only each sequence's last `window` positions.
+// Store rows into the sliding-window rings: one block per (sequence, one of its last
+// `window` positions); rows addressed through the sequence (row0 + pos - start), so the
+// sequences of a cut plan, which share the forward's rows, each fill their own ring.
 // fp8 (dt 3): the row's scale bytes at win_scale_off.
-extern "C" __global__ void k_window_store(unsigned char* states, i64 state_bytes, const int* seq, const int* row_seq,
-                                          const int* positions, const float* kv_new, int hd, int window, i64 win_off,
-                                          int dt, int rd, i64 win_scale_off) {
+extern "C" __global__ void k_window_store(unsigned char* states, i64 state_bytes, const int* seq, const float* kv_new,
+                                          int hd, int window, i64 win_off, int dt, int rd, i64 win_scale_off) {
     __shared__ float tile_sc[32];
-    int r = blockIdx.x;
-    const int* sq = seq + row_seq[r] * SEQ_INTS;
-    int end = sq[SEQ_START] + sq[SEQ_LEN];
-    int pos = positions[r];
-    // Rows past the sequence's end: a cut's plan (a prefix of the forward's rows).
-    if (pos + window < end || pos >= end) return;
+    const int* sq = seq + blockIdx.x * SEQ_INTS;
+    int start = sq[SEQ_START], len = sq[SEQ_LEN];
+    int n = min(window, len);
+    if ((int)blockIdx.y >= n) return;
+    int pos = start + len - n + (int)blockIdx.y;
+    i64 r = sq[SEQ_ROW0] + (pos - start);
     unsigned char* slot = states + (i64)sq[SEQ_STATE] * state_bytes;
     if (dt == 3) {
         int nope = hd - rd;

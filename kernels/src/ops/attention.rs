@@ -238,15 +238,22 @@ pub fn window_store(
         ));
     }
     let dp = DevPlan::upload(g, kv, plan)?;
+    let rows = plan.seqs.iter().map(|s| s.len).max().unwrap_or(0);
+    let grid = (
+        plan.seqs.len() as u32,
+        rows.min(layout.sliding_window) as u32,
+        1,
+    );
+    if grid.0 == 0 || grid.1 == 0 {
+        return Ok(());
+    }
     g.launch(
-        (plan.rows() as u32, 1, 1),
+        grid,
         0,
         &kernels::WindowStore {
             states: DevPtr::of(&kv.states),
             state_bytes: kv.state_bytes as i64,
             seq: DevPtr::of(&dp.seq),
-            row_seq: DevPtr::of(&dp.row_seq),
-            positions: DevPtr::of(&dp.positions),
             kv_new: DevPtr::of(f32_buf(kv_new, "window_store")?),
             hd: hd as i32,
             window: layout.sliding_window as i32,
