@@ -363,7 +363,11 @@ fn cut_states_equal_the_state_of_a_forward_ending_there() {
                 let full = eng.export_sequence(&one).unwrap().state;
                 eng.release(one).unwrap();
                 let want: Vec<u8> = live.iter().flat_map(|r| full[r.clone()].to_vec()).collect();
-                assert_eq!(got.len(), want.len(), "{name} kv={kv:?}: live bytes at cut {c}");
+                assert_eq!(
+                    got.len(),
+                    want.len(),
+                    "{name} kv={kv:?}: live bytes at cut {c}"
+                );
                 assert!(
                     *got == want,
                     "{name} kv={kv:?}: live state at cut {c} differs"

@@ -93,10 +93,10 @@ pub fn check_cuts(dir: &Path, ordinal: usize) -> AnyResult<Option<CheckRow>> {
             false => f64::INFINITY,
         })
         .collect();
-    let (max_rel_err, worst_row) = errs
-        .iter()
-        .enumerate()
-        .fold((0.0, 0), |a, (i, &e)| if e > a.0 { (e, i) } else { a });
+    let (max_rel_err, worst_row) =
+        errs.iter()
+            .enumerate()
+            .fold((0.0, 0), |a, (i, &e)| if e > a.0 { (e, i) } else { a });
     let within = errs.iter().filter(|&&e| e < REL_TOL_F32).count();
     let name = dir
         .file_name()

@@ -453,8 +453,10 @@ impl Gpu {
             ));
         }
         // SAFETY: callers pass two `bytes`-long ranges inside live allocations.
-        unsafe { cudarc::driver::result::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream()) }
-            .map_err(dev_err)
+        unsafe {
+            cudarc::driver::result::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream())
+        }
+        .map_err(dev_err)
     }
 
     /// Copy `bytes` to device address `dst` (outside a decode step).

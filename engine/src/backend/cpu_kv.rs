@@ -78,7 +78,11 @@ impl CpuKv {
     }
 
     /// The bytes `ranges` of each of `slots`, slot after slot.
-    pub fn ranges_of(&self, slots: &[StateSlot], ranges: &[std::ops::Range<usize>]) -> BResult<Vec<u8>> {
+    pub fn ranges_of(
+        &self,
+        slots: &[StateSlot],
+        ranges: &[std::ops::Range<usize>],
+    ) -> BResult<Vec<u8>> {
         let per = check_state_ranges(ranges, self.state_words * 4)?;
         let mut out = Vec::with_capacity(per * slots.len());
         for &s in slots {

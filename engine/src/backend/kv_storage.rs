@@ -3,8 +3,8 @@
 //! the store was allocated with.
 
 use super::BResult;
-use std::ops::Range;
 use crate::kv::{KvLayout, PageId, StateSlot};
+use std::ops::Range;
 
 pub trait KvStorage: Send + Sync {
     /// Storage of all pages and state slots of one pool.

@@ -6,9 +6,9 @@
 
 use super::{Engine, EngineError, ForwardItem};
 use crate::backend::{Backend, BatchPlan, HostTensor};
-use crate::kv::StateSlot;
 #[cfg(doc)]
 use crate::kv::KvLayout;
+use crate::kv::StateSlot;
 
 /// A cut of a forward's single item: its position and the scratch slot its state goes to.
 #[derive(Debug, Clone, Copy)]

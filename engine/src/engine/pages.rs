@@ -75,7 +75,9 @@ impl<B: Backend> Engine<B> {
     /// The live ranges of `seq`'s state slot ([`crate::kv::KvLayout::state_ranges_live_at_cut`],
     /// one after another), as [`Engine::forward_with_cuts`] returns a cut's.
     pub(crate) fn sequence_live_state(&self, seq: &Sequence) -> Result<Vec<u8>, EngineError> {
-        let mut v = self.device.read_live_states(&self.backend, &[seq.kv.state])?;
+        let mut v = self
+            .device
+            .read_live_states(&self.backend, &[seq.kv.state])?;
         v.pop()
             .ok_or_else(|| EngineError::Internal("no live state read back".into()))
     }

@@ -498,9 +498,7 @@ impl<B: Backend> ChunkHooks<B> for CutHooks<'_> {
         if end.is_multiple_of(p) {
             let key = &self.tokens[end - p..end];
             let state = engine.sequence_live_state(seq)?;
-            self.node = self
-                .cache
-                .insert(engine, self.node, seq, key, end, state)?;
+            self.node = self.cache.insert(engine, self.node, seq, key, end, state)?;
         }
         Ok(())
     }
