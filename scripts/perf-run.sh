@@ -118,8 +118,8 @@ part_ttft() {
   P=$(start prefill env RUST_LOG=info,pdserve_engine=debug,pdserve_prefill_server=debug \
     "$BIN" prefill "${common[@]}" --chunked-prefill-size "$TTFT_TOKENS" \
     --listen 127.0.0.1:0 --metrics-listen 127.0.0.1:9101)
-  D=$(start decode "$BIN" decode "${common[@]}" --listen 127.0.0.1:0 \
-    --metrics-listen 127.0.0.1:9102)
+  D=$(start decode env RUST_LOG=info,pdserve_kv_transfer=debug \
+    "$BIN" decode "${common[@]}" --listen 127.0.0.1:0 --metrics-listen 127.0.0.1:9102)
   R=$(start router "$BIN" router --model "$model" --prefill "$P" --decode "$D" \
     --listen 127.0.0.1:0)
   "$BIN" wait-ready --address "$R" --timeout-s 300
@@ -131,12 +131,18 @@ part_ttft() {
   "$BIN" bench serve --url "http://$R" --model "$model" --no-reference --concurrency 1 \
     --sessions 8 --turns 1 --prompt-len "$TTFT_TOKENS" --output-len 1 --ignore-eos \
     --worker-metrics 127.0.0.1:9101,127.0.0.1:9102
-  grep -hE "prefilled|prefill forward|cut states|sequence exported" "$work/prefill.out" "$work/prefill.err" \
-    | tail -n 36 | sed 's/\x1b\[[0-9;]*m//g; s/.*pdserve_[a-z_]*::[a-z_:]*: //' || true
+  grep -hE "prefilled|prefill forward|cut states|sequence exported|KV sent" "$work/prefill.out" "$work/prefill.err" \
+    | tail -n 40 | sed 's/\x1b\[[0-9;]*m//g; s/.*pdserve_[a-z_]*::[a-z_:]*: //' || true
+  # The decode side of each pull: connected, header in, last byte in (from the pull's start).
+  grep -hE "KV pulled" "$work/decode.out" "$work/decode.err" \
+    | tail -n 8 | sed 's/\x1b\[[0-9;]*m//g; s/.*pdserve_[a-z_]*::[a-z_:]*: //' || true
   stop_all
   # The prefill's compute alone on the same model and device, for the same prompt length.
   "$BIN" bench prefill --device "$DEV" "${DIMS[@]}" --tokens "$TTFT_TOKENS" --weights bf16 \
     --repeats 3 --warmup 1 --json "$OUT/ttft-prefill.json"
+  # The same with the prefix cache's cuts (its page boundaries) and their states read back.
+  "$BIN" bench prefill --device "$DEV" "${DIMS[@]}" --tokens "$TTFT_TOKENS" --weights bf16 \
+    --cut-every 256 --repeats 3 --warmup 1 --json "$OUT/ttft-prefill-cuts.json"
 }
 
 for part in "$@"; do

@@ -242,6 +242,38 @@ fn bench_prefill_in_chunks_on_cpu() {
     }
 }
 
+/// `--cut-every`: the prefix cache's cuts inside each forward, their states read back;
+/// the table gains the cut columns (without the flag it has none).
+#[test]
+fn bench_prefill_with_cuts_on_cpu() {
+    let mut args = vec!["bench", "prefill"];
+    args.extend(TINY);
+    args.extend([
+        "--tokens",
+        "64",
+        "--chunk",
+        "32",
+        "--cut-every",
+        "8",
+        "--repeats",
+        "1",
+        "--warmup",
+        "0",
+    ]);
+    let out = run(&args);
+    let (head, rows) = table(&out, "tokens");
+    let col = |name: &str| head.iter().position(|h| h == name).unwrap();
+    assert_eq!(rows.len(), 1, "{out}");
+    let r = &rows[0];
+    assert_eq!(r[col("cut every")], "8", "{out}");
+    // At most the 7 multiples of 8 inside the two forwards of 32 (0..32 and 32..64, each
+    // cut at least the longest ring's rows past its forward's start), at least one.
+    let cuts: usize = r[col("cuts")].parse().unwrap();
+    assert!((1..=6).contains(&cuts), "{out}");
+    positive(&r[col("read-back ms")]);
+    assert_eq!(r[col("finite")], "yes");
+}
+
 #[test]
 fn bench_without_cuda_fails_clearly() {
     if pdserve_kernels::device::driver_present() {

@@ -2,7 +2,7 @@
 //! per-position logits.
 
 use crate::backend::Backend;
-use crate::engine::{Engine, EngineError, ForwardItem, Logits, Sequence};
+use crate::engine::{CutSlots, Engine, EngineError, ForwardItem, Logits, Sequence};
 use crate::sampling::{Sampler, SamplingParams};
 
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
@@ -61,6 +61,21 @@ pub struct CutState {
     pub state: Vec<u8>,
 }
 
+/// Read back the cuts a forward kept ([`Engine::forward_keeping_cuts`]), freeing their
+/// slots: each one's position and live state.
+pub fn read_cuts<B: Backend>(
+    engine: &mut Engine<B>,
+    cuts: CutSlots,
+) -> Result<Vec<CutState>, EngineError> {
+    let positions = cuts.positions();
+    let states = engine.read_cut_states(cuts)?;
+    Ok(positions
+        .into_iter()
+        .zip(states)
+        .map(|(pos, state)| CutState { pos, state })
+        .collect())
+}
+
 /// What a caller of [`prefill_chunks`] does around each forward.
 pub trait ChunkHooks<B: Backend> {
     /// Before the forward that brings `seq` to `end` positions; `Ok(false)` stops the
@@ -71,12 +86,14 @@ pub trait ChunkHooks<B: Backend> {
         seq: &Sequence,
         end: usize,
     ) -> Result<bool, EngineError>;
-    /// After that forward (`seq.len()` is `end` now), with the state at each cut inside it.
+    /// After that forward (`seq.len()` is `end` now), with the cuts inside it, still to be
+    /// read ([`read_cuts`]) or released ([`Engine::release_cut_slots`]): the hook takes
+    /// them over, whatever it returns.
     fn after(
         &mut self,
         engine: &mut Engine<B>,
         seq: &Sequence,
-        cuts: Vec<CutState>,
+        cuts: CutSlots,
     ) -> Result<(), EngineError>;
 }
 
@@ -90,11 +107,11 @@ impl<B: Backend> ChunkHooks<B> for NoHooks {
 
     fn after(
         &mut self,
-        _: &mut Engine<B>,
+        engine: &mut Engine<B>,
         _: &Sequence,
-        _: Vec<CutState>,
+        cuts: CutSlots,
     ) -> Result<(), EngineError> {
-        Ok(())
+        engine.release_cut_slots(cuts)
     }
 }
 
@@ -172,22 +189,17 @@ pub fn prefill_chunks<B: Backend>(
         };
         let t0 = std::time::Instant::now();
         let n_cuts = cuts.len();
-        let (out, states) = if cuts.is_empty() {
-            (engine.forward(&mut [item])?, Vec::new())
+        let (out, kept) = if cuts.is_empty() {
+            (engine.forward(&mut [item])?, CutSlots::default())
         } else {
-            let (t, states) = engine.forward_with_cuts(item, &cuts)?;
-            (vec![t], states)
+            let (t, kept) = engine.forward_keeping_cuts(item, &cuts)?;
+            (vec![t], kept)
         };
         let forward_s = t0.elapsed().as_secs_f64();
         for t in out {
             rows.extend(t.data.chunks(t.cols.max(1)).map(<[f32]>::to_vec));
         }
-        let cut_states = cuts
-            .into_iter()
-            .zip(states)
-            .map(|(pos, state)| CutState { pos, state })
-            .collect();
-        hooks.after(engine, seq, cut_states)?;
+        hooks.after(engine, seq, kept)?;
         tracing::debug!(
             from = start + fed,
             to,

@@ -44,6 +44,6 @@ pub mod sampling;
 
 pub use backend::cpu::CpuBackend;
 pub use engine::{
-    Engine, EngineError, ErrorClass, ForwardItem, ItemOutput, LoadFormat, Logits, PoolSize,
+    CutSlots, Engine, EngineError, ErrorClass, ForwardItem, ItemOutput, LoadFormat, Logits, PoolSize,
     PoolSpec, SeqSnapshot, Sequence,
 };

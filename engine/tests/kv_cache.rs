@@ -132,6 +132,82 @@ fn prefix_hits_are_bit_identical_to_cold_runs() {
     }
 }
 
+/// A server's deferred cut points (`set_defer_final_cuts`): the prompt's last forward's
+/// cut points are not in the tree when the prefill returns, survive the sequence's
+/// release, go in at `finish_pending` (or at the next prefill, before its lookup), and
+/// hits on them are bit-identical to cold runs; `clear` with some pending frees all.
+#[test]
+fn deferred_cut_points_are_cached_after_the_answer() {
+    for name in fixture_names() {
+        let fx = load_fixture(&name);
+        let p = smallest_page_tokens(&fx.dir);
+        let vocab = fx.logits[0].len() as u32;
+        let n = fx.tokens.len();
+        let mut coldeng = engine_sized(&fx.dir, EntryDtype::F32, p, 64);
+        let mut eng = engine_sized(&fx.dir, EntryDtype::F32, p, 64);
+        let (pages0, states0) = (
+            eng.allocator().free_page_count(),
+            eng.allocator().free_state_count(),
+        );
+        let mut cache = PrefixCache::new(&eng, HostPool::new(eng.layout(), 128)).unwrap();
+        cache.set_defer_final_cuts(true);
+        let longest = n - 4;
+        // Chunks of 2 pages + 1: the cut points of the earlier forwards go in at once.
+        let chunk = 2 * p + 1;
+        let warm = cache
+            .prefill(&mut eng, &fx.tokens[..longest], chunk, Logits::Last)
+            .unwrap();
+        let before = cache.stats().nodes;
+        assert!(
+            before <= longest / p,
+            "{name}: {before} nodes before the answer"
+        );
+        eng.release(warm.seq).unwrap();
+        cache.finish_pending(&mut eng).unwrap();
+        assert!(!cache.has_pending());
+        assert_eq!(cache.stats().nodes, longest / p, "{name}");
+        assert_eq!(
+            eng.allocator().free_state_count(),
+            states0,
+            "{name}: scratch slots"
+        );
+        cache.verify(&eng).unwrap();
+
+        let decode = &fx.tokens[n - 3..];
+        // A prompt that shares only its first token, then one that extends it: the second
+        // hits all of the first's pages, which were still pending when it started.
+        let t = ((n - 3) / p).min(3) * p;
+        let first = prompt(&fx.tokens, 1, t, vocab);
+        let mut second = first.clone();
+        second.extend_from_slice(&fx.tokens[..2]);
+        for (pr, expect_hit) in [(first, 0), (second, t)] {
+            let want = cold(&mut coldeng, &pr, decode);
+            let got = cache.prefill(&mut eng, &pr, 0, Logits::All).unwrap();
+            assert_eq!(got.hit_tokens, expect_hit, "{name}: prompt of {}", pr.len());
+            // The first's last forward has page boundaries: pending; the second's none.
+            assert_eq!(cache.has_pending(), expect_hit == 0, "{name}");
+            let mut seq = got.seq;
+            let mut rows = got.logits;
+            rows.extend(decode_steps(&mut eng, &mut seq, decode));
+            assert!(
+                bits(&rows) == bits(&want[expect_hit..]),
+                "{name}: prompt of {} (hit {expect_hit}) differs from a cold run",
+                pr.len()
+            );
+            eng.release(seq).unwrap();
+        }
+        cache.verify(&eng).unwrap();
+        cache.clear(&mut eng).unwrap();
+        assert!(!cache.has_pending());
+        assert_eq!(eng.allocator().free_page_count(), pages0, "{name}: pages");
+        assert_eq!(
+            eng.allocator().free_state_count(),
+            states0,
+            "{name}: states"
+        );
+    }
+}
+
 #[test]
 fn a_small_device_pool_evicts_to_host_and_stays_exact() {
     let fx = load_fixture("mixed");

@@ -192,7 +192,7 @@ impl KvStorage for CudaBackend {
         kv: &GpuKv,
         slots: &[StateSlot],
         ranges: &[std::ops::Range<usize>],
-    ) -> BResult<Vec<u8>> {
+    ) -> BResult<Vec<Vec<u8>>> {
         kv.read_state_ranges(&self.gpu, slots, ranges)
     }
 

@@ -407,13 +407,59 @@ impl Gpu {
     #[allow(unsafe_code)]
     fn download_pinned<T: DeviceRepr>(&self, src: u64, n: usize) -> BResult<Vec<T>> {
         let bytes = n * std::mem::size_of::<T>();
+        let mut out = None;
+        self.with_pinned_pieces(&[(src, bytes)], |host| {
+            let mut v = Vec::<T>::with_capacity(n);
+            // SAFETY: `bytes` bytes of plain-old-data values (DeviceRepr) copied into
+            // capacity for exactly `n` values, then the length is set.
+            unsafe {
+                std::ptr::copy_nonoverlapping(host.as_ptr(), v.as_mut_ptr().cast::<u8>(), bytes);
+                v.set_len(n);
+            }
+            out = Some(v);
+        })?;
+        out.ok_or_else(|| BackendError::Device("pinned download produced nothing".into()))
+    }
+
+    /// `pieces` (device address, bytes) copied to the host one after another, then split
+    /// into vectors of `group_bytes` each (the pieces' total must be a multiple of it):
+    /// one asynchronous copy per piece into the reused page-locked buffer, one wait, and
+    /// one host copy per group (no device-side gather, no intermediate vector).
+    pub(crate) fn download_grouped(
+        &self,
+        pieces: &[(u64, usize)],
+        group_bytes: usize,
+    ) -> BResult<Vec<Vec<u8>>> {
+        if self.in_step() {
+            return Err(BackendError::Device(
+                "a device-to-host copy inside a decode step".into(),
+            ));
+        }
+        let total: usize = pieces.iter().map(|p| p.1).sum();
+        if group_bytes == 0 || !total.is_multiple_of(group_bytes) {
+            return Err(BackendError::Device(format!(
+                "{total} bytes of pieces do not split into groups of {group_bytes}"
+            )));
+        }
+        let mut out = Vec::with_capacity(total / group_bytes);
+        self.with_pinned_pieces(pieces, |host| {
+            out.extend(host.chunks_exact(group_bytes).map(<[u8]>::to_vec));
+        })?;
+        Ok(out)
+    }
+
+    /// Copy `pieces` back to back into the reused page-locked buffer, wait for the
+    /// stream, and hand the filled bytes to `read` (while the buffer is held).
+    #[allow(unsafe_code)]
+    fn with_pinned_pieces(&self, pieces: &[(u64, usize)], read: impl FnOnce(&[u8])) -> BResult<()> {
+        let bytes: usize = pieces.iter().map(|p| p.1).sum();
         let mut pinned = self
             .pinned
             .lock()
             .map_err(|_| BackendError::Device("pinned buffer poisoned by a panic".into()))?;
         if pinned.as_ref().is_none_or(|p| p.len() < bytes) {
             *pinned = None;
-            // SAFETY: plain page-locked bytes; every byte read below was written by the copy.
+            // SAFETY: plain page-locked bytes; every byte read below was written by a copy.
             let buf = unsafe {
                 self.ctx
                     .alloc_pinned_with_flags::<u8>(bytes.next_power_of_two(), 0)
@@ -425,22 +471,21 @@ impl Gpu {
             .as_mut()
             .ok_or_else(|| BackendError::Device("pinned buffer missing".into()))?;
         let host = buf.as_mut_ptr().map_err(dev_err)?;
-        // SAFETY: `host` holds at least `bytes` bytes; the stream is synchronised before
-        // they are read.
-        unsafe {
-            let dst = std::slice::from_raw_parts_mut(host, bytes);
-            cudarc::driver::result::memcpy_dtoh_async(dst, src, self.stream.cu_stream())
-                .map_err(dev_err)?;
+        let mut at = 0;
+        for &(src, n) in pieces.iter().filter(|p| p.1 > 0) {
+            // SAFETY: `host` holds at least `bytes` bytes, so `at .. at + n` is inside it;
+            // the stream is synchronised before any of them is read.
+            unsafe {
+                let dst = std::slice::from_raw_parts_mut(host.add(at), n);
+                cudarc::driver::result::memcpy_dtoh_async(dst, src, self.stream.cu_stream())
+                    .map_err(dev_err)?;
+            }
+            at += n;
         }
         self.synchronize()?;
-        let mut v = Vec::<T>::with_capacity(n);
-        // SAFETY: `bytes` bytes of plain-old-data values (DeviceRepr) copied into capacity
-        // for exactly `n` values, then the length is set.
-        unsafe {
-            std::ptr::copy_nonoverlapping(host.cast_const(), v.as_mut_ptr().cast::<u8>(), bytes);
-            v.set_len(n);
-        }
-        Ok(v)
+        // SAFETY: the first `bytes` bytes were written by the copies above, now complete.
+        read(unsafe { std::slice::from_raw_parts(host.cast_const(), bytes) });
+        Ok(())
     }
 
     /// `bytes` bytes from device address `src` to `dst` on the stream (outside a decode

@@ -75,6 +75,7 @@ pub async fn pull_prefill(
         .connect()
         .await
         .map_err(|e| unreachable(format!("{e}: {}", source_chain(&e))))?;
+    let connected = t0.elapsed();
     let mut client = PrefillClient::new(channel)
         .max_decoding_message_size(max_message_bytes(layout, expected.vocab_size))
         .max_encoding_message_size(usize::MAX);
@@ -120,6 +121,7 @@ pub async fn pull_prefill(
     .map_err(peer)?
     .into_inner();
     let mut asm = Assembler::new(layout, expected);
+    let mut header_at = None;
     loop {
         // Before the header the prefill's own deadline also applies; after it only
         // progress counts (the header has bounded what may still come).
@@ -141,8 +143,20 @@ pub async fn pull_prefill(
             Some(m) => asm.push(m)?,
             None => break,
         }
+        if header_at.is_none() && asm.has_header() {
+            header_at = Some(t0.elapsed());
+        }
     }
-    asm.finish()
+    let done = asm.finish()?;
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    tracing::debug!(
+        connect_ms = ms(connected),
+        header_ms = header_at.map_or(0.0, ms),
+        done_ms = ms(t0.elapsed()),
+        bytes = done.payload_bytes(),
+        "KV pulled"
+    );
+    Ok(done)
 }
 
 fn source_chain(e: &dyn std::error::Error) -> String {

@@ -44,7 +44,9 @@ where
         .spawn(move || {
             let built = make_engine().and_then(|engine| {
                 let host = HostPool::new(engine.layout(), host_pages);
-                let cache = PrefixCache::new(&engine, host)?;
+                let mut cache = PrefixCache::new(&engine, host)?;
+                // The last forward's cut points are cached after the answer has gone.
+                cache.set_defer_final_cuts(true);
                 Ok((engine, cache))
             });
             let (engine, cache) = match built {
@@ -108,8 +110,25 @@ impl<B: Backend> Worker<B> {
                     let _ = job.reply.send(Err(Failure::from_engine(&e, None)));
                 }
             }
+            self.cache_pending();
             self.load.running.store(0, Ordering::Relaxed);
             self.publish();
+        }
+    }
+
+    /// Cache the answered prefill's last cut points (their states read back now, off its
+    /// time to first token). A failure costs only those cache entries.
+    fn cache_pending(&mut self) {
+        if !self.cache.has_pending() {
+            return;
+        }
+        let t0 = std::time::Instant::now();
+        match self.cache.finish_pending(&mut self.engine) {
+            Ok(()) => tracing::debug!(
+                ms = t0.elapsed().as_secs_f64() * 1e3,
+                "cut points cached after the answer"
+            ),
+            Err(e) => tracing::warn!(error = %e, "caching the prefill's cut points failed"),
         }
     }
 

@@ -122,6 +122,11 @@ impl pb::prefill_server::Prefill for PrefillService {
                 }
             }
             load.add_transfer(bytes as u64, t0.elapsed());
+            tracing::debug!(
+                bytes,
+                ms = t0.elapsed().as_secs_f64() * 1e3,
+                "KV sent (the last message handed to the connection)"
+            );
         }.instrument(span));
         Ok(Response::new(ReceiverStream::new(rx)))
     }

@@ -10,7 +10,7 @@ use super::table::{num, Table};
 use super::traffic::prefill_flops;
 use super::{progress, Prepared};
 use anyhow::{bail, Context, Result};
-use pdserve_engine::backend::{BatchPlan, SeqPlan};
+use pdserve_engine::backend::{BatchPlan, Cut, SeqPlan};
 use pdserve_engine::kv::KvLayout;
 use rand::{Rng, SeedableRng};
 use std::path::PathBuf;
@@ -35,6 +35,13 @@ pub struct PrefillArgs {
     /// chunk.
     #[arg(long, default_value_t = 0)]
     pub chunk: usize,
+    /// Also write the state at every multiple of this many positions inside each forward
+    /// and read those states' live bytes back after it, as the prefill server's prefix
+    /// cache does at its page boundaries (its cuts: the KV page's tokens, 256 for the
+    /// bench's layout); 0: no cuts. The time covers both; the read-back is also reported
+    /// alone.
+    #[arg(long, default_value_t = 0)]
+    pub cut_every: usize,
     /// JSON written by scripts/peer_bench.py: adds the peer's seconds and our speed-up.
     #[arg(long)]
     pub peer: Option<PathBuf>,
@@ -53,6 +60,15 @@ pub struct PrefillRow {
     /// Tokens per forward (`--chunk`; the whole prompt when it ran in one).
     #[serde(default)]
     pub chunk: usize,
+    /// `--cut-every` (0: no cuts).
+    #[serde(default)]
+    pub cut_every: usize,
+    /// Cuts over all the prompt's forwards.
+    #[serde(default)]
+    pub cuts: usize,
+    /// Median seconds of reading the cuts' states back (inside `seconds`).
+    #[serde(default)]
+    pub cut_read_seconds: f64,
     /// The `--weights` format of the model the row ran.
     pub weights: String,
     pub seconds: f64,
@@ -133,7 +149,16 @@ fn run_format<B: BenchBackend>(
     let p = Prepared::new(flags, backend)?;
     let (cfg, layout) = (&p.model.cfg, &p.layout);
     let max_t = a.tokens.iter().copied().max().unwrap_or(1);
-    let mut kv = backend.alloc_kv(layout, layout.pages_for(max_t), 1)?;
+    let span = layout.longest_ring();
+    // Scratch slots for the most cuts one forward has.
+    let longest_forward = if a.chunk == 0 {
+        max_t
+    } else {
+        a.chunk.min(max_t)
+    };
+    let max_cuts = longest_forward.checked_div(a.cut_every).unwrap_or(0);
+    let mut kv = backend.alloc_kv(layout, layout.pages_for(max_t), 1 + max_cuts)?;
+    let live = layout.state_ranges_live_at_cut();
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(a.model.seed);
     let mut rows = Vec::new();
     for &n in &a.tokens {
@@ -142,25 +167,46 @@ fn run_format<B: BenchBackend>(
             .map(|_| rng.random_range(0..cfg.vocab_size as u32))
             .collect();
         let per = if a.chunk == 0 { n } else { a.chunk.min(n) };
-        let plans: Vec<BatchPlan> = (0..n)
+        let mut plans: Vec<BatchPlan> = (0..n)
             .step_by(per)
             .map(|s| chunk_plan(layout, &tokens, s, per.min(n - s)))
             .collect();
-        let (mut times, mut finite) = (Vec::new(), true);
+        let mut cuts = 0;
+        for plan in &mut plans {
+            let c = chunk_cuts(plan, a.cut_every, span);
+            cuts += c.len();
+            plan.cuts = plan.cut_plan(&c)?;
+        }
+        let (mut times, mut read_times, mut finite) = (Vec::new(), Vec::new(), true);
         for i in 0..a.warmup + a.repeats {
             backend.reset_state(&mut kv, 0)?;
             backend.sync()?;
             let t = Instant::now();
-            let mut logits = None;
+            let (mut logits, mut read_s) = (None, 0.0);
             for plan in &plans {
                 let last = plan.rows() - 1;
                 logits = Some(p.model.forward(backend, &mut kv, layout, plan, &[last])?);
+                if let Some(c) = &plan.cuts {
+                    let slots: Vec<_> = c.seqs.iter().map(|s| s.state).collect();
+                    backend.sync()?;
+                    let r = Instant::now();
+                    let states = backend.state_ranges(&kv, &slots, &live)?;
+                    read_s += r.elapsed().as_secs_f64();
+                    if states.len() != slots.len() {
+                        bail!(
+                            "{} cut states read back for {} cuts",
+                            states.len(),
+                            slots.len()
+                        );
+                    }
+                }
             }
             backend.sync()?;
             let dt = t.elapsed().as_secs_f64();
             bar.inc(1);
             if i >= a.warmup {
                 times.push(dt);
+                read_times.push(read_s);
                 finite &= logits.is_some_and(|l| l.data.iter().all(|v| v.is_finite()));
             }
         }
@@ -169,6 +215,9 @@ fn run_format<B: BenchBackend>(
         rows.push(PrefillRow {
             tokens: n,
             chunk: per,
+            cut_every: a.cut_every,
+            cuts,
+            cut_read_seconds: median(read_times),
             weights: format.clone(),
             seconds: s,
             tokens_per_s: n as f64 / s,
@@ -179,6 +228,21 @@ fn run_format<B: BenchBackend>(
         });
     }
     Ok(rows)
+}
+
+/// The cuts of one chunk's forward: every multiple of `every` inside it at least `span`
+/// rows past its start (the rings a cut's state holds are whole only there), each with a
+/// scratch state slot of its own (slot 0 is the sequence's).
+fn chunk_cuts(plan: &BatchPlan, every: usize, span: usize) -> Vec<Cut> {
+    let (Some(seq), true) = (plan.seqs.first(), every > 0) else {
+        return Vec::new();
+    };
+    let (lo, end) = (seq.start + span.max(1), seq.start + seq.len);
+    (lo.div_ceil(every) * every..end)
+        .step_by(every)
+        .zip(1..)
+        .map(|(pos, state)| Cut { pos, state })
+        .collect()
 }
 
 /// Chunk `start .. start + len` of one sequence's prompt `tokens`, after `start` tokens
@@ -210,6 +274,10 @@ pub fn table(rows: &[PrefillRow], peer: Option<&Peer>) -> Table {
         "TFLOP/s",
         "x GEMM rate",
     ];
+    let cuts = rows.iter().any(|r| r.cut_every > 0);
+    if cuts {
+        headers.extend(["cut every", "cuts", "read-back ms"]);
+    }
     if peer.is_some() {
         headers.extend(["peer s", "speed-up vs peer"]);
     }
@@ -227,6 +295,13 @@ pub fn table(rows: &[PrefillRow], peer: Option<&Peer>) -> Table {
                 num(r.tflops),
                 num(r.gemm_fraction),
             ];
+            if cuts {
+                v.extend([
+                    r.cut_every.to_string(),
+                    r.cuts.to_string(),
+                    num(r.cut_read_seconds * 1e3),
+                ]);
+            }
             if let Some(p) = peer {
                 match p.prefill.get(&r.tokens) {
                     Some(&s) => v.extend([num(s), num(s / r.seconds)]),
@@ -238,4 +313,47 @@ pub fn table(rows: &[PrefillRow], peer: Option<&Peer>) -> Table {
         })
         .collect();
     Table { headers, rows }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plan(start: usize, len: usize) -> BatchPlan {
+        BatchPlan {
+            seqs: vec![SeqPlan {
+                start,
+                len,
+                row0: 0,
+                pages: Vec::new(),
+                state: 0,
+            }],
+            tokens: vec![0; len],
+            positions: (start..start + len).collect(),
+            row_seq: vec![0; len],
+            cuts: None,
+        }
+    }
+
+    #[test]
+    fn cuts_at_every_multiple_inside_the_forward_past_the_rings() {
+        let at = |p: &BatchPlan, every, span| -> Vec<(usize, u32)> {
+            chunk_cuts(p, every, span)
+                .iter()
+                .map(|c| (c.pos, c.state))
+                .collect()
+        };
+        // An 8K forward from 0, pages of 256, rings of 128: the 31 page boundaries inside
+        // it, slots 1..=31 (not the forward's end: that state is the sequence's own).
+        let c = at(&plan(0, 8192), 256, 128);
+        assert_eq!(c.len(), 31);
+        assert_eq!((c[0], c[30]), ((256, 1), (7936, 31)));
+        // A later chunk: the first boundary at least 128 rows past 8192 is 8448.
+        let c = at(&plan(8192, 1000), 256, 128);
+        assert_eq!(c, vec![(8448, 1), (8704, 2), (8960, 3)]);
+        // Rings longer than the page: the boundaries they reach past.
+        assert_eq!(at(&plan(0, 1024), 256, 300)[0], (512, 1));
+        assert!(at(&plan(0, 8192), 0, 128).is_empty());
+        assert!(at(&plan(0, 200), 256, 128).is_empty());
+    }
 }

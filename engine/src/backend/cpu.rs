@@ -69,7 +69,7 @@ impl KvStorage for CpuBackend {
         kv: &CpuKv,
         slots: &[StateSlot],
         ranges: &[std::ops::Range<usize>],
-    ) -> BResult<Vec<u8>> {
+    ) -> BResult<Vec<Vec<u8>>> {
         kv.ranges_of(slots, ranges)
     }
 

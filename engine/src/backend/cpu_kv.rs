@@ -77,21 +77,24 @@ impl CpuKv {
         Ok(bytemuck::cast_slice::<u32, u8>(self.words(r)?).to_vec())
     }
 
-    /// The bytes `ranges` of each of `slots`, slot after slot.
+    /// The bytes `ranges` of each of `slots`, one vector per slot.
     pub fn ranges_of(
         &self,
         slots: &[StateSlot],
         ranges: &[std::ops::Range<usize>],
-    ) -> BResult<Vec<u8>> {
+    ) -> BResult<Vec<Vec<u8>>> {
         let per = check_state_ranges(ranges, self.state_words * 4)?;
-        let mut out = Vec::with_capacity(per * slots.len());
-        for &s in slots {
-            let slot: &[u8] = bytemuck::cast_slice(self.words(Region::State(s))?);
-            for r in ranges {
-                out.extend_from_slice(&slot[r.clone()]);
-            }
-        }
-        Ok(out)
+        slots
+            .iter()
+            .map(|&s| {
+                let slot: &[u8] = bytemuck::cast_slice(self.words(Region::State(s))?);
+                let mut out = Vec::with_capacity(per);
+                for r in ranges {
+                    out.extend_from_slice(&slot[r.clone()]);
+                }
+                Ok(out)
+            })
+            .collect()
     }
 
     /// Overwrite the whole region with `bytes` (exactly its size).

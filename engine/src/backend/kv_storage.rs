@@ -16,15 +16,15 @@ pub trait KvStorage: Send + Sync {
     /// Raw bytes of a page / state slot.
     fn page_bytes(&self, kv: &Self::KvStore, page: PageId) -> BResult<Vec<u8>>;
     fn state_bytes(&self, kv: &Self::KvStore, slot: StateSlot) -> BResult<Vec<u8>>;
-    /// The bytes `ranges` (of a state slot, ascending, inside it) of each of `slots`,
-    /// slot after slot: the prefix cache's snapshots of a prompt's cuts, in one copy from
-    /// the device.
+    /// The bytes `ranges` (of a state slot, ascending, inside it) of each of `slots`, one
+    /// vector per slot with its ranges one after another: the prefix cache's snapshots of
+    /// a prompt's cuts, in one wait for the device.
     fn state_ranges(
         &self,
         kv: &Self::KvStore,
         slots: &[StateSlot],
         ranges: &[Range<usize>],
-    ) -> BResult<Vec<u8>>;
+    ) -> BResult<Vec<Vec<u8>>>;
     /// Overwrite a whole page / state slot (`layout.page_bytes` / `layout.state_bytes` bytes).
     fn write_page(&self, kv: &mut Self::KvStore, page: PageId, bytes: &[u8]) -> BResult<()>;
     fn write_state(&self, kv: &mut Self::KvStore, slot: StateSlot, bytes: &[u8]) -> BResult<()>;

@@ -91,9 +91,61 @@ pub struct BatchPlan {
     pub cuts: Option<Box<BatchPlan>>,
 }
 
+/// A cut inside a forward of one sequence: its position and the state slot that gets the
+/// sequence's rings as they would be had the forward ended there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Cut {
+    pub pos: usize,
+    pub state: StateSlot,
+}
+
 impl BatchPlan {
     pub fn rows(&self) -> usize {
         self.tokens.len()
+    }
+
+    /// The plan of `cuts` inside this forward of a single sequence ([`BatchPlan::cuts`]):
+    /// this forward's rows, one sequence per cut, the sequence up to the cut writing the
+    /// cut's slot. `None` without cuts; an error for cuts outside the forward's positions
+    /// (a cut must have rows after it: one at the forward's end is the forward itself).
+    pub fn cut_plan(&self, cuts: &[Cut]) -> BResult<Option<Box<BatchPlan>>> {
+        if cuts.is_empty() {
+            return Ok(None);
+        }
+        let bad = |detail: String| BackendError::Shape {
+            op: "cut_plan",
+            detail,
+        };
+        let [seq] = self.seqs.as_slice() else {
+            return Err(bad(format!(
+                "cuts in a forward of {} sequences",
+                self.seqs.len()
+            )));
+        };
+        let seqs = cuts
+            .iter()
+            .map(|c| {
+                if c.pos <= seq.start || c.pos >= seq.start + seq.len {
+                    return Err(bad(format!(
+                        "cut at {} outside the forward's positions {}..{}",
+                        c.pos,
+                        seq.start,
+                        seq.start + seq.len
+                    )));
+                }
+                let mut s = seq.clone();
+                s.len = c.pos - seq.start;
+                s.state = c.state;
+                Ok(s)
+            })
+            .collect::<BResult<Vec<_>>>()?;
+        Ok(Some(Box::new(BatchPlan {
+            seqs,
+            tokens: self.tokens.clone(),
+            positions: self.positions.clone(),
+            row_seq: self.row_seq.clone(),
+            cuts: None,
+        })))
     }
 }
 

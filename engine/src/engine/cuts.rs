@@ -5,58 +5,10 @@
 //! own as if the forward had ended there ([`crate::backend::BatchPlan::cuts`]).
 
 use super::{Engine, EngineError, ForwardItem};
-use crate::backend::{Backend, BatchPlan, HostTensor};
+use crate::backend::{Backend, Cut, HostTensor};
 #[cfg(doc)]
 use crate::kv::KvLayout;
 use crate::kv::StateSlot;
-
-/// A cut of a forward's single item: its position and the scratch slot its state goes to.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct CutSlot {
-    pub pos: usize,
-    pub state: StateSlot,
-}
-
-/// The cuts' plan ([`BatchPlan::cuts`]): the forward's rows, one sequence per cut, the
-/// item's sequence up to the cut writing the cut's slot.
-pub(super) fn cut_plan(
-    plan: &BatchPlan,
-    cuts: &[CutSlot],
-) -> Result<Option<Box<BatchPlan>>, EngineError> {
-    if cuts.is_empty() {
-        return Ok(None);
-    }
-    let [seq] = plan.seqs.as_slice() else {
-        return Err(EngineError::Internal(format!(
-            "cuts in a forward of {} sequences",
-            plan.seqs.len()
-        )));
-    };
-    let seqs = cuts
-        .iter()
-        .map(|c| {
-            if c.pos <= seq.start || c.pos >= seq.start + seq.len {
-                return Err(EngineError::Internal(format!(
-                    "cut at {} outside the forward's positions {}..{}",
-                    c.pos,
-                    seq.start,
-                    seq.start + seq.len
-                )));
-            }
-            let mut s = seq.clone();
-            s.len = c.pos - seq.start;
-            s.state = c.state;
-            Ok(s)
-        })
-        .collect::<Result<Vec<_>, EngineError>>()?;
-    Ok(Some(Box::new(BatchPlan {
-        seqs,
-        tokens: plan.tokens.clone(),
-        positions: plan.positions.clone(),
-        row_seq: plan.row_seq.clone(),
-        cuts: None,
-    })))
-}
 
 impl<B: Backend> Engine<B> {
     /// Rows a forward must run before a cut for the cut's rings to be whole (the longest
@@ -74,19 +26,31 @@ impl<B: Backend> Engine<B> {
         item: ForwardItem<'_>,
         cuts: &[usize],
     ) -> Result<(HostTensor, Vec<Vec<u8>>), EngineError> {
+        let (logits, slots) = self.forward_keeping_cuts(item, cuts)?;
+        Ok((logits, self.read_cut_states(slots)?))
+    }
+
+    /// [`Engine::forward_with_cuts`] without reading the cuts' states back: they stay in
+    /// scratch state slots until [`Engine::read_cut_states`] (which frees them), so that
+    /// a caller can answer first and read them after.
+    pub fn forward_keeping_cuts(
+        &mut self,
+        item: ForwardItem<'_>,
+        cuts: &[usize],
+    ) -> Result<(HostTensor, CutSlots), EngineError> {
         let (start, span) = (item.seq.kv.len, self.cut_span());
         if let Some(&c) = cuts.iter().find(|&&c| c < start + span) {
             return Err(EngineError::Internal(format!(
                 "cut at {c} is closer than the rings' {span} rows to the forward's start {start}"
             )));
         }
-        let mut slots = Vec::with_capacity(cuts.len());
+        let mut slots = CutSlots(Vec::with_capacity(cuts.len()));
         let mut result = Ok(());
         for &pos in cuts {
             match self.device.allocator.alloc_state() {
                 Ok(state) => {
                     self.audit.forget_state(state);
-                    slots.push(CutSlot { pos, state });
+                    slots.0.push(Cut { pos, state });
                 }
                 Err(e) => {
                     result = Err(e.into());
@@ -96,24 +60,58 @@ impl<B: Backend> Engine<B> {
         }
         let out = result.and_then(|()| {
             let mut items = [item];
-            let mut out = self.forward_planned(&mut items, &slots)?;
-            let logits = out
-                .pop()
-                .ok_or_else(|| EngineError::Internal("a forward returned no item".into()))??;
-            let t0 = std::time::Instant::now();
-            let ids: Vec<StateSlot> = slots.iter().map(|c| c.state).collect();
-            let states = self.device.read_live_states(&self.backend, &ids)?;
-            tracing::debug!(
-                cuts = slots.len(),
-                ms = t0.elapsed().as_secs_f64() * 1e3,
-                "cut states read back"
-            );
-            Ok((logits.logits, states))
+            let mut out = self.forward_planned(&mut items, &slots.0)?;
+            out.pop()
+                .ok_or_else(|| EngineError::Internal("a forward returned no item".into()))?
         });
-        for c in &slots {
+        match out {
+            Ok(o) => Ok((o.logits, slots)),
+            Err(e) => {
+                self.release_cut_slots(slots)?;
+                Err(e)
+            }
+        }
+    }
+
+    /// The live bytes of each cut [`Engine::forward_keeping_cuts`] kept, in its order, read
+    /// back with one wait; the scratch slots are freed whether or not the read succeeds.
+    pub fn read_cut_states(&mut self, slots: CutSlots) -> Result<Vec<Vec<u8>>, EngineError> {
+        let t0 = std::time::Instant::now();
+        let ids: Vec<StateSlot> = slots.0.iter().map(|c| c.state).collect();
+        let states = self.device.read_live_states(&self.backend, &ids);
+        tracing::debug!(
+            cuts = ids.len(),
+            ms = t0.elapsed().as_secs_f64() * 1e3,
+            "cut states read back"
+        );
+        self.release_cut_slots(slots)?;
+        Ok(states?)
+    }
+
+    /// Free kept cuts' scratch slots without reading them.
+    pub fn release_cut_slots(&mut self, slots: CutSlots) -> Result<(), EngineError> {
+        for c in &slots.0 {
             self.device.allocator.release_state(c.state)?;
             self.audit.forget_state(c.state);
         }
-        out
+        Ok(())
+    }
+}
+
+/// Cuts a forward wrote and nobody has read yet ([`Engine::forward_keeping_cuts`]): their
+/// scratch state slots stay taken until [`Engine::read_cut_states`] or
+/// [`Engine::release_cut_slots`] gets them.
+#[must_use = "kept cuts hold state slots until read or released"]
+#[derive(Debug, Default)]
+pub struct CutSlots(Vec<Cut>);
+
+impl CutSlots {
+    /// The cuts' positions, ascending.
+    pub fn positions(&self) -> Vec<usize> {
+        self.0.iter().map(|c| c.pos).collect()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
     }
 }

@@ -17,6 +17,7 @@ mod cuts;
 mod error;
 mod pages;
 
+pub use cuts::CutSlots;
 pub use error::{EngineError, ErrorClass};
 
 /// Pool sizing.
@@ -438,7 +439,7 @@ impl<B: Backend> Engine<B> {
     fn forward_planned(
         &mut self,
         items: &mut [ForwardItem<'_>],
-        cuts: &[cuts::CutSlot],
+        cuts: &[crate::backend::Cut],
     ) -> Result<Vec<Result<ItemOutput, EngineError>>, EngineError> {
         let vocab = self.model.cfg.vocab_size;
         for it in items.iter() {
@@ -495,7 +496,7 @@ impl<B: Backend> Engine<B> {
             outs.extend(std::iter::repeat_n(out, rows.len()));
             logit_rows.extend(rows);
         }
-        plan.cuts = cuts::cut_plan(&plan, cuts)?;
+        plan.cuts = plan.cut_plan(cuts)?;
         let before = self.audit.before_step(&self.backend, &mut self.device)?;
         let decode = plan.cuts.is_none()
             && !self.model.records_picks()

@@ -78,16 +78,22 @@ impl<B: KvStorage> DevicePool<B> {
     }
 
     /// The ranges live at a cut ([`KvLayout::state_ranges_live_at_cut`]) of each of
-    /// `slots`, one `Vec` per slot, read from the device in one copy.
+    /// `slots`, one `Vec` per slot, read from the device with one wait.
     pub fn read_live_states(&self, backend: &B, slots: &[StateSlot]) -> BResult<Vec<Vec<u8>>> {
         let live = self.layout.state_ranges_live_at_cut();
         let per: usize = live.iter().map(|r| r.len()).sum();
-        if per == 0 {
-            return Ok(vec![Vec::new(); slots.len()]);
+        let states = backend.state_ranges(&self.store, slots, &live)?;
+        if states.len() != slots.len() {
+            return Err(BackendError::Kv(format!(
+                "{} live states read back for {} slots",
+                states.len(),
+                slots.len()
+            )));
         }
-        let all = backend.state_ranges(&self.store, slots, &live)?;
-        self.check_len("live state ranges", all.len(), per * slots.len())?;
-        Ok(all.chunks(per).map(<[u8]>::to_vec).collect())
+        for s in &states {
+            self.check_len("live state ranges", s.len(), per)?;
+        }
+        Ok(states)
     }
 
     pub fn write_state(&mut self, backend: &B, slot: StateSlot, bytes: &[u8]) -> BResult<()> {

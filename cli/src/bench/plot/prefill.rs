@@ -101,6 +101,9 @@ mod tests {
             .flat_map(|w| {
                 [1024, 8192, 32768].map(|n| PrefillRow {
                     chunk: n,
+                    cut_every: 0,
+                    cuts: 0,
+                    cut_read_seconds: 0.0,
                     tokens: n,
                     weights: w.to_string(),
                     seconds: 1.0,

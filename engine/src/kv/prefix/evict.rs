@@ -132,6 +132,8 @@ impl PrefixCache {
 
     /// Drop every cached prefix, giving back its device and host pages.
     pub fn clear<B: Backend>(&mut self, engine: &mut Engine<B>) -> Result<(), EngineError> {
+        // Pending cut points hold pages and state slots: into the tree, then out with it.
+        self.finish_pending(engine)?;
         for id in 1..self.nodes.len() {
             if let Some(n) = self.nodes[id].take() {
                 if let Some(p) = n.device {

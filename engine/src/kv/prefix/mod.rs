@@ -14,11 +14,14 @@
 //! node (`layout.state_bytes` each).
 
 mod evict;
+mod pending;
 
 use super::{metrics, HostPool, HostPoolError, PageId};
 use crate::backend::Backend;
+use crate::engine::CutSlots;
 use crate::engine::{Engine, EngineError, Logits, Sequence};
-use crate::generate::{prefill_chunks, ChunkHooks, Chunking, CutState};
+use crate::generate::{prefill_chunks, ChunkHooks, Chunking};
+use pending::Pending;
 use std::collections::HashMap;
 
 type NodeId = usize;
@@ -71,6 +74,10 @@ pub struct PrefixCache {
     tick: u64,
     page_tokens: usize,
     totals: PrefixTotals,
+    /// The last prefill's final cut points, not cached yet ([`PrefixCache::finish_pending`]).
+    pending: Option<Pending>,
+    /// Leave them pending when a prefill returns ([`PrefixCache::set_defer_final_cuts`]).
+    defer_final_cuts: bool,
 }
 
 /// Prompt tokens by where their KV came from, since the cache was made: counted once, in
@@ -113,6 +120,8 @@ impl PrefixCache {
             free_ids: Vec::new(),
             tick: 0,
             totals: PrefixTotals::default(),
+            pending: None,
+            defer_final_cuts: false,
         })
     }
 
@@ -214,21 +223,34 @@ impl PrefixCache {
         if tokens.is_empty() {
             return Err(EngineError::InvalidInput("empty prompt".into()));
         }
+        // A deferred prefill's cut points go in before this prompt looks them up.
+        self.finish_pending(engine)?;
         let (mut seq, last, host_hit) = self.begin(engine, tokens)?;
         let hit = seq.len();
         self.count(hit - host_hit, host_hit, tokens.len() - hit);
         match self.extend(engine, &mut seq, tokens, chunk, want, last, cancelled) {
-            Ok(Some(logits)) => Ok(Some(CachedPrefill {
-                seq,
-                logits,
-                hit_tokens: hit,
-                host_hit_tokens: host_hit,
-            })),
+            Ok(Some(logits)) => {
+                if !self.defer_final_cuts {
+                    if let Err(e) = self.finish_pending(engine) {
+                        engine.release(seq)?;
+                        return Err(e);
+                    }
+                }
+                Ok(Some(CachedPrefill {
+                    seq,
+                    logits,
+                    hit_tokens: hit,
+                    host_hit_tokens: host_hit,
+                }))
+            }
             Ok(None) => {
                 engine.release(seq)?;
                 Ok(None)
             }
             Err(e) => {
+                if let Err(r) = self.finish_pending(engine) {
+                    tracing::error!(error = %r, "caching a failed prefill's cut points");
+                }
                 if let Err(r) = engine.release(seq) {
                     tracing::error!(error = %r, "releasing a failed prefill's sequence");
                 }
@@ -396,27 +418,20 @@ impl PrefixCache {
         Ok(())
     }
 
-    /// Cache `seq`'s cut at `pos` (the page ending there, `live`: the state slot's live
-    /// ranges there, one after another) under `parent`; returns the node for it.
-    #[allow(clippy::too_many_arguments)]
+    /// Cache the page `page` ending a cut (its tokens `key`; `live`: the state slot's
+    /// live ranges there, one after another) under `parent`; returns the node for it.
     fn insert<B: Backend>(
         &mut self,
         engine: &mut Engine<B>,
         parent: NodeId,
-        seq: &Sequence,
+        page: PageId,
         key: &[u32],
-        pos: usize,
         live: Vec<u8>,
     ) -> Result<NodeId, EngineError> {
         if let Some(&c) = self.node(parent)?.children.get(key) {
             self.node_mut(c)?.last_use = self.tick;
             return Ok(c);
         }
-        let page = *seq
-            .kv()
-            .pages
-            .get(pos / self.page_tokens - 1)
-            .ok_or_else(|| internal("sequence shorter than its cut".into()))?;
         let live_bytes: usize = self.live.iter().map(|r| r.len()).sum();
         if live.len() != live_bytes {
             return Err(internal(format!(
@@ -483,22 +498,25 @@ impl<B: Backend> ChunkHooks<B> for CutHooks<'_> {
         &mut self,
         engine: &mut Engine<B>,
         seq: &Sequence,
-        cuts: Vec<CutState>,
+        cuts: CutSlots,
     ) -> Result<(), EngineError> {
-        let (end, p) = (seq.len(), self.cache.page_tokens);
-        for c in cuts {
-            if !c.pos.is_multiple_of(p) {
-                return Err(internal(format!("cut at {} off the pages", c.pos)));
-            }
-            let key = &self.tokens[c.pos - p..c.pos];
-            self.node = self
-                .cache
-                .insert(engine, self.node, seq, key, c.pos, c.state)?;
+        if cuts.is_empty() && !seq.len().is_multiple_of(self.cache.page_tokens) {
+            // No cut point in this forward.
+            return engine.release_cut_slots(cuts);
         }
-        if end.is_multiple_of(p) {
-            let key = &self.tokens[end - p..end];
-            let state = engine.sequence_live_state(seq)?;
-            self.node = self.cache.insert(engine, self.node, seq, key, end, state)?;
+        let pending = Pending::new(
+            engine,
+            seq,
+            self.tokens,
+            self.cache.page_tokens,
+            cuts,
+            self.node,
+        )?;
+        if seq.len() < self.tokens.len() {
+            self.node = self.cache.finish_cuts(engine, pending)?;
+        } else {
+            // The prompt's last forward: cached now, or after the caller has answered.
+            self.cache.pending = Some(pending);
         }
         Ok(())
     }
