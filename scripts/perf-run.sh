@@ -131,8 +131,8 @@ part_ttft() {
   "$BIN" bench serve --url "http://$R" --model "$model" --no-reference --concurrency 1 \
     --sessions 8 --turns 1 --prompt-len "$TTFT_TOKENS" --output-len 1 --ignore-eos \
     --worker-metrics 127.0.0.1:9101,127.0.0.1:9102
-  grep -hE "prefilled|prefill forward|cut states|sequence exported|KV sent" "$work/prefill.out" "$work/prefill.err" \
-    | tail -n 40 | sed 's/\x1b\[[0-9;]*m//g; s/.*pdserve_[a-z_]*::[a-z_:]*: //' || true
+  grep -hE "prefilled|prefill forward|model forward|cut states|sequence exported|KV sent" "$work/prefill.out" "$work/prefill.err" \
+    | tail -n 48 | sed 's/\x1b\[[0-9;]*m//g; s/.*pdserve_[a-z_]*::[a-z_:]*: //' || true
   # The decode side of each pull: connected, header in, last byte in (from the pull's start).
   grep -hE "KV pulled" "$work/decode.out" "$work/decode.err" \
     | tail -n 8 | sed 's/\x1b\[[0-9;]*m//g; s/.*pdserve_[a-z_]*::[a-z_:]*: //' || true

@@ -515,6 +515,7 @@ impl<B: Backend> Engine<B> {
                 },
             )?
         } else {
+            let t0 = std::time::Instant::now();
             let logits = self.model.forward(
                 &self.backend,
                 &mut self.device.store,
@@ -522,6 +523,12 @@ impl<B: Backend> Engine<B> {
                 &plan,
                 &logit_rows,
             )?;
+            tracing::debug!(
+                rows = plan.rows(),
+                cuts = plan.cuts.as_ref().map_or(0, |c| c.seqs.len()),
+                ms = t0.elapsed().as_secs_f64() * 1e3,
+                "model forward"
+            );
             StepOutput::from_host(&logits, &outs)?
         };
         self.audit
