@@ -120,18 +120,11 @@ impl PrefixCache {
         engine: &mut Engine<B>,
         p: Pending,
     ) -> Result<NodeId, EngineError> {
-        let Pending {
-            cuts,
-            end,
-            from,
-            keys,
-            pages,
-            parent,
-        } = p;
+        let (from, keys, pages) = (p.from, &p.keys, &p.pages);
         let pt = self.page_tokens;
-        let cached = read_cuts(engine, cuts).and_then(|states| {
-            let points = states.into_iter().map(|c| (c.pos, c.state)).chain(end);
-            let mut node = parent;
+        let cached = read_cuts(engine, p.cuts).and_then(|states| {
+            let points = states.into_iter().map(|c| (c.pos, c.state)).chain(p.end);
+            let mut node = p.parent;
             for (pos, state) in points {
                 let (key, page) = match (
                     keys.get(pos - pt - from..pos - from),
@@ -144,7 +137,7 @@ impl PrefixCache {
             }
             Ok(node)
         });
-        engine.release_pages(&pages)?;
+        engine.release_pages(pages)?;
         cached
     }
 }
