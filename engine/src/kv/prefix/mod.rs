@@ -18,10 +18,8 @@ mod pending;
 
 use super::{metrics, HostPool, HostPoolError, PageId};
 use crate::backend::Backend;
-use crate::engine::CutSlots;
-use crate::engine::{Engine, EngineError, Logits, Sequence};
+use crate::engine::{CutSlots, Engine, EngineError, Logits, Sequence};
 use crate::generate::{prefill_chunks, ChunkHooks, Chunking};
-use pending::Pending;
 use std::collections::HashMap;
 
 type NodeId = usize;
@@ -40,6 +38,22 @@ struct Node {
     /// can read ([`KvLayout::state_ranges_live_at_cut`]).
     state: Vec<u8>,
     last_use: u64,
+}
+
+/// One forward's cut points to cache ([`pending`]): the cuts inside it (unread) and, when the forward
+/// ends on a page boundary, the sequence's own state there.
+struct Pending {
+    cuts: CutSlots,
+    /// The state at the forward's end (its position and live bytes), when on a page.
+    end: Option<(usize, Vec<u8>)>,
+    /// Position of the first token of `keys` and of the first page of `pages`.
+    from: usize,
+    /// The prompt's tokens `from .. ` the last cut point.
+    keys: Vec<u32>,
+    /// The pages ending at each cut point, `from ..`, one reference held by this.
+    pages: Vec<PageId>,
+    /// Node the first cut point hangs under.
+    parent: NodeId,
 }
 
 /// Result of [`PrefixCache::prefill`].

@@ -5,27 +5,10 @@
 //! time to first token. Meanwhile the cuts hold their scratch state slots and the pending
 //! pages hold a reference of their own, so releasing the sequence loses nothing.
 
-use super::{internal, NodeId, PrefixCache};
+use super::{internal, NodeId, Pending, PrefixCache};
 use crate::backend::Backend;
 use crate::engine::{CutSlots, Engine, EngineError, Sequence};
 use crate::generate::read_cuts;
-use crate::kv::PageId;
-
-/// One forward's cut points to cache: the cuts inside it (unread) and, when the forward
-/// ends on a page boundary, the sequence's own state there.
-pub(super) struct Pending {
-    cuts: CutSlots,
-    /// The state at the forward's end (its position and live bytes), when on a page.
-    end: Option<(usize, Vec<u8>)>,
-    /// Position of the first token of `keys` and of the first page of `pages`.
-    from: usize,
-    /// The prompt's tokens `from .. ` the last cut point.
-    keys: Vec<u32>,
-    /// The pages ending at each cut point, `from ..`, one reference held by this.
-    pages: Vec<PageId>,
-    /// Node the first cut point hangs under.
-    parent: NodeId,
-}
 
 impl Pending {
     /// The cut points of the forward that brought `seq` to `seq.len()` positions of
