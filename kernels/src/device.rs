@@ -407,7 +407,6 @@ impl Gpu {
     #[allow(unsafe_code)]
     fn download_pinned<T: DeviceRepr>(&self, src: u64, n: usize) -> BResult<Vec<T>> {
         let bytes = n * std::mem::size_of::<T>();
-        let mut out = None;
         self.with_pinned_pieces(&[(src, bytes)], |host| {
             let mut v = Vec::<T>::with_capacity(n);
             // SAFETY: `bytes` bytes of plain-old-data values (DeviceRepr) copied into
@@ -416,9 +415,8 @@ impl Gpu {
                 std::ptr::copy_nonoverlapping(host.as_ptr(), v.as_mut_ptr().cast::<u8>(), bytes);
                 v.set_len(n);
             }
-            out = Some(v);
-        })?;
-        out.ok_or_else(|| BackendError::Device("pinned download produced nothing".into()))
+            v
+        })
     }
 
     /// `pieces` (device address, bytes) copied to the host one after another, then split
@@ -441,17 +439,20 @@ impl Gpu {
                 "{total} bytes of pieces do not split into groups of {group_bytes}"
             )));
         }
-        let mut out = Vec::with_capacity(total / group_bytes);
         self.with_pinned_pieces(pieces, |host| {
-            out.extend(host.chunks_exact(group_bytes).map(<[u8]>::to_vec));
-        })?;
-        Ok(out)
+            host.chunks_exact(group_bytes).map(<[u8]>::to_vec).collect()
+        })
     }
 
     /// Copy `pieces` back to back into the reused page-locked buffer, wait for the
-    /// stream, and hand the filled bytes to `read` (while the buffer is held).
+    /// stream, and return what `read` makes of the filled bytes (read while the buffer is
+    /// held).
     #[allow(unsafe_code)]
-    fn with_pinned_pieces(&self, pieces: &[(u64, usize)], read: impl FnOnce(&[u8])) -> BResult<()> {
+    fn with_pinned_pieces<R>(
+        &self,
+        pieces: &[(u64, usize)],
+        read: impl FnOnce(&[u8]) -> R,
+    ) -> BResult<R> {
         let bytes: usize = pieces.iter().map(|p| p.1).sum();
         let mut pinned = self
             .pinned
@@ -484,8 +485,9 @@ impl Gpu {
         }
         self.synchronize()?;
         // SAFETY: the first `bytes` bytes were written by the copies above, now complete.
-        read(unsafe { std::slice::from_raw_parts(host.cast_const(), bytes) });
-        Ok(())
+        Ok(read(unsafe {
+            std::slice::from_raw_parts(host.cast_const(), bytes)
+        }))
     }
 
     /// `bytes` bytes from device address `src` to `dst` on the stream (outside a decode

@@ -75,7 +75,11 @@ impl<B: Backend> Engine<B> {
 
     /// The live bytes of each cut [`Engine::forward_keeping_cuts`] kept, in its order, read
     /// back with one wait; the scratch slots are freed whether or not the read succeeds.
+    /// No cuts: no read (nor a wait for the device).
     pub fn read_cut_states(&mut self, slots: CutSlots) -> Result<Vec<Vec<u8>>, EngineError> {
+        if slots.is_empty() {
+            return Ok(Vec::new());
+        }
         let t0 = std::time::Instant::now();
         let ids: Vec<StateSlot> = slots.0.iter().map(|c| c.state).collect();
         let states = self.device.read_live_states(&self.backend, &ids);

@@ -40,8 +40,8 @@ struct Node {
     last_use: u64,
 }
 
-/// One forward's cut points to cache ([`pending`]): the cuts inside it (unread) and, when the forward
-/// ends on a page boundary, the sequence's own state there.
+/// One forward's cut points to cache ([`pending`]): the cuts inside it (unread) and,
+/// when the forward ends on a page boundary, the sequence's own state there.
 struct Pending {
     cuts: CutSlots,
     /// The state at the forward's end (its position and live bytes), when on a page.
