@@ -214,25 +214,25 @@ fn bench_prefill_table_on_cpu_with_peer() {
     assert!(err.contains("n_routed_experts"), "{err}");
 }
 
+/// `bench prefill` on the tiny CPU model with `extra` flags, one timed repeat and no warm-up: its
+/// output and the table's header and rows.
+fn tiny_prefill_table(extra: &[&str]) -> (String, Vec<String>, Vec<Vec<String>>) {
+    let mut args = vec!["bench", "prefill"];
+    args.extend(TINY);
+    args.extend(extra);
+    args.extend(["--repeats", "1", "--warmup", "0"]);
+    let out = run(&args);
+    let (head, rows) = table(&out, "tokens");
+    (out, head, rows)
+}
+
 /// `--chunk`: each prompt as forwards of at most that many tokens (the last one shorter),
 /// the table saying so; a prompt shorter than the chunk runs whole.
 #[test]
 fn bench_prefill_in_chunks_on_cpu() {
-    let mut args = vec!["bench", "prefill"];
-    args.extend(TINY);
-    args.extend([
-        "--tokens",
-        "8,40",
-        "--chunk",
-        "16",
-        "--repeats",
-        "1",
-        "--warmup",
-        "0",
-    ]);
-    let out = run(&args);
-    let (head, rows) = table(&out, "tokens");
+    let (out, head, rows) = tiny_prefill_table(&["--tokens", "8,40", "--chunk", "16"]);
     let col = |name: &str| head.iter().position(|h| h == name).unwrap();
+    assert!(!head.iter().any(|h| h == "cuts"), "{out}");
     assert_eq!(rows.len(), 2, "{out}");
     assert_eq!(rows[0][col("chunk")], "8", "{out}");
     assert_eq!(rows[1][col("chunk")], "16", "{out}");
@@ -246,22 +246,8 @@ fn bench_prefill_in_chunks_on_cpu() {
 /// the table gains the cut columns (without the flag it has none).
 #[test]
 fn bench_prefill_with_cuts_on_cpu() {
-    let mut args = vec!["bench", "prefill"];
-    args.extend(TINY);
-    args.extend([
-        "--tokens",
-        "64",
-        "--chunk",
-        "32",
-        "--cut-every",
-        "8",
-        "--repeats",
-        "1",
-        "--warmup",
-        "0",
-    ]);
-    let out = run(&args);
-    let (head, rows) = table(&out, "tokens");
+    let (out, head, rows) =
+        tiny_prefill_table(&["--tokens", "64", "--chunk", "32", "--cut-every", "8"]);
     let col = |name: &str| head.iter().position(|h| h == name).unwrap();
     assert_eq!(rows.len(), 1, "{out}");
     let r = &rows[0];

@@ -52,15 +52,22 @@ fn prompt(base: &[u32], share: usize, tail: usize, vocab: u32) -> Vec<u32> {
     p
 }
 
+/// Fixture `name`, its smallest page size, and two engines on it with f32 KV in 64 pages
+/// of that size: one for cold runs, one to put behind a prefix cache.
+fn cache_engines(name: &str) -> (Fixture, usize, Engine<CpuBackend>, Engine<CpuBackend>) {
+    let fx = load_fixture(name);
+    let p = smallest_page_tokens(&fx.dir);
+    let cold = engine_sized(&fx.dir, EntryDtype::F32, p, 64);
+    let eng = engine_sized(&fx.dir, EntryDtype::F32, p, 64);
+    (fx, p, cold, eng)
+}
+
 #[test]
 fn prefix_hits_are_bit_identical_to_cold_runs() {
     for name in fixture_names() {
-        let fx = load_fixture(&name);
-        let p = smallest_page_tokens(&fx.dir);
+        let (fx, p, mut coldeng, mut eng) = cache_engines(&name);
         let vocab = fx.logits[0].len() as u32;
         let n = fx.tokens.len();
-        let mut coldeng = engine_sized(&fx.dir, EntryDtype::F32, p, 64);
-        let mut eng = engine_sized(&fx.dir, EntryDtype::F32, p, 64);
         // The audit also proves no step writes a shared (cached) page.
         eng.set_kv_audit(true);
         let host = HostPool::new(eng.layout(), 128);
@@ -139,12 +146,9 @@ fn prefix_hits_are_bit_identical_to_cold_runs() {
 #[test]
 fn deferred_cut_points_are_cached_after_the_answer() {
     for name in fixture_names() {
-        let fx = load_fixture(&name);
-        let p = smallest_page_tokens(&fx.dir);
+        let (fx, p, mut coldeng, mut eng) = cache_engines(&name);
         let vocab = fx.logits[0].len() as u32;
         let n = fx.tokens.len();
-        let mut coldeng = engine_sized(&fx.dir, EntryDtype::F32, p, 64);
-        let mut eng = engine_sized(&fx.dir, EntryDtype::F32, p, 64);
         let (pages0, states0) = (
             eng.allocator().free_page_count(),
             eng.allocator().free_state_count(),
