@@ -421,10 +421,21 @@ impl TensorOps for CudaBackend {
         sinks: &GpuTensor,
         n_heads: usize,
         compressed: CompressedKeys<'_, GpuSelection>,
+        rotate_back: &Rope,
         plan: &BatchPlan,
     ) -> BResult<GpuTensor> {
         attention::attention(
-            &self.gpu, kv, layout, layer, q, kv_new, sinks, n_heads, compressed, plan,
+            &self.gpu,
+            kv,
+            layout,
+            layer,
+            q,
+            kv_new,
+            sinks,
+            n_heads,
+            compressed,
+            rotate_back,
+            plan,
         )
     }
 

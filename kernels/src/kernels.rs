@@ -407,7 +407,7 @@ kernels! {
             pages: DevPtr, states: DevPtr, page_bytes: i64, state_bytes: i64, seq: DevPtr,
             pt: DevPtr, row_seq: DevPtr, positions: DevPtr, q: DevPtr, new_rows: DevPtr,
             new_scales: DevPtr, sinks: DevPtr, sel: DevPtr, topk: i32, out: DevPtr,
-            part: DevPtr, part_ml: DevPtr,
+            un_cs: DevPtr, un_sn: DevPtr, out_bf16: DevPtr, part: DevPtr, part_ml: DevPtr,
             n_heads: i32, hd: i32, window: i32, win_off: i64, rate: i32, mode: i32,
             comp_off: i64, comp_epp: i32, page_tokens: i32, dt: i32, scale: f32,
             rd: i32, win_scale_off: i64, comp_scale_off: i64, split_keys: i32, nsplit: i32,

@@ -3,6 +3,7 @@
 
 use crate::devmem::DevMem;
 use pdserve_engine::checkpoint::{StoredWeight, WeightFormat};
+use std::sync::OnceLock;
 
 /// Storage of a [`GpuTensor`].
 #[derive(Debug)]
@@ -87,14 +88,46 @@ impl StoredBuf {
 }
 
 /// A row-major 2-D tensor on the device.
+///
+/// Kernels write a tensor's buffer only while they make it (an output freshly allocated)
+/// or through `&mut` (rope in place, which drops the bf16 copy below): what a shared
+/// reference reads never changes, so its bf16 rounding may be kept.
 #[derive(Debug)]
 pub struct GpuTensor {
     pub rows: usize,
     pub cols: usize,
     pub buf: Buf,
+    /// An fp32 activation rounded to bf16, made by the first bf16 GEMM that reads it and
+    /// kept for the next ones (q_a, kv and four compressor projections read one normed
+    /// hidden state; it was rounded once per GEMM).
+    bf16: OnceLock<DevMem<u16>>,
 }
 
 impl GpuTensor {
+    pub(crate) fn new(rows: usize, cols: usize, buf: Buf) -> Self {
+        GpuTensor {
+            rows,
+            cols,
+            buf,
+            bf16: OnceLock::new(),
+        }
+    }
+
+    /// The kept bf16 rounding, if a GEMM made one.
+    pub(crate) fn bf16_copy(&self) -> Option<&DevMem<u16>> {
+        self.bf16.get()
+    }
+
+    /// Keeps `copy` as this tensor's bf16 rounding (the first one kept stays).
+    pub(crate) fn keep_bf16_copy(&self, copy: DevMem<u16>) -> &DevMem<u16> {
+        self.bf16.get_or_init(|| copy)
+    }
+
+    /// Drops the kept bf16 rounding: the caller is about to write the values in place.
+    pub(crate) fn written_in_place(&mut self) {
+        self.bf16.take();
+    }
+
     pub fn len(&self) -> usize {
         self.rows * self.cols
     }

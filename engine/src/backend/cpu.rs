@@ -396,11 +396,14 @@ impl TensorOps for CpuBackend {
         sinks: &HostTensor,
         n_heads: usize,
         compressed: CompressedKeys<'_, Vec<Vec<u32>>>,
+        rotate_back: &Rope,
         plan: &BatchPlan,
     ) -> BResult<HostTensor> {
-        cpu_attention::attention(
+        let mut o = cpu_attention::attention(
             kv, layout, layer, q, kv_new, sinks, n_heads, compressed, plan,
-        )
+        )?;
+        self.rope(&mut o, layout.head_dim, rotate_back, &plan.positions, true)?;
+        Ok(o)
     }
 
     fn window_store(

@@ -203,7 +203,10 @@ pub trait TensorOps: KvStorage {
         record: Option<&PickLog>,
     ) -> BResult<Self::Selection>;
     /// Sink attention of every row over its sliding window (earlier positions from the
-    /// ring, this forward's from `kv_new`) and the given compressed entries.
+    /// ring, this forward's from `kv_new`) and the given compressed entries, the output's
+    /// rope channels rotated back by `rotate_back` at each row's position (K = V carries
+    /// rope). The result is the o-projection's input: a backend may hand it over in the
+    /// form its GEMMs read (bf16 on the GPU, rounded exactly as the GEMM would).
     #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
@@ -215,6 +218,7 @@ pub trait TensorOps: KvStorage {
         sinks: &Self::Tensor,
         n_heads: usize,
         compressed: CompressedKeys<'_, Self::Selection>,
+        rotate_back: &Rope,
         plan: &BatchPlan,
     ) -> BResult<Self::Tensor>;
     /// Store this forward's K=V rows into the sliding-window rings.

@@ -264,7 +264,9 @@ impl<B: Backend> Model<B> {
             (LayerKind::Csa, Some(sel)) => CompressedKeys::Selected(sel),
             (LayerKind::Csa, None) => CompressedKeys::None,
         };
-        let mut o = b.attention(
+        // K = V carries rope: the output's rope slice comes back rotated back at the query
+        // position.
+        let o = b.attention(
             kv,
             layout,
             li,
@@ -273,14 +275,13 @@ impl<B: Backend> Model<B> {
             &lw.sinks,
             cfg.num_attention_heads,
             keys,
+            rope,
             plan,
         )?;
         b.window_store(kv, layout, li, &kv_new, plan)?;
         if let Some(cuts) = &plan.cuts {
             b.window_store(kv, layout, li, &kv_new, cuts)?;
         }
-        // K = V carries rope: rotate the output's rope slice back at the query position.
-        b.rope(&mut o, hd, rope, &plan.positions, true)?;
         let g = b.grouped_matmul(&o, &lw.o_a_proj, cfg.o_groups)?;
         self.linear(b, layout, &g, &lw.o_b_proj, quant.o_b)
     }

@@ -12,7 +12,9 @@
 // heads y*ATM_H .. +ATM_H of row r (past n_heads: zero queries, outputs dropped) over the
 // row's keys s*split_keys .. (s+1)*split_keys (window then compressed entries, as in the
 // split kernel), in tiles of ATM_T keys. It writes the result itself (`direct`, only with
-// nsplit == 1) or the split kernel's partials, which k_attention_combine merges.
+// nsplit == 1) or the split kernel's partials, which k_attention_combine merges. A direct
+// launch with `out_bf16` writes the o-projection's input there instead of `out`: the rope
+// channels rotated back by the tables un_cs/un_sn ([rows, rd/2], as k_rope's), in bf16.
 //
 // A tile: the keys' bf16 values in shared memory (cp.async for bf16 entries, the next
 // tile's copies in flight while this one computes; fp8 entries converted on the way). Warp
@@ -60,7 +62,8 @@ __device__ __forceinline__ void atm_body(const unsigned char* pages, const unsig
                                            i64 state_bytes, const int* seq, const u32* pt, const int* row_seq,
                                            const int* positions, const float* q, const unsigned char* new_rows,
                                            const unsigned char* new_scales, const float* sinks, const int* sel,
-                                           int topk, float* out, float* part, float* part_ml, int n_heads, int hd,
+                                           int topk, float* out, const float* un_cs, const float* un_sn, bf16_t* out_bf16,
+                                           float* part, float* part_ml, int n_heads, int hd,
                                            int window, i64 win_off, int rate, int mode, i64 comp_off, int comp_epp,
                                            int page_tokens, int dt, float scale, int rd, i64 win_scale_off,
                                            i64 comp_scale_off, int split_keys, int nsplit, int direct) {
@@ -294,6 +297,27 @@ __device__ __forceinline__ void atm_body(const unsigned char* pages, const unsig
         if (direct) {
             // The sink joins the softmax here (as in k_attention_combine for nsplit 1).
             w = attn_sink_weight(mrun[i], lrun[i], sinks[h0 + hh]);
+            if (out_bf16) {
+                // The o-projection's input: rope channels rotated back at the row's
+                // position (k_rope's inverse, the same products), rounded to bf16.
+                bf16_t* db = out_bf16 + (rh + hh) * hd;
+                int halfrd = rd >> 1;
+#pragma unroll
+                for (int ni = 0; ni < ATM_MAXNT; ni++)
+                    if (ni < nt) {
+                        int c = c0 + ni * 8 + 2 * tq;
+                        float x0 = acc[ni][2 * i] * w, x1 = acc[ni][2 * i + 1] * w;
+                        if (c >= nope) {
+                            int k = (c - nope) >> 1;
+                            float cv = un_cs[(i64)r * halfrd + k], sv = -un_sn[(i64)r * halfrd + k];
+                            float y0 = rope_rotate0(x0, x1, cv, sv), y1 = rope_rotate1(x0, x1, cv, sv);
+                            x0 = y0;
+                            x1 = y1;
+                        }
+                        *reinterpret_cast<u32*>(db + c) = atm_pack(x0, x1);
+                    }
+                continue;
+            }
             dst = out + (rh + hh) * hd;
         } else {
             dst = part + ((rh + hh) * nsplit + split) * hd;
@@ -315,11 +339,12 @@ extern "C" __launch_bounds__(256, 1) __global__ void k_attention_mma(const unsig
                                            i64 state_bytes, const int* seq, const u32* pt, const int* row_seq,
                                            const int* positions, const float* q, const unsigned char* new_rows,
                                            const unsigned char* new_scales, const float* sinks, const int* sel,
-                                           int topk, float* out, float* part, float* part_ml, int n_heads, int hd,
+                                           int topk, float* out, const float* un_cs, const float* un_sn, bf16_t* out_bf16,
+                                           float* part, float* part_ml, int n_heads, int hd,
                                            int window, i64 win_off, int rate, int mode, i64 comp_off, int comp_epp,
                                            int page_tokens, int dt, float scale, int rd, i64 win_scale_off,
                                            i64 comp_scale_off, int split_keys, int nsplit, int direct) {
-    atm_body<false>(pages, states, page_bytes, state_bytes, seq, pt, row_seq, positions, q, new_rows, new_scales, sinks, sel, topk, out, part,
+    atm_body<false>(pages, states, page_bytes, state_bytes, seq, pt, row_seq, positions, q, new_rows, new_scales, sinks, sel, topk, out, un_cs, un_sn, out_bf16, part,
         part_ml, n_heads, hd, window, win_off, rate, mode, comp_off, comp_epp, page_tokens, dt, scale, rd, win_scale_off,
         comp_scale_off, split_keys, nsplit, direct);
 }
@@ -329,11 +354,12 @@ extern "C" __launch_bounds__(256, 1) __global__ void k_attention_mma_exact(const
                                            i64 state_bytes, const int* seq, const u32* pt, const int* row_seq,
                                            const int* positions, const float* q, const unsigned char* new_rows,
                                            const unsigned char* new_scales, const float* sinks, const int* sel,
-                                           int topk, float* out, float* part, float* part_ml, int n_heads, int hd,
+                                           int topk, float* out, const float* un_cs, const float* un_sn, bf16_t* out_bf16,
+                                           float* part, float* part_ml, int n_heads, int hd,
                                            int window, i64 win_off, int rate, int mode, i64 comp_off, int comp_epp,
                                            int page_tokens, int dt, float scale, int rd, i64 win_scale_off,
                                            i64 comp_scale_off, int split_keys, int nsplit, int direct) {
-    atm_body<true>(pages, states, page_bytes, state_bytes, seq, pt, row_seq, positions, q, new_rows, new_scales, sinks, sel, topk, out, part,
+    atm_body<true>(pages, states, page_bytes, state_bytes, seq, pt, row_seq, positions, q, new_rows, new_scales, sinks, sel, topk, out, un_cs, un_sn, out_bf16, part,
         part_ml, n_heads, hd, window, win_off, rate, mode, comp_off, comp_epp, page_tokens, dt, scale, rd, win_scale_off,
         comp_scale_off, split_keys, nsplit, direct);
 }

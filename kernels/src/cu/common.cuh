@@ -447,6 +447,16 @@ __device__ __forceinline__ void tc_commit() { asm volatile("cp.async.commit_grou
 
 __device__ __forceinline__ void tc_wait_prev() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
 
+// A rope pair (x0, x1) rotated by (c, s): x0 c - x1 s and x1 c + x0 s, each product and
+// sum rounded on its own (no fused multiply-add), as the CPU engine's Rope::apply computes
+// it; k_rope and the attention epilogue that rotates its output back share it.
+__device__ __forceinline__ float rope_rotate0(float x0, float x1, float c, float s) {
+    return __fadd_rn(__fmul_rn(x0, c), __fmul_rn(-x1, s));
+}
+__device__ __forceinline__ float rope_rotate1(float x0, float x1, float c, float s) {
+    return __fadd_rn(__fmul_rn(x1, c), __fmul_rn(x0, s));
+}
+
 // The output weight of a head whose keys gave running max m and sum l once its sink joins
 // the softmax: e^(m - mx) / (l e^(m - mx) + e^(sink - mx)), mx = max(m, sink).
 __device__ __forceinline__ float attn_sink_weight(float m, float l, float sink) {

@@ -41,7 +41,7 @@ extern "C" __global__ void k_rope(float* x, const float* cs, const float* sn, in
         if (inverse) s = -s;
         float* p = row + hh * head_dim + head_dim - rd + 2 * i;
         float x0 = p[0], x1 = p[1];
-        p[0] = x0 * c + (-x1) * s;
-        p[1] = x1 * c + x0 * s;
+        p[0] = rope_rotate0(x0, x1, c, s);
+        p[1] = rope_rotate1(x0, x1, c, s);
     }
 }

@@ -11,10 +11,15 @@ use crate::ops::attention_mma::{self, MmaPlan};
 use crate::ops::attention_split::{self, AttentionArgs, SplitPlan};
 use crate::ops::indexer::GpuSelection;
 use crate::ops::kv_reach::{check_visible_reach, entry_bucket, layer_of};
+use crate::ops::dense::rope;
+use crate::ops::rope_tables::rope_tables;
 use crate::ops::tensors::{new_f32, param_f32};
-use crate::tensor::GpuTensor;
+use crate::rope_cache::RopeTable;
+use crate::tensor::{Buf, GpuTensor};
 use pdserve_engine::backend::{BResult, BatchPlan, CompressedKeys};
 use pdserve_engine::kv::KvLayout;
+use pdserve_engine::rope::Rope;
+use std::sync::Arc;
 
 /// Channels per lane the reference attention kernel holds (`ATT_MAXQ` in attention.cu).
 const ATT_MAXQ: usize = 16;
@@ -32,6 +37,7 @@ pub fn attention(
     sinks: &GpuTensor,
     n_heads: usize,
     compressed: CompressedKeys<'_, GpuSelection>,
+    rotate_back: &Rope,
     plan: &BatchPlan,
 ) -> BResult<GpuTensor> {
     let l = layer_of(layout, layer)?;
@@ -93,9 +99,8 @@ pub fn attention(
     )?;
     let dp = DevPlan::upload(g, kv, plan)?;
     let sinks = param_f32(g, sinks)?;
-    let out = new_f32(g, rows, n_heads * hd)?;
     let kv_new = f32_buf(kv_new, "attention")?;
-    let args = AttentionArgs {
+    let mut args = AttentionArgs {
         pages: DevPtr::of(&kv.pages),
         states: DevPtr::of(&kv.states),
         page_bytes: kv.page_bytes as i64,
@@ -111,7 +116,8 @@ pub fn attention(
         sinks: DevPtr::of(&sinks),
         sel: sel_ptr,
         topk: topk as i32,
-        out: out_ptr(&out)?,
+        // Set below, once the kernel is chosen (the rotated bf16 output takes none).
+        out: DevPtr::NULL,
         rows,
         n_heads,
         hd,
@@ -133,15 +139,59 @@ pub fn attention(
         AttentionKernel::TensorCores => true,
         AttentionKernel::Split | AttentionKernel::Reference => false,
     };
+    let cols = n_heads * hd;
+    if g.attention_kernel != AttentionKernel::Reference
+        && tensor_cores
+        && attention_mma::takes(&args, g.fp32_reference)
+    {
+        let mma = MmaPlan::choose(rows, n_heads, max_keys, g.sms, g.deterministic);
+        if mma.direct && !g.fp32_reference {
+            // The o-projection rounds its input to bf16 anyway: the epilogue rotates and
+            // rounds it (1 GB fewer fp32 writes per layer at 8K, no rope or rounding pass).
+            let table = rotation_table(g, rotate_back, layout, plan)?;
+            let out = g.uninit::<u16>(rows * cols)?;
+            let rotated = attention_mma::RotatedBf16 {
+                table: &table,
+                out: &out,
+            };
+            attention_mma::launch(g, &args, mma, false, Some(rotated))?;
+            return Ok(GpuTensor::new(rows, cols, Buf::Bf16(out)));
+        }
+        let mut out = new_f32(g, rows, cols)?;
+        args.out = out_ptr(&out)?;
+        attention_mma::launch(g, &args, mma, g.fp32_reference, None)?;
+        rope(g, &mut out, hd, rotate_back, &plan.positions, true)?;
+        return Ok(out);
+    }
+    let mut out = new_f32(g, rows, cols)?;
+    args.out = out_ptr(&out)?;
     if g.attention_kernel == AttentionKernel::Reference {
         launch_reference(g, &args, max_keys)?;
-    } else if tensor_cores && attention_mma::takes(&args, g.fp32_reference) {
-        let plan = MmaPlan::choose(rows, n_heads, max_keys, g.sms, g.deterministic);
-        attention_mma::launch(g, &args, plan, g.fp32_reference)?;
     } else {
         attention_split::launch(g, &args, split)?;
     }
+    rope(g, &mut out, hd, rotate_back, &plan.positions, true)?;
     Ok(out)
+}
+
+/// `rotate_back`'s table at the rows' positions, for the epilogue that rotates the output.
+fn rotation_table(
+    g: &Gpu,
+    rotate_back: &Rope,
+    layout: &KvLayout,
+    plan: &BatchPlan,
+) -> BResult<Arc<RopeTable>> {
+    if rotate_back.dim() != layout.rope_dim {
+        return Err(shape_err(
+            "attention",
+            format!(
+                "rope of {} channels for a layout of {}",
+                rotate_back.dim(),
+                layout.rope_dim
+            ),
+        ));
+    }
+    rope_tables(g, rotate_back, &plan.positions)
 }
 
 /// `k_attention`: one block per row and group of heads, every score of the row in shared

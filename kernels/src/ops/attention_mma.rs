@@ -12,7 +12,8 @@
 use crate::device::{Gpu, MMA_SHARED};
 use crate::devmem::DevMem;
 use crate::kernels::{self, DevPtr, Products};
-use crate::launch::BLOCK;
+use crate::launch::{dev_err, BLOCK};
+use crate::rope_cache::RopeTable;
 use crate::ops::attention_split::{self, key_splits, AttentionArgs, DETERMINISTIC_SPLIT_KEYS};
 use pdserve_engine::backend::BResult;
 
@@ -95,9 +96,36 @@ pub(crate) fn takes(a: &AttentionArgs, exact: bool) -> bool {
         && MmaPlan::shared_bytes(a.hd, exact) <= MMA_SHARED
 }
 
+/// What a direct launch writes instead of `AttentionArgs::out`: the o-projection's bf16
+/// input, its rope channels rotated back by the tables (`k_rope`'s inverse).
+pub(crate) struct RotatedBf16<'a> {
+    pub table: &'a RopeTable,
+    pub out: &'a DevMem<u16>,
+}
+
 /// Launch the tensor-core kernel (and the combine, unless the plan writes directly), its
-/// products exact (hi + lo halves) or in bf16.
-pub(crate) fn launch(g: &Gpu, a: &AttentionArgs, plan: MmaPlan, exact: bool) -> BResult<()> {
+/// products exact (hi + lo halves) or in bf16; `rotated` (direct plans only) writes the
+/// rotated bf16 output instead of the fp32 one.
+pub(crate) fn launch(
+    g: &Gpu,
+    a: &AttentionArgs,
+    plan: MmaPlan,
+    exact: bool,
+    rotated: Option<RotatedBf16<'_>>,
+) -> BResult<()> {
+    if rotated.is_some() && !plan.direct {
+        return Err(dev_err("a rotated bf16 attention output needs a direct plan"));
+    }
+    let (un_cs, un_sn, out_bf16) = rotated.as_ref().map_or(
+        (DevPtr::NULL, DevPtr::NULL, DevPtr::NULL),
+        |r| {
+            (
+                DevPtr::of(&r.table.cs),
+                DevPtr::of(&r.table.sn),
+                DevPtr::of(r.out),
+            )
+        },
+    );
     let (rows, n_heads, hd) = (a.rows, a.n_heads, a.hd);
     let parts = if plan.direct {
         0
@@ -138,6 +166,9 @@ pub(crate) fn launch(g: &Gpu, a: &AttentionArgs, plan: MmaPlan, exact: bool) -> 
             sel: a.sel,
             topk: a.topk,
             out: a.out,
+            un_cs,
+            un_sn,
+            out_bf16,
             part: DevPtr::of(&part),
             part_ml: DevPtr::of(&part_ml),
             n_heads: n_heads as i32,

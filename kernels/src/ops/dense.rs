@@ -7,7 +7,7 @@ use crate::devmem::DevMem;
 use crate::kernels::{self, DevPtr};
 use crate::launch::{dev_err, grid_1d, BLOCK};
 use crate::ops::rope_tables::rope_tables;
-use crate::ops::tensors::{new_f32, param_f32, to_bf16};
+use crate::ops::tensors::{bf16_of, new_f32, param_f32};
 use crate::ops::{moe_mma, stored};
 use crate::tensor::{Buf, GpuTensor};
 use pdserve_engine::backend::{shapes, BResult};
@@ -151,9 +151,9 @@ fn matmul_rows(
 /// Rows per block of `k_matmul_rows` (`MM_TILE` in cu/elementwise.cu).
 const MM_TILE: usize = 8;
 
-/// `x @ w^T` of each group: bf16 weights take a bf16 copy of `x`, fp32 weights fp32.
+/// `x @ w^T` of each group: bf16 weights take a bf16 copy of an fp32 `x` (or a bf16 `x`
+/// itself: the attention's output), fp32 weights and `--deterministic` an fp32 `x`.
 fn matmul_into(g: &Gpu, x: &GpuTensor, w: &GpuTensor, groups: usize) -> BResult<GpuTensor> {
-    let xs = f32_buf(x, "matmul")?;
     let out = new_f32(g, x.rows, w.rows)?;
     let Buf::F32(o) = &out.buf else {
         return Err(dev_err("output buffer"));
@@ -163,24 +163,23 @@ fn matmul_into(g: &Gpu, x: &GpuTensor, w: &GpuTensor, groups: usize) -> BResult<
         // Small batches (and every batch under --deterministic, for batch invariance) read
         // the stored bytes directly; larger ones pay one exact bf16 copy for cuBLAS.
         if g.deterministic {
-            let xa = stored::Activations::F32(xs);
+            let xa = stored::Activations::F32(f32_buf(x, "matmul")?);
             stored::matmul_fused(g, (xa, x.cols, x.rows), (sw, w.rows), o, (din, dout))?;
             return Ok(out);
         }
         if x.rows <= stored::FUSED_MAX_ROWS {
-            let xb = to_bf16(g, xs)?;
-            let xa = stored::Activations::Bf16(&xb);
+            let xa = stored::Activations::Bf16(bf16_of(g, x, "matmul")?);
             stored::matmul_fused(g, (xa, x.cols, x.rows), (sw, w.rows), o, (din, dout))?;
             return Ok(out);
         }
         // Up to 128 rows: tensor cores on the stored bytes (no bf16 copy of the weight).
         if moe_mma::dense_takes(g, sw, x.rows, (din, dout, groups)) {
-            let xb = to_bf16(g, xs)?;
-            moe_mma::matmul_dense(g, &xb, sw, o, (x.rows, din, dout, groups))?;
+            let xb = bf16_of(g, x, "matmul")?;
+            moe_mma::matmul_dense(g, xb, sw, o, (x.rows, din, dout, groups))?;
             return Ok(out);
         }
     } else if g.deterministic {
-        return matmul_rows(g, (xs, x.cols), w, out, din, dout);
+        return matmul_rows(g, (f32_buf(x, "matmul")?, x.cols), w, out, din, dout);
     }
     let dims = (x.rows, dout, din);
     let lds = (x.cols, din, w.rows);
@@ -188,16 +187,17 @@ fn matmul_into(g: &Gpu, x: &GpuTensor, w: &GpuTensor, groups: usize) -> BResult<
     match &w.buf {
         Buf::Stored(sw) => {
             let wb = stored::dequant(g, w, sw)?;
-            let xb = to_bf16(g, xs)?;
+            let xb = bf16_of(g, x, "matmul")?;
             let (xp, wp, op) = (xb.ptr(), wb.ptr(), o.ptr());
             g.gemm_nt(xp, wp, op, dims, lds, strides, groups, true)?;
         }
         Buf::Bf16(wb) => {
-            let xb = to_bf16(g, xs)?;
+            let xb = bf16_of(g, x, "matmul")?;
             let (xp, wp, op) = (xb.ptr(), wb.ptr(), o.ptr());
             g.gemm_nt(xp, wp, op, dims, lds, strides, groups, true)?;
         }
         Buf::F32(wf) => {
+            let xs = f32_buf(x, "matmul")?;
             let (xp, wp, op) = (xs.ptr(), wf.ptr(), o.ptr());
             g.gemm_nt(xp, wp, op, dims, lds, strides, groups, false)?;
         }
@@ -264,6 +264,7 @@ pub(crate) fn rope(
     inverse: bool,
 ) -> BResult<()> {
     shapes::check_rope((x.rows, x.cols), head_dim, positions.len(), rope.dim())?;
+    x.written_in_place();
     let table = rope_tables(g, rope, positions)?;
     g.launch(
         (x.rows as u32, 1, 1),

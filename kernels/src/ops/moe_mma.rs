@@ -6,13 +6,13 @@
 //! The same kernel body also runs dense stored-format GEMMs of decode batches
 //! ([`matmul_dense`]).
 
-use crate::buf::{f32_buf, shape_err};
+use crate::buf::shape_err;
 use crate::device::{ExpertKernel, Gpu};
 use crate::devmem::DevMem;
 use crate::kernels::{self, DevPtr, ExpertFormat, StoredFormat};
 use crate::launch::grid_1d;
 use crate::ops::stored::to_i32;
-use crate::ops::tensors::to_bf16;
+use crate::ops::tensors::bf16_of;
 use crate::tensor::{GpuTensor, StoredBuf, WeightOperand, WF_BF16, WF_FP4, WF_FP8};
 use pdserve_engine::backend::{BResult, MoeParams};
 use pdserve_engine::checkpoint::WeightFormat;
@@ -95,14 +95,14 @@ pub(crate) fn routed(
     // One block column per expert that may be used: at most one per pick.
     let slots = e.min(n * k) as u32;
     let ((gu, gu_fmt), (down, down_fmt)) = (operand(p.gate_up)?, operand(p.down)?);
-    let xb = to_bf16(g, f32_buf(x, "moe")?)?;
+    let xb = bf16_of(g, x, "moe")?;
     let act = g.uninit::<u16>(n * k * inter)?;
     g.launch(
         (slots, inter.div_ceil(GATE_UP_UNITS) as u32, 1),
         shared_bytes(gu_fmt) as u32,
         &kernels::MoeGateUpMma {
             variant: gu_fmt,
-            x: DevPtr::of(&xb),
+            x: DevPtr::of(xb),
             w: DevPtr(gu.w),
             s: DevPtr(gu.s),
             group_rows: gu.group_rows,

@@ -41,5 +41,5 @@ pub(crate) fn random_tensor(
             b: p1,
         },
     )?;
-    Ok(GpuTensor { rows, cols, buf })
+    Ok(GpuTensor::new(rows, cols, buf))
 }

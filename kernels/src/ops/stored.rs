@@ -32,16 +32,16 @@ pub(crate) fn to_i32(v: usize, what: &str) -> BResult<i32> {
 pub(crate) fn upload(g: &Gpu, w: StoredWeight) -> BResult<GpuTensor> {
     w.check()
         .map_err(|detail| shape_err("upload_stored", detail))?;
-    Ok(GpuTensor {
-        rows: w.rows,
-        cols: w.cols,
-        buf: Buf::Stored(StoredBuf {
+    Ok(GpuTensor::new(
+        w.rows,
+        w.cols,
+        Buf::Stored(StoredBuf {
             format: w.format,
             group_rows: w.group_rows,
             q: g.upload(&w.data)?,
             s: g.upload(&w.scale)?,
         }),
-    })
+    ))
 }
 
 /// A synthetic `rows x cols` weight: the fp32 values of `init` keyed by `seed` (as
@@ -95,16 +95,13 @@ pub(crate) fn random(
             },
         )?;
     }
-    Ok(GpuTensor {
-        rows,
-        cols,
-        buf: Buf::Stored(StoredBuf {
-            format,
-            group_rows,
-            q,
-            s,
-        }),
-    })
+    let buf = Buf::Stored(StoredBuf {
+        format,
+        group_rows,
+        q,
+        s,
+    });
+    Ok(GpuTensor::new(rows, cols, buf))
 }
 
 /// Rows `row0..row0 + rows` of stored weight `w` (`cols` columns; `row0` at a scale-grid

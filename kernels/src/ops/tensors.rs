@@ -1,7 +1,7 @@
 //! Device tensors in and out: host uploads and downloads, fp32 outputs, fp32 views of
 //! parameters and the bf16 rounding of GEMM inputs.
 
-use crate::buf::shape_err;
+use crate::buf::{f32_buf, shape_err};
 use crate::device::Gpu;
 use crate::devmem::DevMem;
 use crate::kernels::{self, DevPtr};
@@ -28,11 +28,7 @@ pub(crate) fn upload(g: &Gpu, t: HostTensor, bf16: bool) -> BResult<GpuTensor> {
     } else {
         Buf::F32(g.upload(&t.data)?)
     };
-    Ok(GpuTensor {
-        rows: t.rows,
-        cols: t.cols,
-        buf,
-    })
+    Ok(GpuTensor::new(t.rows, t.cols, buf))
 }
 
 /// `t` copied to the host as fp32 values.
@@ -57,11 +53,8 @@ fn widen(bits: Vec<u16>) -> Vec<f32> {
 
 /// An fp32 output tensor; every caller's kernel writes all of it.
 pub(crate) fn new_f32(g: &Gpu, rows: usize, cols: usize) -> BResult<GpuTensor> {
-    Ok(GpuTensor {
-        rows,
-        cols,
-        buf: Buf::F32(g.uninit::<f32>(rows * cols)?),
-    })
+    let buf = Buf::F32(g.uninit::<f32>(rows * cols)?);
+    Ok(GpuTensor::new(rows, cols, buf))
 }
 
 /// An fp32 view of a parameter (bf16 parameters are widened into a new buffer).
@@ -89,6 +82,24 @@ pub(crate) fn param_f32(g: &Gpu, t: &GpuTensor) -> BResult<DevMem<f32>> {
             ),
         )),
     }
+}
+
+/// The activation `t` as a bf16 GEMM input: itself if bf16 (the attention's output), else
+/// its fp32 values rounded, made once per tensor and kept with it for the GEMMs that read
+/// it next.
+pub(crate) fn bf16_of<'a>(
+    g: &Gpu,
+    t: &'a GpuTensor,
+    op: &'static str,
+) -> BResult<&'a DevMem<u16>> {
+    if let Buf::Bf16(b) = &t.buf {
+        return Ok(b);
+    }
+    if let Some(copy) = t.bf16_copy() {
+        return Ok(copy);
+    }
+    let copy = to_bf16(g, f32_buf(t, op)?)?;
+    Ok(t.keep_bf16_copy(copy))
 }
 
 /// `src` rounded to bf16 (a GEMM input next to bf16 weights).
