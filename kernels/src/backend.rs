@@ -12,7 +12,7 @@ use crate::tensor::{stores_bf16, GpuTensor, WeightDtype};
 use crate::GraphMode;
 use pdserve_engine::backend::{
     dequantized, BResult, BatchPlan, CompressedKeys, CompressorParams, CompressorPart, HcParams,
-    HcPre, HostTensor, KvStorage, MoeParams, PickKind, PickLog, Picks, RowPicks, TensorOps,
+    HcPre, HeadRope, HostTensor, KvStorage, MoeParams, PickKind, PickLog, Picks, RowPicks, TensorOps,
     WeightInit, WeightUse,
 };
 use pdserve_engine::checkpoint::{StoredWeight, WeightFormat};
@@ -421,7 +421,7 @@ impl TensorOps for CudaBackend {
         sinks: &GpuTensor,
         n_heads: usize,
         compressed: CompressedKeys<'_, GpuSelection>,
-        rotate_back: &Rope,
+        head_rope: HeadRope<'_>,
         plan: &BatchPlan,
     ) -> BResult<GpuTensor> {
         attention::attention(
@@ -434,7 +434,7 @@ impl TensorOps for CudaBackend {
             sinks,
             n_heads,
             compressed,
-            rotate_back,
+            head_rope,
             plan,
         )
     }

@@ -289,6 +289,11 @@ kernels! {
         RmsNormWarp = "k_rms_norm_warp" {
             x: DevPtr, w: DevPtr, out: DevPtr, group: i32, groups: i32, eps: f32,
         }
+        /// Attention's bf16 queries: every head RMS-normed, roped and rounded.
+        QueryHeadsBf16 = "k_query_heads_bf16" {
+            x: DevPtr, cs: DevPtr, sn: DevPtr, out: DevPtr, head_dim: i32, groups: i32,
+            heads_per_row: i32, rd: i32, eps: f32,
+        }
         /// Interleaved partial rope of every head, in place; `inverse` uses -sin.
         Rope = "k_rope" {
             x: DevPtr, cs: DevPtr, sn: DevPtr, cols: i32, head_dim: i32, rd: i32, inverse: i32,
@@ -406,8 +411,8 @@ kernels! {
         AttentionMma = "k_attention_mma" | "k_attention_mma_exact" by Products {
             pages: DevPtr, states: DevPtr, page_bytes: i64, state_bytes: i64, seq: DevPtr,
             pt: DevPtr, row_seq: DevPtr, positions: DevPtr, q: DevPtr, new_rows: DevPtr,
-            new_scales: DevPtr, sinks: DevPtr, sel: DevPtr, topk: i32, out: DevPtr,
-            un_cs: DevPtr, un_sn: DevPtr, out_bf16: DevPtr, part: DevPtr, part_ml: DevPtr,
+            new_scales: DevPtr, sinks: DevPtr, sel: DevPtr, topk: i32, q_bf16: DevPtr,
+            out: DevPtr, un_cs: DevPtr, un_sn: DevPtr, out_bf16: DevPtr, part: DevPtr, part_ml: DevPtr,
             n_heads: i32, hd: i32, window: i32, win_off: i64, rate: i32, mode: i32,
             comp_off: i64, comp_epp: i32, page_tokens: i32, dt: i32, scale: f32,
             rd: i32, win_scale_off: i64, comp_scale_off: i64, split_keys: i32, nsplit: i32,

@@ -8,7 +8,7 @@ use super::picks::{PickKind, PickLog, Picks, RowPicks};
 use super::shapes::shape_err;
 use super::{
     cpu_attention, shapes, BResult, BatchPlan, CompressedKeys, CompressorParams, CompressorPart,
-    HcParams, HcPre, HostTensor, KvStorage, MoeParams, StepRunner, TensorOps,
+    HcParams, HcPre, HeadRope, HostTensor, KvStorage, MoeParams, StepRunner, TensorOps,
 };
 use crate::config::ScoringFunc;
 use crate::kv::{KvLayout, PageId, StateSlot};
@@ -396,13 +396,16 @@ impl TensorOps for CpuBackend {
         sinks: &HostTensor,
         n_heads: usize,
         compressed: CompressedKeys<'_, Vec<Vec<u32>>>,
-        rotate_back: &Rope,
+        head_rope: HeadRope<'_>,
         plan: &BatchPlan,
     ) -> BResult<HostTensor> {
+        let (hd, rope) = (layout.head_dim, head_rope.rope);
+        let mut q = self.rms_norm(q, None, hd, head_rope.q_norm_eps)?;
+        self.rope(&mut q, hd, rope, &plan.positions, false)?;
         let mut o = cpu_attention::attention(
-            kv, layout, layer, q, kv_new, sinks, n_heads, compressed, plan,
+            kv, layout, layer, &q, kv_new, sinks, n_heads, compressed, plan,
         )?;
-        self.rope(&mut o, layout.head_dim, rotate_back, &plan.positions, true)?;
+        self.rope(&mut o, hd, rope, &plan.positions, true)?;
         Ok(o)
     }
 

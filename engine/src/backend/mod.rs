@@ -178,6 +178,16 @@ pub struct CompressorParams<'a, T> {
     pub rope: &'a Rope,
 }
 
+/// The query norm and rope around one layer's attention: each query head RMS-normed
+/// (unweighted) and roped at its row's position before the products, the output's rope
+/// channels rotated back after them (K = V carries rope).
+#[derive(Clone, Copy)]
+pub struct HeadRope<'a> {
+    pub rope: &'a Rope,
+    /// eps of the query heads' RMS norm.
+    pub q_norm_eps: f32,
+}
+
 /// Compressed entries that one attention call reads besides the sliding window.
 pub enum CompressedKeys<'a, S> {
     /// Sliding layer: none.

@@ -4,7 +4,7 @@
 use super::counter_rng::{self, WeightInit};
 use super::{
     picks::PickLog, BResult, BackendError, BatchPlan, CompressedKeys, CompressorParams,
-    CompressorPart, HcParams, HcPre, HostTensor, KvStorage, MoeParams,
+    CompressorPart, HcParams, HcPre, HeadRope, HostTensor, KvStorage, MoeParams,
 };
 use crate::checkpoint::{StoredWeight, WeightFormat};
 use crate::kv::KvLayout;
@@ -203,10 +203,11 @@ pub trait TensorOps: KvStorage {
         record: Option<&PickLog>,
     ) -> BResult<Self::Selection>;
     /// Sink attention of every row over its sliding window (earlier positions from the
-    /// ring, this forward's from `kv_new`) and the given compressed entries, the output's
-    /// rope channels rotated back by `rotate_back` at each row's position (K = V carries
-    /// rope). The result is the o-projection's input: a backend may hand it over in the
-    /// form its GEMMs read (bf16 on the GPU, rounded exactly as the GEMM would).
+    /// ring, this forward's from `kv_new`) and the given compressed entries. `q` is the
+    /// query projection: its heads are normed and roped, and the output's rope channels
+    /// rotated back, as `head_rope` says. The result is the o-projection's input: a
+    /// backend may hand it over in the form its GEMMs read (bf16 on the GPU, rounded
+    /// exactly as the GEMM would).
     #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
@@ -218,7 +219,7 @@ pub trait TensorOps: KvStorage {
         sinks: &Self::Tensor,
         n_heads: usize,
         compressed: CompressedKeys<'_, Self::Selection>,
-        rotate_back: &Rope,
+        head_rope: HeadRope<'_>,
         plan: &BatchPlan,
     ) -> BResult<Self::Tensor>;
     /// Store this forward's K=V rows into the sliding-window rings.

@@ -6,7 +6,7 @@ pub mod storage;
 pub mod weights;
 
 use crate::backend::{
-    BResult, Backend, BatchPlan, CompressedKeys, CompressorParams, CompressorPart, HcParams, HcPre,
+    BResult, Backend, BatchPlan, CompressedKeys, CompressorParams, CompressorPart, HcParams, HcPre, HeadRope,
     HostTensor, MoeParams, PickLog, RouteRecord,
 };
 use crate::config::{LayerKind, MlpKind, ModelConfig};
@@ -214,8 +214,6 @@ impl<B: Backend> Model<B> {
             eps,
         )?;
         let q_b = self.linear(b, layout, &q_res, &lw.q_b_proj, quant.q_b)?;
-        let mut q = b.rms_norm(&q_b, None, hd, eps)?;
-        b.rope(&mut q, hd, rope, &plan.positions, false)?;
         let kv_proj = self.linear(b, layout, h, &lw.kv_proj, quant.kv)?;
         let mut kv_new = b.rms_norm(&kv_proj, Some(&lw.kv_norm), hd, eps)?;
         b.rope(&mut kv_new, hd, rope, &plan.positions, false)?;
@@ -264,18 +262,22 @@ impl<B: Backend> Model<B> {
             (LayerKind::Csa, Some(sel)) => CompressedKeys::Selected(sel),
             (LayerKind::Csa, None) => CompressedKeys::None,
         };
-        // K = V carries rope: the output's rope slice comes back rotated back at the query
-        // position.
+        // The query heads normed and roped inside; K = V carries rope, so the output's rope
+        // slice comes back rotated back at the query position.
+        let head_rope = HeadRope {
+            rope,
+            q_norm_eps: eps,
+        };
         let o = b.attention(
             kv,
             layout,
             li,
-            &q,
+            &q_b,
             &kv_new,
             &lw.sinks,
             cfg.num_attention_heads,
             keys,
-            rope,
+            head_rope,
             plan,
         )?;
         b.window_store(kv, layout, li, &kv_new, plan)?;

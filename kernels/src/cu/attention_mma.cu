@@ -15,6 +15,8 @@
 // nsplit == 1) or the split kernel's partials, which k_attention_combine merges. A direct
 // launch with `out_bf16` writes the o-projection's input there instead of `out`: the rope
 // channels rotated back by the tables un_cs/un_sn ([rows, rd/2], as k_rope's), in bf16.
+// `q_bf16` (bf16 products only), when set, holds the queries instead of `q`: rounded
+// already (k_query_heads_bf16), the same bits the kernel's own rounding of `q` gives.
 //
 // A tile: the keys' bf16 values in shared memory (cp.async for bf16 entries, the next
 // tile's copies in flight while this one computes; fp8 entries converted on the way). Warp
@@ -62,7 +64,7 @@ __device__ __forceinline__ void atm_body(const unsigned char* pages, const unsig
                                            i64 state_bytes, const int* seq, const u32* pt, const int* row_seq,
                                            const int* positions, const float* q, const unsigned char* new_rows,
                                            const unsigned char* new_scales, const float* sinks, const int* sel,
-                                           int topk, float* out, const float* un_cs, const float* un_sn, bf16_t* out_bf16,
+                                           int topk, const bf16_t* q_bf16, float* out, const float* un_cs, const float* un_sn, bf16_t* out_bf16,
                                            float* part, float* part_ml, int n_heads, int hd,
                                            int window, i64 win_off, int rate, int mode, i64 comp_off, int comp_epp,
                                            int page_tokens, int dt, float scale, int rd, i64 win_scale_off,
@@ -149,6 +151,12 @@ __device__ __forceinline__ void atm_body(const unsigned char* pages, const unsig
 #pragma unroll 8
     for (int i = tid * 4; i < ATM_H * hd; i += ATM_THREADS * 4) {
         int h = i / hd, c = i - h * hd;
+        if (!EXACT && q_bf16) {
+            // Already normed, roped and rounded (k_query_heads_bf16).
+            *reinterpret_cast<uint2*>(qs + h * ldk + c) =
+                h < nh ? *reinterpret_cast<const uint2*>(q_bf16 + (rh + h) * hd + c) : make_uint2(0u, 0u);
+            continue;
+        }
         float4 v = h < nh ? *reinterpret_cast<const float4*>(q + (rh + h) * hd + c) : make_float4(0.f, 0.f, 0.f, 0.f);
         bf16_t b0 = f_to_bf16(v.x), b1 = f_to_bf16(v.y), b2 = f_to_bf16(v.z), b3 = f_to_bf16(v.w);
         *reinterpret_cast<uint2*>(qs + h * ldk + c) =
@@ -339,12 +347,12 @@ extern "C" __launch_bounds__(256, 1) __global__ void k_attention_mma(const unsig
                                            i64 state_bytes, const int* seq, const u32* pt, const int* row_seq,
                                            const int* positions, const float* q, const unsigned char* new_rows,
                                            const unsigned char* new_scales, const float* sinks, const int* sel,
-                                           int topk, float* out, const float* un_cs, const float* un_sn, bf16_t* out_bf16,
+                                           int topk, const bf16_t* q_bf16, float* out, const float* un_cs, const float* un_sn, bf16_t* out_bf16,
                                            float* part, float* part_ml, int n_heads, int hd,
                                            int window, i64 win_off, int rate, int mode, i64 comp_off, int comp_epp,
                                            int page_tokens, int dt, float scale, int rd, i64 win_scale_off,
                                            i64 comp_scale_off, int split_keys, int nsplit, int direct) {
-    atm_body<false>(pages, states, page_bytes, state_bytes, seq, pt, row_seq, positions, q, new_rows, new_scales, sinks, sel, topk, out, un_cs, un_sn, out_bf16, part,
+    atm_body<false>(pages, states, page_bytes, state_bytes, seq, pt, row_seq, positions, q, new_rows, new_scales, sinks, sel, topk, q_bf16, out, un_cs, un_sn, out_bf16, part,
         part_ml, n_heads, hd, window, win_off, rate, mode, comp_off, comp_epp, page_tokens, dt, scale, rd, win_scale_off,
         comp_scale_off, split_keys, nsplit, direct);
 }
@@ -354,12 +362,12 @@ extern "C" __launch_bounds__(256, 1) __global__ void k_attention_mma_exact(const
                                            i64 state_bytes, const int* seq, const u32* pt, const int* row_seq,
                                            const int* positions, const float* q, const unsigned char* new_rows,
                                            const unsigned char* new_scales, const float* sinks, const int* sel,
-                                           int topk, float* out, const float* un_cs, const float* un_sn, bf16_t* out_bf16,
+                                           int topk, const bf16_t* q_bf16, float* out, const float* un_cs, const float* un_sn, bf16_t* out_bf16,
                                            float* part, float* part_ml, int n_heads, int hd,
                                            int window, i64 win_off, int rate, int mode, i64 comp_off, int comp_epp,
                                            int page_tokens, int dt, float scale, int rd, i64 win_scale_off,
                                            i64 comp_scale_off, int split_keys, int nsplit, int direct) {
-    atm_body<true>(pages, states, page_bytes, state_bytes, seq, pt, row_seq, positions, q, new_rows, new_scales, sinks, sel, topk, out, un_cs, un_sn, out_bf16, part,
+    atm_body<true>(pages, states, page_bytes, state_bytes, seq, pt, row_seq, positions, q, new_rows, new_scales, sinks, sel, topk, q_bf16, out, un_cs, un_sn, out_bf16, part,
         part_ml, n_heads, hd, window, win_off, rate, mode, comp_off, comp_epp, page_tokens, dt, scale, rd, win_scale_off,
         comp_scale_off, split_keys, nsplit, direct);
 }

@@ -45,3 +45,32 @@ extern "C" __global__ void k_rope(float* x, const float* cs, const float* sn, in
         p[1] = rope_rotate1(x0, x1, c, s);
     }
 }
+
+// Attention's queries as its tensor-core kernel reads them: every head of `head_dim` values
+// RMS-normed (unweighted, k_rms_norm_warp's sums and products), its trailing `rd` channels
+// roped by cs/sn ([rows, rd/2], k_rope's products), rounded to bf16. One warp per head:
+// grid ceil(groups / warps per block); `groups` = rows x heads_per_row heads. head_dim even.
+extern "C" __global__ void k_query_heads_bf16(const float* x, const float* cs, const float* sn, bf16_t* out,
+                                              int head_dim, int groups, int heads_per_row, int rd, float eps) {
+    int gi = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (gi >= groups) return;
+    const float* v = x + (i64)gi * head_dim;
+    bf16_t* o = out + (i64)gi * head_dim;
+    float ss = 0.f;
+    for (int i = lane; i < head_dim; i += 32) ss += v[i] * v[i];
+    ss = warp_sum(ss) / (float)head_dim;
+    float r = 1.f / sqrtf(ss + eps);
+    int nope = head_dim - rd, half = rd / 2;
+    i64 row = gi / heads_per_row;
+    for (int c = 2 * lane; c < head_dim; c += 64) {
+        float x0 = v[c] * r, x1 = v[c + 1] * r;
+        if (c >= nope) {
+            int k = (c - nope) >> 1;
+            float cv = cs[row * half + k], sv = sn[row * half + k];
+            float y0 = rope_rotate0(x0, x1, cv, sv), y1 = rope_rotate1(x0, x1, cv, sv);
+            x0 = y0;
+            x1 = y1;
+        }
+        *reinterpret_cast<u32*>(o + c) = (u32)f_to_bf16(x0) | ((u32)f_to_bf16(x1) << 16);
+    }
+}

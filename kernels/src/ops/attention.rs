@@ -11,15 +11,13 @@ use crate::ops::attention_mma::{self, MmaPlan};
 use crate::ops::attention_split::{self, AttentionArgs, SplitPlan};
 use crate::ops::indexer::GpuSelection;
 use crate::ops::kv_reach::{check_visible_reach, entry_bucket, layer_of};
-use crate::ops::dense::rope;
+use crate::launch::BLOCK;
+use crate::ops::dense::{rms_norm, rope};
 use crate::ops::rope_tables::rope_tables;
 use crate::ops::tensors::{new_f32, param_f32};
-use crate::rope_cache::RopeTable;
 use crate::tensor::{Buf, GpuTensor};
-use pdserve_engine::backend::{BResult, BatchPlan, CompressedKeys};
+use pdserve_engine::backend::{BResult, BatchPlan, CompressedKeys, HeadRope};
 use pdserve_engine::kv::KvLayout;
-use pdserve_engine::rope::Rope;
-use std::sync::Arc;
 
 /// Channels per lane the reference attention kernel holds (`ATT_MAXQ` in attention.cu).
 const ATT_MAXQ: usize = 16;
@@ -37,7 +35,7 @@ pub fn attention(
     sinks: &GpuTensor,
     n_heads: usize,
     compressed: CompressedKeys<'_, GpuSelection>,
-    rotate_back: &Rope,
+    head_rope: HeadRope<'_>,
     plan: &BatchPlan,
 ) -> BResult<GpuTensor> {
     let l = layer_of(layout, layer)?;
@@ -109,7 +107,8 @@ pub fn attention(
         pt: DevPtr::of(&dp.pt),
         row_seq: DevPtr::of(&dp.row_seq),
         positions: DevPtr::of(&dp.positions),
-        q: DevPtr::of(f32_buf(q, "attention")?),
+        // Set below: the normed and roped queries (fp32, or bf16 for the direct launch).
+        q: DevPtr::NULL,
         kv_new: DevPtr::of(kv_new),
         entry_bytes: layout.kv_row_bytes(),
         scale_bytes: layout.fp8_kv_format().map_or(0, |f| f.scale_bytes()),
@@ -146,23 +145,18 @@ pub fn attention(
     {
         let mma = MmaPlan::choose(rows, n_heads, max_keys, g.sms, g.deterministic);
         if mma.direct && !g.fp32_reference {
-            // The o-projection rounds its input to bf16 anyway: the epilogue rotates and
-            // rounds it (1 GB fewer fp32 writes per layer at 8K, no rope or rounding pass).
-            let table = rotation_table(g, rotate_back, layout, plan)?;
-            let out = g.uninit::<u16>(rows * cols)?;
-            let rotated = attention_mma::RotatedBf16 {
-                table: &table,
-                out: &out,
-            };
-            attention_mma::launch(g, &args, mma, false, Some(rotated))?;
-            return Ok(GpuTensor::new(rows, cols, Buf::Bf16(out)));
+            return attention_bf16_io(g, &args, mma, q, head_rope, layout, plan);
         }
+        let q = fp32_queries(g, q, hd, head_rope, plan)?;
+        args.q = DevPtr::of(f32_buf(&q, "attention")?);
         let mut out = new_f32(g, rows, cols)?;
         args.out = out_ptr(&out)?;
         attention_mma::launch(g, &args, mma, g.fp32_reference, None)?;
-        rope(g, &mut out, hd, rotate_back, &plan.positions, true)?;
+        rope(g, &mut out, hd, head_rope.rope, &plan.positions, true)?;
         return Ok(out);
     }
+    let q = fp32_queries(g, q, hd, head_rope, plan)?;
+    args.q = DevPtr::of(f32_buf(&q, "attention")?);
     let mut out = new_f32(g, rows, cols)?;
     args.out = out_ptr(&out)?;
     if g.attention_kernel == AttentionKernel::Reference {
@@ -170,28 +164,75 @@ pub fn attention(
     } else {
         attention_split::launch(g, &args, split)?;
     }
-    rope(g, &mut out, hd, rotate_back, &plan.positions, true)?;
+    rope(g, &mut out, hd, head_rope.rope, &plan.positions, true)?;
     Ok(out)
 }
 
-/// `rotate_back`'s table at the rows' positions, for the epilogue that rotates the output.
-fn rotation_table(
+/// The query heads normed and roped in fp32 (the kernels that read fp32 queries).
+fn fp32_queries(
     g: &Gpu,
-    rotate_back: &Rope,
+    q: &GpuTensor,
+    hd: usize,
+    head_rope: HeadRope<'_>,
+    plan: &BatchPlan,
+) -> BResult<GpuTensor> {
+    let mut q = rms_norm(g, q, None, hd, head_rope.q_norm_eps)?;
+    rope(g, &mut q, hd, head_rope.rope, &plan.positions, false)?;
+    Ok(q)
+}
+
+/// The direct tensor-core launch in bf16 on both sides: the query heads normed, roped and
+/// rounded by one kernel (the bits the attention kernel's own rounding of the fp32 queries
+/// gave; 1 GB fewer fp32 writes and reads per layer at 8K), and the output, which the
+/// o-projection rounds to bf16 anyway, rotated back and rounded in the epilogue (no fp32
+/// output, rope pass or rounding pass).
+#[allow(clippy::too_many_arguments)]
+fn attention_bf16_io(
+    g: &Gpu,
+    args: &AttentionArgs,
+    mma: MmaPlan,
+    q: &GpuTensor,
+    head_rope: HeadRope<'_>,
     layout: &KvLayout,
     plan: &BatchPlan,
-) -> BResult<Arc<RopeTable>> {
-    if rotate_back.dim() != layout.rope_dim {
+) -> BResult<GpuTensor> {
+    let (rows, hd, rd) = (args.rows, args.hd, layout.rope_dim);
+    if head_rope.rope.dim() != rd || !hd.is_multiple_of(2) || rd > hd {
         return Err(shape_err(
             "attention",
             format!(
-                "rope of {} channels for a layout of {}",
-                rotate_back.dim(),
-                layout.rope_dim
+                "rope of {} channels for a layout of {rd} in heads of {hd}",
+                head_rope.rope.dim()
             ),
         ));
     }
-    rope_tables(g, rotate_back, &plan.positions)
+    let table = rope_tables(g, head_rope.rope, &plan.positions)?;
+    let heads = rows * args.n_heads;
+    let qb = g.uninit::<u16>(heads * hd)?;
+    let warps = (BLOCK / 32) as usize;
+    g.launch(
+        (heads.div_ceil(warps) as u32, 1, 1),
+        0,
+        &kernels::QueryHeadsBf16 {
+            x: DevPtr::of(f32_buf(q, "attention")?),
+            cs: DevPtr::of(&table.cs),
+            sn: DevPtr::of(&table.sn),
+            out: DevPtr::of(&qb),
+            head_dim: hd as i32,
+            groups: heads as i32,
+            heads_per_row: args.n_heads as i32,
+            rd: rd as i32,
+            eps: head_rope.q_norm_eps,
+        },
+    )?;
+    let out = g.uninit::<u16>(heads * hd)?;
+    let io = attention_mma::Bf16Io {
+        table: &table,
+        q: &qb,
+        out: &out,
+    };
+    attention_mma::launch(g, args, mma, false, Some(io))?;
+    Ok(GpuTensor::new(rows, args.n_heads * hd, Buf::Bf16(out)))
 }
 
 /// `k_attention`: one block per row and group of heads, every score of the row in shared

@@ -96,33 +96,38 @@ pub(crate) fn takes(a: &AttentionArgs, exact: bool) -> bool {
         && MmaPlan::shared_bytes(a.hd, exact) <= MMA_SHARED
 }
 
-/// What a direct launch writes instead of `AttentionArgs::out`: the o-projection's bf16
-/// input, its rope channels rotated back by the tables (`k_rope`'s inverse).
-pub(crate) struct RotatedBf16<'a> {
+/// A direct launch's bf16 queries and output instead of `AttentionArgs::q` and `out`: the
+/// queries normed, roped and rounded already (`k_query_heads_bf16`), the output the
+/// o-projection's bf16 input, its rope channels rotated back by the same tables.
+pub(crate) struct Bf16Io<'a> {
     pub table: &'a RopeTable,
+    pub q: &'a DevMem<u16>,
     pub out: &'a DevMem<u16>,
 }
 
 /// Launch the tensor-core kernel (and the combine, unless the plan writes directly), its
-/// products exact (hi + lo halves) or in bf16; `rotated` (direct plans only) writes the
-/// rotated bf16 output instead of the fp32 one.
+/// products exact (hi + lo halves) or in bf16; `bf16_io` (a direct plan, bf16 products)
+/// reads and writes bf16 instead of fp32.
 pub(crate) fn launch(
     g: &Gpu,
     a: &AttentionArgs,
     plan: MmaPlan,
     exact: bool,
-    rotated: Option<RotatedBf16<'_>>,
+    bf16_io: Option<Bf16Io<'_>>,
 ) -> BResult<()> {
-    if rotated.is_some() && !plan.direct {
-        return Err(dev_err("a rotated bf16 attention output needs a direct plan"));
+    if bf16_io.is_some() && (exact || !plan.direct) {
+        return Err(dev_err(
+            "bf16 attention queries and output need a direct plan and bf16 products",
+        ));
     }
-    let (un_cs, un_sn, out_bf16) = rotated.as_ref().map_or(
-        (DevPtr::NULL, DevPtr::NULL, DevPtr::NULL),
-        |r| {
+    let (q_bf16, un_cs, un_sn, out_bf16) = bf16_io.as_ref().map_or(
+        (DevPtr::NULL, DevPtr::NULL, DevPtr::NULL, DevPtr::NULL),
+        |io| {
             (
-                DevPtr::of(&r.table.cs),
-                DevPtr::of(&r.table.sn),
-                DevPtr::of(r.out),
+                DevPtr::of(io.q),
+                DevPtr::of(&io.table.cs),
+                DevPtr::of(&io.table.sn),
+                DevPtr::of(io.out),
             )
         },
     );
@@ -165,6 +170,7 @@ pub(crate) fn launch(
             sinks: a.sinks,
             sel: a.sel,
             topk: a.topk,
+            q_bf16,
             out: a.out,
             un_cs,
             un_sn,
