@@ -123,5 +123,56 @@ pub fn check_attention_ab(ordinal: usize) -> AnyResult<Vec<CheckRow>> {
         row.gate = weights == WeightDtype::F32;
         out.push(row);
     }
+    out.extend(check_bf16_io(ordinal, &dir, &tok, &cfg)?);
+    Ok(out)
+}
+
+/// Prompt length of the bf16-io rows: more rows than the H200 has SMs (132), so that one
+/// split covers each row's keys (the direct launch, as a prefill of thousands of tokens).
+const DIRECT_PROMPT: usize = 200;
+
+/// The direct tensor-core launch with bf16 queries and output (`set_attention_bf16_io`)
+/// against the same launch reading fp32 queries and writing fp32 output, under bf16
+/// weights, for bf16 and fp8 entries: the same norms, rope products and roundings in other
+/// kernels, so the logits must be bitwise equal (prefills of `DIRECT_PROMPT` tokens, then
+/// decode steps, which take the split plan in both).
+fn check_bf16_io(
+    ordinal: usize,
+    dir: &std::path::Path,
+    tok: &Tokenizer,
+    cfg: &ModelConfig,
+) -> AnyResult<Vec<CheckRow>> {
+    let mut out = Vec::new();
+    for kv in [EntryDtype::Bf16, EntryDtype::Fp8E4m3] {
+        let mut spec = KvLayoutSpec::default_for(cfg);
+        spec.kv_dtype = kv;
+        let engine = |bf16_io: bool| -> AnyResult<Engine<CudaBackend>> {
+            let mut b = CudaBackend::with_weights(ordinal, None, WeightDtype::Bf16)?;
+            b.set_attention_bf16_io(bf16_io);
+            Ok(Engine::load(dir, b, Some(spec), POOL)?)
+        };
+        let (mut old, mut new) = (engine(false)?, engine(true)?);
+        let (mut got, mut want) = (Vec::new(), Vec::new());
+        for prompt in PROMPTS {
+            let once = tok.encode(prompt)?;
+            let mut ids = once.clone();
+            while ids.len() < DIRECT_PROMPT + 16 {
+                ids.extend(&once);
+            }
+            want.extend(logits_prefill_decode(&mut old, &ids, DIRECT_PROMPT, 0)?);
+            got.extend(logits_prefill_decode(&mut new, &ids, DIRECT_PROMPT, 0)?);
+        }
+        let same = got.len() == want.len() && got.iter().zip(&want).all(|(g, w)| g == w);
+        let mut row = compare(
+            format!(
+                "embedded w=bf16 kv={kv} attention bf16 q/out == fp32 q/out, prefill {DIRECT_PROMPT}"
+            ),
+            &got,
+            &want,
+            REL_TOL,
+        );
+        row.pass = same;
+        out.push(row);
+    }
     Ok(out)
 }

@@ -107,6 +107,15 @@ impl CudaBackend {
         self.gpu.attention_kernel = kernel;
     }
 
+    /// Whether the tensor-core attention, when one split covers every row's keys (a
+    /// prefill) under bf16 products, takes its queries normed, roped and rounded to bf16
+    /// by one kernel and writes the o-projection's bf16 input itself (on, the default), or
+    /// reads fp32 queries and writes fp32 output for the rope and rounding passes (off:
+    /// gpu-check's A/B, which holds both to the same bits).
+    pub fn set_attention_bf16_io(&mut self, on: bool) {
+        self.gpu.attention_bf16_io = on;
+    }
+
     /// Which kernels run the routed experts in decode steps: [`ExpertKernel::Auto`] unless
     /// a benchmark compares the tensor-core kernels with what they replaced.
     pub fn set_expert_kernel(&mut self, kernel: ExpertKernel) {

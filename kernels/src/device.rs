@@ -62,6 +62,9 @@ pub struct Gpu {
     pub(crate) deterministic: bool,
     /// Which kernel computes attention (see [`crate::CudaBackend::set_attention_kernel`]).
     pub(crate) attention_kernel: AttentionKernel,
+    /// Whether the direct tensor-core attention reads bf16 queries and writes bf16 output
+    /// (see [`crate::CudaBackend::set_attention_bf16_io`]).
+    pub(crate) attention_bf16_io: bool,
     /// Which kernels run the routed experts inside decode steps (see
     /// [`crate::CudaBackend::set_expert_kernel`]).
     pub(crate) expert_kernel: ExpertKernel,
@@ -276,6 +279,7 @@ impl Gpu {
             sms,
             deterministic: false,
             attention_kernel: AttentionKernel::Auto,
+            attention_bf16_io: true,
             expert_kernel: ExpertKernel::Auto,
             fp32_reference: true,
         })

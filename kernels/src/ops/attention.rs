@@ -144,7 +144,7 @@ pub fn attention(
         && attention_mma::takes(&args, g.fp32_reference)
     {
         let mma = MmaPlan::choose(rows, n_heads, max_keys, g.sms, g.deterministic);
-        if mma.direct && !g.fp32_reference {
+        if mma.direct && !g.fp32_reference && g.attention_bf16_io {
             return attention_bf16_io(g, &args, mma, q, head_rope, layout, plan);
         }
         let q = fp32_queries(g, q, hd, head_rope, plan)?;
