@@ -17,6 +17,7 @@
 #   gap       the decode loop's host time between steps at batch 64 (embedded model)
 #   ttft      an 8K prompt through router + prefill + decode (the bench's V4-Flash-dims
 #             model, random weights: --load-format dummy) with the worker-side breakdown
+#             (TTFT_REQUESTS=8 timed requests, one at a time)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${BIN:-target/release/pdserve}
@@ -25,11 +26,13 @@ DEV=${DEV:-cuda:0}
 # The bench's model (DIMS="--tiny" TTFT_TOKENS=512 DEV=cpu: a smoke test of this script).
 read -r -a DIMS <<<"${DIMS:---layers 4 --experts 64}"
 TTFT_TOKENS=${TTFT_TOKENS:-8192}
+# Timed requests of the ttft part, one at a time (after one untimed).
+TTFT_REQUESTS=${TTFT_REQUESTS:-8}
 WEIGHTS=${WEIGHTS:-bf16,fp8,fp8-fp4}
 NCU_BATCH=${NCU_BATCH:-1,64}
 NCU_PREFILL=${NCU_PREFILL:-8192}
 [ -x "$BIN" ] || { echo "perf-run: $BIN not found: cargo build --release first (or set BIN)" >&2; exit 2; }
-[ $# -gt 0 ] || { sed -n '2,21p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,22p' "$0"; exit 2; }
 mkdir -p "$OUT"
 work=$(mktemp -d)
 # shellcheck source=scripts/cluster-lib.sh
@@ -129,10 +132,10 @@ part_ttft() {
   "$BIN" bench serve --url "http://$R" --model "$model" --no-reference --concurrency 1 \
     --sessions 1 --turns 1 --prompt-len "$TTFT_TOKENS" --output-len 1 --ignore-eos --seed 99 >/dev/null
   "$BIN" bench serve --url "http://$R" --model "$model" --no-reference --concurrency 1 \
-    --sessions 8 --turns 1 --prompt-len "$TTFT_TOKENS" --output-len 1 --ignore-eos \
+    --sessions "$TTFT_REQUESTS" --turns 1 --prompt-len "$TTFT_TOKENS" --output-len 1 --ignore-eos \
     --worker-metrics 127.0.0.1:9101,127.0.0.1:9102
   grep -hE "prefilled|prefill forward|model forward|cut states|sequence exported|KV sent" "$work/prefill.out" "$work/prefill.err" \
-    | tail -n 48 | sed 's/\x1b\[[0-9;]*m//g; s/.*pdserve_[a-z_]*::[a-z_:]*: //' || true
+    | tail -n $((6 * TTFT_REQUESTS)) | sed 's/\x1b\[[0-9;]*m//g; s/.*pdserve_[a-z_]*::[a-z_:]*: //' || true
   # The decode side of each pull: connected, header in, last byte in (from the pull's start).
   grep -hE "KV pulled" "$work/decode.out" "$work/decode.err" \
     | tail -n 8 | sed 's/\x1b\[[0-9;]*m//g; s/.*pdserve_[a-z_]*::[a-z_:]*: //' || true

@@ -12,8 +12,8 @@ use crate::tensor::{stores_bf16, GpuTensor, WeightDtype};
 use crate::GraphMode;
 use pdserve_engine::backend::{
     dequantized, BResult, BatchPlan, CompressedKeys, CompressorParams, CompressorPart, HcParams,
-    HcPre, HeadRope, HostTensor, KvStorage, MoeParams, PickKind, PickLog, Picks, RowPicks, TensorOps,
-    WeightInit, WeightUse,
+    HcPre, HeadRope, HostTensor, KvStorage, MoeParams, PickKind, PickLog, Picks, RowPicks,
+    TensorOps, WeightInit, WeightUse,
 };
 use pdserve_engine::checkpoint::{StoredWeight, WeightFormat};
 use pdserve_engine::kv::{KvLayout, PageId, StateSlot};
@@ -434,17 +434,7 @@ impl TensorOps for CudaBackend {
         plan: &BatchPlan,
     ) -> BResult<GpuTensor> {
         attention::attention(
-            &self.gpu,
-            kv,
-            layout,
-            layer,
-            q,
-            kv_new,
-            sinks,
-            n_heads,
-            compressed,
-            head_rope,
-            plan,
+            &self.gpu, kv, layout, layer, q, kv_new, sinks, n_heads, compressed, head_rope, plan,
         )
     }
 

@@ -42,6 +42,11 @@ pub struct PrefillArgs {
     /// alone.
     #[arg(long, default_value_t = 0)]
     pub cut_every: usize,
+    /// Leave the device idle this many milliseconds before each prefill (outside the
+    /// time), as it is before a server's request that arrives alone: how much slower a
+    /// forward starts from idle than back to back.
+    #[arg(long, default_value_t = 0)]
+    pub pause_ms: u64,
     /// JSON written by scripts/peer_bench.py: adds the peer's seconds and our speed-up.
     #[arg(long)]
     pub peer: Option<PathBuf>,
@@ -181,6 +186,9 @@ fn run_format<B: BenchBackend>(
         for i in 0..a.warmup + a.repeats {
             backend.reset_state(&mut kv, 0)?;
             backend.sync()?;
+            if a.pause_ms > 0 {
+                std::thread::sleep(std::time::Duration::from_millis(a.pause_ms));
+            }
             let t = Instant::now();
             let (mut logits, mut read_s) = (None, 0.0);
             for plan in &plans {

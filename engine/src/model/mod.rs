@@ -6,8 +6,8 @@ pub mod storage;
 pub mod weights;
 
 use crate::backend::{
-    BResult, Backend, BatchPlan, CompressedKeys, CompressorParams, CompressorPart, HcParams, HcPre, HeadRope,
-    HostTensor, MoeParams, PickLog, RouteRecord,
+    BResult, Backend, BatchPlan, CompressedKeys, CompressorParams, CompressorPart, HcParams, HcPre,
+    HeadRope, HostTensor, MoeParams, PickLog, RouteRecord,
 };
 use crate::config::{LayerKind, MlpKind, ModelConfig};
 use crate::kv::KvLayout;

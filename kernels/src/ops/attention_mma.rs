@@ -13,8 +13,8 @@ use crate::device::{Gpu, MMA_SHARED};
 use crate::devmem::DevMem;
 use crate::kernels::{self, DevPtr, Products};
 use crate::launch::{dev_err, BLOCK};
-use crate::rope_cache::RopeTable;
 use crate::ops::attention_split::{self, key_splits, AttentionArgs, DETERMINISTIC_SPLIT_KEYS};
+use crate::rope_cache::RopeTable;
 use pdserve_engine::backend::BResult;
 
 /// Heads per block (`ATM_H`).

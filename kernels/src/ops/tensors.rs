@@ -87,11 +87,7 @@ pub(crate) fn param_f32(g: &Gpu, t: &GpuTensor) -> BResult<DevMem<f32>> {
 /// The activation `t` as a bf16 GEMM input: itself if bf16 (the attention's output), else
 /// its fp32 values rounded, made once per tensor and kept with it for the GEMMs that read
 /// it next.
-pub(crate) fn bf16_of<'a>(
-    g: &Gpu,
-    t: &'a GpuTensor,
-    op: &'static str,
-) -> BResult<&'a DevMem<u16>> {
+pub(crate) fn bf16_of<'a>(g: &Gpu, t: &'a GpuTensor, op: &'static str) -> BResult<&'a DevMem<u16>> {
     if let Buf::Bf16(b) = &t.buf {
         return Ok(b);
     }
