@@ -13,6 +13,14 @@ extern "C" __global__ void k_rms_norm(const float* x, const float* w, float* out
         o[i] = w ? w[i] * (v[i] * r) : v[i] * r;
 }
 
+// 1 / rms of the `group` values at v, for every lane of the warp that reads them.
+__device__ __forceinline__ float warp_inv_rms(const float* v, int group, int lane, float eps) {
+    float ss = 0.f;
+    for (int i = lane; i < group; i += 32) ss += v[i] * v[i];
+    ss = warp_sum(ss) / (float)group;
+    return 1.f / sqrtf(ss + eps);
+}
+
 // One warp per group (groups of at most a few thousand values, e.g. per-head norms): grid
 // ceil(groups / warps per block); `groups` groups of `group` values.
 extern "C" __global__ void k_rms_norm_warp(const float* x, const float* w, float* out, int group, int groups,
@@ -21,10 +29,7 @@ extern "C" __global__ void k_rms_norm_warp(const float* x, const float* w, float
     if (gi >= groups) return;
     const float* v = x + (i64)gi * group;
     float* o = out + (i64)gi * group;
-    float ss = 0.f;
-    for (int i = lane; i < group; i += 32) ss += v[i] * v[i];
-    ss = warp_sum(ss) / (float)group;
-    float r = 1.f / sqrtf(ss + eps);
+    float r = warp_inv_rms(v, group, lane, eps);
     for (int i = lane; i < group; i += 32) o[i] = w ? w[i] * (v[i] * r) : v[i] * r;
 }
 
@@ -56,10 +61,7 @@ extern "C" __global__ void k_query_heads_bf16(const float* x, const float* cs, c
     if (gi >= groups) return;
     const float* v = x + (i64)gi * head_dim;
     bf16_t* o = out + (i64)gi * head_dim;
-    float ss = 0.f;
-    for (int i = lane; i < head_dim; i += 32) ss += v[i] * v[i];
-    ss = warp_sum(ss) / (float)head_dim;
-    float r = 1.f / sqrtf(ss + eps);
+    float r = warp_inv_rms(v, head_dim, lane, eps);
     int nope = head_dim - rd, half = rd / 2;
     i64 row = gi / heads_per_row;
     for (int c = 2 * lane; c < head_dim; c += 64) {
