@@ -13,7 +13,7 @@ use crate::check::{compare, CheckRow, PROMPTS, REL_TOL};
 use pdserve_engine::config::ModelConfig;
 use pdserve_engine::generate::logits_prefill_decode;
 use pdserve_engine::kv::{EntryDtype, KvLayoutSpec};
-use pdserve_engine::{Engine, PoolSize};
+use pdserve_engine::{Engine, ForwardItem, Logits, PoolSize};
 use pdserve_kernels::{AttentionKernel, CudaBackend, WeightDtype};
 use pdserve_tokenizer::Tokenizer;
 
@@ -130,12 +130,23 @@ pub fn check_attention_ab(ordinal: usize) -> AnyResult<Vec<CheckRow>> {
 /// Prompt length of the bf16-io rows: more rows than the H200 has SMs (132), so that one
 /// split covers each row's keys (the direct launch, as a prefill of thousands of tokens).
 const DIRECT_PROMPT: usize = 200;
+/// Sequences of the bf16-io decode row: a decode step of this many rows takes the direct
+/// launch too (as batch 256 of the bench model does).
+const DIRECT_BATCH: usize = 160;
+/// Its decode steps, all sequences at once.
+const DIRECT_STEPS: usize = 4;
+/// Pages and state slots enough for the decode row's sequences.
+const BATCH_POOL: PoolSize = PoolSize {
+    pages: 4 * DIRECT_BATCH,
+    states: DIRECT_BATCH + 8,
+};
 
 /// The direct tensor-core launch with bf16 queries and output (`set_attention_bf16_io`)
 /// against the same launch reading fp32 queries and writing fp32 output, under bf16
 /// weights, for bf16 and fp8 entries: the same norms, rope products and roundings in other
-/// kernels, so the logits must be bitwise equal (prefills of `DIRECT_PROMPT` tokens, then
-/// decode steps, which take the split plan in both).
+/// kernels, so the logits must be bitwise equal. Prefills of `DIRECT_PROMPT` tokens, then
+/// single decode steps (the split plan in both); and `DIRECT_BATCH` sequences decoded
+/// together (eager steps of `DIRECT_BATCH` rows: the direct plan).
 fn check_bf16_io(
     ordinal: usize,
     dir: &std::path::Path,
@@ -146,12 +157,12 @@ fn check_bf16_io(
     for kv in [EntryDtype::Bf16, EntryDtype::Fp8E4m3] {
         let mut spec = KvLayoutSpec::default_for(cfg);
         spec.kv_dtype = kv;
-        let engine = |bf16_io: bool| -> AnyResult<Engine<CudaBackend>> {
+        let engine = |bf16_io: bool, pool: PoolSize| -> AnyResult<Engine<CudaBackend>> {
             let mut b = CudaBackend::with_weights(ordinal, None, WeightDtype::Bf16)?;
             b.set_attention_bf16_io(bf16_io);
-            Ok(Engine::load(dir, b, Some(spec), POOL)?)
+            Ok(Engine::load(dir, b, Some(spec), pool)?)
         };
-        let (mut old, mut new) = (engine(false)?, engine(true)?);
+        let (mut old, mut new) = (engine(false, POOL)?, engine(true, POOL)?);
         let (mut got, mut want) = (Vec::new(), Vec::new());
         for prompt in PROMPTS {
             let once = tok.encode(prompt)?;
@@ -173,6 +184,75 @@ fn check_bf16_io(
         );
         row.pass = same;
         out.push(row);
+        drop((old, new));
+        let prompts = batch_prompts(tok)?;
+        let want = batched_steps(&mut engine(false, BATCH_POOL)?, &prompts)?;
+        let got = batched_steps(&mut engine(true, BATCH_POOL)?, &prompts)?;
+        let same = got.len() == want.len() && got.iter().zip(&want).all(|(g, w)| g == w);
+        let mut row = compare(
+            format!(
+                "embedded w=bf16 kv={kv} attention bf16 q/out == fp32 q/out, decode batch {DIRECT_BATCH}"
+            ),
+            &got,
+            &want,
+            REL_TOL,
+        );
+        row.pass = same;
+        out.push(row);
     }
     Ok(out)
+}
+
+/// `DIRECT_BATCH` prompts of 6 to 13 tokens: the test prompts' tokens, rotated and cut.
+fn batch_prompts(tok: &Tokenizer) -> AnyResult<Vec<Vec<u32>>> {
+    let mut all = Vec::new();
+    for prompt in PROMPTS {
+        all.extend(tok.encode(prompt)?);
+    }
+    if all.is_empty() {
+        return Err("the test prompts encode to no tokens".into());
+    }
+    Ok((0..DIRECT_BATCH)
+        .map(|i| {
+            (0..6 + i % 8)
+                .map(|j| all[(i * 7 + j) % all.len()])
+                .collect()
+        })
+        .collect())
+}
+
+/// Each prompt prefilled alone, then `DIRECT_STEPS` decode steps of every sequence at once
+/// (each feeding its prompt's tokens again): the steps' logits, one row per sequence.
+fn batched_steps(
+    engine: &mut Engine<CudaBackend>,
+    prompts: &[Vec<u32>],
+) -> AnyResult<Vec<Vec<f32>>> {
+    let mut seqs = Vec::with_capacity(prompts.len());
+    for p in prompts {
+        let mut seq = engine.new_sequence()?;
+        engine.forward(&mut [ForwardItem {
+            seq: &mut seq,
+            tokens: p,
+            logits: Logits::Last,
+        }])?;
+        seqs.push(seq);
+    }
+    let mut rows = Vec::new();
+    for step in 0..DIRECT_STEPS {
+        let toks: Vec<u32> = prompts.iter().map(|p| p[step % p.len()]).collect();
+        let mut items: Vec<ForwardItem<'_>> = seqs
+            .iter_mut()
+            .zip(&toks)
+            .map(|(seq, t)| ForwardItem {
+                seq,
+                tokens: std::slice::from_ref(t),
+                logits: Logits::Last,
+            })
+            .collect();
+        rows.extend(engine.forward(&mut items)?.into_iter().map(|o| o.data));
+    }
+    for seq in seqs {
+        engine.release(seq)?;
+    }
+    Ok(rows)
 }
