@@ -173,34 +173,29 @@ fn check_bf16_io(
             want.extend(logits_prefill_decode(&mut old, &ids, DIRECT_PROMPT, 0)?);
             got.extend(logits_prefill_decode(&mut new, &ids, DIRECT_PROMPT, 0)?);
         }
-        let same = got.len() == want.len() && got.iter().zip(&want).all(|(g, w)| g == w);
-        let mut row = compare(
-            format!(
-                "embedded w=bf16 kv={kv} attention bf16 q/out == fp32 q/out, prefill {DIRECT_PROMPT}"
-            ),
+        out.push(bitwise_row(
+            kv,
+            &format!("prefill {DIRECT_PROMPT}"),
             &got,
             &want,
-            REL_TOL,
-        );
-        row.pass = same;
-        out.push(row);
+        ));
         drop((old, new));
         let prompts = batch_prompts(tok)?;
         let want = batched_steps(&mut engine(false, BATCH_POOL)?, &prompts)?;
         let got = batched_steps(&mut engine(true, BATCH_POOL)?, &prompts)?;
-        let same = got.len() == want.len() && got.iter().zip(&want).all(|(g, w)| g == w);
-        let mut row = compare(
-            format!(
-                "embedded w=bf16 kv={kv} attention bf16 q/out == fp32 q/out, decode batch {DIRECT_BATCH}"
-            ),
-            &got,
-            &want,
-            REL_TOL,
-        );
-        row.pass = same;
-        out.push(row);
+        let what = format!("decode batch {DIRECT_BATCH}");
+        out.push(bitwise_row(kv, &what, &got, &want));
     }
     Ok(out)
+}
+
+/// A bf16-io row: its error figures as the other rows', passing only when bitwise equal.
+fn bitwise_row(kv: EntryDtype, what: &str, got: &[Vec<f32>], want: &[Vec<f32>]) -> CheckRow {
+    let same = got.len() == want.len() && got.iter().zip(want).all(|(g, w)| g == w);
+    let name = format!("embedded w=bf16 kv={kv} attention bf16 q/out == fp32 q/out, {what}");
+    let mut row = compare(name, got, want, REL_TOL);
+    row.pass = same;
+    row
 }
 
 /// `DIRECT_BATCH` prompts of 6 to 13 tokens: the test prompts' tokens, rotated and cut.
