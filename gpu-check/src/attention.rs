@@ -88,14 +88,11 @@ pub fn check_attention_ab(ordinal: usize) -> AnyResult<Vec<CheckRow>> {
         let (mut old, mut new) = (engine(old_kernel)?, engine(new_kernel)?);
         let (mut got, mut want) = (Vec::new(), Vec::new());
         for prompt in PROMPTS {
-            let mut ids = tok.encode(prompt)?;
+            let once = tok.encode(prompt)?;
             // Teacher-forced continuation: the prompt's own tokens again, so that decode
             // runs past the 64-key window.
-            let again = ids.clone();
-            while ids.len() < 96 {
-                ids.extend(&again);
-            }
-            let k = again.len();
+            let ids = repeated(&once, 96);
+            let k = once.len();
             want.extend(logits_prefill_decode(&mut old, &ids, k, 0)?);
             got.extend(logits_prefill_decode(&mut new, &ids, k, 0)?);
         }
@@ -125,6 +122,12 @@ pub fn check_attention_ab(ordinal: usize) -> AnyResult<Vec<CheckRow>> {
     }
     out.extend(check_bf16_io(ordinal, &dir, &tok, &cfg)?);
     Ok(out)
+}
+
+/// `once` repeated whole until it holds at least `len` tokens (once at least; none when
+/// `once` is empty).
+fn repeated(once: &[u32], len: usize) -> Vec<u32> {
+    once.repeat(len.div_ceil(once.len().max(1)).max(1))
 }
 
 /// Prompt length of the bf16-io rows: more rows than the H200 has SMs (132), so that one
@@ -165,11 +168,7 @@ fn check_bf16_io(
         let (mut old, mut new) = (engine(false, POOL)?, engine(true, POOL)?);
         let (mut got, mut want) = (Vec::new(), Vec::new());
         for prompt in PROMPTS {
-            let once = tok.encode(prompt)?;
-            let mut ids = once.clone();
-            while ids.len() < DIRECT_PROMPT + 16 {
-                ids.extend(&once);
-            }
+            let ids = repeated(&tok.encode(prompt)?, DIRECT_PROMPT + 16);
             want.extend(logits_prefill_decode(&mut old, &ids, DIRECT_PROMPT, 0)?);
             got.extend(logits_prefill_decode(&mut new, &ids, DIRECT_PROMPT, 0)?);
         }
