@@ -138,7 +138,7 @@ part_ttft() {
     | tail -n $((6 * TTFT_REQUESTS)) | sed 's/\x1b\[[0-9;]*m//g; s/.*pdserve_[a-z_]*::[a-z_:]*: //' || true
   # The decode side of each pull: connected, header in, last byte in (from the pull's start).
   grep -hE "KV pulled" "$work/decode.out" "$work/decode.err" \
-    | tail -n 8 | sed 's/\x1b\[[0-9;]*m//g; s/.*pdserve_[a-z_]*::[a-z_:]*: //' || true
+    | tail -n "$TTFT_REQUESTS" | sed 's/\x1b\[[0-9;]*m//g; s/.*pdserve_[a-z_]*::[a-z_:]*: //' || true
   stop_all
   # The prefill's compute alone on the same model and device, for the same prompt length.
   "$BIN" bench prefill --device "$DEV" "${DIMS[@]}" --tokens "$TTFT_TOKENS" --weights bf16 \
