@@ -6,6 +6,7 @@ use pdserve_gpu_check::batched::check_batched;
 use pdserve_gpu_check::check::{check_embedded, check_fixture, header, CheckRow};
 use pdserve_gpu_check::cuts::check_cuts;
 use pdserve_gpu_check::graphs::check_graphs;
+use pdserve_gpu_check::indexer::check_indexer_blocking;
 use pdserve_gpu_check::picks::check_picks;
 use pdserve_gpu_check::stored::check_stored;
 use std::path::PathBuf;
@@ -56,6 +57,10 @@ pub fn gpu_check(a: GpuCheckArgs) -> Result<()> {
         show(
             check_attention_ab(a.device)
                 .map_err(|e| anyhow::anyhow!("attention A/B on the embedded model: {e}"))?,
+        );
+        show(
+            check_indexer_blocking(a.device)
+                .map_err(|e| anyhow::anyhow!("indexer blocking on the embedded model: {e}"))?,
         );
     }
     if run("fixtures") {

@@ -126,7 +126,7 @@ pub fn check_attention_ab(ordinal: usize) -> AnyResult<Vec<CheckRow>> {
 
 /// `once` repeated whole until it holds at least `len` tokens (once at least; none when
 /// `once` is empty).
-fn repeated(once: &[u32], len: usize) -> Vec<u32> {
+pub(crate) fn repeated(once: &[u32], len: usize) -> Vec<u32> {
     once.repeat(len.div_ceil(once.len().max(1)).max(1))
 }
 
@@ -139,7 +139,7 @@ const DIRECT_BATCH: usize = 160;
 /// Its decode steps, all sequences at once.
 const DIRECT_STEPS: usize = 4;
 /// Pages and state slots enough for the decode row's sequences.
-const BATCH_POOL: PoolSize = PoolSize {
+pub(crate) const BATCH_POOL: PoolSize = PoolSize {
     pages: 4 * DIRECT_BATCH,
     states: DIRECT_BATCH + 8,
 };
@@ -198,7 +198,7 @@ fn bitwise_row(kv: EntryDtype, what: &str, got: &[Vec<f32>], want: &[Vec<f32>]) 
 }
 
 /// `DIRECT_BATCH` prompts of 6 to 13 tokens: the test prompts' tokens, rotated and cut.
-fn batch_prompts(tok: &Tokenizer) -> AnyResult<Vec<Vec<u32>>> {
+pub(crate) fn batch_prompts(tok: &Tokenizer) -> AnyResult<Vec<Vec<u32>>> {
     let mut all = Vec::new();
     for prompt in PROMPTS {
         all.extend(tok.encode(prompt)?);
@@ -217,7 +217,7 @@ fn batch_prompts(tok: &Tokenizer) -> AnyResult<Vec<Vec<u32>>> {
 
 /// Each prompt prefilled alone, then `DIRECT_STEPS` decode steps of every sequence at once
 /// (each feeding its prompt's tokens again): the steps' logits, one row per sequence.
-fn batched_steps(
+pub(crate) fn batched_steps(
     engine: &mut Engine<CudaBackend>,
     prompts: &[Vec<u32>],
 ) -> AnyResult<Vec<Vec<f32>>> {

@@ -16,5 +16,6 @@ pub mod check;
 pub mod cuts;
 pub mod device_argmax;
 pub mod graphs;
+pub mod indexer;
 pub mod picks;
 pub mod stored;

@@ -6,7 +6,7 @@ use crate::device::{AttentionKernel, DeviceError, ExpertKernel, Gpu};
 use crate::graph_cache::{GraphCache, GraphStats};
 use crate::kv_store::GpuKv;
 use crate::launch::dev_err;
-use crate::ops::indexer::{self, GpuSelection};
+use crate::ops::indexer::{self, GpuSelection, IndexerBlocking};
 use crate::ops::{attention, compress, dense, hc, moe, random, stored, tensors};
 use crate::tensor::{stores_bf16, GpuTensor, WeightDtype};
 use crate::GraphMode;
@@ -114,6 +114,21 @@ impl CudaBackend {
     /// gpu-check's A/B, which holds both to the same bits).
     pub fn set_attention_bf16_io(&mut self, on: bool) {
         self.gpu.attention_bf16_io = on;
+    }
+
+    /// How many rows (1 or 2) and tiles of 128 entries each block of the tensor-core
+    /// indexer scores takes (`None`, the default: one row and one tile in decode steps,
+    /// row pairs over up to eight tiles in a prefill). Each (row, entry)'s arithmetic is
+    /// the same at any blocking: gpu-check holds one against another bitwise.
+    pub fn set_indexer_blocking(&mut self, blocking: Option<IndexerBlocking>) {
+        self.gpu.indexer_blocking = blocking;
+    }
+
+    /// Whether a prefill's indexer scores go through the per-head cuBLAS GEMM and a reduce
+    /// pass (what the tensor-core kernel replaced under bf16 weights and index-K: the
+    /// bench's A/B) instead of `k_index_scores_mma`. Off by default.
+    pub fn set_indexer_gemm(&mut self, on: bool) {
+        self.gpu.indexer_gemm = on;
     }
 
     /// Which kernels run the routed experts in decode steps: [`ExpertKernel::Auto`] unless

@@ -6,6 +6,7 @@ use crate::compile::{self, CompileError};
 use crate::devmem::DevMem;
 use crate::kernels::{Kernel, REGISTRY};
 use crate::launch::{dev_err, Arg, BLOCK};
+use crate::ops::indexer::IndexerBlocking;
 use crate::recorder::{StepMode, StepRecord};
 use crate::rope_cache::RopeTableCache;
 use crate::step::{StepState, Temp, Upload};
@@ -65,6 +66,13 @@ pub struct Gpu {
     /// Whether the direct tensor-core attention reads bf16 queries and writes bf16 output
     /// (see [`crate::CudaBackend::set_attention_bf16_io`]).
     pub(crate) attention_bf16_io: bool,
+    /// Rows and entry tiles per block of the tensor-core indexer scores, when gpu-check
+    /// fixes them (see [`crate::CudaBackend::set_indexer_blocking`]); `None`: chosen by
+    /// the launch's shape.
+    pub(crate) indexer_blocking: Option<IndexerBlocking>,
+    /// Prefill indexer scores through the cuBLAS GEMM path even where the tensor-core
+    /// kernel takes the layer (see [`crate::CudaBackend::set_indexer_gemm`]).
+    pub(crate) indexer_gemm: bool,
     /// Which kernels run the routed experts inside decode steps (see
     /// [`crate::CudaBackend::set_expert_kernel`]).
     pub(crate) expert_kernel: ExpertKernel,
@@ -280,6 +288,8 @@ impl Gpu {
             deterministic: false,
             attention_kernel: AttentionKernel::Auto,
             attention_bf16_io: true,
+            indexer_blocking: None,
+            indexer_gemm: false,
             expert_kernel: ExpertKernel::Auto,
             fp32_reference: true,
         })

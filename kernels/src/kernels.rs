@@ -345,7 +345,8 @@ kernels! {
             pages: DevPtr, page_bytes: i64, seq: DevPtr, pt: DevPtr, row_seq: DevPtr,
             positions: DevPtr, q: DevPtr, wts: DevPtr, scores: DevPtr, max_nv: i32,
             n_heads: i32, ihd: i32, rate: i32, entry_off: i64, entries_per_page: i32,
-            page_tokens: i32, softmax_scale: f32, weight_scale: f32,
+            page_tokens: i32, softmax_scale: f32, weight_scale: f32, rows: i32,
+            rows_per_block: i32, tiles: i32,
         }
         /// One sequence's visible index-K entries as a dense fp32 matrix (prefill path).
         GatherIndexK = "k_gather_index_k" {

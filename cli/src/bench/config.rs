@@ -63,6 +63,12 @@ pub struct ModelFlags {
     /// copy + cuBLAS for dense FP8/FP4 GEMMs of 17-128 rows).
     #[arg(long, default_value = "auto", value_parser = ["auto", "tensor-cores", "cuda-cores"])]
     pub expert_kernel: String,
+    /// CUDA indexer scores of a prefill: auto (tensor cores for bf16 index-K under bf16
+    /// weights, the causally invisible entries skipped) or gemm (every head's dot
+    /// products as one cuBLAS GEMM, then a reduce pass: what the tensor-core kernel
+    /// replaced, for A/B runs).
+    #[arg(long, default_value = "auto", value_parser = ["auto", "gemm"])]
+    pub indexer: String,
 }
 
 /// Attention kind of layer `i` in V4-Flash (`compress_ratios` 0, 0, 4, 128, 4, 128, ...).
@@ -251,6 +257,7 @@ mod tests {
             deterministic: false,
             attention: "auto".into(),
             expert_kernel: "auto".into(),
+            indexer: "auto".into(),
         }
     }
 

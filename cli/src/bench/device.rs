@@ -203,6 +203,7 @@ mod tests {
             deterministic: false,
             attention: "auto".into(),
             expert_kernel: "auto".into(),
+            indexer: "auto".into(),
         }
         .config()
         .unwrap()

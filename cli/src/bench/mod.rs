@@ -96,6 +96,7 @@ fn on_device(
             if m.attention == "split" {
                 backend.set_attention_kernel(AttentionKernel::Split);
             }
+            backend.set_indexer_gemm(m.indexer == "gemm");
             backend.set_expert_kernel(match m.expert_kernel.as_str() {
                 "tensor-cores" => ExpertKernel::TensorCores,
                 "cuda-cores" => ExpertKernel::CudaCores,

@@ -12,7 +12,7 @@ use crate::ops::tensors::to_bf16;
 use crate::tensor::GpuTensor;
 use pdserve_engine::backend::{BResult, BatchPlan};
 use pdserve_engine::config::LayerKind;
-use pdserve_engine::kv::KvLayout;
+use pdserve_engine::kv::{KvLayout, LayerKvLayout};
 
 /// Indexer picks: `[rows, topk]` entry ids, ascending, `-1` padded.
 #[derive(Debug)]
@@ -72,10 +72,12 @@ pub fn index_select(
         n_heads,
         max_nv,
     };
-    if by_gemm(g, plan) {
+    let dt = dt_code(layout.index_k_dtype)?;
+    let mma = !g.fp32_reference && mma_takes(dt, n_heads, ihd, kv, layout, l);
+    if (!mma || g.indexer_gemm) && by_gemm(g, plan) {
         scoring.by_gemm(g, plan, &scores)?;
     } else {
-        scoring.by_kernel(g, rows, &scores)?;
+        scoring.by_kernel(g, plan, mma, &scores)?;
     }
     g.launch(
         (rows as u32, 1, 1),
@@ -101,20 +103,60 @@ const MMA_MAX_DIM: usize = 256;
 const DT_BF16: i32 = 1;
 
 /// Whether `k_index_scores_mma` takes the layer: bf16 entries, at most 64 heads, a head
-/// dim that is a multiple of 16 up to 256, 16-byte aligned entry rows.
-fn mma_takes(dt: i32, n_heads: usize, ihd: usize, page_bytes: usize, entry_off: usize) -> bool {
+/// dim that is a power of two from 16 to 256 (its copies split each entry into ihd / 8
+/// columns across the block), 16-byte aligned entry rows, a page holding
+/// `entries_per_page` whole entries (the kernel steps through entries page by page).
+fn mma_takes(
+    dt: i32,
+    n_heads: usize,
+    ihd: usize,
+    kv: &GpuKv,
+    layout: &KvLayout,
+    l: &LayerKvLayout,
+) -> bool {
     dt == DT_BF16
         && n_heads <= MMA_HEADS
-        && ihd.is_multiple_of(16)
-        && ihd <= MMA_MAX_DIM
-        && page_bytes.is_multiple_of(16)
-        && entry_off.is_multiple_of(16)
+        && ihd.is_power_of_two()
+        && (16..=MMA_MAX_DIM).contains(&ihd)
+        && kv.page_bytes.is_multiple_of(16)
+        && l.index_page_offset.is_multiple_of(16)
+        && l.index_entries_per_page * l.rate == layout.page_tokens
         && mma_shared_bytes(ihd) <= MMA_SHARED
 }
 
-/// Its dynamic shared memory: queries and entries as padded bf16 rows.
+/// Its dynamic shared memory: two rows' queries and two stages of entries as padded bf16
+/// rows, then the two rows' head weights in f32.
 fn mma_shared_bytes(ihd: usize) -> usize {
-    (MMA_HEADS + MMA_ENTRIES) * (ihd + 8) * 2
+    (2 * MMA_HEADS + 2 * MMA_ENTRIES) * (ihd + 8) * 2 + 2 * MMA_HEADS * 4
+}
+
+/// How `k_index_scores_mma` divides its work: `rows` (1 or 2) consecutive plan rows and
+/// `tiles` consecutive tiles of 128 entries per block. Two rows of one sequence share each
+/// entry tile; rows of different sequences take turns. Every blocking gives the same bits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IndexerBlocking {
+    pub rows: usize,
+    pub tiles: usize,
+}
+
+/// Blocks of the tensor-core scores' grid from which a block takes more than one tile of
+/// [`MMA_ENTRIES`] (its queries loaded once for all), and the most tiles it takes.
+const MMA_TILE_BLOCKS: usize = 8192;
+const MMA_MAX_TILES: usize = 8;
+
+/// The blocking for `rows` plan rows of `seqs` sequences over `max_nv` entries: rows in
+/// pairs when some sequence has several (a prefill), one per block otherwise (a decode
+/// step's rows are all of different sequences); one tile per block (a block per row and
+/// tile, as a decode step needs to fill the device) until the grid would exceed
+/// [`MMA_TILE_BLOCKS`] blocks, then up to [`MMA_MAX_TILES`], so a prefill's grid stays
+/// many waves deep while each block loads its queries once.
+fn mma_blocking(rows: usize, seqs: usize, max_nv: usize) -> IndexerBlocking {
+    let per_block = if rows > seqs { 2 } else { 1 };
+    let blocks = rows.div_ceil(per_block) * max_nv.div_ceil(MMA_ENTRIES);
+    IndexerBlocking {
+        rows: per_block,
+        tiles: (blocks / MMA_TILE_BLOCKS).clamp(1, MMA_MAX_TILES),
+    }
 }
 
 /// A sequence's rows from which the scores go through the GEMM path.
@@ -123,7 +165,8 @@ const GEMM_ROWS: usize = 64;
 /// Floats of one chunk's per-head dot products (256 MiB).
 const GEMM_CHUNK_FLOATS: usize = 64 << 20;
 
-/// The GEMM path for prefill-sized forwards (some sequence has [`GEMM_ROWS`] rows or more),
+/// The GEMM path for prefill-sized forwards (some sequence has [`GEMM_ROWS`] rows or more)
+/// that the tensor-core kernel does not take (the fp32 reference mode, fp32 or fp8 index-K),
 /// outside decode steps and `--deterministic` (where cuBLAS's shape-dependent order would
 /// make scores depend on how a prompt was chunked).
 fn by_gemm(g: &Gpu, plan: &BatchPlan) -> bool {
@@ -134,7 +177,7 @@ fn by_gemm(g: &Gpu, plan: &BatchPlan) -> bool {
 struct Scoring<'a> {
     kv: &'a GpuKv,
     layout: &'a KvLayout,
-    l: &'a pdserve_engine::kv::LayerKvLayout,
+    l: &'a LayerKvLayout,
     dp: &'a DevPlan,
     q: &'a GpuTensor,
     weights: &'a GpuTensor,
@@ -144,10 +187,12 @@ struct Scoring<'a> {
 
 impl Scoring<'_> {
     /// One warp per (row, entry), every head's dot product in turn (`k_index_scores`); or,
-    /// under bf16 weights with bf16 entries, the same scores on tensor cores
-    /// (`k_index_scores_mma`: a block per row and 128 entries, every head at once).
-    fn by_kernel(&self, g: &Gpu, rows: usize, scores: &DevMem<f32>) -> BResult<()> {
+    /// when `mma` (bf16 weights, bf16 entries, dims it takes), the same scores on tensor
+    /// cores (`k_index_scores_mma`: a block per [`mma_blocking`] rows and tiles of 128
+    /// entries, every head at once, the causally invisible tiles skipped).
+    fn by_kernel(&self, g: &Gpu, plan: &BatchPlan, mma: bool, scores: &DevMem<f32>) -> BResult<()> {
         let (kv, layout, l, dp) = (self.kv, self.layout, self.l, self.dp);
+        let rows = plan.rows();
         let ihd = layout.index_head_dim;
         let n_heads = self.n_heads;
         let dt = dt_code(layout.index_k_dtype)?;
@@ -156,9 +201,17 @@ impl Scoring<'_> {
             DevPtr::of(f32_buf(self.weights, "index_select")?),
         );
         let (softmax_scale, weight_scale) = ((ihd as f32).powf(-0.5), (n_heads as f32).powf(-0.5));
-        if !g.fp32_reference && mma_takes(dt, n_heads, ihd, kv.page_bytes, l.index_page_offset) {
+        if mma {
+            let b = g
+                .indexer_blocking
+                .unwrap_or_else(|| mma_blocking(rows, plan.seqs.len(), self.max_nv));
+            let (per_block, tiles) = (b.rows.clamp(1, 2), b.tiles.max(1));
             return g.launch(
-                (rows as u32, self.max_nv.div_ceil(MMA_ENTRIES) as u32, 1),
+                (
+                    rows.div_ceil(per_block) as u32,
+                    self.max_nv.div_ceil(MMA_ENTRIES * tiles) as u32,
+                    1,
+                ),
                 mma_shared_bytes(ihd) as u32,
                 &kernels::IndexScoresMma {
                     pages: DevPtr::of(&kv.pages),
@@ -179,6 +232,9 @@ impl Scoring<'_> {
                     page_tokens: layout.page_tokens as i32,
                     softmax_scale,
                     weight_scale,
+                    rows: rows as i32,
+                    rows_per_block: per_block as i32,
+                    tiles: tiles as i32,
                 },
             );
         }
@@ -301,5 +357,29 @@ impl GpuSelection {
             .take(self.rows)
             .map(|r| r.iter().filter(|&&e| e >= 0).map(|&e| e as u32).collect())
             .collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn blocking(rows: usize, tiles: usize) -> IndexerBlocking {
+        IndexerBlocking { rows, tiles }
+    }
+
+    #[test]
+    fn decode_steps_keep_one_row_and_tile_and_prefills_pair_rows_over_many_tiles() {
+        // Decode steps (one row per sequence): batch 1, 64 and 256 at 32K context (8192
+        // entries, 64 tiles each).
+        assert_eq!(mma_blocking(1, 1, 8192), blocking(1, 1));
+        assert_eq!(mma_blocking(64, 64, 8192), blocking(1, 1));
+        assert_eq!(mma_blocking(256, 256, 8192), blocking(1, 2));
+        // Prefills: 8K rows over 2048 entries, 32K rows over 8192, a short one.
+        assert_eq!(mma_blocking(8192, 1, 2048), blocking(2, 8));
+        assert_eq!(mma_blocking(32768, 1, 8192), blocking(2, 8));
+        assert_eq!(mma_blocking(200, 1, 50), blocking(2, 1));
+        // No entries yet (a first chunk shorter than the rate): a valid grid.
+        assert_eq!(mma_blocking(3, 1, 0), blocking(2, 1));
     }
 }

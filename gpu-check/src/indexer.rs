@@ -1,0 +1,75 @@
+//! The tensor-core indexer scores as a prefill launches them (row pairs sharing each
+//! entry tile, several tiles per block, the causally invisible tiles skipped:
+//! `CudaBackend::set_indexer_blocking`) against one row and one tile per block (the
+//! kernel's first launch shape), on the same inputs: the embedded model under bf16
+//! weights with bf16 index-K. Prefills long enough that a row's visible entries span
+//! several tiles, then decode steps of many sequences at once (rows of different
+//! sequences in one block take turns). Each (row, entry)'s products and sums are the same
+//! at any blocking, so every logit must be bitwise equal.
+
+use crate::attention::{batch_prompts, batched_steps, repeated, BATCH_POOL};
+use crate::check::{compare, CheckRow, PROMPTS, REL_TOL};
+use pdserve_engine::config::ModelConfig;
+use pdserve_engine::generate::logits_prefill_decode;
+use pdserve_engine::kv::{EntryDtype, KvLayoutSpec};
+use pdserve_engine::{Engine, PoolSize};
+use pdserve_kernels::{CudaBackend, IndexerBlocking, WeightDtype};
+use pdserve_tokenizer::Tokenizer;
+
+/// Prompt length: at compression rate 4 its last rows see 260 entries, three tiles of 128
+/// (two blocks of two tiles: a full block, then one tile and the rest past the mask).
+const PROMPT: usize = 1040;
+/// Decode steps after it.
+const STEPS: usize = 8;
+/// The blocking under test, against one row and one tile per block.
+const PAIRS: IndexerBlocking = IndexerBlocking { rows: 2, tiles: 2 };
+const SINGLE: IndexerBlocking = IndexerBlocking { rows: 1, tiles: 1 };
+
+const POOL: PoolSize = PoolSize {
+    pages: 64,
+    states: 8,
+};
+
+type AnyResult<T> = Result<T, Box<dyn std::error::Error>>;
+
+/// Two rows: every prompt prefilled (logits of every position) and decoded `STEPS` steps
+/// teacher-forced; and the attention group's batch of short prompts decoded together.
+pub fn check_indexer_blocking(ordinal: usize) -> AnyResult<Vec<CheckRow>> {
+    let dir = pdserve_engine::embedded::model_dir()?;
+    let tok = Tokenizer::from_model_dir(&dir)?.ok_or("the embedded model has no tokenizer")?;
+    let cfg = ModelConfig::from_model_dir(&dir)?;
+    let mut spec = KvLayoutSpec::default_for(&cfg);
+    spec.kv_dtype = EntryDtype::Bf16;
+    spec.index_k_dtype = EntryDtype::Bf16;
+    let engine = |b: IndexerBlocking, pool: PoolSize| -> AnyResult<Engine<CudaBackend>> {
+        let mut backend = CudaBackend::with_weights(ordinal, None, WeightDtype::Bf16)?;
+        backend.set_indexer_blocking(Some(b));
+        Ok(Engine::load(&dir, backend, Some(spec), pool)?)
+    };
+    let (mut old, mut new) = (engine(SINGLE, POOL)?, engine(PAIRS, POOL)?);
+    let (mut got, mut want) = (Vec::new(), Vec::new());
+    for prompt in PROMPTS {
+        let ids = repeated(&tok.encode(prompt)?, PROMPT + STEPS);
+        want.extend(logits_prefill_decode(&mut old, &ids, PROMPT, 0)?);
+        got.extend(logits_prefill_decode(&mut new, &ids, PROMPT, 0)?);
+    }
+    let mut out = vec![bitwise_row(&format!("prefill {PROMPT}"), &got, &want)];
+    drop((old, new));
+    let prompts = batch_prompts(&tok)?;
+    let want = batched_steps(&mut engine(SINGLE, BATCH_POOL)?, &prompts)?;
+    let got = batched_steps(&mut engine(PAIRS, BATCH_POOL)?, &prompts)?;
+    let what = format!("decode batch {}", prompts.len());
+    out.push(bitwise_row(&what, &got, &want));
+    Ok(out)
+}
+
+fn bitwise_row(what: &str, got: &[Vec<f32>], want: &[Vec<f32>]) -> CheckRow {
+    let same = got.len() == want.len() && got.iter().zip(want).all(|(g, w)| g == w);
+    let name = format!(
+        "embedded w=bf16 index-k=bf16 indexer {} rows x {} tiles per block == 1 x 1, {what}",
+        PAIRS.rows, PAIRS.tiles
+    );
+    let mut row = compare(name, got, want, REL_TOL);
+    row.pass = same;
+    row
+}
