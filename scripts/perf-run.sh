@@ -121,7 +121,7 @@ part_ttft() {
   P=$(start prefill env RUST_LOG=info,pdserve_engine=debug,pdserve_prefill_server=debug \
     "$BIN" prefill "${common[@]}" --chunked-prefill-size "$TTFT_TOKENS" \
     --listen 127.0.0.1:0 --metrics-listen 127.0.0.1:9101)
-  D=$(start decode env RUST_LOG=info,pdserve_kv_transfer=debug \
+  D=$(start decode env RUST_LOG=info,pdserve_kv_transfer=debug,pdserve_decode_server=debug \
     "$BIN" decode "${common[@]}" --listen 127.0.0.1:0 --metrics-listen 127.0.0.1:9102)
   R=$(start router "$BIN" router --model "$model" --prefill "$P" --decode "$D" \
     --listen 127.0.0.1:0)
@@ -136,9 +136,10 @@ part_ttft() {
     --worker-metrics 127.0.0.1:9101,127.0.0.1:9102
   grep -hE "prefilled|prefill forward|model forward|cut states|sequence exported|KV sent" "$work/prefill.out" "$work/prefill.err" \
     | tail -n $((6 * TTFT_REQUESTS)) | sed 's/\x1b\[[0-9;]*m//g; s/.*pdserve_[a-z_]*::[a-z_:]*: //' || true
-  # The decode side of each pull: connected, header in, last byte in (from the pull's start).
-  grep -hE "KV pulled" "$work/decode.out" "$work/decode.err" \
-    | tail -n "$TTFT_REQUESTS" | sed 's/\x1b\[[0-9;]*m//g; s/.*pdserve_[a-z_]*::[a-z_:]*: //' || true
+  # The decode side of each pull: connected, header in, last byte in (from the pull's
+  # start); then the pages' import into decode's pool as the request joins the batch.
+  grep -hE "KV pulled|joined the batch" "$work/decode.out" "$work/decode.err" \
+    | tail -n $((2 * TTFT_REQUESTS)) | sed 's/\x1b\[[0-9;]*m//g; s/.*pdserve_[a-z_]*::[a-z_:]*: //' || true
   stop_all
   # The prefill's compute alone on the same model and device, for the same prompt length.
   "$BIN" bench prefill --device "$DEV" "${DIMS[@]}" --tokens "$TTFT_TOKENS" --weights bf16 \

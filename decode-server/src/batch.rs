@@ -357,6 +357,7 @@ impl<B: Backend> Batch<B> {
         };
         let events = self.courier.events(a.events);
         let (t, lp) = a.first;
+        let t0 = std::time::Instant::now();
         let seq = match self.engine.import_sequence(&a.prefilled.snapshot) {
             Ok(s) => s,
             Err(e) => return fail(&events, Failure::from_engine(&e, Some("importing KV"))),
@@ -376,7 +377,11 @@ impl<B: Backend> Batch<B> {
             _permit: a.permit,
             _inflight: a.inflight,
         };
-        tracing::debug!(positions = r.seq.len(), "joined the batch");
+        tracing::debug!(
+            positions = r.seq.len(),
+            import_ms = t0.elapsed().as_secs_f64() * 1e3,
+            "joined the batch"
+        );
         let (t, lp) = match r.processing.as_mut() {
             None => (t, lp),
             Some(p) => {

@@ -66,37 +66,56 @@ pub fn encode_prefill(
     p: &Prefilled,
     chunk_bytes: usize,
 ) -> Vec<pb::PrefillMessage> {
+    prefill_messages(layout, p, chunk_bytes).collect()
+}
+
+/// The messages of [`encode_prefill`], each built (copied and checksummed) only when it is
+/// asked for: a sender hands the header to the connection while the page chunks behind
+/// it are still being built, so the receiver's side runs alongside.
+pub fn prefill_messages<'a>(
+    layout: &KvLayout,
+    p: &'a Prefilled,
+    chunk_bytes: usize,
+) -> impl Iterator<Item = pb::PrefillMessage> + 'a {
     let chunk_bytes = chunk_bytes.min(MAX_CHUNK_BYTES);
-    let logits = f32s_to_bytes(&p.last_logits);
-    let mut out = vec![pb::PrefillMessage {
-        kind: Some(Kind::Header(pb::PrefillHeader {
-            layout: Some(layout_info(layout)),
-            len: p.snapshot.len as u64,
-            num_pages: p.snapshot.pages.len() as u32,
-            first_token: p.first_token,
-            last_logits_crc32: crc(&logits),
-            last_logits: logits,
-        })),
-    }];
-    let per_chunk = (chunk_bytes / layout.page_bytes.max(1)).max(1);
-    for (i, group) in p.snapshot.pages.chunks(per_chunk).enumerate() {
-        let data: Vec<u8> = group.concat();
-        out.push(pb::PrefillMessage {
-            kind: Some(Kind::Pages(pb::PageChunk {
-                first_page: (i * per_chunk) as u32,
-                num_pages: group.len() as u32,
-                crc32: crc(&data),
-                data,
+    let info = layout_info(layout);
+    let header = std::iter::once_with(move || {
+        let logits = f32s_to_bytes(&p.last_logits);
+        pb::PrefillMessage {
+            kind: Some(Kind::Header(pb::PrefillHeader {
+                layout: Some(info),
+                len: p.snapshot.len as u64,
+                num_pages: p.snapshot.pages.len() as u32,
+                first_token: p.first_token,
+                last_logits_crc32: crc(&logits),
+                last_logits: logits,
             })),
+        }
+    });
+    let per_chunk = (chunk_bytes / layout.page_bytes.max(1)).max(1);
+    let pages = p
+        .snapshot
+        .pages
+        .chunks(per_chunk)
+        .enumerate()
+        .map(move |(i, group)| {
+            let data: Vec<u8> = group.concat();
+            pb::PrefillMessage {
+                kind: Some(Kind::Pages(pb::PageChunk {
+                    first_page: (i * per_chunk) as u32,
+                    num_pages: group.len() as u32,
+                    crc32: crc(&data),
+                    data,
+                })),
+            }
         });
-    }
-    out.push(pb::PrefillMessage {
+    let state = std::iter::once_with(move || pb::PrefillMessage {
         kind: Some(Kind::State(pb::StateChunk {
             crc32: crc(&p.snapshot.state),
             data: p.snapshot.state.clone(),
         })),
     });
-    out
+    header.chain(pages).chain(state)
 }
 
 fn verify(what: impl FnOnce() -> String, data: &[u8], sent: u32) -> Result<(), TransferError> {

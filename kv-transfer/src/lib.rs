@@ -8,8 +8,8 @@ mod layout;
 mod pull;
 
 pub use chunks::{
-    encode_prefill, max_message_bytes, progress_message, Assembler, Expected, Prefilled,
-    MAX_CHUNK_BYTES,
+    encode_prefill, max_message_bytes, prefill_messages, progress_message, Assembler, Expected,
+    Prefilled, MAX_CHUNK_BYTES,
 };
 pub use layout::{check_peer, layout_info};
 pub use pull::{pull_prefill, PullOptions, HEARTBEAT};

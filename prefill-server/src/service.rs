@@ -3,7 +3,7 @@
 use crate::engine_thread::Job;
 use crate::PrefillSettings;
 use pdserve_engine::kv::KvLayout;
-use pdserve_kv_transfer::{check_peer, encode_prefill, progress_message, HEARTBEAT};
+use pdserve_kv_transfer::{check_peer, prefill_messages, progress_message, HEARTBEAT};
 use pdserve_proto::pb;
 use pdserve_worker::WorkerStatus;
 use std::sync::atomic::Ordering;
@@ -115,15 +115,20 @@ impl pb::prefill_server::Prefill for PrefillService {
             };
             let t0 = std::time::Instant::now();
             let bytes = prefilled.payload_bytes();
-            for m in encode_prefill(&layout, &prefilled, chunk_bytes) {
+            // Each message built as the connection takes the last: the header (and the
+            // decode server's checks of it) does not wait for every chunk's copy.
+            let mut header_out = None;
+            for m in prefill_messages(&layout, &prefilled, chunk_bytes) {
                 if tx.send(Ok(m)).await.is_err() {
                     tracing::info!(%request_id, "decode server went away during the transfer");
                     return;
                 }
+                header_out.get_or_insert_with(|| t0.elapsed());
             }
             load.add_transfer(bytes as u64, t0.elapsed());
             tracing::debug!(
                 bytes,
+                header_ms = header_out.unwrap_or_default().as_secs_f64() * 1e3,
                 ms = t0.elapsed().as_secs_f64() * 1e3,
                 "KV sent (the last message handed to the connection)"
             );

@@ -11,7 +11,7 @@ use super::table::{num, Table};
 use anyhow::{bail, Context, Result};
 use pdserve_engine::kv::KvLayout;
 use pdserve_engine::SeqSnapshot;
-use pdserve_kv_transfer::{encode_prefill, pull_prefill, Expected, Prefilled, PullOptions};
+use pdserve_kv_transfer::{prefill_messages, pull_prefill, Expected, Prefilled, PullOptions};
 use pdserve_proto::pb;
 use std::sync::Arc;
 use std::time::Instant;
@@ -117,15 +117,17 @@ impl pb::prefill_server::Prefill for Sender {
         req: Request<pb::PrefillRequest>,
     ) -> Result<Response<Self::PrefillStream>, Status> {
         let len = req.into_inner().prompt.len();
-        let set = self
+        let i = self
             .sets
             .iter()
-            .find(|p| p.snapshot.len == len)
+            .position(|p| p.snapshot.len == len)
             .ok_or_else(|| Status::invalid_argument(format!("no page set of {len} positions")))?;
-        let msgs = encode_prefill(&self.layout, set, self.chunk_bytes);
-        let (tx, rx) = mpsc::channel(4);
+        let (sets, layout, chunk_bytes) =
+            (self.sets.clone(), self.layout.clone(), self.chunk_bytes);
+        // As the prefill server sends: each message built as the connection takes the last.
+        let (tx, rx) = mpsc::channel(8);
         tokio::spawn(async move {
-            for m in msgs {
+            for m in prefill_messages(&layout, &sets[i], chunk_bytes) {
                 if tx.send(Ok(m)).await.is_err() {
                     return;
                 }
