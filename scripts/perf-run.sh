@@ -134,12 +134,14 @@ part_ttft() {
   "$BIN" bench serve --url "http://$R" --model "$model" --no-reference --concurrency 1 \
     --sessions "$TTFT_REQUESTS" --turns 1 --prompt-len "$TTFT_TOKENS" --output-len 1 --ignore-eos \
     --worker-metrics 127.0.0.1:9101,127.0.0.1:9102
-  grep -hE "prefilled|prefill forward|model forward|cut states|sequence exported|KV sent" "$work/prefill.out" "$work/prefill.err" \
-    | tail -n $((6 * TTFT_REQUESTS)) | sed 's/\x1b\[[0-9;]*m//g; s/.*pdserve_[a-z_]*::[a-z_:]*: //' || true
+  grep -hE "prefilled|prefill forward|model forward|cut states|sequence exported|answered by the engine|KV sent|cut points cached" "$work/prefill.out" "$work/prefill.err" \
+    | tail -n $((8 * TTFT_REQUESTS)) | sed 's/\x1b\[[0-9;]*m//g; s/.*pdserve_[a-z_]*::[a-z_:]*: //' || true
   # The decode side of each pull: connected, header in, last byte in (from the pull's
   # start); then the pages' import into decode's pool as the request joins the batch.
   grep -hE "KV pulled|joined the batch" "$work/decode.out" "$work/decode.err" \
     | tail -n $((2 * TTFT_REQUESTS)) | sed 's/\x1b\[[0-9;]*m//g; s/.*pdserve_[a-z_]*::[a-z_:]*: //' || true
+  # The router's own time to first token (request in to first token out), all requests.
+  curl -s "http://$R/metrics" | grep -E "^pdserve_router_time_to_first_token_seconds_(sum|count)" || true
   stop_all
   # The prefill's compute alone on the same model and device, for the same prompt length.
   "$BIN" bench prefill --device "$DEV" "${DIMS[@]}" --tokens "$TTFT_TOKENS" --weights bf16 \

@@ -28,6 +28,7 @@ impl pb::prefill_server::Prefill for PrefillService {
         &self,
         req: Request<pb::PrefillRequest>,
     ) -> Result<Response<Self::PrefillStream>, Status> {
+        let called = std::time::Instant::now();
         let request_id = pdserve_proto::request_id(&req);
         let r = req.into_inner();
         let theirs = r.receiver_layout.ok_or_else(|| {
@@ -113,6 +114,10 @@ impl pb::prefill_server::Prefill for PrefillService {
                     return;
                 }
             };
+            tracing::debug!(
+                since_call_ms = called.elapsed().as_secs_f64() * 1e3,
+                "prefill answered by the engine"
+            );
             let t0 = std::time::Instant::now();
             let bytes = prefilled.payload_bytes();
             // Each message built as the connection takes the last: the header (and the
