@@ -2,11 +2,11 @@
 //! an op module (`ops/`) or the KV store (`kv_store`); `graphs` implements the step runner;
 //! this file holds only the backend's settings and the weight-storage policy.
 
-use crate::device::{AttentionKernel, DeviceError, ExpertKernel, Gpu};
+use crate::device::{AttentionKernel, DeviceError, ExpertKernel, Gpu, IndexerBlocking};
 use crate::graph_cache::{GraphCache, GraphStats};
 use crate::kv_store::GpuKv;
 use crate::launch::dev_err;
-use crate::ops::indexer::{self, GpuSelection, IndexerBlocking};
+use crate::ops::indexer::{self, GpuSelection};
 use crate::ops::{attention, compress, dense, hc, moe, random, stored, tensors};
 use crate::tensor::{stores_bf16, GpuTensor, WeightDtype};
 use crate::GraphMode;

@@ -6,7 +6,6 @@ use crate::compile::{self, CompileError};
 use crate::devmem::DevMem;
 use crate::kernels::{Kernel, REGISTRY};
 use crate::launch::{dev_err, Arg, BLOCK};
-use crate::ops::indexer::IndexerBlocking;
 use crate::recorder::{StepMode, StepRecord};
 use crate::rope_cache::RopeTableCache;
 use crate::step::{StepState, Temp, Upload};
@@ -98,6 +97,16 @@ pub enum ExpertKernel {
     /// per expert on average), else the CUDA-core grouped kernels; and for dense
     /// stored-format weights of 17-128 rows the bf16 copy + cuBLAS.
     CudaCores,
+}
+
+/// How the tensor-core indexer scores (`k_index_scores_mma`, `ops::indexer`) divide their
+/// work: `rows` (1 or 2) consecutive plan rows and `tiles` consecutive tiles of 128 entries
+/// per block. Two rows of one sequence share each entry tile; rows of different sequences
+/// take turns. Every blocking gives the same bits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IndexerBlocking {
+    pub rows: usize,
+    pub tiles: usize,
 }
 
 /// Which kernel computes attention. The serving choice is [`AttentionKernel::Auto`]; the

@@ -28,10 +28,10 @@ pub mod tensor;
 
 pub use backend::CudaBackend;
 pub use compile::{CompileError, MODULES};
-pub use device::{AttentionKernel, DeviceError, ExpertKernel};
+pub use device::{AttentionKernel, DeviceError, ExpertKernel, IndexerBlocking};
 pub use devmem::DevMem;
 pub use graph_cache::{GraphStats, StepPhases};
 pub use graph_mode::GraphMode;
 pub use kv_store::GpuKv;
-pub use ops::indexer::{GpuSelection, IndexerBlocking};
+pub use ops::indexer::GpuSelection;
 pub use tensor::{GpuTensor, WeightDtype};

@@ -2,7 +2,7 @@
 //! top-k (`cu/indexer.cu`).
 
 use crate::buf::{f32_buf, shape_err};
-use crate::device::{Gpu, MMA_SHARED};
+use crate::device::{Gpu, IndexerBlocking, MMA_SHARED};
 use crate::devmem::DevMem;
 use crate::kernels::{self, DevPtr};
 use crate::kv_store::{dt_code, DevPlan, GpuKv};
@@ -128,15 +128,6 @@ fn mma_takes(
 /// rows, then the two rows' head weights in f32.
 fn mma_shared_bytes(ihd: usize) -> usize {
     (2 * MMA_HEADS + 2 * MMA_ENTRIES) * (ihd + 8) * 2 + 2 * MMA_HEADS * 4
-}
-
-/// How `k_index_scores_mma` divides its work: `rows` (1 or 2) consecutive plan rows and
-/// `tiles` consecutive tiles of 128 entries per block. Two rows of one sequence share each
-/// entry tile; rows of different sequences take turns. Every blocking gives the same bits.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct IndexerBlocking {
-    pub rows: usize,
-    pub tiles: usize,
 }
 
 /// Blocks of the tensor-core scores' grid from which a block takes more than one tile of
