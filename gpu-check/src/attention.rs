@@ -24,12 +24,13 @@ use pdserve_tokenizer::Tokenizer;
 /// GPU-versus-CPU rows with such entries ([`REL_TOL`]), the greedy tokens still all equal.
 pub const AB_TOL: f64 = 1e-5;
 
-const POOL: PoolSize = PoolSize {
+/// Pages and state slots enough for the embedded model's A/B prompts.
+pub(crate) const POOL: PoolSize = PoolSize {
     pages: 64,
     states: 8,
 };
 
-type AnyResult<T> = Result<T, Box<dyn std::error::Error>>;
+pub(crate) type AnyResult<T> = Result<T, Box<dyn std::error::Error>>;
 
 /// One row per pair of kernels and KV entry type: every prompt prefilled, then decoded
 /// teacher-forced to 96 tokens, by both kernels.

@@ -7,7 +7,7 @@
 //! sequences in one block take turns). Each (row, entry)'s products and sums are the same
 //! at any blocking, so every logit must be bitwise equal.
 
-use crate::attention::{batch_prompts, batched_steps, repeated, BATCH_POOL};
+use crate::attention::{batch_prompts, batched_steps, repeated, AnyResult, BATCH_POOL, POOL};
 use crate::check::{compare, CheckRow, PROMPTS, REL_TOL};
 use pdserve_engine::config::ModelConfig;
 use pdserve_engine::generate::logits_prefill_decode;
@@ -24,13 +24,6 @@ const STEPS: usize = 8;
 /// The blocking under test, against one row and one tile per block.
 const PAIRS: IndexerBlocking = IndexerBlocking { rows: 2, tiles: 2 };
 const SINGLE: IndexerBlocking = IndexerBlocking { rows: 1, tiles: 1 };
-
-const POOL: PoolSize = PoolSize {
-    pages: 64,
-    states: 8,
-};
-
-type AnyResult<T> = Result<T, Box<dyn std::error::Error>>;
 
 /// Two rows: every prompt prefilled (logits of every position) and decoded `STEPS` steps
 /// teacher-forced; and the attention group's batch of short prompts decoded together.
