@@ -24,8 +24,7 @@ use pdserve_tokenizer::Tokenizer;
 /// GPU-versus-CPU rows with such entries ([`REL_TOL`]), the greedy tokens still all equal.
 pub const AB_TOL: f64 = 1e-5;
 
-/// Pages and state slots enough for the embedded model's A/B prompts.
-pub(crate) const POOL: PoolSize = PoolSize {
+const POOL: PoolSize = PoolSize {
     pages: 64,
     states: 8,
 };
@@ -127,7 +126,7 @@ pub fn check_attention_ab(ordinal: usize) -> AnyResult<Vec<CheckRow>> {
 
 /// `once` repeated whole until it holds at least `len` tokens (once at least; none when
 /// `once` is empty).
-pub(crate) fn repeated(once: &[u32], len: usize) -> Vec<u32> {
+fn repeated(once: &[u32], len: usize) -> Vec<u32> {
     once.repeat(len.div_ceil(once.len().max(1)).max(1))
 }
 
@@ -140,7 +139,7 @@ const DIRECT_BATCH: usize = 160;
 /// Its decode steps, all sequences at once.
 const DIRECT_STEPS: usize = 4;
 /// Pages and state slots enough for the decode row's sequences.
-pub(crate) const BATCH_POOL: PoolSize = PoolSize {
+const BATCH_POOL: PoolSize = PoolSize {
     pages: 4 * DIRECT_BATCH,
     states: DIRECT_BATCH + 8,
 };
@@ -161,45 +160,65 @@ fn check_bf16_io(
     for kv in [EntryDtype::Bf16, EntryDtype::Fp8E4m3] {
         let mut spec = KvLayoutSpec::default_for(cfg);
         spec.kv_dtype = kv;
-        let engine = |bf16_io: bool, pool: PoolSize| -> AnyResult<Engine<CudaBackend>> {
-            let mut b = CudaBackend::with_weights(ordinal, None, WeightDtype::Bf16)?;
-            b.set_attention_bf16_io(bf16_io);
-            Ok(Engine::load(dir, b, Some(spec), pool)?)
-        };
-        let (mut old, mut new) = (engine(false, POOL)?, engine(true, POOL)?);
-        let (mut got, mut want) = (Vec::new(), Vec::new());
-        for prompt in PROMPTS {
-            let ids = repeated(&tok.encode(prompt)?, DIRECT_PROMPT + 16);
-            want.extend(logits_prefill_decode(&mut old, &ids, DIRECT_PROMPT, 0)?);
-            got.extend(logits_prefill_decode(&mut new, &ids, DIRECT_PROMPT, 0)?);
-        }
-        out.push(bitwise_row(
-            kv,
-            &format!("prefill {DIRECT_PROMPT}"),
-            &got,
-            &want,
-        ));
-        drop((old, new));
-        let prompts = batch_prompts(tok)?;
-        let want = batched_steps(&mut engine(false, BATCH_POOL)?, &prompts)?;
-        let got = batched_steps(&mut engine(true, BATCH_POOL)?, &prompts)?;
-        let what = format!("decode batch {DIRECT_BATCH}");
-        out.push(bitwise_row(kv, &what, &got, &want));
+        let name = format!("embedded w=bf16 kv={kv} attention bf16 q/out == fp32 q/out");
+        out.extend(bitwise_ab(
+            tok,
+            &name,
+            DIRECT_PROMPT,
+            16,
+            |bf16_io, pool| {
+                let mut b = CudaBackend::with_weights(ordinal, None, WeightDtype::Bf16)?;
+                b.set_attention_bf16_io(bf16_io);
+                Ok(Engine::load(dir, b, Some(spec), pool)?)
+            },
+        )?);
     }
     Ok(out)
 }
 
-/// A bf16-io row: its error figures as the other rows', passing only when bitwise equal.
-fn bitwise_row(kv: EntryDtype, what: &str, got: &[Vec<f32>], want: &[Vec<f32>]) -> CheckRow {
+/// Two settings of one backend that must give the same bits, `engine(false, pool)` the
+/// old and `engine(true, pool)` the new: every test prompt repeated to `prompt + steps`
+/// tokens, prefilled `prompt` (every position's logits) and decoded teacher-forced; then
+/// `DIRECT_BATCH` short prompts decoded together. Rows "`name`, prefill `prompt`" and
+/// "`name`, decode batch `DIRECT_BATCH`", with the error figures of the other rows,
+/// passing only when bitwise equal.
+pub(crate) fn bitwise_ab(
+    tok: &Tokenizer,
+    name: &str,
+    prompt: usize,
+    steps: usize,
+    engine: impl Fn(bool, PoolSize) -> AnyResult<Engine<CudaBackend>>,
+) -> AnyResult<Vec<CheckRow>> {
+    let (mut old, mut new) = (engine(false, POOL)?, engine(true, POOL)?);
+    let (mut got, mut want) = (Vec::new(), Vec::new());
+    for p in PROMPTS {
+        let ids = repeated(&tok.encode(p)?, prompt + steps);
+        want.extend(logits_prefill_decode(&mut old, &ids, prompt, 0)?);
+        got.extend(logits_prefill_decode(&mut new, &ids, prompt, 0)?);
+    }
+    let mut out = vec![bitwise_row(
+        &format!("{name}, prefill {prompt}"),
+        &got,
+        &want,
+    )];
+    drop((old, new));
+    let prompts = batch_prompts(tok)?;
+    let want = batched_steps(&mut engine(false, BATCH_POOL)?, &prompts)?;
+    let got = batched_steps(&mut engine(true, BATCH_POOL)?, &prompts)?;
+    let what = format!("{name}, decode batch {DIRECT_BATCH}");
+    out.push(bitwise_row(&what, &got, &want));
+    Ok(out)
+}
+
+fn bitwise_row(name: &str, got: &[Vec<f32>], want: &[Vec<f32>]) -> CheckRow {
     let same = got.len() == want.len() && got.iter().zip(want).all(|(g, w)| g == w);
-    let name = format!("embedded w=bf16 kv={kv} attention bf16 q/out == fp32 q/out, {what}");
-    let mut row = compare(name, got, want, REL_TOL);
+    let mut row = compare(name.to_string(), got, want, REL_TOL);
     row.pass = same;
     row
 }
 
 /// `DIRECT_BATCH` prompts of 6 to 13 tokens: the test prompts' tokens, rotated and cut.
-pub(crate) fn batch_prompts(tok: &Tokenizer) -> AnyResult<Vec<Vec<u32>>> {
+fn batch_prompts(tok: &Tokenizer) -> AnyResult<Vec<Vec<u32>>> {
     let mut all = Vec::new();
     for prompt in PROMPTS {
         all.extend(tok.encode(prompt)?);
@@ -218,7 +237,7 @@ pub(crate) fn batch_prompts(tok: &Tokenizer) -> AnyResult<Vec<Vec<u32>>> {
 
 /// Each prompt prefilled alone, then `DIRECT_STEPS` decode steps of every sequence at once
 /// (each feeding its prompt's tokens again): the steps' logits, one row per sequence.
-pub(crate) fn batched_steps(
+fn batched_steps(
     engine: &mut Engine<CudaBackend>,
     prompts: &[Vec<u32>],
 ) -> AnyResult<Vec<Vec<f32>>> {

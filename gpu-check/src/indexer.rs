@@ -7,12 +7,11 @@
 //! sequences in one block take turns). Each (row, entry)'s products and sums are the same
 //! at any blocking, so every logit must be bitwise equal.
 
-use crate::attention::{batch_prompts, batched_steps, repeated, AnyResult, BATCH_POOL, POOL};
-use crate::check::{compare, CheckRow, PROMPTS, REL_TOL};
+use crate::attention::{bitwise_ab, AnyResult};
+use crate::check::CheckRow;
 use pdserve_engine::config::ModelConfig;
-use pdserve_engine::generate::logits_prefill_decode;
 use pdserve_engine::kv::{EntryDtype, KvLayoutSpec};
-use pdserve_engine::{Engine, PoolSize};
+use pdserve_engine::Engine;
 use pdserve_kernels::{CudaBackend, IndexerBlocking, WeightDtype};
 use pdserve_tokenizer::Tokenizer;
 
@@ -34,35 +33,13 @@ pub fn check_indexer_blocking(ordinal: usize) -> AnyResult<Vec<CheckRow>> {
     let mut spec = KvLayoutSpec::default_for(&cfg);
     spec.kv_dtype = EntryDtype::Bf16;
     spec.index_k_dtype = EntryDtype::Bf16;
-    let engine = |b: IndexerBlocking, pool: PoolSize| -> AnyResult<Engine<CudaBackend>> {
-        let mut backend = CudaBackend::with_weights(ordinal, None, WeightDtype::Bf16)?;
-        backend.set_indexer_blocking(Some(b));
-        Ok(Engine::load(&dir, backend, Some(spec), pool)?)
-    };
-    let (mut old, mut new) = (engine(SINGLE, POOL)?, engine(PAIRS, POOL)?);
-    let (mut got, mut want) = (Vec::new(), Vec::new());
-    for prompt in PROMPTS {
-        let ids = repeated(&tok.encode(prompt)?, PROMPT + STEPS);
-        want.extend(logits_prefill_decode(&mut old, &ids, PROMPT, 0)?);
-        got.extend(logits_prefill_decode(&mut new, &ids, PROMPT, 0)?);
-    }
-    let mut out = vec![bitwise_row(&format!("prefill {PROMPT}"), &got, &want)];
-    drop((old, new));
-    let prompts = batch_prompts(&tok)?;
-    let want = batched_steps(&mut engine(SINGLE, BATCH_POOL)?, &prompts)?;
-    let got = batched_steps(&mut engine(PAIRS, BATCH_POOL)?, &prompts)?;
-    let what = format!("decode batch {}", prompts.len());
-    out.push(bitwise_row(&what, &got, &want));
-    Ok(out)
-}
-
-fn bitwise_row(what: &str, got: &[Vec<f32>], want: &[Vec<f32>]) -> CheckRow {
-    let same = got.len() == want.len() && got.iter().zip(want).all(|(g, w)| g == w);
     let name = format!(
-        "embedded w=bf16 index-k=bf16 indexer {} rows x {} tiles per block == 1 x 1, {what}",
+        "embedded w=bf16 index-k=bf16 indexer {} rows x {} tiles per block == 1 x 1",
         PAIRS.rows, PAIRS.tiles
     );
-    let mut row = compare(name, got, want, REL_TOL);
-    row.pass = same;
-    row
+    bitwise_ab(&tok, &name, PROMPT, STEPS, |pairs, pool| {
+        let mut backend = CudaBackend::with_weights(ordinal, None, WeightDtype::Bf16)?;
+        backend.set_indexer_blocking(Some(if pairs { PAIRS } else { SINGLE }));
+        Ok(Engine::load(&dir, backend, Some(spec), pool)?)
+    })
 }
