@@ -62,17 +62,18 @@ pub fn index_select(
     let dp = DevPlan::upload(g, kv, plan)?;
     let scores = g.zeros::<f32>(rows * max_nv)?;
     let sel = g.zeros::<i32>(rows * topk)?;
+    let dt = dt_code(layout.index_k_dtype)?;
     let scoring = Scoring {
         kv,
         layout,
         l,
+        dt,
         dp: &dp,
         q,
         weights,
         n_heads,
         max_nv,
     };
-    let dt = dt_code(layout.index_k_dtype)?;
     let mma = !g.fp32_reference && mma_takes(dt, n_heads, ihd, kv, layout, l);
     if (!mma || g.indexer_gemm) && by_gemm(g, plan) {
         scoring.by_gemm(g, plan, &scores)?;
@@ -169,6 +170,8 @@ struct Scoring<'a> {
     kv: &'a GpuKv,
     layout: &'a KvLayout,
     l: &'a LayerKvLayout,
+    /// The index-K entries' dtype code (`dt` in common.cuh).
+    dt: i32,
     dp: &'a DevPlan,
     q: &'a GpuTensor,
     weights: &'a GpuTensor,
@@ -185,8 +188,7 @@ impl Scoring<'_> {
         let (kv, layout, l, dp) = (self.kv, self.layout, self.l, self.dp);
         let rows = plan.rows();
         let ihd = layout.index_head_dim;
-        let n_heads = self.n_heads;
-        let dt = dt_code(layout.index_k_dtype)?;
+        let (n_heads, dt) = (self.n_heads, self.dt);
         let (q, wts) = (
             DevPtr::of(f32_buf(self.q, "index_select")?),
             DevPtr::of(f32_buf(self.weights, "index_select")?),
@@ -268,7 +270,7 @@ impl Scoring<'_> {
         let (ihd, n_heads) = (layout.index_head_dim, self.n_heads);
         let q = f32_buf(self.q, "index_select")?;
         let wts = f32_buf(self.weights, "index_select")?;
-        let dt = dt_code(layout.index_k_dtype)?;
+        let dt = self.dt;
         let bf16 = !g.fp32_reference;
         let q_bf16 = bf16.then(|| to_bf16(g, q)).transpose()?;
         let (q_ptr, esz) = q_bf16.as_ref().map_or((q.ptr(), 4), |b| (b.ptr(), 2));
