@@ -128,14 +128,16 @@ part_ttft() {
   "$BIN" wait-ready --address "$R" --timeout-s 300
   # One request first, not counted (the servers' first forward sets up cuBLAS and the
   # memory pool), then one at a time: the time to first token against the prefill's own
-  # compute, and each prefill's own line from the server's log.
+  # compute, and each prefill's own line from the server's log. Two tokens each: the
+  # first streams ahead of the KV, the second needs the whole transfer (a request ending
+  # at its first token would drop it).
   "$BIN" bench serve --url "http://$R" --model "$model" --no-reference --concurrency 1 \
-    --sessions 1 --turns 1 --prompt-len "$TTFT_TOKENS" --output-len 1 --ignore-eos --seed 99 >/dev/null
+    --sessions 1 --turns 1 --prompt-len "$TTFT_TOKENS" --output-len 2 --ignore-eos --seed 99 >/dev/null
   "$BIN" bench serve --url "http://$R" --model "$model" --no-reference --concurrency 1 \
-    --sessions "$TTFT_REQUESTS" --turns 1 --prompt-len "$TTFT_TOKENS" --output-len 1 --ignore-eos \
+    --sessions "$TTFT_REQUESTS" --turns 1 --prompt-len "$TTFT_TOKENS" --output-len 2 --ignore-eos \
     --worker-metrics 127.0.0.1:9101,127.0.0.1:9102
-  grep -hE "prefilled|prefill forward|model forward|cut states|sequence exported|answered by the engine|KV sent|cut points cached" "$work/prefill.out" "$work/prefill.err" \
-    | tail -n $((8 * TTFT_REQUESTS)) | sed 's/\x1b\[[0-9;]*m//g; s/.*pdserve_[a-z_]*::[a-z_:]*: //' || true
+  grep -hE "prefilled|prefill forward|model forward|cut states|sequence exported|first token sent ahead|answered by the engine|KV sent|cut points cached" "$work/prefill.out" "$work/prefill.err" \
+    | tail -n $((9 * TTFT_REQUESTS)) | sed 's/\x1b\[[0-9;]*m//g; s/.*pdserve_[a-z_]*::[a-z_:]*: //' || true
   # The decode side of each pull: connected, header in, last byte in (from the pull's
   # start); then the pages' import into decode's pool as the request joins the batch.
   grep -hE "KV pulled|joined the batch" "$work/decode.out" "$work/decode.err" \

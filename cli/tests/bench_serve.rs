@@ -221,9 +221,10 @@ fn open_loop_ignore_eos_returns_every_asked_token_and_failures_exit_1() {
 }
 
 /// `--worker-metrics`: the mean TTFT broken down from the workers' own histograms. Every
-/// part is measured over exactly the run's requests, none is negative (the decode's pull
-/// contains the prefill's queue and compute, the client's TTFT contains the pull), and
-/// the ratio is the TTFT over the prefill compute.
+/// part is measured over exactly the run's requests, none is negative (the decode's first
+/// token comes after the prefill's queue and its compute up to the token, the client's
+/// TTFT contains the decode's first token, the pull contains the whole prefill), the first
+/// token's path adds up to the TTFT, and the ratio is the TTFT over the prefill compute.
 #[test]
 fn worker_metrics_break_down_the_time_to_first_token() {
     let (_p, pa, pm) = worker_with_metrics("prefill", &[]);
@@ -257,16 +258,21 @@ fn worker_metrics_break_down_the_time_to_first_token() {
     for part in [
         "decode_admission_ms",
         "prefill_queue_ms",
-        "kv_transfer_ms",
+        "prefill_to_first_token_ms",
+        "first_token_to_decode_ms",
         "first_token_out_ms",
+        "kv_transfer_ms",
+        "kv_after_first_token_ms",
     ] {
         assert!(num(&b[part]) >= 0.0, "{part}: {b:#}");
     }
+    assert!(num(&b["prefill_to_first_token_ms"]) <= compute, "{b:#}");
+    // The first token's path adds up to the client's TTFT.
     let parts: f64 = [
         "decode_admission_ms",
         "prefill_queue_ms",
-        "prefill_compute_ms",
-        "kv_transfer_ms",
+        "prefill_to_first_token_ms",
+        "first_token_to_decode_ms",
         "first_token_out_ms",
     ]
     .iter()

@@ -38,6 +38,11 @@ pub struct Admit {
     pub processing: Option<Processing>,
     /// The first token, sampled from the transferred logits by [`first_token`].
     pub first: (u32, Option<TokenLogprobs>),
+    /// The service already streamed `first` (the prefill server's token, sent ahead of
+    /// the KV): it counts, but does not go out again.
+    pub first_streamed: bool,
+    /// When the request's pull started (for the first-token histogram).
+    pub pull_started: std::time::Instant,
     /// The request's stream (the batch loop's [`Courier`] delivers to it).
     pub events: WireSender,
     pub permit: Permit,
@@ -156,6 +161,32 @@ pub fn first_token(
         ));
     }
     Ok((t, lp))
+}
+
+/// What a plain request's first token does (no logits processing: what [`Running::emit`]
+/// decides for any token).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Early {
+    /// It streams and decoding goes on.
+    Goes,
+    /// The request ends with it: a stop token (not streamed) or the last token allowed.
+    Ends { emitted: bool, reason: FinishReason },
+}
+
+pub fn first_ends(t: u32, stop_tokens: &[u32], max_new_tokens: u32) -> Early {
+    if stop_tokens.contains(&t) {
+        Early::Ends {
+            emitted: false,
+            reason: FinishReason::Stop,
+        }
+    } else if max_new_tokens <= 1 {
+        Early::Ends {
+            emitted: true,
+            reason: FinishReason::Length,
+        }
+    } else {
+        Early::Goes
+    }
 }
 
 /// A token from `logits`, with its log-probabilities when the request asked for them.
@@ -382,6 +413,14 @@ impl<B: Backend> Batch<B> {
             import_ms = t0.elapsed().as_secs_f64() * 1e3,
             "joined the batch"
         );
+        if a.first_streamed {
+            // Streamed by the service as it arrived (a plain request, which it would have
+            // ended there had the token ended it): counted, not sent again.
+            r.last = t;
+            r.generated = 1;
+            self.running.push(r);
+            return;
+        }
         let (t, lp) = match r.processing.as_mut() {
             None => (t, lp),
             Some(p) => {
@@ -399,7 +438,9 @@ impl<B: Backend> Batch<B> {
                 }
             }
         };
-        if r.emit(t, lp) {
+        let done = r.emit(t, lp);
+        pdserve_worker::metrics::first_token(a.pull_started.elapsed());
+        if done {
             self.finish(r);
         } else {
             self.running.push(r);
@@ -603,6 +644,34 @@ mod tests {
         let scored = first_token(&mut greedy, false, &prefilled(&logits, 2), Some(2)).unwrap();
         assert_eq!(scored.0, 2);
         assert_eq!(scored.1.unwrap().top.len(), 2);
+    }
+
+    #[test]
+    fn a_first_token_ends_the_request_as_emit_would() {
+        let stop = [5, 9];
+        assert_eq!(
+            first_ends(9, &stop, 16),
+            Early::Ends {
+                emitted: false,
+                reason: FinishReason::Stop
+            }
+        );
+        assert_eq!(
+            first_ends(3, &stop, 1),
+            Early::Ends {
+                emitted: true,
+                reason: FinishReason::Length
+            }
+        );
+        // A stop token wins over the budget, as in emit.
+        assert_eq!(
+            first_ends(5, &stop, 1),
+            Early::Ends {
+                emitted: false,
+                reason: FinishReason::Stop
+            }
+        );
+        assert_eq!(first_ends(3, &stop, 2), Early::Goes);
     }
 
     #[test]

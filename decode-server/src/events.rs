@@ -128,6 +128,13 @@ impl Drop for Courier {
     }
 }
 
+/// Hand `e` to a request's stream at once, outside the batch loop's courier: the service
+/// streams the prefill server's first token this way, before the request joins the batch
+/// (whose later events then follow it).
+pub fn send_now(wire: &WireSender, e: Event) -> Result<(), Closed> {
+    wire.send(to_wire(e)).map_err(|_| Closed)
+}
+
 fn deliver(parcel: Parcel) {
     for (wire, item) in parcel {
         // A stream that closed meanwhile: its request is dropped at the next step.

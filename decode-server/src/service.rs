@@ -2,18 +2,19 @@
 //! the prefill server the router granted, hand it to the batch loop, stream tokens back.
 
 use crate::admission::Admission;
-use crate::batch::{first_token, Admit};
+use crate::batch::{first_ends, first_token, Admit, Early};
+use crate::events::{send_now, Event};
 use crate::logits::{Processing, Spec};
 use crate::DecodeSettings;
 use pdserve_engine::kv::KvLayout;
 use pdserve_engine::sampling::Sampler;
 use pdserve_grammar::Grammar;
-use pdserve_kv_transfer::{pull_prefill, Expected, PullOptions, TransferError};
+use pdserve_kv_transfer::{pull_prefill, Expected, PullOptions, PullRequest, TransferError};
 use pdserve_proto::{pb, MAX_TOP_LOGPROBS};
 use pdserve_worker::WorkerStatus;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 use tokio_stream::wrappers::UnboundedReceiverStream;
 use tonic::{Request, Response, Status};
 use tracing::Instrument;
@@ -191,23 +192,78 @@ impl pb::decode_server::Decode for DecodeService {
         let wire_sampling = pdserve_worker::sampling_to_pb(&params);
         let status = self.status.clone();
         let span = tracing::info_span!("decode", request_id = %request_id);
+        // A plain request (no logits processing, no log-probabilities) streams the prefill
+        // server's token as soon as it arrives, ahead of its KV: the token is the prefill
+        // server's own sample, which the transferred logits are checked against later.
+        let early = processing.is_none() && r.top_logprobs.is_none();
         tokio::spawn(async move {
             let t0 = std::time::Instant::now();
-            let pulled = tokio::select! {
-                p = pull_prefill(&r.prefill_addr, &layout, expected, r.prompt, wire_sampling, &request_id, opts) => p,
-                _ = tx.closed() => {
-                    tracing::info!(%request_id, "client went away during prefill; cancelled");
-                    return;
+            let (first_tx, mut first_rx) = match early {
+                true => {
+                    let (tx, rx) = oneshot::channel();
+                    (Some(tx), Some(rx))
                 }
-                _ = status.life.aborted() => {
-                    let _ = tx.send(Err(shutting_down()));
-                    return;
+                false => (None, None),
+            };
+            let pull = PullRequest {
+                prompt: r.prompt,
+                sampling: wire_sampling,
+                request_id: request_id.clone(),
+                first_token: first_tx,
+            };
+            let pull = pull_prefill(&r.prefill_addr, &layout, expected, pull, opts);
+            tokio::pin!(pull);
+            let mut streamed = None;
+            let pulled = loop {
+                tokio::select! {
+                    // The token as soon as it is in, before the pull's end is looked at.
+                    biased;
+                    t = async {
+                        match first_rx.as_mut() {
+                            Some(rx) => rx.await,
+                            None => std::future::pending().await,
+                        }
+                    }, if first_rx.is_some() => {
+                        first_rx = None;
+                        // Unsent: the pull failed, which it returns.
+                        let Ok(t) = t else { continue };
+                        pdserve_worker::metrics::first_token(t0.elapsed());
+                        match first_ends(t, &r.stop_tokens, r.max_new_tokens) {
+                            Early::Goes => {
+                                let _ = send_now(&tx, Event::Token(t));
+                                streamed = Some(t);
+                            }
+                            Early::Ends { emitted, reason } => {
+                                // Nothing to decode: the KV is not needed (dropping the pull
+                                // ends the transfer).
+                                if emitted {
+                                    let _ = send_now(&tx, Event::Token(t));
+                                }
+                                let _ = send_now(&tx, Event::Finished {
+                                    reason,
+                                    prompt_tokens,
+                                    completion_tokens: u32::from(emitted),
+                                });
+                                tracing::info!(%request_id, "finished at the prefill server's token");
+                                return;
+                            }
+                        }
+                    }
+                    p = &mut pull => break p,
+                    _ = tx.closed() => {
+                        tracing::info!(%request_id, "client went away during prefill; cancelled");
+                        return;
+                    }
+                    _ = status.life.aborted() => {
+                        let _ = tx.send(Err(shutting_down()));
+                        return;
+                    }
                 }
             };
             let prefilled = match pulled {
                 Ok(p) => p,
                 Err(e) => {
-                    tracing::warn!(%request_id, prefill = %r.prefill_addr, error = %e, "KV transfer failed");
+                    tracing::warn!(%request_id, prefill = %r.prefill_addr, error = %e, tokens_out = streamed.is_some() as u8, "KV transfer failed");
                     let mut status = e.to_status();
                     if prefill_unavailable(&e) {
                         status.metadata_mut().insert(
@@ -237,6 +293,8 @@ impl pb::decode_server::Decode for DecodeService {
                 prefilled,
                 sampler,
                 first,
+                first_streamed: streamed.is_some(),
+                pull_started: t0,
                 max_new_tokens: r.max_new_tokens,
                 stop_tokens: r.stop_tokens,
                 prompt_tokens,

@@ -59,6 +59,13 @@ pub fn progress_message() -> pb::PrefillMessage {
     }
 }
 
+/// The sampled token, sent ahead of the header when the receiver asked for it early.
+pub fn first_token_message(token: u32) -> pb::PrefillMessage {
+    pb::PrefillMessage {
+        kind: Some(Kind::FirstToken(pb::FirstToken { token })),
+    }
+}
+
 /// Split a prefilled sequence into messages; page chunks hold at most `chunk_bytes`
 /// (capped at [`MAX_CHUNK_BYTES`], at least one page each).
 pub fn encode_prefill(
@@ -158,6 +165,8 @@ pub struct Assembler<'a> {
     layout: &'a KvLayout,
     expected: Expected,
     header: Option<Header>,
+    /// The token a [`Kind::FirstToken`] message announced ahead of the header.
+    early_token: Option<u32>,
     pages: Vec<Vec<u8>>,
     state: Option<Vec<u8>>,
 }
@@ -168,6 +177,7 @@ impl<'a> Assembler<'a> {
             layout,
             expected,
             header: None,
+            early_token: None,
             pages: Vec::new(),
             state: None,
         }
@@ -179,15 +189,38 @@ impl<'a> Assembler<'a> {
     }
 
     /// Take one message; errors on a layout mismatch, a bad checksum or an out-of-order part.
-    pub fn push(&mut self, msg: pb::PrefillMessage) -> Result<(), TransferError> {
+    /// Returns the first token when `msg` announced it ahead of the header.
+    pub fn push(&mut self, msg: pb::PrefillMessage) -> Result<Option<u32>, TransferError> {
+        if let Some(Kind::FirstToken(f)) = &msg.kind {
+            return self.on_first_token(f.token).map(Some);
+        }
+        self.push_data(msg).map(|()| None)
+    }
+
+    fn push_data(&mut self, msg: pb::PrefillMessage) -> Result<(), TransferError> {
         match msg.kind {
             None => Err(protocol("empty prefill message")),
+            Some(Kind::FirstToken(_)) => Err(protocol("first token handled by push")),
             Some(Kind::Header(h)) => self.on_header(h),
             Some(Kind::Pages(c)) => self.on_pages(c),
             Some(Kind::State(s)) => self.on_state(s),
             Some(Kind::Progress(_)) if self.header.is_none() => Ok(()),
             Some(Kind::Progress(_)) => Err(protocol("progress message after the header")),
         }
+    }
+
+    fn on_first_token(&mut self, token: u32) -> Result<u32, TransferError> {
+        if self.header.is_some() || self.early_token.is_some() {
+            return Err(protocol("first token message after the header or twice"));
+        }
+        if token as usize >= self.expected.vocab_size {
+            return Err(protocol(format!(
+                "first token {token} is outside the vocabulary of {}",
+                self.expected.vocab_size
+            )));
+        }
+        self.early_token = Some(token);
+        Ok(token)
     }
 
     fn on_header(&mut self, h: pb::PrefillHeader) -> Result<(), TransferError> {
@@ -231,6 +264,12 @@ impl<'a> Assembler<'a> {
             return Err(protocol(format!(
                 "first token {} is outside the vocabulary of {}",
                 h.first_token, want.vocab_size
+            )));
+        }
+        if let Some(t) = self.early_token.filter(|&t| t != h.first_token) {
+            return Err(protocol(format!(
+                "header's first token {} differs from the {t} announced before it",
+                h.first_token
             )));
         }
         verify(|| "last logits".into(), &h.last_logits, h.last_logits_crc32)?;

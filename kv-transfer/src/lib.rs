@@ -8,11 +8,11 @@ mod layout;
 mod pull;
 
 pub use chunks::{
-    encode_prefill, max_message_bytes, prefill_messages, progress_message, Assembler, Expected,
-    Prefilled, MAX_CHUNK_BYTES,
+    encode_prefill, first_token_message, max_message_bytes, prefill_messages, progress_message,
+    Assembler, Expected, Prefilled, MAX_CHUNK_BYTES,
 };
 pub use layout::{check_peer, layout_info};
-pub use pull::{pull_prefill, PullOptions, HEARTBEAT};
+pub use pull::{pull_prefill, PullOptions, PullRequest, HEARTBEAT};
 
 use pdserve_engine::kv::LayoutError;
 

@@ -7,6 +7,7 @@ use pdserve_proto::pb;
 use pdserve_proto::pb::prefill_client::PrefillClient;
 use pdserve_proto::tls::ClusterTls;
 use std::time::{Duration, Instant};
+use tokio::sync::oneshot;
 
 /// How often a prefill server sends [`crate::progress_message`] while it computes; a
 /// receiver's progress deadline must be well above it.
@@ -16,6 +17,11 @@ pub const HEARTBEAT: Duration = Duration::from_secs(1);
 /// [`crate::MAX_CHUNK_BYTES`]) and the connection's.
 const STREAM_WINDOW: u32 = 32 << 20;
 const CONNECTION_WINDOW: u32 = 64 << 20;
+/// The largest HTTP/2 frame the receiving side accepts (the protocol's default is 16 KiB):
+/// the header with its logits crosses in one frame and a page chunk in a few, not in
+/// hundreds of small writes and reads. (h2 buffers a whole frame before tonic sees its
+/// message's length, so this also bounds what one frame may make the receiver hold.)
+const MAX_FRAME: u32 = 1 << 20;
 
 #[derive(Debug, Clone)]
 pub struct PullOptions {
@@ -44,17 +50,26 @@ impl Default for PullOptions {
     }
 }
 
-/// Prefill `prompt` on the server at `addr` (host:port) and receive its verified KV state,
-/// which must be what `expected` says (checked at the header, before any page is kept).
-/// No message may exceed [`max_message_bytes`]. Dropping the returned future cancels the
-/// prefill on the server.
+/// What a pull asks the prefill server for.
+#[derive(Debug)]
+pub struct PullRequest {
+    pub prompt: Vec<u32>,
+    pub sampling: pb::SamplingParams,
+    pub request_id: String,
+    /// Where the sampled token goes as soon as the prefill server sends it, ahead of the
+    /// header and the pages (None: it comes with the header only).
+    pub first_token: Option<oneshot::Sender<u32>>,
+}
+
+/// Prefill `req.prompt` on the server at `addr` (host:port) and receive its verified KV
+/// state, which must be what `expected` says (checked at the header, before any page is
+/// kept). No message may exceed [`max_message_bytes`]. Dropping the returned future
+/// cancels the prefill on the server.
 pub async fn pull_prefill(
     addr: &str,
     layout: &KvLayout,
     expected: Expected,
-    prompt: Vec<u32>,
-    sampling: pb::SamplingParams,
-    request_id: &str,
+    req: PullRequest,
     opts: PullOptions,
 ) -> Result<Prefilled, TransferError> {
     let t0 = Instant::now();
@@ -69,6 +84,7 @@ pub async fn pull_prefill(
         // the receiver grants the prefill server a window of several chunks.
         .initial_stream_window_size(STREAM_WINDOW)
         .initial_connection_window_size(CONNECTION_WINDOW)
+        .max_frame_size(MAX_FRAME)
         .http2_keep_alive_interval(Duration::from_secs(1))
         .keep_alive_timeout(Duration::from_secs(2));
     let channel = endpoint
@@ -79,10 +95,17 @@ pub async fn pull_prefill(
     let mut client = PrefillClient::new(channel)
         .max_decoding_message_size(max_message_bytes(layout, expected.vocab_size))
         .max_encoding_message_size(usize::MAX);
+    let PullRequest {
+        prompt,
+        sampling,
+        request_id,
+        mut first_token,
+    } = req;
     let req = pb::PrefillRequest {
         prompt,
         sampling: Some(sampling),
         receiver_layout: Some(layout_info(layout)),
+        early_first_token: first_token.is_some(),
     };
     let timeout = |what: &'static str| TransferError::Timeout {
         addr: addr.to_string(),
@@ -108,7 +131,7 @@ pub async fn pull_prefill(
         }
     };
     let prefill_left = || opts.prefill_timeout.saturating_sub(t0.elapsed());
-    let mut call = pdserve_proto::with_request_id(req, request_id);
+    let mut call = pdserve_proto::with_request_id(req, &request_id);
     if let Some(t) = &opts.cluster_token {
         t.attach(&mut call);
     }
@@ -121,7 +144,7 @@ pub async fn pull_prefill(
     .map_err(peer)?
     .into_inner();
     let mut asm = Assembler::new(layout, expected);
-    let mut header_at = None;
+    let (mut header_at, mut first_at) = (None, None);
     loop {
         // Before the header the prefill's own deadline also applies; after it only
         // progress counts (the header has bounded what may still come).
@@ -140,7 +163,15 @@ pub async fn pull_prefill(
             .map_err(|_| timeout(what))?
             .map_err(peer)?;
         match msg {
-            Some(m) => asm.push(m)?,
+            Some(m) => {
+                if let Some(t) = asm.push(m)? {
+                    first_at = Some(t0.elapsed());
+                    // A receiver that stopped waiting for it has nothing to be told.
+                    if let Some(tx) = first_token.take() {
+                        let _ = tx.send(t);
+                    }
+                }
+            }
             None => break,
         }
         if header_at.is_none() && asm.has_header() {
@@ -151,6 +182,7 @@ pub async fn pull_prefill(
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
     tracing::debug!(
         connect_ms = ms(connected),
+        first_token_ms = first_at.map_or(0.0, ms),
         header_ms = header_at.map_or(0.0, ms),
         done_ms = ms(t0.elapsed()),
         bytes = done.payload_bytes(),

@@ -4,7 +4,9 @@
 use pdserve_engine::config::ModelConfig;
 use pdserve_engine::kv::{EntryDtype, KvLayout, KvLayoutSpec};
 use pdserve_engine::SeqSnapshot;
-use pdserve_kv_transfer::{encode_prefill, Assembler, Expected, Prefilled, TransferError};
+use pdserve_kv_transfer::{
+    encode_prefill, first_token_message, Assembler, Expected, Prefilled, TransferError,
+};
 use pdserve_proto::pb::prefill_message::Kind;
 
 fn layout(index_k: EntryDtype, page_tokens: usize) -> KvLayout {
@@ -213,6 +215,60 @@ fn progress_messages_come_only_before_the_header() {
     msgs.insert(1, pdserve_kv_transfer::progress_message());
     let e = protocol_error(assemble(&l, msgs).unwrap_err());
     assert_eq!(e, "progress message after the header");
+}
+
+/// Every message of `msgs` into one assembler; the tokens announced ahead of the header.
+fn push_all(
+    l: &KvLayout,
+    len: usize,
+    msgs: Vec<pdserve_proto::pb::PrefillMessage>,
+) -> Result<(Vec<u32>, Prefilled), TransferError> {
+    let mut a = Assembler::new(l, expected(l, len));
+    let mut early = Vec::new();
+    for m in msgs {
+        early.extend(a.push(m)?);
+    }
+    Ok((early, a.finish()?))
+}
+
+#[test]
+fn a_first_token_ahead_of_the_header_is_announced_and_must_agree_with_it() {
+    let l = layout(EntryDtype::F32, 32);
+    let p = sample(&l, 40);
+    // Announced once, before the header (heartbeats may come before and after it).
+    let mut msgs = encode_prefill(&l, &p, 1 << 20);
+    msgs.insert(0, pdserve_kv_transfer::progress_message());
+    msgs.insert(0, first_token_message(p.first_token));
+    msgs.insert(0, pdserve_kv_transfer::progress_message());
+    let (early, got) = push_all(&l, 40, msgs).unwrap();
+    assert_eq!((early, got), (vec![2], p.clone()));
+    // Without it, the header alone carries the token.
+    let (early, got) = push_all(&l, 40, encode_prefill(&l, &p, 1 << 20)).unwrap();
+    assert_eq!((early, got), (vec![], p.clone()));
+    // A header that disagrees with the announced token.
+    let mut msgs = encode_prefill(&l, &p, 1 << 20);
+    msgs.insert(0, first_token_message(1));
+    let e = protocol_error(push_all(&l, 40, msgs).unwrap_err());
+    assert_eq!(
+        e,
+        "header's first token 2 differs from the 1 announced before it"
+    );
+    // Twice, or after the header.
+    for at in [0, 1] {
+        let mut msgs = encode_prefill(&l, &p, 1 << 20);
+        msgs.insert(0, first_token_message(2));
+        msgs.insert(at + 1, first_token_message(2));
+        let e = protocol_error(push_all(&l, 40, msgs).unwrap_err());
+        assert_eq!(
+            e, "first token message after the header or twice",
+            "at {at}"
+        );
+    }
+    // Outside the vocabulary.
+    let mut msgs = encode_prefill(&l, &p, 1 << 20);
+    msgs.insert(0, first_token_message(VOCAB as u32));
+    let e = protocol_error(push_all(&l, 40, msgs).unwrap_err());
+    assert_eq!(e, "first token 4 is outside the vocabulary of 4");
 }
 
 #[test]

@@ -17,6 +17,9 @@ pub struct Job {
     pub prompt: Vec<u32>,
     pub sampling: SamplingParams,
     pub request_id: String,
+    /// Told the sampled token as soon as it is known, before the pages are exported
+    /// (when the receiver asked for it early).
+    pub first_token: Option<oneshot::Sender<u32>>,
     pub reply: oneshot::Sender<Result<Prefilled, Failure>>,
 }
 
@@ -81,7 +84,7 @@ struct Worker<B: Backend> {
 
 impl<B: Backend> Worker<B> {
     fn run(&mut self, mut rx: mpsc::Receiver<Job>) {
-        while let Some(job) = rx.blocking_recv() {
+        while let Some(mut job) = rx.blocking_recv() {
             self.load.waiting.fetch_sub(1, Ordering::Relaxed);
             let _span = tracing::info_span!("prefill", request_id = %job.request_id).entered();
             if job.reply.is_closed() {
@@ -91,7 +94,7 @@ impl<B: Backend> Worker<B> {
             self.load.running.store(1, Ordering::Relaxed);
             pdserve_worker::metrics::queue_time(job.queued.elapsed());
             let t0 = std::time::Instant::now();
-            match self.prefill_one(&job) {
+            match self.prefill_one(&mut job) {
                 Ok(Some((p, hit, host_hit))) => {
                     pdserve_worker::metrics::prefill_time(t0.elapsed());
                     tracing::info!(
@@ -161,7 +164,11 @@ impl<B: Backend> Worker<B> {
 
     /// `Ok(None)`: the requester went away; the sequence is released either way.
     /// Otherwise the prefill and its cached and host-tier token counts.
-    fn prefill_one(&mut self, job: &Job) -> Result<Option<(Prefilled, usize, usize)>, EngineError> {
+    fn prefill_one(
+        &mut self,
+        job: &mut Job,
+    ) -> Result<Option<(Prefilled, usize, usize)>, EngineError> {
+        let started = std::time::Instant::now();
         let mut sampler = Sampler::for_prompt(job.sampling, &job.prompt)
             .map_err(|e| EngineError::InvalidInput(e.to_string()))?;
         if job.prompt.is_empty() {
@@ -186,6 +193,12 @@ impl<B: Backend> Worker<B> {
             let first_token = sampler
                 .sample(&last)
                 .map_err(|e| EngineError::Internal(format!("sampling: {e}")))?;
+            pdserve_worker::metrics::prefill_first_token(started.elapsed());
+            if let Some(tx) = job.first_token.take() {
+                // The service sends it on while the pages are exported; a receiver gone
+                // meanwhile is seen by the reply.
+                let _ = tx.send(first_token);
+            }
             let t0 = std::time::Instant::now();
             let snapshot = self.engine.export_sequence(&seq)?;
             tracing::debug!(

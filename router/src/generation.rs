@@ -81,6 +81,9 @@ pub struct Started {
     stream: Streaming<pb::TokenEvent>,
     state: Arc<AppState>,
     decode: Arc<Worker>,
+    /// The prefill worker whose KV the decode worker pulls (it may fail after the first
+    /// token: see [`crate::migration::StreamFault::prefill_failed`]).
+    prefill: Arc<Worker>,
     /// The decode worker counts this request in flight until the stream is dropped.
     _in_flight: InFlight,
     /// The job as the client asked it, and every token yielded for it so far (across
@@ -134,6 +137,14 @@ fn compatible(p: &Worker, ds: Vec<Arc<Worker>>) -> Result<Vec<Arc<Worker>>, ApiE
         }),
         _ => Ok(ok),
     }
+}
+
+/// Whether a decode server's status names its prefill server as the worker that failed.
+pub fn prefill_failed(status: &tonic::Status) -> bool {
+    status
+        .metadata()
+        .get(FAILED_WORKER)
+        .is_some_and(|v| v.as_bytes() == b"prefill")
 }
 
 /// Whether a failed attempt's status says the worker itself is at fault.
@@ -223,6 +234,7 @@ async fn start_avoiding(
                     stream,
                     state,
                     decode: d.clone(),
+                    prefill: p.clone(),
                     _in_flight: d_flight,
                     origin: job.clone(),
                     generated: Vec::new(),
@@ -232,10 +244,7 @@ async fn start_avoiding(
             Ok(Ok((_, None))) => tonic::Status::unavailable("decode stream ended before any token"),
             Ok(Err(s)) => s,
         };
-        let prefill_failed = status
-            .metadata()
-            .get(FAILED_WORKER)
-            .is_some_and(|v| v.as_bytes() == b"prefill");
+        let prefill_failed = prefill_failed(&status);
         let culprit = if prefill_failed { &p } else { &d };
         let err = ApiError::from_status(
             &status,
@@ -277,7 +286,7 @@ impl Started {
         {
             return Err(fault.error);
         }
-        self.migrate(fault.error).await.map(Some)
+        self.migrate(fault).await.map(Some)
     }
 
     fn yielded(&mut self, ev: Next) -> Next {
@@ -287,13 +296,24 @@ impl Started {
         ev
     }
 
-    /// Re-issue the prompt and the tokens so far to another pair and adopt its stream;
-    /// the first event of the new stream.
-    async fn migrate(&mut self, lost: ApiError) -> Result<Next, ApiError> {
+    /// Re-issue the prompt and the tokens so far to another pair (without the worker that
+    /// failed) and adopt its stream; the first event of the new stream.
+    async fn migrate(&mut self, fault: StreamFault) -> Result<Next, ApiError> {
         self.migrations += 1;
-        let from = self.decode_addr.clone();
-        self.decode.request_failed(&lost.message);
-        tracing::warn!(request_id = %self.origin.request_id, decode = %from, tokens = self.generated.len(), error = %lost.message, "decode worker lost mid-stream; migrating");
+        let lost = fault.error;
+        let from = match fault.prefill_failed {
+            // Down as surely as one that fails before the first token (see start_avoiding).
+            true => {
+                self.prefill.fail_hard(&lost.message);
+                tracing::warn!(request_id = %self.origin.request_id, prefill = %self.prefill.addr, tokens = self.generated.len(), error = %lost.message, "prefill worker lost during the KV transfer; migrating");
+                self.prefill.addr.clone()
+            }
+            false => {
+                self.decode.request_failed(&lost.message);
+                tracing::warn!(request_id = %self.origin.request_id, decode = %self.decode_addr, tokens = self.generated.len(), error = %lost.message, "decode worker lost mid-stream; migrating");
+                self.decode_addr.clone()
+            }
+        };
         let Some(job) = self.origin.resumed(&self.generated) else {
             // Every token arrived; only the finish event was lost.
             crate::metrics::migration("ok");
@@ -311,6 +331,7 @@ impl Started {
                 self.decode_addr = next.decode_addr;
                 self.stream = next.stream;
                 self.decode = next.decode;
+                self.prefill = next.prefill;
                 self._in_flight = next._in_flight;
                 Ok(self.yielded(first))
             }

@@ -21,6 +21,9 @@ pub struct StreamFault {
     pub error: ApiError,
     /// The worker went away or stalled: another pair can continue the stream.
     pub migratable: bool,
+    /// The decode server says its prefill server failed (the stream had its first token,
+    /// sent ahead of the KV, when the transfer broke): another prefill server continues.
+    pub prefill_failed: bool,
 }
 
 impl StreamFault {
@@ -30,6 +33,7 @@ impl StreamFault {
         StreamFault {
             error,
             migratable: true,
+            prefill_failed: false,
         }
     }
 
@@ -38,6 +42,7 @@ impl StreamFault {
         StreamFault {
             error: ApiError::from_status(s, worker),
             migratable: migratable(s.code()),
+            prefill_failed: crate::generation::prefill_failed(s),
         }
     }
 
@@ -45,6 +50,7 @@ impl StreamFault {
         StreamFault {
             error,
             migratable: false,
+            prefill_failed: false,
         }
     }
 }

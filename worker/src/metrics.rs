@@ -17,7 +17,9 @@
 //! | `pdserve_kv_transfer_bytes_total` | counter | their bytes (pages + state + logits) |
 //! | `pdserve_kv_transfer_seconds` | histogram | one transfer (prefill: streaming it; decode: the whole pull, prefill compute included) |
 //! | `pdserve_request_queue_time_seconds` | histogram | arrival to admission (decode) / to the engine starting it (prefill) |
-//! | `pdserve_request_prefill_time_seconds` | histogram | prefill compute of one prompt (prefill) |
+//! | `pdserve_request_prefill_time_seconds` | histogram | prefill compute of one prompt, its pages' export included (prefill) |
+//! | `pdserve_request_prefill_first_token_seconds` | histogram | prefill compute of one prompt up to its first token sampled (prefill) |
+//! | `pdserve_first_token_seconds` | histogram | a pull's start to the request's first token handed to its stream: ahead of the KV for plain requests, at admission otherwise (decode) |
 //! | `pdserve_decode_step_seconds` | histogram | one batched decode step, sampling included (decode) |
 //! | `pdserve_decode_batch_size` | histogram | requests in one decode step (decode) |
 //! | `pdserve_decode_step_gap_seconds` | histogram | host time from one decode step's end to the next one's start while the batch is busy: the GPU's idle time (decode) |
@@ -38,6 +40,8 @@ pub const KV_TRANSFER_BYTES: &str = "pdserve_kv_transfer_bytes_total";
 pub const KV_TRANSFER_SECONDS: &str = "pdserve_kv_transfer_seconds";
 pub const QUEUE_TIME: &str = "pdserve_request_queue_time_seconds";
 pub const PREFILL_TIME: &str = "pdserve_request_prefill_time_seconds";
+pub const PREFILL_FIRST_TOKEN: &str = "pdserve_request_prefill_first_token_seconds";
+pub const FIRST_TOKEN: &str = "pdserve_first_token_seconds";
 pub const DECODE_STEP: &str = "pdserve_decode_step_seconds";
 pub const BATCH_SIZE: &str = "pdserve_decode_batch_size";
 pub const DECODE_STEP_GAP: &str = "pdserve_decode_step_gap_seconds";
@@ -128,6 +132,16 @@ fn register() {
         "Arrival to admission or engine start"
     );
     describe_histogram!(PREFILL_TIME, Unit::Seconds, "Prefill compute of one prompt");
+    describe_histogram!(
+        PREFILL_FIRST_TOKEN,
+        Unit::Seconds,
+        "Prefill compute of one prompt up to its first token"
+    );
+    describe_histogram!(
+        FIRST_TOKEN,
+        Unit::Seconds,
+        "A pull's start to the request's first token streamed"
+    );
     describe_histogram!(DECODE_STEP, Unit::Seconds, "One batched decode step");
     describe_histogram!(BATCH_SIZE, "Requests in one decode step");
 }
@@ -145,6 +159,15 @@ pub fn queue_time(d: Duration) {
 
 pub fn prefill_time(d: Duration) {
     metrics::histogram!(PREFILL_TIME).record(d.as_secs_f64());
+}
+
+pub fn prefill_first_token(d: Duration) {
+    metrics::histogram!(PREFILL_FIRST_TOKEN).record(d.as_secs_f64());
+}
+
+/// Decode: from a pull's start to the request's first token handed to its stream.
+pub fn first_token(d: Duration) {
+    metrics::histogram!(FIRST_TOKEN).record(d.as_secs_f64());
 }
 
 /// One decode step of `batch` requests.

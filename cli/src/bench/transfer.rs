@@ -11,7 +11,9 @@ use super::table::{num, Table};
 use anyhow::{bail, Context, Result};
 use pdserve_engine::kv::KvLayout;
 use pdserve_engine::SeqSnapshot;
-use pdserve_kv_transfer::{prefill_messages, pull_prefill, Expected, Prefilled, PullOptions};
+use pdserve_kv_transfer::{
+    prefill_messages, pull_prefill, Expected, Prefilled, PullOptions, PullRequest,
+};
 use pdserve_proto::pb;
 use std::sync::Arc;
 use std::time::Instant;
@@ -217,9 +219,12 @@ async fn transfer_rows(
                 &addr,
                 layout,
                 expected,
-                vec![0; positions],
-                pb::SamplingParams::default(),
-                "bench-transfer",
+                PullRequest {
+                    prompt: vec![0; positions],
+                    sampling: pb::SamplingParams::default(),
+                    request_id: "bench-transfer".into(),
+                    first_token: None,
+                },
                 PullOptions::default(),
             )
             .await

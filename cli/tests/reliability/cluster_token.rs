@@ -51,6 +51,7 @@ fn prefill_status(addr: &str, token: Option<&str>) -> tonic::Status {
             prompt: vec![5, 6, 7],
             sampling: None,
             receiver_layout: None,
+            early_first_token: false,
         };
         c.prefill(with_token(req, token)).await.unwrap_err()
     })

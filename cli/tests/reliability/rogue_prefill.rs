@@ -1,14 +1,16 @@
 //! A rogue prefill peer against a real decode server that is serving real traffic: a
 //! header lying about its length, 10^9 positions, short logits, a message far over the
-//! limit, and silence after accepting. Only the rogue's requests fail, each at once (or,
-//! silent, within the progress deadline); the other streams' outputs are unchanged, the
-//! decode server's memory stays bounded and every page and slot comes back.
+//! limit, silence after accepting, a first token ahead of the KV and then silence or a
+//! header disagreeing with it. Only the rogue's requests fail, each at once (or, silent,
+//! within the progress deadline), after streaming only the token it announced early; the
+//! other streams' outputs are unchanged, the decode server's memory stays bounded and
+//! every page and slot comes back.
 
 use crate::support::*;
 use pdserve_engine::config::ModelConfig;
 use pdserve_engine::kv::{KvLayout, KvLayoutSpec};
 use pdserve_engine::SeqSnapshot;
-use pdserve_kv_transfer::{encode_prefill, Prefilled};
+use pdserve_kv_transfer::{encode_prefill, first_token_message, Prefilled};
 use pdserve_proto::pb;
 use pdserve_proto::pb::prefill_message::Kind;
 use std::time::{Duration, Instant};
@@ -33,14 +35,23 @@ enum Mode {
     Oversize = 6,
     /// Accepts the call and sends nothing.
     Silent = 7,
+    /// Sends the first token ahead of the KV (as asked), then nothing.
+    EarlyThenSilent = 8,
+    /// Sends first token 1 ahead of the KV, then an honest header saying token 0.
+    EarlyMismatch = 9,
+    /// Sends the first token ahead of the KV, then fails as a server going down does.
+    EarlyThenDown = 10,
 }
 
-const MODES: [Mode; 5] = [
+const MODES: [Mode; 8] = [
     Mode::LyingLength,
     Mode::Billion,
     Mode::ShortLogits,
     Mode::Oversize,
     Mode::Silent,
+    Mode::EarlyThenSilent,
+    Mode::EarlyMismatch,
+    Mode::EarlyThenDown,
 ];
 
 fn embedded_layout() -> (KvLayout, usize) {
@@ -110,6 +121,11 @@ impl Rogue {
                 },
             ],
             Mode::Silent => Vec::new(),
+            Mode::EarlyThenSilent | Mode::EarlyThenDown => vec![first_token_message(0)],
+            Mode::EarlyMismatch => vec![
+                first_token_message(1),
+                header(self.honest_header(prompt_len)),
+            ],
         }
     }
 }
@@ -123,6 +139,10 @@ impl pb::prefill_server::Prefill for Rogue {
         req: Request<pb::PrefillRequest>,
     ) -> Result<Response<Self::PrefillStream>, Status> {
         let r = req.into_inner();
+        assert!(
+            r.early_first_token,
+            "a plain greedy request asks for its first token ahead of the KV"
+        );
         let mode = MODES
             .into_iter()
             .find(|m| *m as u32 == r.prompt[0])
@@ -131,9 +151,18 @@ impl pb::prefill_server::Prefill for Rogue {
         let (tx, rx) = mpsc::channel(2);
         tokio::spawn(async move {
             for m in msgs {
+                let early = matches!(m.kind, Some(Kind::FirstToken(_)));
                 if tx.send(Ok(m)).await.is_err() {
                     return;
                 }
+                if early {
+                    // The decode server streams the token before the rest arrives.
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+            }
+            if mode == Mode::EarlyThenDown {
+                let _ = tx.send(Err(Status::unavailable("rogue going down"))).await;
+                return;
             }
             // Then hold the stream open, saying nothing.
             tokio::time::sleep(Duration::from_secs(60)).await;
@@ -159,13 +188,14 @@ async fn decode_info(addr: &str) -> pb::WorkerInfo {
 }
 
 /// One Generate call on the decode server naming `prefill`; the status it ends with (or
-/// Ok with its token count) and how long that took.
+/// Ok with its token count), the tokens streamed before that, and how long it took.
 async fn generate(
     decode: &str,
     prefill: &str,
     prompt: Vec<u32>,
-) -> (Result<usize, Status>, Duration) {
+) -> (Result<usize, Status>, usize, Duration) {
     let t0 = Instant::now();
+    let mut n = 0;
     let res = async {
         let mut c = pb::decode_client::DecodeClient::connect(format!("http://{decode}"))
             .await
@@ -187,7 +217,6 @@ async fn generate(
             })
             .await?
             .into_inner();
-        let mut n = 0;
         while let Some(ev) = s.message().await? {
             if matches!(ev.kind, Some(pb::token_event::Kind::Token(_))) {
                 n += 1;
@@ -196,7 +225,7 @@ async fn generate(
         Ok(n)
     }
     .await;
-    (res, t0.elapsed())
+    (res, n, t0.elapsed())
 }
 
 #[test]
@@ -267,9 +296,15 @@ fn a_rogue_prefill_fails_only_its_own_requests() {
         .into_iter()
         .map(|(m, h)| (m, rt.block_on(h).unwrap()))
         .collect();
-    for (m, (res, took)) in &results {
+    for (m, (res, streamed, took)) in &results {
         let st = res.as_ref().expect_err("a rogue transfer must fail");
         let msg = st.message();
+        // Only a token announced ahead of the KV reaches the client before the failure.
+        let early = matches!(
+            m,
+            Mode::EarlyThenSilent | Mode::EarlyMismatch | Mode::EarlyThenDown
+        );
+        assert_eq!(*streamed, usize::from(early), "{m:?}: {msg}");
         match m {
             Mode::LyingLength => {
                 assert_eq!(st.code(), tonic::Code::DataLoss, "{m:?}: {msg}");
@@ -293,9 +328,24 @@ fn a_rogue_prefill_fails_only_its_own_requests() {
                 assert_eq!(st.code(), tonic::Code::DataLoss, "{m:?}: {msg}");
                 assert!(msg.contains("too large"), "{msg}");
             }
-            Mode::Silent => {
+            Mode::Silent | Mode::EarlyThenSilent => {
                 assert_eq!(st.code(), tonic::Code::DeadlineExceeded, "{m:?}: {msg}");
                 assert!(msg.contains("progress"), "{msg}");
+            }
+            Mode::EarlyThenDown => {
+                // The router moves such a stream to another pair, avoiding this prefill
+                // server (the decode server names it).
+                assert_eq!(st.code(), tonic::Code::Unavailable, "{m:?}: {msg}");
+                assert!(msg.contains("rogue going down"), "{msg}");
+                let failed = st.metadata().get(pdserve_proto::FAILED_WORKER);
+                assert_eq!(failed.map(|v| v.as_bytes()), Some(&b"prefill"[..]), "{m:?}");
+            }
+            Mode::EarlyMismatch => {
+                assert_eq!(st.code(), tonic::Code::DataLoss, "{m:?}: {msg}");
+                assert!(
+                    msg.contains("header's first token 0 differs from the 1 announced"),
+                    "{msg}"
+                );
             }
         }
         // Refused at once, or (silent) within the progress deadline; queued behind the
@@ -325,7 +375,7 @@ fn a_rogue_prefill_fails_only_its_own_requests() {
         })
         .collect();
     for h in full {
-        let (res, took) = rt.block_on(h).unwrap();
+        let (res, _, took) = rt.block_on(h).unwrap();
         assert_eq!(res.unwrap(), 4);
         assert!(took < Duration::from_secs(20), "{took:?}");
     }
