@@ -145,6 +145,8 @@ part_ttft() {
   # The router's own time to first token (request in to first token out), all requests.
   curl -s "http://$R/metrics" | grep -E "^pdserve_router_time_to_first_token_seconds_(sum|count)" || true
   stop_all
+  # TTFT_BENCH=0: the cluster's part only (no bench prefill rows after it).
+  [ "${TTFT_BENCH:-1}" = 1 ] || return 0
   # The prefill's compute alone on the same model and device, for the same prompt length.
   "$BIN" bench prefill --device "$DEV" "${DIMS[@]}" --tokens "$TTFT_TOKENS" --weights bf16 \
     --repeats 3 --warmup 1 --json "$OUT/ttft-prefill.json"
