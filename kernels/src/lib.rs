@@ -6,6 +6,7 @@
 mod alloc;
 pub mod backend;
 mod blas;
+pub mod blas_fp8;
 mod buf;
 pub mod compile;
 pub mod device;

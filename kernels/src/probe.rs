@@ -1,10 +1,12 @@
-//! The two device ceilings a benchmark compares against, measured on this device in the
+//! The device ceilings a benchmark compares against, measured on this device in the
 //! same run: memory bandwidth (a large device-to-device copy, and a read-only kernel) and
-//! the bf16 GEMM rate (cuBLAS, as the backend's matmul calls it). Inputs are random,
+//! the bf16 GEMM rate (cuBLAS, as the backend's matmul calls it) and the FP8 one
+//! (cuBLASLt, block-scaled as DeepSeek's FP8 weights are). Inputs are random,
 //! never zeros; every figure is the median of several runs timed with CUDA events after
 //! a warm-up run.
 
 use crate::backend::CudaBackend;
+use crate::blas_fp8::{scale_counts, Fp8Gemm, Fp8Scaling};
 use crate::kernels::{self, DevPtr};
 use crate::launch::{dev_err, BLOCK};
 use crate::ops::random::random_tensor;
@@ -100,6 +102,40 @@ impl CudaBackend {
                 .gemm_nt(ap, wp, cp, (n, n, n), (n, n, n), (0, 0, 0), 1, true)
         })?;
         Ok(2.0 * (n as f64).powi(3) / median(runs)?)
+    }
+
+    /// FLOP/s of an `n x n x n` FP8 (e4m3) cuBLASLt GEMM, bf16 out, fp32 accumulation,
+    /// with DeepSeek's block scales where the library has them; and which scaling ran.
+    /// The operands are random e4m3 values (no NaN), the scales random too.
+    pub fn measure_gemm_fp8(&self, n: usize, iters: usize) -> BResult<(f64, Fp8Scaling)> {
+        let n = n.div_ceil(128) * 128;
+        let gemm = Fp8Gemm::new(&self.gpu, (n, n, n))?;
+        let mut state = 0x9E37_79B9_7F4A_7C15u64;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        // e4m3 bytes with the exponent's top bit clear (|v| < 2, never NaN).
+        let fp8 = |next: &mut dyn FnMut() -> u64| -> Vec<u8> {
+            (0..n * n).map(|_| (next() as u8) & 0xBF).collect()
+        };
+        let (x, w) = (fp8(&mut next), fp8(&mut next));
+        let (ws, xs) = scale_counts((n, n, n), gemm.scaling);
+        let scales = |count: usize, next: &mut dyn FnMut() -> u64| -> Vec<f32> {
+            (0..count)
+                .map(|_| 1e-3 * (1.0 + (next() % 1000) as f32 / 1000.0))
+                .collect()
+        };
+        let (w_s, x_s) = (scales(ws, &mut next), scales(xs, &mut next));
+        let (x, w) = (self.gpu.upload(&x)?, self.gpu.upload(&w)?);
+        let (x_s, w_s) = (self.gpu.upload(&x_s)?, self.gpu.upload(&w_s)?);
+        let out = self.gpu.zeros_owned::<u16>(n * n)?;
+        let runs = self.time_runs(iters, || {
+            gemm.run(&self.gpu, x.ptr(), x_s.ptr(), w.ptr(), w_s.ptr(), out.ptr())
+        })?;
+        Ok((2.0 * (n as f64).powi(3) / median(runs)?, gemm.scaling))
     }
 
     /// Wait for all queued work on the backend's stream.

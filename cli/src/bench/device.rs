@@ -31,6 +31,10 @@ pub trait BenchBackend: Backend + Sized {
     fn memory_bandwidth(&self) -> Result<Ceiling>;
     /// Dense GEMM rate (FLOP/s) measured now: the prefill ceiling.
     fn gemm_rate(&self) -> Result<Ceiling>;
+    /// The FP8 GEMM rate (FLOP/s) measured now, block-scaled as the checkpoints' FP8
+    /// weights: the ceiling of the stored formats' prefill. None where there is no FP8
+    /// GEMM (the CPU, which computes every format in fp32).
+    fn fp8_gemm_rate(&self) -> Result<Option<Ceiling>>;
     /// Run decode steps in `mode`; returns the label the table shows for it.
     fn apply_graph_mode(&mut self, mode: GraphMode) -> String;
     /// Seconds decode steps have spent blocked on the device so far (the rest of a step's
@@ -92,6 +96,10 @@ impl BenchBackend for CpuBackend {
             rate: 2.0 * (n as f64).powi(3) / median(runs),
             how: format!("cpu fp32 matmul {n}^3"),
         })
+    }
+
+    fn fp8_gemm_rate(&self) -> Result<Option<Ceiling>> {
+        Ok(None)
     }
 
     fn apply_graph_mode(&mut self, mode: GraphMode) -> String {
@@ -171,6 +179,24 @@ impl BenchBackend for CudaBackend {
             rate: self.measure_gemm_bf16(n, 10)?,
             how: format!("cuBLAS bf16 GEMM {n}^3, fp32 accumulate"),
         })
+    }
+
+    /// cuBLASLt e4m3 x e4m3 -> bf16 GEMM 8192^3, fp32 accumulate, median of 10.
+    fn fp8_gemm_rate(&self) -> Result<Option<Ceiling>> {
+        let n = 8192;
+        let (rate, scaling) = self.measure_gemm_fp8(n, 10)?;
+        let scales = match scaling {
+            pdserve_kernels::blas_fp8::Fp8Scaling::Blocks => {
+                "128x128 weight / 1x128 activation scales"
+            }
+            pdserve_kernels::blas_fp8::Fp8Scaling::Tensor => {
+                "per-tensor scales (no block scaling in this cuBLASLt)"
+            }
+        };
+        Ok(Some(Ceiling {
+            rate,
+            how: format!("cuBLASLt FP8 e4m3 GEMM {n}^3, {scales}, fp32 accumulate"),
+        }))
     }
 
     fn apply_graph_mode(&mut self, mode: GraphMode) -> String {

@@ -80,8 +80,30 @@ pub struct PrefillRow {
     pub tokens_per_s: f64,
     pub flops_per_token: f64,
     pub tflops: f64,
+    /// Of the GEMM rate of the weights' format (`gemm_rate_of`).
     pub gemm_fraction: f64,
+    /// Which measured rate `gemm_fraction` is of: `bf16`, or `fp8` for the stored FP8
+    /// formats where the device has an FP8 GEMM (the bf16 rate otherwise).
+    #[serde(default)]
+    pub gemm_rate_of: String,
     pub logits_finite: bool,
+}
+
+/// The measured GEMM rates a row's fraction can be of.
+struct Rates {
+    bf16: f64,
+    fp8: Option<f64>,
+}
+
+impl Rates {
+    /// The rate of weights `format` (FP8 for the stored FP8 formats, whose experts are FP8
+    /// or FP4: Hopper has no faster GEMM for FP4) and its name.
+    fn of(&self, format: &str) -> (f64, &'static str) {
+        match (format.starts_with("fp8"), self.fp8) {
+            (true, Some(r)) => (r, "fp8"),
+            _ => (self.bf16, "bf16"),
+        }
+    }
 }
 
 /// A whole `bench prefill` run: what `--json` writes and `bench plot` reads back.
@@ -90,6 +112,11 @@ pub struct PrefillRecord {
     pub device: String,
     pub gemm_flops_per_s: f64,
     pub gemm_how: String,
+    /// The FP8 GEMM rate, measured when a stored FP8 format ran on a device with one.
+    #[serde(default)]
+    pub fp8_gemm_flops_per_s: Option<f64>,
+    #[serde(default)]
+    pub fp8_gemm_how: Option<String>,
     pub rows: Vec<PrefillRow>,
 }
 
@@ -117,11 +144,26 @@ pub fn run<B: BenchBackend>(a: &PrefillArgs, backend: B) -> Result<PrefillRecord
     }
     let gemm = backend.gemm_rate()?;
     println!("GEMM rate: {:.1} TFLOP/s ({})", gemm.rate / 1e12, gemm.how);
+    let fp8 = match a.model.weights.iter().any(|w| w.starts_with("fp8")) {
+        // Without it the FP8 rows are measured against the bf16 rate, and say so.
+        true => backend.fp8_gemm_rate().unwrap_or_else(|e| {
+            tracing::warn!(error = %e, "no FP8 GEMM rate: the fp8 rows are of the bf16 rate");
+            None
+        }),
+        false => None,
+    };
+    if let Some(f) = &fp8 {
+        println!("FP8 GEMM rate: {:.1} TFLOP/s ({})", f.rate / 1e12, f.how);
+    }
+    let rates = Rates {
+        bf16: gemm.rate,
+        fp8: fp8.as_ref().map(|f| f.rate),
+    };
     let total = formats.len() * a.tokens.len() * (a.warmup + a.repeats);
     let bar = progress(total as u64, "prefills");
     let mut rows = Vec::new();
     for f in &formats {
-        rows.extend(run_format(a, f, &backend, gemm.rate, &bar)?);
+        rows.extend(run_format(a, f, &backend, &rates, &bar)?);
     }
     bar.finish_and_clear();
     println!("{}", table(&rows, peer.as_ref()));
@@ -129,6 +171,8 @@ pub fn run<B: BenchBackend>(a: &PrefillArgs, backend: B) -> Result<PrefillRecord
         device: backend.name(),
         gemm_flops_per_s: gemm.rate,
         gemm_how: gemm.how,
+        fp8_gemm_flops_per_s: fp8.as_ref().map(|f| f.rate),
+        fp8_gemm_how: fp8.map(|f| f.how),
         rows,
     };
     if let Some(path) = &a.json {
@@ -146,10 +190,11 @@ fn run_format<B: BenchBackend>(
     a: &PrefillArgs,
     flags: &ModelFlags,
     backend: &B,
-    gemm_rate: f64,
+    rates: &Rates,
     bar: &indicatif::ProgressBar,
 ) -> Result<Vec<PrefillRow>> {
     let format = flags.format()?.to_string();
+    let (gemm_rate, rate_of) = rates.of(&format);
     bar.set_message(format!("loading {format} weights"));
     let p = Prepared::new(flags, backend)?;
     let (cfg, layout) = (&p.model.cfg, &p.layout);
@@ -232,6 +277,7 @@ fn run_format<B: BenchBackend>(
             flops_per_token: flops / n as f64,
             tflops: flops / s / 1e12,
             gemm_fraction: flops / s / gemm_rate,
+            gemm_rate_of: rate_of.into(),
             logits_finite: finite,
         });
     }
@@ -281,6 +327,7 @@ pub fn table(rows: &[PrefillRow], peer: Option<&Peer>) -> Table {
         "GFLOP/token",
         "TFLOP/s",
         "x GEMM rate",
+        "rate of",
     ];
     let cuts = rows.iter().any(|r| r.cut_every > 0);
     if cuts {
@@ -302,6 +349,7 @@ pub fn table(rows: &[PrefillRow], peer: Option<&Peer>) -> Table {
                 num(r.flops_per_token / 1e9),
                 num(r.tflops),
                 num(r.gemm_fraction),
+                r.gemm_rate_of.clone(),
             ];
             if cuts {
                 v.extend([

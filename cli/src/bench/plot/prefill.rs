@@ -1,5 +1,6 @@
 //! The prefill figure: TFLOP/s against prompt length (log scale), one line per weights
-//! format, and the GEMM rate measured in the same run as a dashed horizontal line.
+//! format, and the GEMM rates measured in the same run (bf16, and FP8 when a stored FP8
+//! format ran) as dashed horizontal lines.
 
 use super::{distinct, distinct_sorted, log_range, FONT, PANEL};
 use crate::bench::prefill::PrefillRecord;
@@ -13,7 +14,25 @@ pub fn prefill_svg(rec: &PrefillRecord) -> Result<String> {
     let lengths = distinct_sorted(rows.iter().map(|r| r.tokens as f64));
     let x = log_range(lengths.iter().copied(), "prompt lengths")?;
     let gemm = rec.gemm_flops_per_s / 1e12;
-    let top = rows.iter().map(|r| r.tflops).fold(gemm, f64::max);
+    let mut rates = vec![(
+        format!("GEMM rate {} TFLOP/s ({})", num(gemm), rec.gemm_how),
+        gemm,
+        BLACK,
+    )];
+    if let Some(f) = rec.fp8_gemm_flops_per_s {
+        let how = rec.fp8_gemm_how.as_deref().unwrap_or("FP8");
+        let f = f / 1e12;
+        rates.push((
+            format!("FP8 GEMM rate {} TFLOP/s ({how})", num(f)),
+            f,
+            RGBColor(110, 110, 110),
+        ));
+    }
+    let top = rows
+        .iter()
+        .map(|r| r.tflops)
+        .chain(rates.iter().map(|r| r.1))
+        .fold(0.0, f64::max);
     let mut svg = String::new();
     {
         let root = SVGBackend::with_string(&mut svg, (PANEL.0, PANEL.1 + 40)).into_drawing_area();
@@ -62,19 +81,17 @@ pub fn prefill_svg(rec: &PrefillRecord) -> Result<String> {
                 });
             chart.draw_series(pts.iter().map(|&p| Circle::new(p, 4, color.filled())))?;
         }
-        let line = vec![(x.start, gemm), (x.end, gemm)];
-        chart
-            .draw_series(DashedLineSeries::new(line, 8, 5, BLACK.stroke_width(2)))?
-            .label(format!(
-                "GEMM rate {} TFLOP/s ({})",
-                num(gemm),
-                rec.gemm_how
-            ))
-            .legend(|(lx, ly)| {
-                EmptyElement::at((lx, ly))
-                    + PathElement::new(vec![(0, 0), (8, 0)], BLACK.stroke_width(2))
-                    + PathElement::new(vec![(12, 0), (20, 0)], BLACK.stroke_width(2))
-            });
+        for (label, rate, color) in rates {
+            let line = vec![(x.start, rate), (x.end, rate)];
+            chart
+                .draw_series(DashedLineSeries::new(line, 8, 5, color.stroke_width(2)))?
+                .label(label)
+                .legend(move |(lx, ly)| {
+                    EmptyElement::at((lx, ly))
+                        + PathElement::new(vec![(0, 0), (8, 0)], color.stroke_width(2))
+                        + PathElement::new(vec![(12, 0), (20, 0)], color.stroke_width(2))
+                });
+        }
         chart
             .configure_series_labels()
             .position(SeriesLabelPosition::LowerRight)
@@ -111,6 +128,7 @@ mod tests {
                     flops_per_token: 1e9,
                     tflops: n as f64 / 1e5,
                     gemm_fraction: 0.5,
+                    gemm_rate_of: if *w == "fp8" { "fp8" } else { "bf16" }.into(),
                     logits_finite: true,
                 })
             })
@@ -119,6 +137,8 @@ mod tests {
             device: "test gpu".into(),
             gemm_flops_per_s: 650e12,
             gemm_how: "cuBLAS".into(),
+            fp8_gemm_flops_per_s: Some(1300e12),
+            fp8_gemm_how: Some("cuBLASLt".into()),
             rows,
         };
         let svg = prefill_svg(&rec).unwrap();
@@ -126,6 +146,11 @@ mod tests {
         assert_eq!(count(&t, "bf16 prefill"), 1, "{t:?}");
         assert_eq!(count(&t, "fp8 prefill"), 1, "{t:?}");
         assert_eq!(count(&t, "GEMM rate 650 TFLOP/s (cuBLAS)"), 1, "{t:?}");
+        assert_eq!(
+            count(&t, "FP8 GEMM rate 1300 TFLOP/s (cuBLASLt)"),
+            1,
+            "{t:?}"
+        );
         assert_eq!(count(&t, "prompt tokens"), 1);
         for n in ["1024", "8192", "32768"] {
             assert_eq!(count(&t, n), 1, "{n}: {t:?}");
