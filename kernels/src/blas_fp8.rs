@@ -40,6 +40,8 @@ pub struct Fp8Gemm {
     algo: sys::cublasLtMatmulAlgo_t,
     workspace: crate::DevMem<u8>,
     pub scaling: Fp8Scaling,
+    /// Why block scaling was not taken, when it was not.
+    pub block_refused: Option<String>,
     pub dims: (usize, usize, usize),
 }
 
@@ -54,7 +56,7 @@ impl Fp8Gemm {
     pub fn new(gpu: &crate::device::Gpu, dims: (usize, usize, usize)) -> BResult<Self> {
         let workspace = gpu.zeros_owned::<u8>(WORKSPACE)?;
         let handle = lt::create_handle().map_err(|e| lt_err("handle", e))?;
-        let mut last = None;
+        let mut last: Option<pdserve_engine::backend::BackendError> = None;
         for scaling in [Fp8Scaling::Blocks, Fp8Scaling::Tensor] {
             match Self::plan(handle, dims, scaling) {
                 Ok((desc, layouts, algo)) => {
@@ -65,6 +67,7 @@ impl Fp8Gemm {
                         algo,
                         workspace,
                         scaling,
+                        block_refused: last.map(|e| e.to_string()),
                         dims,
                     })
                 }

@@ -107,7 +107,12 @@ impl CudaBackend {
     /// FLOP/s of an `n x n x n` FP8 (e4m3) cuBLASLt GEMM, bf16 out, fp32 accumulation,
     /// with DeepSeek's block scales where the library has them; and which scaling ran.
     /// The operands are random e4m3 values (no NaN), the scales random too.
-    pub fn measure_gemm_fp8(&self, n: usize, iters: usize) -> BResult<(f64, Fp8Scaling)> {
+    /// (Where block scaling was refused, why.)
+    pub fn measure_gemm_fp8(
+        &self,
+        n: usize,
+        iters: usize,
+    ) -> BResult<(f64, Fp8Scaling, Option<String>)> {
         let n = n.div_ceil(128) * 128;
         let gemm = Fp8Gemm::new(&self.gpu, (n, n, n))?;
         let mut state = 0x9E37_79B9_7F4A_7C15u64;
@@ -135,7 +140,8 @@ impl CudaBackend {
         let runs = self.time_runs(iters, || {
             gemm.run(&self.gpu, x.ptr(), x_s.ptr(), w.ptr(), w_s.ptr(), out.ptr())
         })?;
-        Ok((2.0 * (n as f64).powi(3) / median(runs)?, gemm.scaling))
+        let rate = 2.0 * (n as f64).powi(3) / median(runs)?;
+        Ok((rate, gemm.scaling, gemm.block_refused.clone()))
     }
 
     /// Wait for all queued work on the backend's stream.

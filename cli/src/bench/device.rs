@@ -184,14 +184,15 @@ impl BenchBackend for CudaBackend {
     /// cuBLASLt e4m3 x e4m3 -> bf16 GEMM 8192^3, fp32 accumulate, median of 10.
     fn fp8_gemm_rate(&self) -> Result<Option<Ceiling>> {
         let n = 8192;
-        let (rate, scaling) = self.measure_gemm_fp8(n, 10)?;
+        let (rate, scaling, refused) = self.measure_gemm_fp8(n, 10)?;
         let scales = match scaling {
             pdserve_kernels::blas_fp8::Fp8Scaling::Blocks => {
-                "128x128 weight / 1x128 activation scales"
+                "128x128 weight / 1x128 activation scales".to_string()
             }
-            pdserve_kernels::blas_fp8::Fp8Scaling::Tensor => {
-                "per-tensor scales (no block scaling in this cuBLASLt)"
-            }
+            pdserve_kernels::blas_fp8::Fp8Scaling::Tensor => format!(
+                "per-tensor scales (block scales refused: {})",
+                refused.as_deref().unwrap_or("no reason given")
+            ),
         };
         Ok(Some(Ceiling {
             rate,

@@ -96,9 +96,40 @@ extern "C" __global__ void k_matmul_q(const float* x, const bf16_t* xb, const un
 }
 
 // out[r, c] = bf16 of the stored weight's value (exact: e4m3 and e2m1 values times a power
-// of two fit bf16). One thread per 8 values of a row (per value when cols % 8 != 0).
+// of two fit bf16). Rows of whole scale groups: one thread per group of VEC values (16
+// FP8, 32 FP4: one 16-byte load, one scale, 16-byte stores), 32-bit index arithmetic
+// where the weight allows. Otherwise one thread per 8 values of a row (per value when
+// cols % 8 != 0).
 template <typename M>
 __device__ void dequant_rows(M w, bf16_t* out, int rows, int cols) {
+    constexpr int V = decltype(w.row(0))::VEC;
+    if (cols % V == 0) {
+        u32 per_row = (u32)(cols / V);
+        i64 n = (i64)rows * per_row;
+        bool narrow = n < (1ll << 31);
+        for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+            i64 r = narrow ? (i64)((u32)i / per_row) : i / per_row;
+            int c = (int)(i - r * per_row) * V;
+            auto row = w.row(r);
+            bf16_t* o = out + r * cols + c;
+            if (row.vecv(cols) && ((unsigned long long)o & 15) == 0) {
+                float v[V];
+                row.ldv(c, v);
+                uint4* o4 = reinterpret_cast<uint4*>(o);
+#pragma unroll
+                for (int k = 0; k < V / 8; k++) {
+                    u32 p[4];
+#pragma unroll
+                    for (int j = 0; j < 4; j++)
+                        p[j] = (u32)f_to_bf16(v[8 * k + 2 * j]) | ((u32)f_to_bf16(v[8 * k + 2 * j + 1]) << 16);
+                    o4[k] = make_uint4(p[0], p[1], p[2], p[3]);
+                }
+            } else {
+                for (int q = 0; q < V; q++) o[q] = f_to_bf16(row.ld(c + q));
+            }
+        }
+        return;
+    }
     int step = cols % 8 == 0 ? 8 : 1;
     i64 per_row = cols / step, n = (i64)rows * per_row;
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {

@@ -118,8 +118,9 @@ pub(crate) fn dequant_into(
     if out.len() < rows * cols {
         return Err(dev_err("dequantization buffer too small"));
     }
+    // One thread per 16 values (an FP8 group; FP4's 32 take half of them).
     g.launch(
-        grid_1d(rows * cols / 8),
+        grid_1d(rows * cols / 16),
         0,
         &kernels::DequantBf16 {
             q: DevPtr(q),
