@@ -14,8 +14,10 @@ pub fn prefill_svg(rec: &PrefillRecord) -> Result<String> {
     let lengths = distinct_sorted(rows.iter().map(|r| r.tokens as f64));
     let x = log_range(lengths.iter().copied(), "prompt lengths")?;
     let gemm = rec.gemm_flops_per_s / 1e12;
+    // The legend names each rate's GEMM without its parenthesised details.
+    let short = |how: &str| how.split(" (").next().unwrap_or(how).to_string();
     let mut rates = vec![(
-        format!("GEMM rate {} TFLOP/s ({})", num(gemm), rec.gemm_how),
+        format!("GEMM rate {} TFLOP/s ({})", num(gemm), short(&rec.gemm_how)),
         gemm,
         BLACK,
     )];
@@ -23,7 +25,7 @@ pub fn prefill_svg(rec: &PrefillRecord) -> Result<String> {
         let how = rec.fp8_gemm_how.as_deref().unwrap_or("FP8");
         let f = f / 1e12;
         rates.push((
-            format!("FP8 GEMM rate {} TFLOP/s ({how})", num(f)),
+            format!("FP8 GEMM rate {} TFLOP/s ({})", num(f), short(how)),
             f,
             RGBColor(110, 110, 110),
         ));
@@ -52,7 +54,8 @@ pub fn prefill_svg(rec: &PrefillRecord) -> Result<String> {
             .y_label_area_size(64)
             .build_cartesian_2d(
                 x.clone().log_scale().with_key_points(lengths.clone()),
-                0.0..top * 1.15,
+                // Room above the highest line for the legend.
+                0.0..top * 1.4,
             )?;
         chart
             .configure_mesh()
@@ -94,7 +97,7 @@ pub fn prefill_svg(rec: &PrefillRecord) -> Result<String> {
         }
         chart
             .configure_series_labels()
-            .position(SeriesLabelPosition::LowerRight)
+            .position(SeriesLabelPosition::UpperRight)
             .label_font((FONT, 13))
             .background_style(WHITE.mix(0.85))
             .border_style(BLACK)
@@ -138,7 +141,7 @@ mod tests {
             gemm_flops_per_s: 650e12,
             gemm_how: "cuBLAS".into(),
             fp8_gemm_flops_per_s: Some(1300e12),
-            fp8_gemm_how: Some("cuBLASLt".into()),
+            fp8_gemm_how: Some("cuBLASLt (per-tensor scales)".into()),
             rows,
         };
         let svg = prefill_svg(&rec).unwrap();
