@@ -2,8 +2,9 @@
 //! `out[n x m] (bf16) = x[n x k] (e4m3, one f32 scale per 1 x 128 block) @ w[m x k]^T
 //! (e4m3, one f32 scale per 128 x 128 block)`, fp32 accumulation: the form of the
 //! checkpoints' FP8 weights and of their reference activation quantization. Where the
-//! library lacks the block modes (cuBLAS before 12.9), one f32 scale per tensor, and the
-//! GEMM says so ([`Fp8Gemm::scaling`]).
+//! library refuses the block modes (cuBLAS before 12.9, or a pairing it does not take),
+//! one f32 scale per tensor, and the GEMM says so ([`Fp8Gemm::scaling`],
+//! [`Fp8Gemm::block_refused`]).
 
 use crate::launch::dev_err;
 use cudarc::cublaslt::result as lt;
@@ -17,17 +18,29 @@ const WORKSPACE: usize = 32 << 20;
 /// How the operands' scales are laid out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Fp8Scaling {
-    /// Weights one scale per 128 x 128 block, activations one per 1 x 128 (DeepSeek's).
+    /// Weights one scale per 128 x 128 block, activations one per 1 x 128 (DeepSeek's),
+    /// the weights as cuBLASLt's A operand.
     Blocks,
+    /// The same scales with the activations as A (the pairing cuBLASLt may require): the
+    /// output comes out transposed (`out^T`, m x n row-major).
+    BlocksActivationsFirst,
     /// One scale per tensor.
     Tensor,
+}
+
+impl Fp8Scaling {
+    fn activations_first(self) -> bool {
+        self == Fp8Scaling::BlocksActivationsFirst
+    }
 }
 
 /// Scale elements `(weights, activations)` a GEMM of `(n, m, k)` with `scaling` reads.
 pub fn scale_counts(dims: (usize, usize, usize), scaling: Fp8Scaling) -> (usize, usize) {
     let (n, m, k) = dims;
     match scaling {
-        Fp8Scaling::Blocks => (m.div_ceil(128) * k.div_ceil(128), n * k.div_ceil(128)),
+        Fp8Scaling::Blocks | Fp8Scaling::BlocksActivationsFirst => {
+            (m.div_ceil(128) * k.div_ceil(128), n * k.div_ceil(128))
+        }
         Fp8Scaling::Tensor => (1, 1),
     }
 }
@@ -57,7 +70,12 @@ impl Fp8Gemm {
         let workspace = gpu.zeros_owned::<u8>(WORKSPACE)?;
         let handle = lt::create_handle().map_err(|e| lt_err("handle", e))?;
         let mut last: Option<pdserve_engine::backend::BackendError> = None;
-        for scaling in [Fp8Scaling::Blocks, Fp8Scaling::Tensor] {
+        let mut refusals = Vec::new();
+        for scaling in [
+            Fp8Scaling::Blocks,
+            Fp8Scaling::BlocksActivationsFirst,
+            Fp8Scaling::Tensor,
+        ] {
             match Self::plan(handle, dims, scaling) {
                 Ok((desc, layouts, algo)) => {
                     return Ok(Fp8Gemm {
@@ -67,11 +85,14 @@ impl Fp8Gemm {
                         algo,
                         workspace,
                         scaling,
-                        block_refused: last.map(|e| e.to_string()),
+                        block_refused: (!refusals.is_empty()).then(|| refusals.join("; ")),
                         dims,
                     })
                 }
-                Err(e) => last = Some(e),
+                Err(e) => {
+                    refusals.push(format!("{scaling:?}: {e}"));
+                    last = Some(e);
+                }
             }
         }
         // SAFETY: created above, not used after.
@@ -115,22 +136,35 @@ impl Fp8Gemm {
             A::CUBLASLT_MATMUL_DESC_TRANSB,
             &(cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_N as u32),
         )?;
-        if scaling == Fp8Scaling::Blocks {
-            use sys::cublasLtMatmulMatrixScale_t as S;
-            set(
-                A::CUBLASLT_MATMUL_DESC_A_SCALE_MODE,
-                &(S::CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F as u32),
-            )?;
-            set(
-                A::CUBLASLT_MATMUL_DESC_B_SCALE_MODE,
-                &(S::CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F as u32),
-            )?;
+        use sys::cublasLtMatmulMatrixScale_t as S;
+        let (blk, vec) = (
+            S::CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F as u32,
+            S::CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F as u32,
+        );
+        let (a_mode, b_mode) = match scaling {
+            Fp8Scaling::Blocks => (Some(blk), Some(vec)),
+            Fp8Scaling::BlocksActivationsFirst => (Some(vec), Some(blk)),
+            Fp8Scaling::Tensor => (None, None),
+        };
+        if let (Some(a), Some(b)) = (a_mode, b_mode) {
+            set(A::CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &a)?;
+            set(A::CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &b)?;
         }
         let e4m3 = sys::cudaDataType::CUDA_R_8F_E4M3;
+        // A is the weight (k x m stored, transposed) or, activations first, x (k x n).
+        let (a_cols, b_cols) = match scaling.activations_first() {
+            false => (m, n),
+            true => (n, m),
+        };
         let layouts = [
-            lt::create_matrix_layout(e4m3, k, m, k as i64),
-            lt::create_matrix_layout(e4m3, k, n, k as i64),
-            lt::create_matrix_layout(sys::cudaDataType::CUDA_R_16BF, m, n, m as i64),
+            lt::create_matrix_layout(e4m3, k, a_cols, k as i64),
+            lt::create_matrix_layout(e4m3, k, b_cols, k as i64),
+            lt::create_matrix_layout(
+                sys::cudaDataType::CUDA_R_16BF,
+                a_cols,
+                b_cols,
+                a_cols as i64,
+            ),
         ];
         let mut ok = Vec::new();
         for l in layouts {
@@ -169,7 +203,8 @@ impl Fp8Gemm {
         }
     }
 
-    /// `out = x @ w^T` with the scales (sized by [`scale_counts`]) on `stream`, now.
+    /// `out = x @ w^T` (its transpose under [`Fp8Scaling::BlocksActivationsFirst`]) with
+    /// the scales (sized by [`scale_counts`]) on the device's stream, now.
     pub fn run(
         &self,
         gpu: &crate::device::Gpu,
@@ -187,8 +222,12 @@ impl Fp8Gemm {
                     .map_err(|e| lt_err("scale pointer", e))
             }
         };
-        set_ptr(A::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, w_scale)?;
-        set_ptr(A::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, x_scale)?;
+        let ((a, a_scale), (b, b_scale)) = match self.scaling.activations_first() {
+            false => ((w, w_scale), (x, x_scale)),
+            true => ((x, x_scale), (w, w_scale)),
+        };
+        set_ptr(A::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, a_scale)?;
+        set_ptr(A::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, b_scale)?;
         let (alpha, beta) = (1f32, 0f32);
         let stream = gpu.stream.cu_stream() as sys::cudaStream_t;
         // SAFETY: the pointers are live device buffers of the sizes `dims` and
@@ -199,9 +238,9 @@ impl Fp8Gemm {
                 self.desc,
                 (&alpha as *const f32).cast(),
                 (&beta as *const f32).cast(),
-                w as *const c_void,
+                a as *const c_void,
                 self.layouts[0],
-                x as *const c_void,
+                b as *const c_void,
                 self.layouts[1],
                 out as *const c_void,
                 self.layouts[2],

@@ -189,6 +189,9 @@ impl BenchBackend for CudaBackend {
             pdserve_kernels::blas_fp8::Fp8Scaling::Blocks => {
                 "128x128 weight / 1x128 activation scales".to_string()
             }
+            pdserve_kernels::blas_fp8::Fp8Scaling::BlocksActivationsFirst => {
+                "128x128 weight / 1x128 activation scales, activations as operand A".to_string()
+            }
             pdserve_kernels::blas_fp8::Fp8Scaling::Tensor => format!(
                 "per-tensor scales (block scales refused: {})",
                 refused.as_deref().unwrap_or("no reason given")
