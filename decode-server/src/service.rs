@@ -9,12 +9,14 @@ use crate::DecodeSettings;
 use pdserve_engine::kv::KvLayout;
 use pdserve_engine::sampling::Sampler;
 use pdserve_grammar::Grammar;
-use pdserve_kv_transfer::{pull_prefill, Expected, PullOptions, PullRequest, TransferError};
+use pdserve_kv_transfer::{
+    pull_prefill, EarlyToken, Expected, PullOptions, PullRequest, TransferError,
+};
 use pdserve_proto::{pb, MAX_TOP_LOGPROBS};
 use pdserve_worker::WorkerStatus;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::mpsc;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 use tonic::{Request, Response, Status};
 use tracing::Instrument;
@@ -198,13 +200,7 @@ impl pb::decode_server::Decode for DecodeService {
         let early = processing.is_none() && r.top_logprobs.is_none();
         tokio::spawn(async move {
             let t0 = std::time::Instant::now();
-            let (first_tx, mut first_rx) = match early {
-                true => {
-                    let (tx, rx) = oneshot::channel();
-                    (Some(tx), Some(rx))
-                }
-                false => (None, None),
-            };
+            let (first_tx, mut first) = EarlyToken::channel(early);
             let pull = PullRequest {
                 prompt: r.prompt,
                 sampling: wire_sampling,
@@ -218,15 +214,9 @@ impl pb::decode_server::Decode for DecodeService {
                 tokio::select! {
                     // The token as soon as it is in, before the pull's end is looked at.
                     biased;
-                    t = async {
-                        match first_rx.as_mut() {
-                            Some(rx) => rx.await,
-                            None => std::future::pending().await,
-                        }
-                    }, if first_rx.is_some() => {
-                        first_rx = None;
+                    t = first.recv(), if first.pending() => {
                         // Unsent: the pull failed, which it returns.
-                        let Ok(t) = t else { continue };
+                        let Some(t) = t else { continue };
                         pdserve_worker::metrics::first_token(t0.elapsed());
                         match first_ends(t, &r.stop_tokens, r.max_new_tokens) {
                             Early::Goes => {

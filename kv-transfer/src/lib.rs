@@ -4,6 +4,7 @@
 //! every wait on the stream has a deadline.
 
 mod chunks;
+mod early;
 mod layout;
 mod pull;
 
@@ -11,6 +12,7 @@ pub use chunks::{
     encode_prefill, first_token_message, max_message_bytes, prefill_messages, progress_message,
     Assembler, Expected, Prefilled, MAX_CHUNK_BYTES,
 };
+pub use early::EarlyToken;
 pub use layout::{check_peer, layout_info};
 pub use pull::{pull_prefill, PullOptions, PullRequest, HEARTBEAT};
 

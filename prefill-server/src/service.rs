@@ -4,7 +4,7 @@ use crate::engine_thread::Job;
 use crate::PrefillSettings;
 use pdserve_engine::kv::KvLayout;
 use pdserve_kv_transfer::{
-    check_peer, first_token_message, prefill_messages, progress_message, HEARTBEAT,
+    check_peer, first_token_message, prefill_messages, progress_message, EarlyToken, HEARTBEAT,
 };
 use pdserve_proto::pb;
 use pdserve_worker::WorkerStatus;
@@ -46,13 +46,7 @@ impl pb::prefill_server::Prefill for PrefillService {
             .enter()
             .map_err(pdserve_worker::not_taking_status)?;
         let (reply, done) = oneshot::channel();
-        let (first_tx, first_rx) = match r.early_first_token {
-            true => {
-                let (tx, rx) = oneshot::channel();
-                (Some(tx), Some(rx))
-            }
-            false => (None, None),
-        };
+        let (first_tx, mut early) = EarlyToken::channel(r.early_first_token);
         let job = Job {
             queued: std::time::Instant::now(),
             prompt: r.prompt,
@@ -86,21 +80,14 @@ impl pb::prefill_server::Prefill for PrefillService {
             );
             // The first token, when the receiver asked for it ahead of the header: sent as
             // soon as the engine has sampled it (the pages are exported after that).
-            let mut early = first_rx;
             let res = loop {
                 tokio::select! {
                     // The token first: the engine answers ~the export's time after it, and
                     // a token not sent before the answer would wait for the header.
                     biased;
-                    t = async {
-                        match early.as_mut() {
-                            Some(rx) => rx.await,
-                            None => std::future::pending().await,
-                        }
-                    }, if early.is_some() => {
-                        early = None;
+                    t = early.recv(), if early.pending() => {
                         // Dropped unsent: the prefill failed, which its reply says.
-                        let Ok(token) = t else { continue };
+                        let Some(token) = t else { continue };
                         tracing::debug!(
                             since_call_ms = called.elapsed().as_secs_f64() * 1e3,
                             "first token sent ahead of the KV"
