@@ -66,11 +66,7 @@ fn assemble_against(
     want: Expected,
     msgs: Vec<pdserve_proto::pb::PrefillMessage>,
 ) -> Result<Prefilled, TransferError> {
-    let mut a = Assembler::new(l, want);
-    for m in msgs {
-        a.push(m)?;
-    }
-    a.finish()
+    push_all(l, want, msgs).map(|(_, p)| p)
 }
 
 #[test]
@@ -217,13 +213,14 @@ fn progress_messages_come_only_before_the_header() {
     assert_eq!(e, "progress message after the header");
 }
 
-/// Every message of `msgs` into one assembler; the tokens announced ahead of the header.
+/// Every message of `msgs` into one assembler; the tokens announced ahead of the header
+/// and the sequence.
 fn push_all(
     l: &KvLayout,
-    len: usize,
+    want: Expected,
     msgs: Vec<pdserve_proto::pb::PrefillMessage>,
 ) -> Result<(Vec<u32>, Prefilled), TransferError> {
-    let mut a = Assembler::new(l, expected(l, len));
+    let mut a = Assembler::new(l, want);
     let mut early = Vec::new();
     for m in msgs {
         early.extend(a.push(m)?);
@@ -240,15 +237,15 @@ fn a_first_token_ahead_of_the_header_is_announced_and_must_agree_with_it() {
     msgs.insert(0, pdserve_kv_transfer::progress_message());
     msgs.insert(0, first_token_message(p.first_token));
     msgs.insert(0, pdserve_kv_transfer::progress_message());
-    let (early, got) = push_all(&l, 40, msgs).unwrap();
+    let (early, got) = push_all(&l, expected(&l, 40), msgs).unwrap();
     assert_eq!((early, got), (vec![2], p.clone()));
     // Without it, the header alone carries the token.
-    let (early, got) = push_all(&l, 40, encode_prefill(&l, &p, 1 << 20)).unwrap();
+    let (early, got) = push_all(&l, expected(&l, 40), encode_prefill(&l, &p, 1 << 20)).unwrap();
     assert_eq!((early, got), (vec![], p.clone()));
     // A header that disagrees with the announced token.
     let mut msgs = encode_prefill(&l, &p, 1 << 20);
     msgs.insert(0, first_token_message(1));
-    let e = protocol_error(push_all(&l, 40, msgs).unwrap_err());
+    let e = protocol_error(push_all(&l, expected(&l, 40), msgs).unwrap_err());
     assert_eq!(
         e,
         "header's first token 2 differs from the 1 announced before it"
@@ -258,7 +255,7 @@ fn a_first_token_ahead_of_the_header_is_announced_and_must_agree_with_it() {
         let mut msgs = encode_prefill(&l, &p, 1 << 20);
         msgs.insert(0, first_token_message(2));
         msgs.insert(at + 1, first_token_message(2));
-        let e = protocol_error(push_all(&l, 40, msgs).unwrap_err());
+        let e = protocol_error(push_all(&l, expected(&l, 40), msgs).unwrap_err());
         assert_eq!(
             e, "first token message after the header or twice",
             "at {at}"
@@ -267,7 +264,7 @@ fn a_first_token_ahead_of_the_header_is_announced_and_must_agree_with_it() {
     // Outside the vocabulary.
     let mut msgs = encode_prefill(&l, &p, 1 << 20);
     msgs.insert(0, first_token_message(VOCAB as u32));
-    let e = protocol_error(push_all(&l, 40, msgs).unwrap_err());
+    let e = protocol_error(push_all(&l, expected(&l, 40), msgs).unwrap_err());
     assert_eq!(e, "first token 4 is outside the vocabulary of 4");
 }
 
