@@ -3,7 +3,7 @@
 //! decode worker lost mid-stream hands the rest to another pair (see [`crate::migration`]).
 
 use crate::error::ApiError;
-use crate::migration::StreamFault;
+use crate::migration::{prefill_failed, StreamFault};
 use crate::policy::RouteRequest;
 use crate::workers::{compare, InFlight, Worker};
 use crate::AppState;
@@ -11,8 +11,6 @@ use pdserve_proto::pb;
 use pdserve_proto::pb::token_event::Kind;
 use std::sync::Arc;
 use tonic::Streaming;
-
-use pdserve_proto::FAILED_WORKER;
 
 #[derive(Debug, Clone)]
 pub struct Job {
@@ -137,14 +135,6 @@ fn compatible(p: &Worker, ds: Vec<Arc<Worker>>) -> Result<Vec<Arc<Worker>>, ApiE
         }),
         _ => Ok(ok),
     }
-}
-
-/// Whether a decode server's status names its prefill server as the worker that failed.
-pub fn prefill_failed(status: &tonic::Status) -> bool {
-    status
-        .metadata()
-        .get(FAILED_WORKER)
-        .is_some_and(|v| v.as_bytes() == b"prefill")
 }
 
 /// Whether a failed attempt's status says the worker itself is at fault.

@@ -15,6 +15,7 @@
 //! the continued job `Job::resumed`, in `generation.rs`.
 
 use crate::error::ApiError;
+use pdserve_proto::FAILED_WORKER;
 
 /// How a started stream broke.
 pub struct StreamFault {
@@ -42,7 +43,7 @@ impl StreamFault {
         StreamFault {
             error: ApiError::from_status(s, worker),
             migratable: migratable(s.code()),
-            prefill_failed: crate::generation::prefill_failed(s),
+            prefill_failed: prefill_failed(s),
         }
     }
 
@@ -53,6 +54,14 @@ impl StreamFault {
             prefill_failed: false,
         }
     }
+}
+
+/// Whether a decode server's status names its prefill server as the worker that failed.
+pub fn prefill_failed(status: &tonic::Status) -> bool {
+    status
+        .metadata()
+        .get(FAILED_WORKER)
+        .is_some_and(|v| v.as_bytes() == b"prefill")
 }
 
 /// Whether a stream that ended with `code` may continue on another pair: the transport
