@@ -501,6 +501,7 @@ pub fn check_stored(ordinal: usize) -> AnyResult<Vec<CheckRow>> {
     let mut det = CudaBackend::new(ordinal, None)?;
     det.set_deterministic(true);
     let mut rows = gemm_rows(&gpu, &det)?;
+    rows.extend(crate::fp8_gemm::check_fp8_gemm(&gpu)?);
     rows.extend(moe_rows(&gpu, &det)?);
     rows.extend(model_rows(ordinal)?);
     Ok(rows)

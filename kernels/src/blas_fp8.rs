@@ -15,7 +15,7 @@ use std::ffi::c_void;
 /// Bytes of cuBLASLt workspace.
 const WORKSPACE: usize = 32 << 20;
 
-/// How the operands' scales are laid out.
+/// Which scales the GEMM's operands carry, and which operand is cuBLASLt's A.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Fp8Scaling {
     /// Weights one scale per 128 x 128 block, activations one per 1 x 128 (DeepSeek's),
@@ -24,25 +24,145 @@ pub enum Fp8Scaling {
     /// The same scales with the activations as A (the pairing cuBLASLt may require): the
     /// output comes out transposed (`out^T`, m x n row-major).
     BlocksActivationsFirst,
+    /// Both operands one scale per 1 x 128: the weights' 128 x 128 block scale repeated
+    /// on each of its rows (the same products, a larger scale tensor).
+    RowBlocks,
     /// One scale per tensor.
     Tensor,
 }
 
+/// How one operand's scales are laid out for cuBLASLt (an operand of `rows x k`, `k`
+/// contiguous, `kb = ceil(k / 128)` blocks along `k`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OperandScales {
+    /// `VEC128_32F`: one per row and 128-block, `[kb][rows]` (the rows contiguous).
+    Vec128,
+    /// `BLK128x128_32F`: one per 128 x 128 block, `[ceil(rows/128)][pad4(kb)]` (the
+    /// k-blocks contiguous, padded to a multiple of 4).
+    Blk128,
+    /// One for the whole operand.
+    Scalar,
+}
+
 impl Fp8Scaling {
+    /// The order [`Fp8Gemm::new`] tries them in: DeepSeek's scales as they are first.
+    pub const PREFERENCE: [Fp8Scaling; 4] = [
+        Fp8Scaling::Blocks,
+        Fp8Scaling::BlocksActivationsFirst,
+        Fp8Scaling::RowBlocks,
+        Fp8Scaling::Tensor,
+    ];
+
     fn activations_first(self) -> bool {
         self == Fp8Scaling::BlocksActivationsFirst
     }
+
+    pub fn weight_scales(self) -> OperandScales {
+        match self {
+            Fp8Scaling::Blocks | Fp8Scaling::BlocksActivationsFirst => OperandScales::Blk128,
+            Fp8Scaling::RowBlocks => OperandScales::Vec128,
+            Fp8Scaling::Tensor => OperandScales::Scalar,
+        }
+    }
+
+    pub fn activation_scales(self) -> OperandScales {
+        match self {
+            Fp8Scaling::Tensor => OperandScales::Scalar,
+            _ => OperandScales::Vec128,
+        }
+    }
+
+    /// In words, for a benchmark's column.
+    pub fn describe(self) -> &'static str {
+        match self {
+            Fp8Scaling::Blocks => "128x128 weight / 1x128 activation scales",
+            Fp8Scaling::BlocksActivationsFirst => {
+                "128x128 weight / 1x128 activation scales, activations as operand A"
+            }
+            Fp8Scaling::RowBlocks => "1x128 scales on both (weight block scales per row)",
+            Fp8Scaling::Tensor => "per-tensor scales",
+        }
+    }
 }
+
+impl OperandScales {
+    fn mode(self) -> Option<u32> {
+        use sys::cublasLtMatmulMatrixScale_t as S;
+        match self {
+            OperandScales::Vec128 => Some(S::CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F as u32),
+            OperandScales::Blk128 => Some(S::CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F as u32),
+            OperandScales::Scalar => None,
+        }
+    }
+
+    /// Scale elements of a `rows x k` operand.
+    pub fn len(self, rows: usize, k: usize) -> usize {
+        let kb = k.div_ceil(SCALE_BLOCK);
+        match self {
+            OperandScales::Vec128 => rows * kb,
+            OperandScales::Blk128 => rows.div_ceil(SCALE_BLOCK) * kb.next_multiple_of(4),
+            OperandScales::Scalar => 1,
+        }
+    }
+
+    /// A `rows x k` operand's scales in this layout, from their natural grid: row-major
+    /// `[ceil(rows / group_rows)][ceil(k / 128)]`, one scale per `group_rows x 128` block
+    /// (1 for activations, 128 for DeepSeek's weights: the checkpoints' `.scale` tensor).
+    pub fn lay_out(
+        self,
+        natural: &[f32],
+        (rows, k): (usize, usize),
+        group_rows: usize,
+    ) -> Result<Vec<f32>, String> {
+        let kb = k.div_ceil(SCALE_BLOCK);
+        let groups = rows.div_ceil(group_rows.max(1));
+        if natural.len() != groups * kb {
+            return Err(format!(
+                "{} scales for a {rows} x {k} operand in groups of {group_rows} rows: expected {}",
+                natural.len(),
+                groups * kb
+            ));
+        }
+        let at = |row_group: usize, b: usize| natural[row_group * kb + b];
+        match self {
+            OperandScales::Vec128 => {
+                let mut out = vec![0f32; rows * kb];
+                for b in 0..kb {
+                    for r in 0..rows {
+                        out[b * rows + r] = at(r / group_rows, b);
+                    }
+                }
+                Ok(out)
+            }
+            OperandScales::Blk128 if group_rows == SCALE_BLOCK => {
+                let pad = kb.next_multiple_of(4);
+                let mut out = vec![0f32; groups * pad];
+                for g in 0..groups {
+                    out[g * pad..g * pad + kb].copy_from_slice(&natural[g * kb..(g + 1) * kb]);
+                }
+                Ok(out)
+            }
+            OperandScales::Blk128 => Err(format!(
+                "128 x 128 block scales from scales per {group_rows} rows"
+            )),
+            OperandScales::Scalar => match natural.split_first() {
+                Some((&first, rest)) if rest.iter().all(|&v| v == first) => Ok(vec![first]),
+                _ => Err("one scale per tensor from scales that differ".into()),
+            },
+        }
+    }
+}
+
+/// Elements along `k` (and weight rows) one scale covers.
+pub const SCALE_BLOCK: usize = 128;
 
 /// Scale elements `(weights, activations)` a GEMM of `(n, m, k)` with `scaling` reads.
 pub fn scale_counts(dims: (usize, usize, usize), scaling: Fp8Scaling) -> (usize, usize) {
     let (n, m, k) = dims;
-    match scaling {
-        Fp8Scaling::Blocks | Fp8Scaling::BlocksActivationsFirst => {
-            (m.div_ceil(128) * k.div_ceil(128), n * k.div_ceil(128))
-        }
-        Fp8Scaling::Tensor => (1, 1),
-    }
+    (
+        scaling.weight_scales().len(m, k),
+        scaling.activation_scales().len(n, k),
+    )
 }
 
 /// One GEMM shape's descriptors and chosen algorithm (the heuristic's first pick).
@@ -65,41 +185,51 @@ fn lt_err(what: &str, e: impl std::fmt::Debug) -> pdserve_engine::backend::Backe
 #[allow(unsafe_code)]
 impl Fp8Gemm {
     /// Descriptors for `(n, m, k)` (rows of x, rows of w, the shared dimension; each a
-    /// multiple of 16), block-scaled where the library can, per-tensor otherwise.
+    /// multiple of 16), with the first of [`Fp8Scaling::PREFERENCE`] the library takes.
     pub fn new(gpu: &crate::device::Gpu, dims: (usize, usize, usize)) -> BResult<Self> {
-        let workspace = gpu.zeros_owned::<u8>(WORKSPACE)?;
-        let handle = lt::create_handle().map_err(|e| lt_err("handle", e))?;
-        let mut last: Option<pdserve_engine::backend::BackendError> = None;
         let mut refusals = Vec::new();
-        for scaling in [
-            Fp8Scaling::Blocks,
-            Fp8Scaling::BlocksActivationsFirst,
-            Fp8Scaling::Tensor,
-        ] {
-            match Self::plan(handle, dims, scaling) {
-                Ok((desc, layouts, algo)) => {
-                    return Ok(Fp8Gemm {
-                        handle,
-                        desc,
-                        layouts,
-                        algo,
-                        workspace,
-                        scaling,
-                        block_refused: (!refusals.is_empty()).then(|| refusals.join("; ")),
-                        dims,
-                    })
+        for scaling in Fp8Scaling::PREFERENCE {
+            match Self::with(gpu, dims, scaling) {
+                Ok(mut gemm) => {
+                    gemm.block_refused = (!refusals.is_empty()).then(|| refusals.join("; "));
+                    return Ok(gemm);
                 }
-                Err(e) => {
-                    refusals.push(format!("{scaling:?}: {e}"));
-                    last = Some(e);
-                }
+                Err(e) => refusals.push(format!("{scaling:?}: {e}")),
             }
         }
-        // SAFETY: created above, not used after.
-        unsafe {
-            let _ = lt::destroy_handle(handle);
+        Err(dev_err(format!(
+            "cuBLASLt FP8 GEMM: every scaling refused ({})",
+            refusals.join("; ")
+        )))
+    }
+
+    /// Descriptors for `(n, m, k)` with `scaling`, or the library's refusal.
+    pub fn with(
+        gpu: &crate::device::Gpu,
+        dims: (usize, usize, usize),
+        scaling: Fp8Scaling,
+    ) -> BResult<Self> {
+        let workspace = gpu.zeros_owned::<u8>(WORKSPACE)?;
+        let handle = lt::create_handle().map_err(|e| lt_err("handle", e))?;
+        match Self::plan(handle, dims, scaling, workspace.ptr()) {
+            Ok((desc, layouts, algo)) => Ok(Fp8Gemm {
+                handle,
+                desc,
+                layouts,
+                algo,
+                workspace,
+                scaling,
+                block_refused: None,
+                dims,
+            }),
+            Err(e) => {
+                // SAFETY: created above, not used after.
+                unsafe {
+                    let _ = lt::destroy_handle(handle);
+                }
+                Err(e)
+            }
         }
-        Err(last.unwrap_or_else(|| dev_err("cuBLASLt FP8 GEMM: no plan")))
     }
 
     #[allow(clippy::type_complexity)]
@@ -107,6 +237,7 @@ impl Fp8Gemm {
         handle: sys::cublasLtHandle_t,
         dims: (usize, usize, usize),
         scaling: Fp8Scaling,
+        placeholder: u64,
     ) -> BResult<(
         sys::cublasLtMatmulDesc_t,
         [sys::cublasLtMatrixLayout_t; 3],
@@ -136,19 +267,30 @@ impl Fp8Gemm {
             A::CUBLASLT_MATMUL_DESC_TRANSB,
             &(cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_N as u32),
         )?;
-        use sys::cublasLtMatmulMatrixScale_t as S;
-        let (blk, vec) = (
-            S::CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F as u32,
-            S::CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F as u32,
-        );
-        let (a_mode, b_mode) = match scaling {
-            Fp8Scaling::Blocks => (Some(blk), Some(vec)),
-            Fp8Scaling::BlocksActivationsFirst => (Some(vec), Some(blk)),
-            Fp8Scaling::Tensor => (None, None),
+        let (a_scales, b_scales) = match scaling.activations_first() {
+            false => (scaling.weight_scales(), scaling.activation_scales()),
+            true => (scaling.activation_scales(), scaling.weight_scales()),
         };
-        if let (Some(a), Some(b)) = (a_mode, b_mode) {
+        if let (Some(a), Some(b)) = (a_scales.mode(), b_scales.mode()) {
             set(A::CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &a)?;
             set(A::CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &b)?;
+            // Scale pointers for the heuristic to see (it may check them for
+            // non-scalar modes): a placeholder until `run` sets the real ones.
+            for attr in [
+                A::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
+                A::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
+            ] {
+                // SAFETY: `desc` is live; the value is a device pointer.
+                unsafe {
+                    lt::set_matmul_desc_attribute(
+                        desc,
+                        attr,
+                        (&placeholder as *const u64).cast(),
+                        8,
+                    )
+                }
+                .map_err(|e| lt_err("scale pointer", e))?;
+            }
         }
         let e4m3 = sys::cudaDataType::CUDA_R_8F_E4M3;
         // A is the weight (k x m stored, transposed) or, activations first, x (k x n).
@@ -267,5 +409,124 @@ impl Drop for Fp8Gemm {
             }
             let _ = lt::destroy_handle(self.handle);
         }
+    }
+}
+
+/// An FP8 GEMM's operands on the host: e4m3 bytes row-major with `k` contiguous, and their
+/// scales in the natural grid of [`OperandScales::lay_out`].
+pub struct Fp8Operands<'a> {
+    /// `[n x k]` activations, one scale per 1 x 128 block (`[n][ceil(k/128)]`).
+    pub x: (&'a [u8], &'a [f32]),
+    /// `[m x k]` weights, one scale per 128 x 128 block (`[ceil(m/128)][ceil(k/128)]`).
+    pub w: (&'a [u8], &'a [f32]),
+}
+
+impl crate::backend::CudaBackend {
+    /// `x @ w^T` (`[n x m]`, row-major, from bf16) by the cuBLASLt FP8 GEMM with
+    /// `scaling`, on host data: `Ok(Err(why))` where the library refuses the scaling.
+    pub fn fp8_gemm_on_host(
+        &self,
+        dims: (usize, usize, usize),
+        scaling: Fp8Scaling,
+        ops: &Fp8Operands<'_>,
+    ) -> BResult<Result<Vec<f32>, String>> {
+        let (n, m, k) = dims;
+        if ops.x.0.len() != n * k || ops.w.0.len() != m * k {
+            return Err(dev_err("FP8 GEMM operands do not match the dims"));
+        }
+        let gemm = match Fp8Gemm::with(&self.gpu, dims, scaling) {
+            Ok(g) => g,
+            Err(e) => return Ok(Err(e.to_string())),
+        };
+        let bad = |e: String| dev_err(format!("FP8 GEMM scales: {e}"));
+        let xs = scaling
+            .activation_scales()
+            .lay_out(ops.x.1, (n, k), 1)
+            .map_err(bad)?;
+        let ws = scaling
+            .weight_scales()
+            .lay_out(ops.w.1, (m, k), SCALE_BLOCK)
+            .map_err(bad)?;
+        let g = &self.gpu;
+        let (x, w) = (g.upload(ops.x.0)?, g.upload(ops.w.0)?);
+        let (xs, ws) = (g.upload(&xs)?, g.upload(&ws)?);
+        let out = g.zeros_owned::<u16>(n * m)?;
+        gemm.run(g, x.ptr(), xs.ptr(), w.ptr(), ws.ptr(), out.ptr())?;
+        let raw = g.download(&out, n * m)?;
+        let v = |i: usize| half::bf16::from_bits(raw[i]).to_f32();
+        Ok(Ok(match scaling.activations_first() {
+            false => (0..n * m).map(v).collect(),
+            // out^T: element (row r of x, row c of w) at c * n + r.
+            true => (0..n * m).map(|i| v((i % m) * n + i / m)).collect(),
+        }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn vec128_puts_the_rows_of_each_k_block_together() {
+        // 3 activation rows, k = 300 (3 blocks): natural [r][b] = 10 r + b.
+        let natural: Vec<f32> = (0..3)
+            .flat_map(|r| (0..3).map(move |b| (10 * r + b) as f32))
+            .collect();
+        let out = OperandScales::Vec128
+            .lay_out(&natural, (3, 300), 1)
+            .unwrap();
+        assert_eq!(out, vec![0., 10., 20., 1., 11., 21., 2., 12., 22.]);
+        assert_eq!(out.len(), OperandScales::Vec128.len(3, 300));
+    }
+
+    #[test]
+    fn vec128_repeats_a_weight_block_scale_on_each_of_its_rows() {
+        // 130 weight rows (two row blocks), k = 256: natural [g][b] = 10 g + b.
+        let natural = vec![0., 1., 10., 11.];
+        let out = OperandScales::Vec128
+            .lay_out(&natural, (130, 256), 128)
+            .unwrap();
+        assert_eq!(out.len(), 260);
+        assert_eq!((out[0], out[127], out[128], out[129]), (0., 0., 10., 10.));
+        assert_eq!((out[130], out[257], out[258]), (1., 1., 11.));
+    }
+
+    #[test]
+    fn blk128_pads_the_k_blocks_of_each_row_block_to_four() {
+        // 256 rows (two blocks), k = 640 (5 blocks, padded to 8).
+        let natural: Vec<f32> = (0..10).map(|i| i as f32 + 1.0).collect();
+        let out = OperandScales::Blk128
+            .lay_out(&natural, (256, 640), 128)
+            .unwrap();
+        assert_eq!(out.len(), OperandScales::Blk128.len(256, 640));
+        assert_eq!(&out[..8], &[1., 2., 3., 4., 5., 0., 0., 0.]);
+        assert_eq!(&out[8..], &[6., 7., 8., 9., 10., 0., 0., 0.]);
+    }
+
+    #[test]
+    fn layouts_refuse_what_they_cannot_express() {
+        assert!(OperandScales::Blk128
+            .lay_out(&[1.0; 3], (3, 128), 1)
+            .is_err());
+        assert!(OperandScales::Scalar
+            .lay_out(&[1.0, 2.0], (2, 128), 1)
+            .is_err());
+        assert_eq!(
+            OperandScales::Scalar.lay_out(&[0.5, 0.5], (2, 128), 1),
+            Ok(vec![0.5])
+        );
+        let short = OperandScales::Vec128.lay_out(&[1.0; 2], (3, 128), 1);
+        assert!(short.unwrap_err().contains("expected 3"));
+    }
+
+    #[test]
+    fn scale_counts_follow_each_operands_layout() {
+        let dims = (256, 384, 640);
+        assert_eq!(scale_counts(dims, Fp8Scaling::Blocks), (3 * 8, 256 * 5));
+        assert_eq!(
+            scale_counts(dims, Fp8Scaling::RowBlocks),
+            (384 * 5, 256 * 5)
+        );
+        assert_eq!(scale_counts(dims, Fp8Scaling::Tensor), (1, 1));
     }
 }

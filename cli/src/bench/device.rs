@@ -185,17 +185,9 @@ impl BenchBackend for CudaBackend {
     fn fp8_gemm_rate(&self) -> Result<Option<Ceiling>> {
         let n = 8192;
         let (rate, scaling, refused) = self.measure_gemm_fp8(n, 10)?;
-        let scales = match scaling {
-            pdserve_kernels::blas_fp8::Fp8Scaling::Blocks => {
-                "128x128 weight / 1x128 activation scales".to_string()
-            }
-            pdserve_kernels::blas_fp8::Fp8Scaling::BlocksActivationsFirst => {
-                "128x128 weight / 1x128 activation scales, activations as operand A".to_string()
-            }
-            pdserve_kernels::blas_fp8::Fp8Scaling::Tensor => format!(
-                "per-tensor scales (block scales refused: {})",
-                refused.as_deref().unwrap_or("no reason given")
-            ),
+        let scales = match refused {
+            Some(why) => format!("{} (refused before it: {why})", scaling.describe()),
+            None => scaling.describe().to_string(),
         };
         Ok(Some(Ceiling {
             rate,

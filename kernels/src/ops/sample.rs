@@ -17,7 +17,9 @@ use pdserve_engine::backend::{BResult, RowArgmax};
 /// temporaries, so a captured graph writes them on every replay.
 pub(crate) fn argmax_rows(g: &Gpu, logits: &GpuTensor) -> BResult<DevMem<i32>> {
     let (rows, cols) = (logits.rows, logits.cols);
-    let parts = (2 * g.sms).div_ceil(rows.max(1)).clamp(1, cols.div_ceil(MIN_SPAN).max(1));
+    let parts = (2 * g.sms)
+        .div_ceil(rows.max(1))
+        .clamp(1, cols.div_ceil(MIN_SPAN).max(1));
     let span = cols.div_ceil(parts);
     let part_v = g.uninit::<f32>(rows * parts)?;
     let part_i = g.uninit::<i32>(rows * parts)?;
