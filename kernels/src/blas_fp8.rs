@@ -464,6 +464,7 @@ impl crate::backend::CudaBackend {
 
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::unwrap_used)]
     use super::*;
 
     #[test]
