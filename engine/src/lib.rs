@@ -44,6 +44,6 @@ pub mod sampling;
 
 pub use backend::cpu::CpuBackend;
 pub use engine::{
-    CutSlots, Engine, EngineError, ErrorClass, ForwardItem, ItemOutput, LoadFormat, Logits, PoolSize,
-    PoolSpec, SeqSnapshot, Sequence,
+    CutSlots, Engine, EngineError, ErrorClass, ForwardItem, ItemOutput, LoadFormat, Logits,
+    PoolSize, PoolSpec, SeqSnapshot, Sequence,
 };

@@ -577,6 +577,27 @@ impl Gpu {
         .map_err(dev_err)
     }
 
+    /// Where this pass of a decode step staged a plan equal to `plan` (see
+    /// [`crate::step::StepState::staged_plan`]).
+    pub(crate) fn staged_plan(
+        &self,
+        pool: u64,
+        plan: &pdserve_engine::backend::BatchPlan,
+    ) -> BResult<Option<[(u64, usize); 4]>> {
+        Ok(self.step()?.staged_plan(pool, plan))
+    }
+
+    /// Remember where this pass staged `plan` (nothing outside a step).
+    pub(crate) fn keep_plan(
+        &self,
+        pool: u64,
+        plan: &pdserve_engine::backend::BatchPlan,
+        at: [(u64, usize); 4],
+    ) -> BResult<()> {
+        self.step()?.keep_plan(pool, plan, at);
+        Ok(())
+    }
+
     /// Whether a decode step is being recorded (dummy page and state ids are then valid).
     pub(crate) fn in_step(&self) -> bool {
         self.step().map(|s| s.in_step()).unwrap_or(false)

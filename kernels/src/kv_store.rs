@@ -229,7 +229,29 @@ impl DevPlan {
     /// Validate every state slot and page id against the pool, then upload. Inside a
     /// decode step the dummy page and state slot are valid too (the step's padded rows use
     /// them; the engine's own plan was checked without them by [`DevPlan::validate`]).
+    /// Inside a decode step an equal plan staged earlier in the same pass is reused.
     pub(crate) fn upload(gpu: &Gpu, kv: &GpuKv, plan: &BatchPlan) -> BResult<Self> {
+        let pool = kv.pages.ptr();
+        if let Some([seq, pt, row_seq, positions]) = gpu.staged_plan(pool, plan)? {
+            return Ok(DevPlan {
+                seq: DevMem::view(seq.0, seq.1),
+                pt: DevMem::view(pt.0, pt.1),
+                row_seq: DevMem::view(row_seq.0, row_seq.1),
+                positions: DevMem::view(positions.0, positions.1),
+            });
+        }
+        let dp = Self::upload_new(gpu, kv, plan)?;
+        let at = |m: &DevMem<i32>| (m.ptr(), m.len());
+        let pt = (dp.pt.ptr(), dp.pt.len());
+        gpu.keep_plan(
+            pool,
+            plan,
+            [at(&dp.seq), pt, at(&dp.row_seq), at(&dp.positions)],
+        )?;
+        Ok(dp)
+    }
+
+    fn upload_new(gpu: &Gpu, kv: &GpuKv, plan: &BatchPlan) -> BResult<Self> {
         check_ids(kv, plan, usize::from(gpu.in_step()))?;
         let mut seq = Vec::with_capacity(plan.seqs.len() * 6);
         let mut pt = Vec::new();

@@ -7,7 +7,7 @@ use crate::alloc::StepArena;
 use crate::launch::Arg;
 use crate::recorder::{Recorder, StepMode, StepRecord};
 use cudarc::driver::CudaStream;
-use pdserve_engine::backend::BResult;
+use pdserve_engine::backend::{BResult, BatchPlan, SeqPlan};
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -39,16 +39,63 @@ pub(crate) enum Upload {
 pub(crate) struct StepState {
     recorder: Recorder,
     arena: StepArena,
+    /// The batch plan staged last in this pass: every paged op of every layer uploads the
+    /// same plan (at 256 sequences of 32K tokens, 256 KB of page tables each time), so
+    /// later uploads of an equal plan reuse its staged copy.
+    plan: Option<StagedPlan>,
+}
+
+/// What a staged plan holds (the fields its upload reads) and where its four arrays are.
+#[derive(Debug)]
+struct StagedPlan {
+    pool: u64,
+    seqs: Vec<SeqPlan>,
+    row_seq: Vec<usize>,
+    positions: Vec<usize>,
+    at: [(u64, usize); 4],
+}
+
+impl StagedPlan {
+    fn holds(&self, pool: u64, plan: &BatchPlan) -> bool {
+        self.pool == pool
+            && self.seqs == plan.seqs
+            && self.row_seq == plan.row_seq
+            && self.positions == plan.positions
+    }
 }
 
 impl StepState {
     pub fn begin(&mut self, mode: StepMode) {
         self.recorder.begin(mode);
         self.arena.reset();
+        self.plan = None;
     }
 
     pub fn end(&mut self) -> StepRecord {
+        self.plan = None;
         self.recorder.end(self.arena.arena_used())
+    }
+
+    /// Where this pass staged a plan equal to `plan` over the pool at `pool` (its
+    /// sequences, rows and positions), if it did: `(pointer, values)` of each array.
+    pub fn staged_plan(&self, pool: u64, plan: &BatchPlan) -> Option<[(u64, usize); 4]> {
+        self.plan
+            .as_ref()
+            .filter(|p| self.in_step() && p.holds(pool, plan))
+            .map(|p| p.at)
+    }
+
+    /// Remember that `plan` is staged at `at` in this pass (nothing outside a step).
+    pub fn keep_plan(&mut self, pool: u64, plan: &BatchPlan, at: [(u64, usize); 4]) {
+        if self.in_step() {
+            self.plan = Some(StagedPlan {
+                pool,
+                seqs: plan.seqs.clone(),
+                row_seq: plan.row_seq.clone(),
+                positions: plan.positions.clone(),
+                at,
+            });
+        }
     }
 
     /// Whether a step is being recorded.
@@ -190,5 +237,54 @@ mod tests {
         assert!(st.launch("k", (1, 1, 1), 0, &[Arg::I32(1)]));
         assert!(st.gemm(&[1, 2]));
         assert!(st.end().signature.is_empty());
+    }
+
+    fn plan(pages: Vec<u32>) -> BatchPlan {
+        BatchPlan {
+            seqs: vec![SeqPlan {
+                start: 7,
+                len: 1,
+                row0: 0,
+                pages,
+                state: 2,
+            }],
+            tokens: vec![5],
+            positions: vec![7],
+            row_seq: vec![0],
+            cuts: None,
+        }
+    }
+
+    #[test]
+    fn a_pass_reuses_the_plan_it_staged_only_while_it_is_equal() {
+        let at = [(0, 6), (256, 2), (512, 1), (768, 1)];
+        let mut st = StepState::default();
+        st.keep_plan(1, &plan(vec![3, 4]), at);
+        assert_eq!(
+            st.staged_plan(1, &plan(vec![3, 4])),
+            None,
+            "outside a step: nothing kept"
+        );
+        st.begin(StepMode::Dry);
+        st.keep_plan(1, &plan(vec![3, 4]), at);
+        let mut other_tokens = plan(vec![3, 4]);
+        other_tokens.tokens = vec![9];
+        assert_eq!(
+            st.staged_plan(1, &other_tokens),
+            Some(at),
+            "tokens are not uploaded"
+        );
+        assert_eq!(st.staged_plan(1, &plan(vec![3, 5])), None, "another page");
+        assert_eq!(st.staged_plan(2, &plan(vec![3, 4])), None, "another pool");
+        let mut moved = plan(vec![3, 4]);
+        moved.positions = vec![8];
+        assert_eq!(st.staged_plan(1, &moved), None, "another position");
+        st.end();
+        st.begin(StepMode::Dry);
+        assert_eq!(
+            st.staged_plan(1, &plan(vec![3, 4])),
+            None,
+            "a new pass stages anew"
+        );
     }
 }

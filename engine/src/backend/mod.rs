@@ -58,7 +58,7 @@ pub enum BackendError {
 }
 
 /// One sequence's part of a batched forward.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SeqPlan {
     /// Position of the sequence's first new token.
     pub start: usize,
