@@ -3,11 +3,19 @@
 //! power-of-two scales in their natural grids (one per 1 x 128 activation block, one per
 //! 128 x 128 weight block) against the host's f32 product of the dequantized operands.
 //! A scale laid out in the wrong order scales the wrong block: errors of order one. The
-//! library's refusals are printed, not counted.
+//! library's refusals are printed, not counted. Then DeepSeek's act_quant on the device
+//! against the CPU's (bitwise: codes and scales) and the FP8 linear built from both
+//! (act_quant, the stored FP8 weight, the block-scaled GEMM) against the CPU's product of
+//! the quantized activations and the dequantized weight.
 
 use crate::check::{rel_err, CheckRow};
+use pdserve_engine::backend::counter_rng::WeightInit;
+use pdserve_engine::backend::{TensorOps, WeightUse};
 use pdserve_engine::checkpoint::dequant::e4m3_to_f32;
-use pdserve_kernels::blas_fp8::{Fp8Operands, Fp8Scaling, SCALE_BLOCK};
+use pdserve_engine::checkpoint::WeightFormat;
+use pdserve_engine::numerics::{act_quant, quantize_e4m3_block, ACT_BLOCK};
+use pdserve_kernels::blas_fp8::{Fp8Scaling, SCALE_BLOCK};
+use pdserve_kernels::fp8_host::Fp8Operands;
 use pdserve_kernels::CudaBackend;
 
 type AnyResult<T> = Result<T, Box<dyn std::error::Error>>;
@@ -107,7 +115,104 @@ fn one(
     }))
 }
 
-/// One row per scaling the library takes and shape of [`DIMS`].
+/// Activations with every kind of block: normal values, a zero block, values past 448
+/// (scales above 1), tiny ones (scales far below), a partial last block (`cols` = 1000).
+fn activations(rows: usize, cols: usize, seed: u64) -> Vec<f32> {
+    let mut rng = Rng(seed);
+    (0..rows * cols)
+        .map(|i| {
+            let (r, c) = (i / cols, i % cols);
+            let u = (rng.next() >> 11) as f32 / (1u64 << 53) as f32 * 2.0 - 1.0;
+            match (r % 4, c / ACT_BLOCK) {
+                (1, 2) => 0.0,
+                (2, _) => u * 3000.0,
+                (3, _) => u * 1e-6,
+                _ => u * 3.0,
+            }
+        })
+        .collect()
+}
+
+/// The device's act_quant against the CPU's, code for code and scale for scale.
+fn act_quant_row(gpu: &CudaBackend) -> AnyResult<CheckRow> {
+    let (rows, cols) = (64, 1000);
+    let x = activations(rows, cols, 0xAC7);
+    let (codes, scales) = gpu.act_quant_on_host(&x, (rows, cols))?;
+    let kb = cols.div_ceil(ACT_BLOCK);
+    let (mut bad, mut first_bad) = (0usize, None);
+    let mut want = vec![0u8; ACT_BLOCK];
+    for r in 0..rows {
+        for b in 0..kb {
+            let (c0, c1) = (b * ACT_BLOCK, ((b + 1) * ACT_BLOCK).min(cols));
+            let scale = quantize_e4m3_block(&x[r * cols + c0..r * cols + c1], &mut want);
+            let same = scale.to_bits() == scales[r * kb + b].to_bits()
+                && want[..c1 - c0] == codes[r * cols + c0..r * cols + c1];
+            if !same {
+                bad += 1;
+                first_bad.get_or_insert(r);
+            }
+        }
+    }
+    Ok(CheckRow {
+        name: format!("act_quant e4m3 {rows}x{cols} == CPU bitwise"),
+        rows,
+        max_rel_err: bad as f64 / (rows * kb) as f64,
+        worst_row: first_bad.unwrap_or(0),
+        greedy_same: rows,
+        near_ties: 0,
+        pass: bad == 0,
+        gate: true,
+    })
+}
+
+/// The FP8 linear (act_quant + the block-scaled GEMM on the stored weight) against the
+/// CPU: act_quant, then the f32 product with the exactly dequantized weight.
+fn fp8_linear_row(gpu: &CudaBackend) -> AnyResult<CheckRow> {
+    let (n, k, m) = (256, 1024, 384);
+    let init = WeightInit::Normal {
+        mean: 0.0,
+        std: 1.0 / (k as f32).sqrt(),
+    };
+    let w = gpu.random_stored(
+        (m, k),
+        WeightFormat::Fp8Block,
+        m,
+        init,
+        23,
+        WeightUse::Matrix,
+    )?;
+    let wd = gpu.to_host(&w)?;
+    let x = activations(n, k, 0xF8);
+    let got = gpu.fp8_linear_on_host(&x, (n, k), &w)?;
+    let mut xq = x.clone();
+    for row in xq.chunks_mut(k) {
+        act_quant(row, ACT_BLOCK);
+    }
+    let mut worst = (0f64, 0usize);
+    for r in 0..n {
+        let xr = &xq[r * k..(r + 1) * k];
+        let want: Vec<f32> = (0..m)
+            .map(|j| xr.iter().zip(wd.row(j)).map(|(a, b)| a * b).sum())
+            .collect();
+        let err = rel_err(&got[r * m..(r + 1) * m], &want);
+        if err > worst.0 || err.is_nan() {
+            worst = (err, r);
+        }
+    }
+    Ok(CheckRow {
+        name: format!("fp8 linear act_quant + block GEMM {n}x{k}->{m} vs CPU"),
+        rows: n,
+        max_rel_err: worst.0,
+        worst_row: worst.1,
+        greedy_same: n,
+        near_ties: 0,
+        pass: worst.0 < FP8_GEMM_TOL,
+        gate: true,
+    })
+}
+
+/// One row per scaling the library takes and shape of [`DIMS`], then act_quant and the
+/// FP8 linear.
 pub fn check_fp8_gemm(gpu: &CudaBackend) -> AnyResult<Vec<CheckRow>> {
     let mut rows = Vec::new();
     for (i, &dims) in DIMS.iter().enumerate() {
@@ -115,5 +220,7 @@ pub fn check_fp8_gemm(gpu: &CudaBackend) -> AnyResult<Vec<CheckRow>> {
             rows.extend(one(gpu, dims, scaling, 0x5EED_0000 + (i * 8 + j) as u64)?);
         }
     }
+    rows.push(act_quant_row(gpu)?);
+    rows.push(fp8_linear_row(gpu)?);
     Ok(rows)
 }

@@ -53,7 +53,7 @@ impl Fp8Scaling {
         Fp8Scaling::Tensor,
     ];
 
-    fn activations_first(self) -> bool {
+    pub(crate) fn activations_first(self) -> bool {
         self == Fp8Scaling::BlocksActivationsFirst
     }
 
@@ -409,56 +409,6 @@ impl Drop for Fp8Gemm {
             }
             let _ = lt::destroy_handle(self.handle);
         }
-    }
-}
-
-/// An FP8 GEMM's operands on the host: e4m3 bytes row-major with `k` contiguous, and their
-/// scales in the natural grid of [`OperandScales::lay_out`].
-pub struct Fp8Operands<'a> {
-    /// `[n x k]` activations, one scale per 1 x 128 block (`[n][ceil(k/128)]`).
-    pub x: (&'a [u8], &'a [f32]),
-    /// `[m x k]` weights, one scale per 128 x 128 block (`[ceil(m/128)][ceil(k/128)]`).
-    pub w: (&'a [u8], &'a [f32]),
-}
-
-impl crate::backend::CudaBackend {
-    /// `x @ w^T` (`[n x m]`, row-major, from bf16) by the cuBLASLt FP8 GEMM with
-    /// `scaling`, on host data: `Ok(Err(why))` where the library refuses the scaling.
-    pub fn fp8_gemm_on_host(
-        &self,
-        dims: (usize, usize, usize),
-        scaling: Fp8Scaling,
-        ops: &Fp8Operands<'_>,
-    ) -> BResult<Result<Vec<f32>, String>> {
-        let (n, m, k) = dims;
-        if ops.x.0.len() != n * k || ops.w.0.len() != m * k {
-            return Err(dev_err("FP8 GEMM operands do not match the dims"));
-        }
-        let gemm = match Fp8Gemm::with(&self.gpu, dims, scaling) {
-            Ok(g) => g,
-            Err(e) => return Ok(Err(e.to_string())),
-        };
-        let bad = |e: String| dev_err(format!("FP8 GEMM scales: {e}"));
-        let xs = scaling
-            .activation_scales()
-            .lay_out(ops.x.1, (n, k), 1)
-            .map_err(bad)?;
-        let ws = scaling
-            .weight_scales()
-            .lay_out(ops.w.1, (m, k), SCALE_BLOCK)
-            .map_err(bad)?;
-        let g = &self.gpu;
-        let (x, w) = (g.upload(ops.x.0)?, g.upload(ops.w.0)?);
-        let (xs, ws) = (g.upload(&xs)?, g.upload(&ws)?);
-        let out = g.zeros_owned::<u16>(n * m)?;
-        gemm.run(g, x.ptr(), xs.ptr(), w.ptr(), ws.ptr(), out.ptr())?;
-        let raw = g.download(&out, n * m)?;
-        let v = |i: usize| half::bf16::from_bits(raw[i]).to_f32();
-        Ok(Ok(match scaling.activations_first() {
-            false => (0..n * m).map(v).collect(),
-            // out^T: element (row r of x, row c of w) at c * n + r.
-            true => (0..n * m).map(|i| v((i % m) * n + i / m)).collect(),
-        }))
     }
 }
 

@@ -504,6 +504,11 @@ kernels! {
         QuantizeFp4 = "k_quantize_fp4" {
             x: DevPtr, q: DevPtr, s: DevPtr, rows: i32, cols: i32,
         }
+        /// DeepSeek's act_quant: e4m3 codes and one power-of-two f32 scale per 128 values
+        /// of a row (the scales `[block][row]`, cuBLASLt's VEC128 layout).
+        ActQuantE4m3 = "k_act_quant_e4m3" {
+            x: DevPtr, ldx: i32, q: DevPtr, s: DevPtr, rows: i32, cols: i32,
+        }
     }
     module "random" {
         /// Counter-based random values (the host generator's arithmetic); one variant per storage.

@@ -219,3 +219,30 @@ extern "C" __global__ void k_quantize_fp4(const float* x, unsigned char* q, unsi
             qr[c / 2] = (unsigned char)(f_to_e2m1(xr[c] / sc) | (f_to_e2m1(xr[c + 1] / sc) << 4));
     }
 }
+
+// DeepSeek's act_quant of fp32 activations (pdserve_engine::numerics::quantize_e4m3_block):
+// per 128 values of a row, the power-of-two scale at or above max(amax, 1e-4) / 448
+// (fp8kv_scale's rule, the fp8 KV entries' too) and the e4m3 codes of the values over it,
+// clamped to +-448 and rounded to nearest even. One warp per 128-value block (a partial
+// last block on its own values), four values a lane, warp-strided over the blocks. Codes
+// row-major (`cols` a row); scales as cuBLASLt's VEC128_32F reads them: [block][row].
+extern "C" __global__ void k_act_quant_e4m3(const float* x, int ldx, unsigned char* q, float* s, int rows,
+                                            int cols) {
+    int kb = (cols + 127) / 128, lane = threadIdx.x & 31;
+    i64 total = (i64)rows * kb, stride = ((i64)gridDim.x * blockDim.x) >> 5;
+    // The warp index is the same on every lane: whole warps loop and leave together.
+    for (i64 w = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; w < total; w += stride) {
+        int r = (int)(w / kb), b = (int)(w % kb), c0 = b * 128 + lane * 4;
+        const float* xr = x + (i64)r * ldx;
+        float v[4], am = 0.f;
+        for (int i = 0; i < 4; i++) {
+            v[i] = c0 + i < cols ? xr[c0 + i] : 0.f;
+            am = fmaxf(am, fabsf(v[i]));
+        }
+        float sc = fp8kv_scale(warp_max(am));
+        unsigned char* qr = q + (i64)r * cols;
+        for (int i = 0; i < 4; i++)
+            if (c0 + i < cols) qr[c0 + i] = fp8kv_code(v[i], sc);
+        if (lane == 0) s[(i64)b * rows + r] = sc;
+    }
+}

@@ -7,6 +7,7 @@ pub(crate) mod attention_mma;
 pub(crate) mod attention_split;
 pub(crate) mod compress;
 pub(crate) mod dense;
+pub(crate) mod fp8_linear;
 pub(crate) mod hc;
 pub(crate) mod indexer;
 pub(crate) mod kv_reach;
