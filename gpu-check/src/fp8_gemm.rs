@@ -91,10 +91,30 @@ fn one(
     let wd: Vec<Vec<f32>> = (0..m)
         .map(|r| dequant_row(&w, &ws, (r, k), SCALE_BLOCK))
         .collect();
+    let name = format!("fp8 GEMM {scaling:?} {n}x{m}x{k} vs host");
+    Ok(Some(product_row(
+        name,
+        &got,
+        n,
+        |r| dequant_row(&x, &xs, (r, k), 1),
+        &wd,
+    )))
+}
+
+/// The row of `got` (`n x w_rows.len()`) against the host's f32 products of each
+/// activation row (`x_row(r)`) with each weight row.
+fn product_row(
+    name: String,
+    got: &[f32],
+    n: usize,
+    x_row: impl Fn(usize) -> Vec<f32>,
+    w_rows: &[Vec<f32>],
+) -> CheckRow {
+    let m = w_rows.len();
     let mut worst = (0f64, 0usize);
     for r in 0..n {
-        let xr = dequant_row(&x, &xs, (r, k), 1);
-        let want: Vec<f32> = wd
+        let xr = x_row(r);
+        let want: Vec<f32> = w_rows
             .iter()
             .map(|wr| xr.iter().zip(wr).map(|(a, b)| a * b).sum())
             .collect();
@@ -103,8 +123,8 @@ fn one(
             worst = (err, r);
         }
     }
-    Ok(Some(CheckRow {
-        name: format!("fp8 GEMM {scaling:?} {n}x{m}x{k} vs host"),
+    CheckRow {
+        name,
         rows: n,
         max_rel_err: worst.0,
         worst_row: worst.1,
@@ -112,7 +132,7 @@ fn one(
         near_ties: 0,
         pass: worst.0 < FP8_GEMM_TOL,
         gate: true,
-    }))
+    }
 }
 
 /// Activations with every kind of block: normal values, a zero block, values past 448
@@ -188,27 +208,10 @@ fn fp8_linear_row(gpu: &CudaBackend) -> AnyResult<CheckRow> {
     for row in xq.chunks_mut(k) {
         act_quant(row, ACT_BLOCK);
     }
-    let mut worst = (0f64, 0usize);
-    for r in 0..n {
-        let xr = &xq[r * k..(r + 1) * k];
-        let want: Vec<f32> = (0..m)
-            .map(|j| xr.iter().zip(wd.row(j)).map(|(a, b)| a * b).sum())
-            .collect();
-        let err = rel_err(&got[r * m..(r + 1) * m], &want);
-        if err > worst.0 || err.is_nan() {
-            worst = (err, r);
-        }
-    }
-    Ok(CheckRow {
-        name: format!("fp8 linear act_quant + block GEMM {n}x{k}->{m} vs CPU"),
-        rows: n,
-        max_rel_err: worst.0,
-        worst_row: worst.1,
-        greedy_same: n,
-        near_ties: 0,
-        pass: worst.0 < FP8_GEMM_TOL,
-        gate: true,
-    })
+    let w_rows: Vec<Vec<f32>> = (0..m).map(|j| wd.row(j).to_vec()).collect();
+    let name = format!("fp8 linear act_quant + block GEMM {n}x{k}->{m} vs CPU");
+    let x_row = |r: usize| xq[r * k..(r + 1) * k].to_vec();
+    Ok(product_row(name, &got, n, x_row, &w_rows))
 }
 
 /// One row per scaling the library takes and shape of [`DIMS`], then act_quant and the
