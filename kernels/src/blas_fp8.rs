@@ -153,6 +153,14 @@ impl OperandScales {
     }
 }
 
+/// Activation scales in their natural grid `[rows][kb]` from the VEC128 layout
+/// `[kb][rows]` (the inverse of [`OperandScales::lay_out`] for one scale per row).
+pub fn natural_from_vec128(by_block: &[f32], rows: usize, kb: usize) -> Vec<f32> {
+    (0..rows * kb)
+        .map(|i| by_block[(i % kb) * rows + i / kb])
+        .collect()
+}
+
 /// Elements along `k` (and weight rows) one scale covers.
 pub const SCALE_BLOCK: usize = 128;
 
@@ -440,6 +448,15 @@ mod tests {
         assert_eq!(out.len(), 260);
         assert_eq!((out[0], out[127], out[128], out[129]), (0., 0., 10., 10.));
         assert_eq!((out[130], out[257], out[258]), (1., 1., 11.));
+    }
+
+    #[test]
+    fn natural_from_vec128_undoes_the_layout() {
+        let natural: Vec<f32> = (0..21).map(|i| i as f32).collect();
+        let laid = OperandScales::Vec128
+            .lay_out(&natural, (7, 384), 1)
+            .unwrap();
+        assert_eq!(natural_from_vec128(&laid, 7, 3), natural);
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! The FP8 GEMM and DeepSeek's act_quant on host data, for `gpu-check` (which uses only
 //! this crate's public API): the operands go up, the results come back.
 
-use crate::blas_fp8::{Fp8Gemm, Fp8Scaling, SCALE_BLOCK};
+use crate::blas_fp8::{natural_from_vec128, Fp8Gemm, Fp8Scaling, SCALE_BLOCK};
 use crate::launch::dev_err;
 use crate::ops::fp8_linear;
 use crate::tensor::{Buf, GpuTensor};
@@ -74,11 +74,7 @@ impl crate::backend::CudaBackend {
         let kb = cols.div_ceil(SCALE_BLOCK);
         let q = g.download(&act.q, rows * cols)?;
         let by_block = g.download(&act.s, rows * kb)?;
-        // [block][row] -> [row][block]
-        let s = (0..rows * kb)
-            .map(|i| by_block[(i % kb) * rows + i / kb])
-            .collect();
-        Ok((q, s))
+        Ok((q, natural_from_vec128(&by_block, rows, kb)))
     }
 
     /// `act_quant(x) @ w^T` by the device's FP8 linear (`n x k` host activations, an FP8
