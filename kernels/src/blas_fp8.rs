@@ -195,8 +195,18 @@ impl Fp8Gemm {
     /// Descriptors for `(n, m, k)` (rows of x, rows of w, the shared dimension; each a
     /// multiple of 16), with the first of [`Fp8Scaling::PREFERENCE`] the library takes.
     pub fn new(gpu: &crate::device::Gpu, dims: (usize, usize, usize)) -> BResult<Self> {
+        Self::first_of(gpu, dims, &Fp8Scaling::PREFERENCE)
+    }
+
+    /// Descriptors with the first of `scalings` the library takes (the ones it refused
+    /// before it in [`Fp8Gemm::block_refused`]), or every refusal.
+    pub fn first_of(
+        gpu: &crate::device::Gpu,
+        dims: (usize, usize, usize),
+        scalings: &[Fp8Scaling],
+    ) -> BResult<Self> {
         let mut refusals = Vec::new();
-        for scaling in Fp8Scaling::PREFERENCE {
+        for &scaling in scalings {
             match Self::with(gpu, dims, scaling) {
                 Ok(mut gemm) => {
                     gemm.block_refused = (!refusals.is_empty()).then(|| refusals.join("; "));

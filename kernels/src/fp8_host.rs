@@ -55,9 +55,7 @@ impl crate::backend::CudaBackend {
             true => (0..n * m).map(|i| v((i % m) * n + i / m)).collect(),
         }))
     }
-}
 
-impl crate::backend::CudaBackend {
     /// DeepSeek's act_quant of `rows x cols` fp32 values on the device: the e4m3 codes
     /// (row-major) and the scales in their natural grid, `[rows][ceil(cols / 128)]`.
     pub fn act_quant_on_host(

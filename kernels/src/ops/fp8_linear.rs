@@ -96,10 +96,8 @@ pub(crate) fn matmul(
             "the FP8 GEMM takes rows and outputs in multiples of 16 and inputs in multiples of 128, not {n} x {m} x {k}"
         )));
     }
-    let gemm = [Fp8Scaling::Blocks, Fp8Scaling::RowBlocks]
-        .into_iter()
-        .find_map(|s| Fp8Gemm::with(g, (n, m, k), s).ok())
-        .ok_or_else(|| dev_err("cuBLASLt takes no block scaling for this FP8 GEMM"))?;
+    // Never one scale per tensor: these operands do not have one.
+    let gemm = Fp8Gemm::first_of(g, (n, m, k), &[Fp8Scaling::Blocks, Fp8Scaling::RowBlocks])?;
     let act = act_quant(g, x, (n, k, ldx))?;
     let ws = weight_scales(g, w, (m, k), gemm.scaling.weight_scales())?;
     let out = g.uninit::<u16>(n * m)?;
