@@ -2,7 +2,7 @@
 //! an op module (`ops/`) or the KV store (`kv_store`); `graphs` implements the step runner;
 //! this file holds only the backend's settings and the weight-storage policy.
 
-use crate::device::{AttentionKernel, DeviceError, ExpertKernel, Gpu, IndexerBlocking};
+use crate::device::{AttentionKernel, DenseKernel, DeviceError, ExpertKernel, Gpu, IndexerBlocking};
 use crate::graph_cache::{GraphCache, GraphStats};
 use crate::kv_store::GpuKv;
 use crate::launch::dev_err;
@@ -135,6 +135,12 @@ impl CudaBackend {
     /// a benchmark compares the tensor-core kernels with what they replaced.
     pub fn set_expert_kernel(&mut self, kernel: ExpertKernel) {
         self.gpu.expert_kernel = kernel;
+    }
+
+    /// Which kernel runs the dense GEMMs of decode-sized batches: [`DenseKernel::Auto`]
+    /// unless a benchmark compares the tensor-core kernel with what it replaced.
+    pub fn set_dense_kernel(&mut self, kernel: DenseKernel) {
+        self.gpu.dense_kernel = kernel;
     }
 
     /// Test only: drop every captured graph and plant, in the next one captured, a write

@@ -75,6 +75,9 @@ pub struct Gpu {
     /// Which kernels run the routed experts inside decode steps (see
     /// [`crate::CudaBackend::set_expert_kernel`]).
     pub(crate) expert_kernel: ExpertKernel,
+    /// Which kernel runs the dense GEMMs of decode-sized batches (see
+    /// [`crate::CudaBackend::set_dense_kernel`]).
+    pub(crate) dense_kernel: DenseKernel,
     /// fp32 weights, the reference mode gpu-check holds to the CPU engine: attention stays
     /// on the fp32 split-key kernel (unless [`AttentionKernel::TensorCores`] asks for tensor
     /// cores, whose products then take hi + lo bf16 halves) and the prefill indexer's GEMM
@@ -97,6 +100,23 @@ pub enum ExpertKernel {
     /// per expert on average), else the CUDA-core grouped kernels; and for dense
     /// stored-format weights of 17-128 rows the bf16 copy + cuBLAS.
     CudaCores,
+}
+
+/// Which kernel runs a dense GEMM (`x @ w^T`) of a decode-sized batch, at most
+/// `moe_mma::DENSE_MAX_ROWS` rows, outside the fp32 reference mode and `--deterministic`.
+/// The serving choice is [`DenseKernel::Auto`]; the others are for A/B runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DenseKernel {
+    /// bf16 weights on the weight-streaming tensor-core kernel (`k_matmul_mma_*`); stored
+    /// FP8/FP4 weights on the fused CUDA-core kernel up to `stored::FUSED_MAX_ROWS` rows and
+    /// the tensor-core kernel past it.
+    #[default]
+    Auto,
+    /// The tensor-core kernel at every decode-sized batch and weight format.
+    TensorCores,
+    /// What the bf16 tensor-core GEMM replaced: cuBLAS for bf16 weights (stored weights
+    /// as under `Auto`).
+    Cublas,
 }
 
 /// How the tensor-core indexer scores (`k_index_scores_mma`, `ops::indexer`) divide their
@@ -300,6 +320,7 @@ impl Gpu {
             indexer_blocking: None,
             indexer_gemm: false,
             expert_kernel: ExpertKernel::Auto,
+            dense_kernel: DenseKernel::Auto,
             fp32_reference: true,
         })
     }

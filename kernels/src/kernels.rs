@@ -66,8 +66,8 @@ impl Variant for PickTile {
     }
 }
 
-/// Weight format of the tensor-core expert kernels: one kernel per format (each its own
-/// register allocation), in the order of their names.
+/// Weight format of the tensor-core expert and dense kernels: one kernel per format (each
+/// its own register allocation), in the order of their names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum ExpertFormat {
     Bf16,
@@ -76,19 +76,6 @@ pub(crate) enum ExpertFormat {
 }
 
 impl Variant for ExpertFormat {
-    fn index(self) -> usize {
-        self as usize
-    }
-}
-
-/// Stored format of the tensor-core dense GEMM: one kernel per format.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum StoredFormat {
-    Fp8,
-    Fp4,
-}
-
-impl Variant for StoredFormat {
     fn index(self) -> usize {
         self as usize
     }
@@ -476,7 +463,7 @@ kernels! {
         }
         /// A dense stored-format GEMM on tensor cores (decode batches past the fused
         /// kernel's), each split's partial sums to `ys`.
-        MatmulMma = "k_matmul_mma_fp8" | "k_matmul_mma_fp4" by StoredFormat {
+        MatmulMma = "k_matmul_mma_bf16" | "k_matmul_mma_fp8" | "k_matmul_mma_fp4" by ExpertFormat {
             x: DevPtr, ldx: i32, w: DevPtr, s: DevPtr, group_rows: i32, ys: DevPtr, rows: i32,
             n: i32, k: i32, dout: i32,
         }

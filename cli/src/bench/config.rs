@@ -63,6 +63,12 @@ pub struct ModelFlags {
     /// copy + cuBLAS for dense FP8/FP4 GEMMs of 17-128 rows).
     #[arg(long, default_value = "auto", value_parser = ["auto", "tensor-cores", "cuda-cores"])]
     pub expert_kernel: String,
+    /// CUDA dense GEMMs of decode-sized batches (up to 128 rows): auto (tensor cores
+    /// streaming bf16 weights; stored FP8/FP4 weights on the fused CUDA-core kernel up to
+    /// 16 rows, tensor cores past it), tensor-cores (at every decode-sized batch and
+    /// format), or cublas (bf16 weights on cuBLAS: what the tensor-core kernel replaced).
+    #[arg(long, default_value = "auto", value_parser = ["auto", "tensor-cores", "cublas"])]
+    pub dense_kernel: String,
     /// CUDA indexer scores of a prefill: auto (tensor cores for bf16 index-K under bf16
     /// weights, the causally invisible entries skipped) or gemm (every head's dot
     /// products as one cuBLAS GEMM, then a reduce pass: what the tensor-core kernel
@@ -257,6 +263,7 @@ mod tests {
             deterministic: false,
             attention: "auto".into(),
             expert_kernel: "auto".into(),
+            dense_kernel: "auto".into(),
             indexer: "auto".into(),
         }
     }

@@ -225,6 +225,7 @@ mod tests {
             deterministic: false,
             attention: "auto".into(),
             expert_kernel: "auto".into(),
+            dense_kernel: "auto".into(),
             indexer: "auto".into(),
         }
         .config()

@@ -26,7 +26,7 @@ use pdserve_engine::backend::Backend;
 use pdserve_engine::kv::KvLayout;
 use pdserve_engine::model::{Model, ModelWeights};
 use pdserve_engine::CpuBackend;
-use pdserve_kernels::{AttentionKernel, CudaBackend, ExpertKernel, GraphMode};
+use pdserve_kernels::{AttentionKernel, CudaBackend, DenseKernel, ExpertKernel, GraphMode};
 use std::io::IsTerminal;
 use std::time::Instant;
 
@@ -101,6 +101,11 @@ fn on_device(
                 "tensor-cores" => ExpertKernel::TensorCores,
                 "cuda-cores" => ExpertKernel::CudaCores,
                 _ => ExpertKernel::Auto,
+            });
+            backend.set_dense_kernel(match m.dense_kernel.as_str() {
+                "tensor-cores" => DenseKernel::TensorCores,
+                "cublas" => DenseKernel::Cublas,
+                _ => DenseKernel::Auto,
             });
             cuda(backend)
         }

@@ -301,7 +301,7 @@ __device__ void moe_mma(const bf16_t* x, M w, const int* list, const int* count,
     mm_run<GATE_UP, S>(x, K, w, list + (i64)e * rows, count[e], e, out, units, K, per_row, limit, 0, K / S::KS);
 }
 
-// A dense GEMM y = x @ w^T of `rows` rows (decode batches past the fused kernel's), per
+// A dense GEMM y = x @ w^T of `rows` rows (decode batches), per
 // group of `dout` outputs (group i: x's columns i K .., x row stride ldx): grid
 // (ceil(rows / 32), ceil(N / 128), splits), block x taking rows 32 x .. + 32 (the blocks of
 // one weight slab run together, so it is read from memory about once); split z writes its
@@ -355,7 +355,13 @@ extern "C" __launch_bounds__(256, 2) __global__ void k_moe_down_mma_fp4(
     moe_mma<false, SliceFp4>(act, MatFp4{w, s, I}, list, count, active, y, rows, E, H, I, 1, 0.f);
 }
 
-// Dense stored weights (FP8 block-scaled, FP4): x bf16 [rows, ldx]; ys f32 [splits, rows, N].
+// Dense weights (bf16, FP8 block-scaled, FP4): x bf16 [rows, ldx]; ys f32 [splits, rows, N].
+extern "C" __launch_bounds__(256, 2) __global__ void k_matmul_mma_bf16(const bf16_t* x, int ldx, const unsigned char* w,
+                                                                      const unsigned char* s, int group_rows,
+                                                                      float* ys, int rows, int N, int K, int dout) {
+    matmul_mma<SliceBf16>(x, ldx, MatBf16{(const bf16_t*)w, K}, ys, rows, N, K, dout);
+}
+
 extern "C" __launch_bounds__(256, 2) __global__ void k_matmul_mma_fp8(const bf16_t* x, int ldx, const unsigned char* w,
                                                                      const unsigned char* s, int group_rows,
                                                                      float* ys, int rows, int N, int K, int dout) {

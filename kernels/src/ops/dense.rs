@@ -151,35 +151,37 @@ fn matmul_rows(
 /// Rows per block of `k_matmul_rows` (`MM_TILE` in cu/elementwise.cu).
 const MM_TILE: usize = 8;
 
-/// `x @ w^T` of each group: bf16 weights take a bf16 copy of an fp32 `x` (or a bf16 `x`
-/// itself: the attention's output), fp32 weights and `--deterministic` an fp32 `x`.
+/// `x @ w^T` of each group: bf16 and stored weights take a bf16 copy of an fp32 `x` (or a
+/// bf16 `x` itself: the attention's output), fp32 weights and `--deterministic` an fp32 `x`.
 fn matmul_into(g: &Gpu, x: &GpuTensor, w: &GpuTensor, groups: usize) -> BResult<GpuTensor> {
     let out = new_f32(g, x.rows, w.rows)?;
     let Buf::F32(o) = &out.buf else {
         return Err(dev_err("output buffer"));
     };
     let (din, dout) = (w.cols, w.rows / groups);
-    if let Buf::Stored(sw) = &w.buf {
-        // Small batches (and every batch under --deterministic, for batch invariance) read
-        // the stored bytes directly; larger ones pay one exact bf16 copy for cuBLAS.
-        if g.deterministic {
+    if g.deterministic {
+        // Batch invariance: fp32 activations and one fixed order per output.
+        if let Buf::Stored(sw) = &w.buf {
             let xa = stored::Activations::F32(f32_buf(x, "matmul")?);
             stored::matmul_fused(g, (xa, x.cols, x.rows), (sw, w.rows), o, (din, dout))?;
             return Ok(out);
         }
+        return matmul_rows(g, (f32_buf(x, "matmul")?, x.cols), w, out, din, dout);
+    }
+    // Decode-sized batches: tensor cores streaming the weights in their own format.
+    if let Some(dw) = moe_mma::dense_weight(g, w, x.rows, (din, dout, groups)) {
+        let xb = bf16_of(g, x, "matmul")?;
+        moe_mma::matmul_dense(g, xb, &dw, o, (x.rows, din, dout, groups))?;
+        return Ok(out);
+    }
+    if let Buf::Stored(sw) = &w.buf {
+        // Small batches read the stored bytes directly; larger ones pay one exact bf16 copy
+        // for cuBLAS.
         if x.rows <= stored::FUSED_MAX_ROWS {
             let xa = stored::Activations::Bf16(bf16_of(g, x, "matmul")?);
             stored::matmul_fused(g, (xa, x.cols, x.rows), (sw, w.rows), o, (din, dout))?;
             return Ok(out);
         }
-        // Up to 128 rows: tensor cores on the stored bytes (no bf16 copy of the weight).
-        if moe_mma::dense_takes(g, sw, x.rows, (din, dout, groups)) {
-            let xb = bf16_of(g, x, "matmul")?;
-            moe_mma::matmul_dense(g, xb, sw, o, (x.rows, din, dout, groups))?;
-            return Ok(out);
-        }
-    } else if g.deterministic {
-        return matmul_rows(g, (f32_buf(x, "matmul")?, x.cols), w, out, din, dout);
     }
     let dims = (x.rows, dout, din);
     let lds = (x.cols, din, w.rows);

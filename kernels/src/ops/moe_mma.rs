@@ -3,19 +3,18 @@
 //! picks in their own format and dequantized in registers. No host synchronisation, so it
 //! runs inside captured graphs. The inputs of both projections are rounded to bf16, as in
 //! the padded cuBLAS path; outside the fp32 reference mode and `--deterministic` only.
-//! The same kernel body also runs dense stored-format GEMMs of decode batches
-//! ([`matmul_dense`]).
+//! The same kernel body also runs the dense GEMMs of decode batches, bf16 and stored
+//! weights alike ([`matmul_dense`]).
 
 use crate::buf::shape_err;
-use crate::device::{ExpertKernel, Gpu};
+use crate::device::{DenseKernel, ExpertKernel, Gpu};
 use crate::devmem::DevMem;
-use crate::kernels::{self, DevPtr, ExpertFormat, StoredFormat};
+use crate::kernels::{self, DevPtr, ExpertFormat};
 use crate::launch::grid_1d;
-use crate::ops::stored::to_i32;
+use crate::ops::stored::{self, to_i32};
 use crate::ops::tensors::bf16_of;
-use crate::tensor::{GpuTensor, StoredBuf, WeightOperand, WF_BF16, WF_FP4, WF_FP8};
+use crate::tensor::{Buf, GpuTensor, WeightOperand, WF_BF16, WF_FP4, WF_FP8};
 use pdserve_engine::backend::{BResult, MoeParams};
-use pdserve_engine::checkpoint::WeightFormat;
 
 /// Weight rows per block (`MMA_ROWS`), bytes of each per stage (`MMA_SLAB`), pick rows
 /// staged with them (`MMA_PICKS`).
@@ -142,50 +141,57 @@ pub(crate) fn routed(
 }
 
 /// Largest batch the dense tensor-core GEMM takes: each 32 rows are one more block over the
-/// same weight slab (read from L2 by all but the first); past it the bf16 copy + cuBLAS.
-/// Measured on the H200 (bench decode, fp8, 4K, graphs): up to 128 rows it is faster (batch
-/// 128 8.32 -> 6.90 ms); at 256 it is not (10.5 -> 10.8 ms).
+/// same weight slab (read from L2 by all but the first); past it cuBLAS (stored weights:
+/// after a bf16 copy). Measured on the H200 (bench decode, fp8, 4K, graphs): up to 128
+/// rows it is faster (batch 128 8.32 -> 6.90 ms); at 256 it is not (10.5 -> 10.8 ms).
 pub(crate) const DENSE_MAX_ROWS: usize = 128;
 
-/// Whether the dense tensor-core GEMM takes `rows` rows against stored weight `w` of `k`
-/// inputs per group, `dout` outputs per group (`groups` of them).
-pub(crate) fn dense_takes(
+/// A weight as the dense tensor-core GEMM reads it: its operand and kernel variant.
+pub(crate) struct DenseWeight {
+    operand: WeightOperand,
+    format: ExpertFormat,
+}
+
+/// The weight `w` (`k` inputs and `dout` outputs per group, `groups` of them) as the dense
+/// tensor-core GEMM takes it for `rows` rows, or `None` where another kernel runs: past
+/// [`DENSE_MAX_ROWS`], under the fp32 reference mode or `--deterministic`, for fp32 weights
+/// and shapes off the kernel's grid, and where [`DenseKernel`] or, for stored weights,
+/// [`ExpertKernel::CudaCores`] asks for the kernels it replaced.
+pub(crate) fn dense_weight(
     g: &Gpu,
-    w: &StoredBuf,
+    w: &GpuTensor,
     rows: usize,
     (k, dout, groups): (usize, usize, usize),
-) -> bool {
-    let (_, ef) = formats(w);
-    rows <= DENSE_MAX_ROWS
-        && g.expert_kernel != ExpertKernel::CudaCores
-        && !g.deterministic
-        && !g.fp32_reference
-        && k.is_multiple_of(stage_shape(ef).0)
-        && (groups == 1 || dout.is_multiple_of(TILE_ROWS))
+) -> Option<DenseWeight> {
+    let operand = w.buf.operand()?;
+    let format = format_of(operand.fmt)?;
+    let chosen = match (&w.buf, g.dense_kernel) {
+        (_, DenseKernel::TensorCores) => g.expert_kernel != ExpertKernel::CudaCores,
+        (Buf::Stored(_), _) => {
+            rows > stored::FUSED_MAX_ROWS && g.expert_kernel != ExpertKernel::CudaCores
+        }
+        (_, DenseKernel::Auto) => true,
+        (_, DenseKernel::Cublas) => false,
+    };
+    let fits = rows <= DENSE_MAX_ROWS
+        && k.is_multiple_of(stage_shape(format).0)
+        && (groups == 1 || dout.is_multiple_of(TILE_ROWS));
+    (chosen && fits && !g.deterministic && !g.fp32_reference).then_some(DenseWeight { operand, format })
 }
 
-/// A stored weight's dense-kernel variant and the stage shape it shares with the experts'.
-fn formats(w: &StoredBuf) -> (StoredFormat, ExpertFormat) {
-    match w.format {
-        WeightFormat::Fp8Block => (StoredFormat::Fp8, ExpertFormat::Fp8),
-        _ => (StoredFormat::Fp4, ExpertFormat::Fp4),
-    }
-}
-
-/// `y[rows, groups * dout] = x @ w^T` per group over stored weight `w` (`dout` outputs and
-/// `k` inputs per group; group i reads x's columns `i k ..`), `x` in bf16, the reduction
-/// split over enough blocks to fill the device twice; the splits' sums added in a fixed
-/// order (the same bits every run).
+/// `y[rows, groups * dout] = x @ w^T` per group over weight `w` (`dout` outputs and `k`
+/// inputs per group; group i reads x's columns `i k ..`), `x` in bf16, the reduction split
+/// over enough blocks to fill the device twice; the splits' sums added in a fixed order
+/// (the same bits every run).
 pub(crate) fn matmul_dense(
     g: &Gpu,
     xb: &DevMem<u16>,
-    w: &StoredBuf,
+    w: &DenseWeight,
     y: &DevMem<f32>,
     (rows, k, dout, groups): (usize, usize, usize, usize),
 ) -> BResult<()> {
-    let (f, ef) = formats(w);
     let n = dout * groups;
-    let stages = k / stage_shape(ef).0;
+    let stages = k / stage_shape(w.format).0;
     let (row_blocks, col_blocks) = (rows.div_ceil(TILE_PICKS), n.div_ceil(TILE_ROWS));
     let splits = (2 * g.sms)
         .div_ceil(row_blocks * col_blocks)
@@ -196,14 +202,14 @@ pub(crate) fn matmul_dense(
     let ys = partial.as_ref().unwrap_or(y);
     g.launch(
         (row_blocks as u32, col_blocks as u32, splits as u32),
-        shared_bytes(ef) as u32,
+        shared_bytes(w.format) as u32,
         &kernels::MatmulMma {
-            variant: f,
+            variant: w.format,
             x: DevPtr::of(xb),
             ldx: to_i32(k * groups, "row stride")?,
-            w: DevPtr::of(&w.q),
-            s: DevPtr::of(&w.s),
-            group_rows: to_i32(w.group_rows, "group rows")?,
+            w: DevPtr(w.operand.w),
+            s: DevPtr(w.operand.s),
+            group_rows: w.operand.group_rows,
             ys: DevPtr::of(ys),
             rows: to_i32(rows, "rows")?,
             n: to_i32(n, "outputs")?,
