@@ -143,6 +143,13 @@ impl CudaBackend {
         self.gpu.dense_kernel = kernel;
     }
 
+    /// Whether kernels are launched with programmatic dependent launch (each may be
+    /// scheduled while the previous one finishes, and waits for it in its first
+    /// statement), eagerly and inside captured graphs alike. Off by default.
+    pub fn set_programmatic_launch(&mut self, on: bool) {
+        self.gpu.programmatic_launch = on;
+    }
+
     /// Test only: drop every captured graph and plant, in the next one captured, a write
     /// over `page` (what the KV canary must catch inside a graph). `None` drops the graphs
     /// again, so the next capture is clean.

@@ -5,7 +5,7 @@ use crate::blas::Blas;
 use crate::compile::{self, CompileError};
 use crate::devmem::DevMem;
 use crate::kernels::{Kernel, REGISTRY};
-use crate::launch::{dev_err, Arg, BLOCK};
+use crate::launch::{dev_err, launch_programmatic, Arg, BLOCK};
 use crate::recorder::{StepMode, StepRecord};
 use crate::rope_cache::RopeTableCache;
 use crate::step::{StepState, Temp, Upload};
@@ -78,6 +78,9 @@ pub struct Gpu {
     /// Which kernel runs the dense GEMMs of decode-sized batches (see
     /// [`crate::CudaBackend::set_dense_kernel`]).
     pub(crate) dense_kernel: DenseKernel,
+    /// Kernels launched with programmatic dependent launch (see
+    /// [`crate::CudaBackend::set_programmatic_launch`]).
+    pub(crate) programmatic_launch: bool,
     /// fp32 weights, the reference mode gpu-check holds to the CPU engine: attention stays
     /// on the fp32 split-key kernel (unless [`AttentionKernel::TensorCores`] asks for tensor
     /// cores, whose products then take hi + lo bf16 halves) and the prefill indexer's GEMM
@@ -105,18 +108,23 @@ pub enum ExpertKernel {
 /// Which kernel runs a dense GEMM (`x @ w^T`) of a decode-sized batch, at most
 /// `moe_mma::DENSE_MAX_ROWS` rows, outside the fp32 reference mode and `--deterministic`.
 /// The serving choice is [`DenseKernel::Auto`]; the others are for A/B runs.
+///
+/// Measured on the H200 (bench decode, 4 V4-Flash layers, 64 experts, graphs; stop 36):
+/// stored FP8 weights at batch 8 3.85 ms per step on the fused CUDA-core kernel, 3.04 on
+/// the tensor-core kernel (batch 1 1.98 -> 1.89); bf16 weights on the tensor-core kernel
+/// instead of cuBLAS were slower at every batch (1: 1.87 -> 1.95 ms, 64: 5.21 -> 5.57,
+/// 128: 5.83 -> 6.91).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum DenseKernel {
-    /// bf16 weights on the weight-streaming tensor-core kernel (`k_matmul_mma_*`); stored
-    /// FP8/FP4 weights on the fused CUDA-core kernel up to `stored::FUSED_MAX_ROWS` rows and
-    /// the tensor-core kernel past it.
+    /// Stored FP8/FP4 weights on the weight-streaming tensor-core kernel
+    /// (`k_matmul_mma_*`), bf16 weights on cuBLAS.
     #[default]
     Auto,
-    /// The tensor-core kernel at every decode-sized batch and weight format.
+    /// The tensor-core kernel for bf16 weights too.
     TensorCores,
-    /// What the bf16 tensor-core GEMM replaced: cuBLAS for bf16 weights (stored weights
-    /// as under `Auto`).
-    Cublas,
+    /// What the tensor-core kernel replaced for stored weights of at most
+    /// `stored::FUSED_MAX_ROWS` rows: the fused CUDA-core kernel (`k_matmul_q`).
+    Fused,
 }
 
 /// How the tensor-core indexer scores (`k_index_scores_mma`, `ops::indexer`) divide their
@@ -321,6 +329,7 @@ impl Gpu {
             indexer_gemm: false,
             expert_kernel: ExpertKernel::Auto,
             dense_kernel: DenseKernel::Auto,
+            programmatic_launch: false,
             fp32_reference: true,
         })
     }
@@ -652,6 +661,11 @@ impl Gpu {
             .ok_or_else(|| BackendError::Device(format!("kernel {name} not loaded")))?;
         if !self.step()?.launch(name, grid, shared, args) {
             return Ok(());
+        }
+        if self.programmatic_launch {
+            // SAFETY: as below; every kernel begins with pdl_enter() (a CPU test checks).
+            return unsafe { launch_programmatic(f, &self.stream, grid, shared, args) }
+                .map_err(|e| BackendError::Device(format!("launch {name}: {e:?}")));
         }
         let mut b = self.stream.launch_builder(f);
         for a in args {

@@ -586,6 +586,25 @@ mod tests {
     }
 
     #[test]
+    fn every_kernel_waits_for_its_predecessor_before_anything_else() {
+        // Programmatic dependent launch lets a kernel start before the previous one ends:
+        // only the wait at the top of its body keeps it from reading or writing too early.
+        let mut kernels = 0;
+        for (module, src) in crate::compile::MODULES {
+            for part in src.split("__global__ void ").skip(1) {
+                let name = part.split_once('(').map_or(part, |(n, _)| n).trim();
+                let body = part.split_once('{').map_or("", |(_, b)| b);
+                assert!(
+                    body.trim_start().starts_with("pdl_enter();"),
+                    "{module}.cu {name}: the body must begin with pdl_enter();"
+                );
+                kernels += 1;
+            }
+        }
+        assert!(kernels > 20, "parsed only {kernels} kernels");
+    }
+
+    #[test]
     fn the_registry_lists_every_handle_once() {
         let mut listed: Vec<&str> = REGISTRY
             .iter()

@@ -63,12 +63,16 @@ pub struct ModelFlags {
     /// copy + cuBLAS for dense FP8/FP4 GEMMs of 17-128 rows).
     #[arg(long, default_value = "auto", value_parser = ["auto", "tensor-cores", "cuda-cores"])]
     pub expert_kernel: String,
-    /// CUDA dense GEMMs of decode-sized batches (up to 128 rows): auto (tensor cores
-    /// streaming bf16 weights; stored FP8/FP4 weights on the fused CUDA-core kernel up to
-    /// 16 rows, tensor cores past it), tensor-cores (at every decode-sized batch and
-    /// format), or cublas (bf16 weights on cuBLAS: what the tensor-core kernel replaced).
-    #[arg(long, default_value = "auto", value_parser = ["auto", "tensor-cores", "cublas"])]
+    /// CUDA dense GEMMs of decode-sized batches (up to 128 rows): auto (stored FP8/FP4
+    /// weights on the tensor-core kernel that streams them, bf16 weights on cuBLAS),
+    /// tensor-cores (bf16 weights too), or fused (stored weights of up to 16 rows on the
+    /// fused CUDA-core kernel: what the tensor-core kernel replaced there).
+    #[arg(long, default_value = "auto", value_parser = ["auto", "tensor-cores", "fused"])]
     pub dense_kernel: String,
+    /// Launch the CUDA kernels with programmatic dependent launch: each may be scheduled
+    /// while the previous one finishes (and waits for it before touching memory).
+    #[arg(long)]
+    pub pdl: bool,
     /// CUDA indexer scores of a prefill: auto (tensor cores for bf16 index-K under bf16
     /// weights, the causally invisible entries skipped) or gemm (every head's dot
     /// products as one cuBLAS GEMM, then a reduce pass: what the tensor-core kernel
@@ -264,6 +268,7 @@ mod tests {
             attention: "auto".into(),
             expert_kernel: "auto".into(),
             dense_kernel: "auto".into(),
+            pdl: false,
             indexer: "auto".into(),
         }
     }

@@ -226,6 +226,7 @@ mod tests {
             attention: "auto".into(),
             expert_kernel: "auto".into(),
             dense_kernel: "auto".into(),
+            pdl: false,
             indexer: "auto".into(),
         }
         .config()

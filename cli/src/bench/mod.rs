@@ -104,9 +104,10 @@ fn on_device(
             });
             backend.set_dense_kernel(match m.dense_kernel.as_str() {
                 "tensor-cores" => DenseKernel::TensorCores,
-                "cublas" => DenseKernel::Cublas,
+                "fused" => DenseKernel::Fused,
                 _ => DenseKernel::Auto,
             });
+            backend.set_programmatic_launch(m.pdl);
             cuda(backend)
         }
         Device::Auto => bail!("--device auto is not accepted by bench: name cpu or cuda:N"),

@@ -14,6 +14,7 @@ extern "C" __global__ void k_attention(const unsigned char* pages, const unsigne
                                        i64 win_off, int rate, int mode, i64 comp_off, int comp_epp, int page_tokens,
                                        int dt, float scale, int max_keys, int G, int rd, i64 win_scale_off,
                                        i64 comp_scale_off) {
+    pdl_enter();
     extern __shared__ float smem[];
     float* qs = smem;                       // [G][hd]
     float* lg = qs + G * hd;                // [G][max_keys]
@@ -129,6 +130,7 @@ extern "C" __global__ void k_attention(const unsigned char* pages, const unsigne
 // fp8 (dt 3): the row's scale bytes at win_scale_off.
 extern "C" __global__ void k_window_store(unsigned char* states, i64 state_bytes, const int* seq, const float* kv_new,
                                           int hd, int window, i64 win_off, int dt, int rd, i64 win_scale_off) {
+    pdl_enter();
     __shared__ float tile_sc[32];
     const int* sq = seq + blockIdx.x * SEQ_INTS;
     int start = sq[SEQ_START], len = sq[SEQ_LEN];
@@ -151,6 +153,7 @@ extern "C" __global__ void k_window_store(unsigned char* states, i64 state_bytes
 // fp8 (dt 3): each row of x as a store and load of one entry gives it (this forward's keys,
 // which attention reads before they are stored). One block per row.
 extern "C" __global__ void k_kv_round_trip(const float* x, float* out, int hd, int rd) {
+    pdl_enter();
     __shared__ float tile_sc[32];
     int r = blockIdx.x, nope = hd - rd;
     const float* v = x + (i64)r * hd;

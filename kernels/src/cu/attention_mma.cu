@@ -352,6 +352,7 @@ extern "C" __launch_bounds__(256, 1) __global__ void k_attention_mma(const unsig
                                            int window, i64 win_off, int rate, int mode, i64 comp_off, int comp_epp,
                                            int page_tokens, int dt, float scale, int rd, i64 win_scale_off,
                                            i64 comp_scale_off, int split_keys, int nsplit, int direct) {
+    pdl_enter();
     atm_body<false>(pages, states, page_bytes, state_bytes, seq, pt, row_seq, positions, q, new_rows, new_scales, sinks, sel, topk, q_bf16, out, un_cs, un_sn, out_bf16, part,
         part_ml, n_heads, hd, window, win_off, rate, mode, comp_off, comp_epp, page_tokens, dt, scale, rd, win_scale_off,
         comp_scale_off, split_keys, nsplit, direct);
@@ -367,6 +368,7 @@ extern "C" __launch_bounds__(256, 1) __global__ void k_attention_mma_exact(const
                                            int window, i64 win_off, int rate, int mode, i64 comp_off, int comp_epp,
                                            int page_tokens, int dt, float scale, int rd, i64 win_scale_off,
                                            i64 comp_scale_off, int split_keys, int nsplit, int direct) {
+    pdl_enter();
     atm_body<true>(pages, states, page_bytes, state_bytes, seq, pt, row_seq, positions, q, new_rows, new_scales, sinks, sel, topk, q_bf16, out, un_cs, un_sn, out_bf16, part,
         part_ml, n_heads, hd, window, win_off, rate, mode, comp_off, comp_epp, page_tokens, dt, scale, rd, win_scale_off,
         comp_scale_off, split_keys, nsplit, direct);

@@ -89,6 +89,7 @@ __device__ __forceinline__ void ats_load_keys(const unsigned long long* kaddr, c
 // bytes at scales + r * scale bytes. One block per row.
 extern "C" __global__ void k_kv_entries(const float* x, unsigned char* rows, unsigned char* scales, int hd, int rd,
                                         int dt) {
+    pdl_enter();
     __shared__ float tile_sc[32];
     int r = blockIdx.x;
     const float* v = x + (i64)r * hd;
@@ -110,6 +111,7 @@ extern "C" __global__ void k_attention_split(const unsigned char* pages, const u
                                              int mode, i64 comp_off, int comp_epp, int page_tokens, int dt,
                                              float scale, int G, int rd, i64 win_scale_off, i64 comp_scale_off,
                                              int split_keys, int nsplit, int direct) {
+    pdl_enter();
     extern __shared__ float smem[];
     int gp = (G + 3) & ~3;
     float* qs = smem;                     // [G][hd] queries
@@ -269,6 +271,7 @@ extern "C" __global__ void k_attention_split(const unsigned char* pages, const u
 // logit in the softmax. grid (rows, n_heads); threads over channels.
 extern "C" __global__ void k_attention_combine(const float* part, const float* part_ml, const float* sinks,
                                                float* out, int n_heads, int hd, int nsplit) {
+    pdl_enter();
     i64 rh = (i64)blockIdx.x * n_heads + blockIdx.y;
     const float* ml = part_ml + rh * nsplit * 2;
     float sink = sinks[blockIdx.y];

@@ -12,6 +12,7 @@ __device__ __forceinline__ u64_t canary_mix(u64_t z) {
 }
 
 extern "C" __global__ void k_region_checksums(const u64_t* base, i64 words, u64_t* out) {
+    pdl_enter();
     const u64_t* p = base + (i64)blockIdx.x * words;
     u64_t s = 0;
     for (i64 i = threadIdx.x; i < words; i += blockDim.x)

@@ -6,6 +6,19 @@ typedef long long i64;
 
 #define NEG_INF (__int_as_float(0xff800000))
 
+// First statement of every kernel (a CPU test holds every __global__ function to it).
+// Under programmatic dependent launch (Gpu::launch with the PDL attribute) a kernel may be
+// scheduled while the previous one in the stream is still running: it waits here for that
+// kernel to complete and its memory to be visible before touching any memory, then lets
+// the next kernel be scheduled in turn, so each launch's latency overlaps the previous
+// kernel's tail. Without the attribute both instructions return at once.
+__device__ __forceinline__ void pdl_enter() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ float bf16_to_f(bf16_t b) { return __uint_as_float(((u32)b) << 16); }
 
 // Same rounding as the `half` crate: NaN keeps a quiet payload, otherwise nearest-even.

@@ -108,6 +108,7 @@ extern "C" __global__ void k_compress(unsigned char* pages, unsigned char* state
                                       int width, int rate, int slots, int overlap, i64 ring_off, i64 entry_off,
                                       i64 scale_off, int entries_per_page, int page_tokens, int dt, int rd,
                                       float eps, int by_window) {
+    pdl_enter();
     extern __shared__ float pooled[];
     __shared__ float red[32];
     __shared__ float tile_sc[32];
@@ -145,6 +146,7 @@ extern "C" __global__ void k_compress(unsigned char* pages, unsigned char* state
 extern "C" __global__ void k_compress_ring(unsigned char* states, i64 state_bytes, const int* seq,
                                            const float* proj_kv, const float* proj_gate, int width, int slots,
                                            i64 ring_off) {
+    pdl_enter();
     const int* sq = seq + blockIdx.x * SEQ_INTS;
     int start = sq[SEQ_START], len = sq[SEQ_LEN], row0 = sq[SEQ_ROW0];
     float* ring = (float*)(states + (i64)sq[SEQ_STATE] * state_bytes + ring_off);

@@ -3,6 +3,7 @@
 // Four values per thread and step where both buffers allow 16- and 8-byte accesses (the
 // same rounding either way).
 extern "C" __global__ void k_f32_to_bf16(const float* x, bf16_t* y, i64 n) {
+    pdl_enter();
     i64 t = blockIdx.x * (i64)blockDim.x + threadIdx.x, stride = (i64)gridDim.x * blockDim.x, done = 0;
     if ((((unsigned long long)x & 15) | ((unsigned long long)y & 7)) == 0) {
         i64 n4 = n >> 2;
@@ -17,17 +18,20 @@ extern "C" __global__ void k_f32_to_bf16(const float* x, bf16_t* y, i64 n) {
 }
 
 extern "C" __global__ void k_bf16_to_f32(const bf16_t* x, float* y, i64 n) {
+    pdl_enter();
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
         y[i] = bf16_to_f(x[i]);
 }
 
 extern "C" __global__ void k_swiglu(const float* g, const float* u, float* y, i64 n, float limit) {
+    pdl_enter();
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
         y[i] = swiglu_(g[i], u[i], limit);
 }
 
 // x: [rows, 2*inter] (gate columns, then up columns) -> y: [rows, inter].
 extern "C" __global__ void k_swiglu_halves(const float* x, float* y, i64 n, int inter, float limit) {
+    pdl_enter();
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
         i64 r = i / inter, c = i % inter;
         y[i] = swiglu_(x[r * 2 * inter + c], x[r * 2 * inter + inter + c], limit);
@@ -36,6 +40,7 @@ extern "C" __global__ void k_swiglu_halves(const float* x, float* y, i64 n, int 
 
 // One block per row: `copies` copies of table row tokens[r].
 extern "C" __global__ void k_embed_bf16(const bf16_t* table, const u32* tokens, float* out, int h, int copies) {
+    pdl_enter();
     int r = blockIdx.x;
     const bf16_t* src = table + (i64)tokens[r] * h;
     float* dst = out + (i64)r * h * copies;
@@ -43,6 +48,7 @@ extern "C" __global__ void k_embed_bf16(const bf16_t* table, const u32* tokens, 
 }
 
 extern "C" __global__ void k_embed_f32(const float* table, const u32* tokens, float* out, int h, int copies) {
+    pdl_enter();
     int r = blockIdx.x;
     const float* src = table + (i64)tokens[r] * h;
     float* dst = out + (i64)r * h * copies;
@@ -50,6 +56,7 @@ extern "C" __global__ void k_embed_f32(const float* table, const u32* tokens, fl
 }
 
 extern "C" __global__ void k_gather_rows(const float* x, const int* idx, float* out, int cols) {
+    pdl_enter();
     int r = blockIdx.x;
     const float* src = x + (i64)idx[r] * cols;
     for (int i = threadIdx.x; i < cols; i += blockDim.x) out[(i64)r * cols + i] = src[i];
@@ -57,6 +64,7 @@ extern "C" __global__ void k_gather_rows(const float* x, const int* idx, float* 
 
 // out[r] = bf16(x[idx[r]]), one block per row (the bf16 input of the prefill's expert GEMMs).
 extern "C" __global__ void k_gather_rows_bf16(const float* x, const int* idx, bf16_t* out, int cols) {
+    pdl_enter();
     int r = blockIdx.x;
     const float* src = x + (i64)idx[r] * cols;
     bf16_t* dst = out + (i64)r * cols;
@@ -74,6 +82,7 @@ extern "C" __global__ void k_gather_rows_bf16(const float* x, const int* idx, bf
 // rinv[r] = 1 / sqrt(mean(x[r]^2) + eps), one block per row: the scale of an unweighted RMS
 // norm, applied after a GEMM on the raw rows (the hyper-connection mix).
 extern "C" __global__ void k_row_inv_rms(const float* x, float* rinv, int cols, float eps) {
+    pdl_enter();
     __shared__ float sh[32];
     const float* v = x + (i64)blockIdx.x * cols;
     float ss = 0.f;
@@ -91,6 +100,7 @@ extern "C" __global__ void k_row_inv_rms(const float* x, float* rinv, int cols, 
 
 // y[r, c] *= s[r] over `rows` rows of `cols`.
 extern "C" __global__ void k_scale_rows(float* y, const float* s, int rows, int cols) {
+    pdl_enter();
     i64 n = (i64)rows * cols;
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
         y[i] *= s[i / cols];
@@ -133,10 +143,12 @@ __device__ void matmul_rows(const float* x, const W* w, float* y, int M, int N, 
 
 extern "C" __global__ void k_matmul_rows_bf16(const float* x, const bf16_t* w, float* y, int m, int n,
                                               int k, int ldx, int dout) {
+    pdl_enter();
     matmul_rows(x, w, y, m, n, k, ldx, dout);
 }
 
 extern "C" __global__ void k_matmul_rows_f32(const float* x, const float* w, float* y, int m, int n,
                                              int k, int ldx, int dout) {
+    pdl_enter();
     matmul_rows(x, w, y, m, n, k, ldx, dout);
 }

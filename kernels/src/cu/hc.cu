@@ -10,6 +10,7 @@ __device__ __forceinline__ bool hc_vec4(const float* a, const float* b, int h) {
 // One block per row. mix: [rows, (2+hc)*hc]; streams: [rows, hc*h].
 extern "C" __global__ void k_hc_pre(const float* streams, const float* mix, const float* base, const float* scale,
                                     float* post, float* comb, float* collapsed, int h, int hc, int iters, float eps) {
+    pdl_enter();
     __shared__ float pre[HC_MAX];
     __shared__ float c[HC_MAX * HC_MAX];
     int r = blockIdx.x;
@@ -131,6 +132,7 @@ __device__ __forceinline__ void hc_post_vec4(const float* s, const float* o, con
 // order, as before: the same values with a quarter of the stream loads at hc = 4).
 extern "C" __global__ void k_hc_post(const float* streams, const float* out, const float* post, const float* comb,
                                      float* res, int h, int hc) {
+    pdl_enter();
     __shared__ float cb[HC_MAX * HC_MAX];
     __shared__ float ps[HC_MAX];
     int r = blockIdx.x;
@@ -164,6 +166,7 @@ extern "C" __global__ void k_hc_post(const float* streams, const float* out, con
 // sum_k (sigmoid(mix_k*scale + base_k) + eps) * streams[k]; one block per row.
 extern "C" __global__ void k_hc_head(const float* streams, const float* mix, const float* base, const float* scale,
                                      float* out, int h, int hc, float eps) {
+    pdl_enter();
     __shared__ float pre[HC_MAX];
     int r = blockIdx.x;
     if (threadIdx.x < hc) pre[threadIdx.x] = sigmoidf_(mix[(i64)r * hc + threadIdx.x] * scale[0] + base[threadIdx.x]) + eps;

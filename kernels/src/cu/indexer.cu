@@ -8,6 +8,7 @@ extern "C" __global__ void k_index_scores(const unsigned char* pages, i64 page_b
                                           float* scores, int max_nv, int n_heads, int ihd, int rate, i64 entry_off,
                                           i64 scale_off, int entries_per_page, int page_tokens, int dt, float softmax_scale,
                                           float weight_scale) {
+    pdl_enter();
     int r = blockIdx.x;
     int lane = threadIdx.x & 31;
     int s = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5);
@@ -194,6 +195,7 @@ extern "C" __launch_bounds__(256, 2) __global__ void k_index_scores_mma(const un
                                               int rate, i64 entry_off, int entries_per_page, int page_tokens,
                                               float softmax_scale, float weight_scale, int rows, int rows_per_block,
                                               int tiles) {
+    pdl_enter();
     extern __shared__ __align__(16) unsigned char ixm_sh[];
     int ld = ihd + 8;
     bf16_t* qs = (bf16_t*)ixm_sh;     // [2][IXM_H][ld]
@@ -230,6 +232,7 @@ extern "C" __launch_bounds__(256, 2) __global__ void k_index_scores_mma(const un
 extern "C" __global__ void k_gather_index_k(const unsigned char* pages, i64 page_bytes, const int* seq, const u32* pt,
                                             int si, int nv, int ihd, int rate, i64 entry_off, i64 scale_off,
                                             int entries_per_page, int page_tokens, int dt, void* out, int out_bf16) {
+    pdl_enter();
     int s = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     int lane = threadIdx.x & 31;
     if (s >= nv) return;
@@ -252,6 +255,7 @@ extern "C" __global__ void k_gather_index_k(const unsigned char* pages, i64 page
 extern "C" __global__ void k_index_reduce(const float* d, int nvs, const int* positions, const float* wts,
                                           float* scores, int row0, int max_nv, int n_heads, int rate,
                                           float softmax_scale, float weight_scale) {
+    pdl_enter();
     int s = blockIdx.y * blockDim.x + threadIdx.x;
     if (s >= max_nv) return;
     int row = row0 + blockIdx.x;
@@ -277,6 +281,7 @@ __device__ __forceinline__ u32 order_key(float v) {
 // 8-bit passes; then each thread compacts a contiguous chunk. sel: [rows, topk].
 extern "C" __global__ void k_topk(const float* scores, const int* positions, int* sel, int max_nv, int topk,
                                   int rate) {
+    pdl_enter();
     __shared__ u32 hist[256];
     __shared__ u32 s_prefix, s_mask;
     __shared__ int s_remaining;

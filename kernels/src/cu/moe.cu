@@ -8,6 +8,7 @@
 // score / (the picks' scores summed in pick order + 1e-20) * routed_scaling.
 extern "C" __global__ void k_moe_route(float* logits, const float* bias, const u32* hash, int* ids, float* wts,
                                        int rows, int E, int k, int scoring, float routed_scaling) {
+    pdl_enter();
     int r = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5);
     int lane = threadIdx.x & 31;
     if (r >= rows) return;
@@ -76,6 +77,7 @@ extern "C" __global__ void k_moe_route(float* logits, const float* bias, const u
 // ascending order, active[E] = how many there are. One block.
 extern "C" __global__ void k_moe_lists(const int* ids, int* list, int* count, int* active, int rows, int E,
                                        int k) {
+    pdl_enter();
     for (int e = threadIdx.x; e < E; e += blockDim.x) {
         int n = 0;
         for (int a = 0; a < rows * k; a++)
@@ -186,6 +188,7 @@ extern "C" __global__ void k_moe_gate_up_grouped(const float* x, const unsigned 
                                                  int fmt, int group_rows, const int* list, const int* active,
                                                  const int* count, float* act, int rows, int E, int H, int I,
                                                  int k, float limit) {
+    pdl_enter();
     moe_gate_up_grouped_fmt<MOE_TILE>(x, w, s, fmt, group_rows, list, active, count, act, rows, E, H, I, k, limit);
 }
 
@@ -194,6 +197,7 @@ extern "C" __global__ void k_moe_gate_up_grouped_small(const float* x, const uns
                                                        const int* list, const int* active, const int* count,
                                                        float* act, int rows, int E, int H, int I, int k,
                                                        float limit) {
+    pdl_enter();
     moe_gate_up_grouped_fmt<MOE_TILE_SMALL>(x, w, s, fmt, group_rows, list, active, count, act, rows, E, H, I, k,
                                             limit);
 }
@@ -267,12 +271,14 @@ __device__ void moe_down_grouped_fmt(const float* act, const unsigned char* w, c
 extern "C" __global__ void k_moe_down_grouped(const float* act, const unsigned char* w, const unsigned char* s,
                                               int fmt, int group_rows, const int* list, const int* active,
                                               const int* count, float* y, int rows, int E, int H, int I) {
+    pdl_enter();
     moe_down_grouped_fmt<MOE_TILE>(act, w, s, fmt, group_rows, list, active, count, y, rows, E, H, I);
 }
 
 extern "C" __global__ void k_moe_down_grouped_small(const float* act, const unsigned char* w, const unsigned char* s,
                                                     int fmt, int group_rows, const int* list, const int* active,
                                                     const int* count, float* y, int rows, int E, int H, int I) {
+    pdl_enter();
     moe_down_grouped_fmt<MOE_TILE_SMALL>(act, w, s, fmt, group_rows, list, active, count, y, rows, E, H, I);
 }
 
@@ -280,6 +286,7 @@ extern "C" __global__ void k_moe_down_grouped_small(const float* act, const unsi
 // t-th pick of e]) for t < count[e], zeros after. grid (E, rows).
 extern "C" __global__ void k_moe_gather_padded(const float* x, const int* list, const int* count, bf16_t* xp,
                                                int rows, int H, int k) {
+    pdl_enter();
     int e = blockIdx.x, t = blockIdx.y;
     bf16_t* dst = xp + ((i64)e * rows + t) * H;
     if (t >= count[e]) {
@@ -294,6 +301,7 @@ extern "C" __global__ void k_moe_gather_padded(const float* x, const int* list, 
 // Row by row (a block-stride loop over the n / inter rows), four channels per thread and
 // step where the rows allow 16-byte accesses.
 extern "C" __global__ void k_swiglu_halves_bf16(const float* gu, bf16_t* act, i64 n, int inter, float limit) {
+    pdl_enter();
     i64 rows = n / inter;
     bool vec = ((inter & 3) | (((unsigned long long)gu | (unsigned long long)act) & 15)) == 0;
     for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
@@ -316,6 +324,7 @@ extern "C" __global__ void k_swiglu_halves_bf16(const float* gu, bf16_t* act, i6
 // y[pick] = yp[e, t] for the t-th pick of expert e. grid (E, rows).
 extern "C" __global__ void k_moe_scatter_padded(const float* yp, const int* list, const int* count, float* y,
                                                 int rows, int H) {
+    pdl_enter();
     int e = blockIdx.x, t = blockIdx.y;
     if (t >= count[e]) return;
     const float* src = yp + ((i64)e * rows + t) * H;
@@ -331,6 +340,7 @@ extern "C" __global__ void k_moe_scatter_padded(const float* yp, const int* list
 // leave their outputs sorted by expert), else a.
 extern "C" __global__ void k_moe_combine(const float* y, const int* pos, const int* ids, const float* wts,
                                          const float* shared, float* out, int H, int k) {
+    pdl_enter();
     // Picks in ascending (expert id, pick) order, like the CPU's per-expert loop: ordered
     // once per row by thread 0, then used by every channel.
     __shared__ float weight[64];

@@ -322,36 +322,42 @@ __device__ void matmul_mma(const bf16_t* x, int ldx, M w, float* ys, int rows, i
 extern "C" __launch_bounds__(256, 2) __global__ void k_moe_gate_up_mma_bf16(
     const bf16_t* x, const unsigned char* w, const unsigned char* s, int group_rows, const int* list,
     const int* active, const int* count, bf16_t* act, int rows, int E, int H, int I, int k, float limit) {
+    pdl_enter();
     moe_mma<true, SliceBf16>(x, MatBf16{(const bf16_t*)w, H}, list, count, active, act, rows, E, I, H, k, limit);
 }
 
 extern "C" __launch_bounds__(256, 2) __global__ void k_moe_down_mma_bf16(
     const bf16_t* act, const unsigned char* w, const unsigned char* s, int group_rows, const int* list,
     const int* active, const int* count, float* y, int rows, int E, int H, int I) {
+    pdl_enter();
     moe_mma<false, SliceBf16>(act, MatBf16{(const bf16_t*)w, I}, list, count, active, y, rows, E, H, I, 1, 0.f);
 }
 
 extern "C" __launch_bounds__(256, 2) __global__ void k_moe_gate_up_mma_fp8(
     const bf16_t* x, const unsigned char* w, const unsigned char* s, int group_rows, const int* list,
     const int* active, const int* count, bf16_t* act, int rows, int E, int H, int I, int k, float limit) {
+    pdl_enter();
     moe_mma<true, SliceFp8>(x, MatFp8{w, s, H, group_rows}, list, count, active, act, rows, E, I, H, k, limit);
 }
 
 extern "C" __launch_bounds__(256, 2) __global__ void k_moe_down_mma_fp8(
     const bf16_t* act, const unsigned char* w, const unsigned char* s, int group_rows, const int* list,
     const int* active, const int* count, float* y, int rows, int E, int H, int I) {
+    pdl_enter();
     moe_mma<false, SliceFp8>(act, MatFp8{w, s, I, group_rows}, list, count, active, y, rows, E, H, I, 1, 0.f);
 }
 
 extern "C" __launch_bounds__(256, 2) __global__ void k_moe_gate_up_mma_fp4(
     const bf16_t* x, const unsigned char* w, const unsigned char* s, int group_rows, const int* list,
     const int* active, const int* count, bf16_t* act, int rows, int E, int H, int I, int k, float limit) {
+    pdl_enter();
     moe_mma<true, SliceFp4>(x, MatFp4{w, s, H}, list, count, active, act, rows, E, I, H, k, limit);
 }
 
 extern "C" __launch_bounds__(256, 2) __global__ void k_moe_down_mma_fp4(
     const bf16_t* act, const unsigned char* w, const unsigned char* s, int group_rows, const int* list,
     const int* active, const int* count, float* y, int rows, int E, int H, int I) {
+    pdl_enter();
     moe_mma<false, SliceFp4>(act, MatFp4{w, s, I}, list, count, active, y, rows, E, H, I, 1, 0.f);
 }
 
@@ -359,23 +365,27 @@ extern "C" __launch_bounds__(256, 2) __global__ void k_moe_down_mma_fp4(
 extern "C" __launch_bounds__(256, 2) __global__ void k_matmul_mma_bf16(const bf16_t* x, int ldx, const unsigned char* w,
                                                                       const unsigned char* s, int group_rows,
                                                                       float* ys, int rows, int N, int K, int dout) {
+    pdl_enter();
     matmul_mma<SliceBf16>(x, ldx, MatBf16{(const bf16_t*)w, K}, ys, rows, N, K, dout);
 }
 
 extern "C" __launch_bounds__(256, 2) __global__ void k_matmul_mma_fp8(const bf16_t* x, int ldx, const unsigned char* w,
                                                                      const unsigned char* s, int group_rows,
                                                                      float* ys, int rows, int N, int K, int dout) {
+    pdl_enter();
     matmul_mma<SliceFp8>(x, ldx, MatFp8{w, s, K, group_rows}, ys, rows, N, K, dout);
 }
 
 extern "C" __launch_bounds__(256, 2) __global__ void k_matmul_mma_fp4(const bf16_t* x, int ldx, const unsigned char* w,
                                                                      const unsigned char* s, int group_rows,
                                                                      float* ys, int rows, int N, int K, int dout) {
+    pdl_enter();
     matmul_mma<SliceFp4>(x, ldx, MatFp4{w, s, K}, ys, rows, N, K, dout);
 }
 
 // y[i] = sum over splits z (in order) of ys[z, i]; n = rows N.
 extern "C" __global__ void k_split_sum(const float* ys, float* y, i64 n, int splits) {
+    pdl_enter();
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
         float v = 0.f;
         for (int z = 0; z < splits; z++) v += ys[z * n + i];

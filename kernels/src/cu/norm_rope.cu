@@ -2,6 +2,7 @@
 
 // One block per group of `group` consecutive values; `w` (length `group`) may be null.
 extern "C" __global__ void k_rms_norm(const float* x, const float* w, float* out, int group, float eps) {
+    pdl_enter();
     __shared__ float sh[32];
     const float* v = x + (i64)blockIdx.x * group;
     float* o = out + (i64)blockIdx.x * group;
@@ -25,6 +26,7 @@ __device__ __forceinline__ float warp_inv_rms(const float* v, int group, int lan
 // ceil(groups / warps per block); `groups` groups of `group` values.
 extern "C" __global__ void k_rms_norm_warp(const float* x, const float* w, float* out, int group, int groups,
                                            float eps) {
+    pdl_enter();
     int gi = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (gi >= groups) return;
     const float* v = x + (i64)gi * group;
@@ -36,6 +38,7 @@ extern "C" __global__ void k_rms_norm_warp(const float* x, const float* w, float
 // One block per row. cos/sin: [rows, rd/2] at each row's position. Rotates the trailing
 // `rd` channels of every `head_dim` head; `inverse` uses -sin.
 extern "C" __global__ void k_rope(float* x, const float* cs, const float* sn, int cols, int head_dim, int rd, int inverse) {
+    pdl_enter();
     int r = blockIdx.x;
     int half = rd / 2, heads = cols / head_dim;
     float* row = x + (i64)r * cols;
@@ -57,6 +60,7 @@ extern "C" __global__ void k_rope(float* x, const float* cs, const float* sn, in
 // grid ceil(groups / warps per block); `groups` = rows x heads_per_row heads. head_dim even.
 extern "C" __global__ void k_query_heads_bf16(const float* x, const float* cs, const float* sn, bf16_t* out,
                                               int head_dim, int groups, int heads_per_row, int rd, float eps) {
+    pdl_enter();
     int gi = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (gi >= groups) return;
     const float* v = x + (i64)gi * head_dim;

@@ -89,6 +89,7 @@ __device__ void matmul_q_fmt(const T* x, const unsigned char* q, const unsigned 
 extern "C" __global__ void k_matmul_q(const float* x, const bf16_t* xb, const unsigned char* q,
                                       const unsigned char* s, int fmt, int group_rows, float* y, int m, int n,
                                       int k, int ldx, int dout) {
+    pdl_enter();
     if (xb)
         matmul_q_fmt(xb, q, s, fmt, group_rows, y, m, n, k, ldx, dout);
     else
@@ -150,6 +151,7 @@ __device__ void dequant_rows(M w, bf16_t* out, int rows, int cols) {
 
 extern "C" __global__ void k_dequant_bf16(const unsigned char* q, const unsigned char* s, int fmt, int group_rows,
                                           bf16_t* out, int rows, int cols) {
+    pdl_enter();
     if (fmt == WF_FP8)
         dequant_rows(MatFp8{q, s, cols, group_rows}, out, rows, cols);
     else
@@ -182,6 +184,7 @@ __device__ __forceinline__ u32 f_to_e2m1(float x) {
 // grid (ceil(group_rows/128) * (rows / group_rows), ceil(cols/128)).
 extern "C" __global__ void k_quantize_fp8(const float* x, unsigned char* q, unsigned char* s, int rows, int cols,
                                           int group_rows) {
+    pdl_enter();
     __shared__ float sh[32];
     int grid_rows = (group_rows + 127) / 128, scols = (cols + 127) / 128;
     int g = blockIdx.x / grid_rows, br = blockIdx.x % grid_rows, bc = blockIdx.y;
@@ -203,6 +206,7 @@ extern "C" __global__ void k_quantize_fp8(const float* x, unsigned char* q, unsi
 
 // One thread per 32 inputs of a row: scale, then 16 packed bytes. grid-stride.
 extern "C" __global__ void k_quantize_fp4(const float* x, unsigned char* q, unsigned char* s, int rows, int cols) {
+    pdl_enter();
     int scols = (cols + 31) / 32;
     i64 n = (i64)rows * scols;
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
@@ -228,6 +232,7 @@ extern "C" __global__ void k_quantize_fp4(const float* x, unsigned char* q, unsi
 // row-major (`cols` a row); scales as cuBLASLt's VEC128_32F reads them: [block][row].
 extern "C" __global__ void k_act_quant_e4m3(const float* x, int ldx, unsigned char* q, float* s, int rows,
                                             int cols) {
+    pdl_enter();
     int kb = (cols + 127) / 128, lane = threadIdx.x & 31;
     i64 total = (i64)rows * kb, stride = ((i64)gridDim.x * blockDim.x) >> 5;
     // The warp index is the same on every lane: whole warps loop and leave together.

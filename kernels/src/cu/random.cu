@@ -24,11 +24,13 @@ __device__ __forceinline__ float random_value(unsigned long long seed, i64 i, in
 }
 
 extern "C" __global__ void k_random_f32(float* out, i64 n, unsigned long long seed, int kind, float a, float b) {
+    pdl_enter();
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
         out[i] = random_value(seed, i, kind, a, b);
 }
 
 extern "C" __global__ void k_random_bf16(bf16_t* out, i64 n, unsigned long long seed, int kind, float a, float b) {
+    pdl_enter();
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
         out[i] = f_to_bf16(random_value(seed, i, kind, a, b));
 }
@@ -36,6 +38,7 @@ extern "C" __global__ void k_random_bf16(bf16_t* out, i64 n, unsigned long long 
 // Read-bandwidth probe: every thread sums 16-byte loads over a grid-stride loop and
 // writes one value per block (so the loads cannot be removed).
 extern "C" __global__ void k_read_probe(const float4* x, i64 n4, float* out) {
+    pdl_enter();
     float acc = 0.f;
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n4; i += (i64)gridDim.x * blockDim.x) {
         float4 v = x[i];

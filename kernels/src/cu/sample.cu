@@ -17,6 +17,7 @@ __device__ __forceinline__ void argmax_merge(float& bv, int& bi, float v, int i)
 // the block size, and k_argmax_rows' merge of the parts in order is the whole row's.
 extern "C" __global__ void k_argmax_parts(const float* logits, int cols, int span, float* part_v, int* part_i,
                                           int* part_f) {
+    pdl_enter();
     const float* x = logits + (i64)blockIdx.x * cols;
     int lo = blockIdx.y * span, hi = min(cols, lo + span);
     float bv = NEG_INF;
@@ -53,6 +54,7 @@ extern "C" __global__ void k_argmax_parts(const float* logits, int cols, int spa
 // out[rows + r]: 1 when every logit of the row is finite.
 extern "C" __global__ void k_argmax_rows(const float* part_v, const int* part_i, const int* part_f, int parts,
                                          int rows, int* out) {
+    pdl_enter();
     int r = blockIdx.x * blockDim.x + threadIdx.x;
     if (r >= rows) return;
     float bv = NEG_INF;

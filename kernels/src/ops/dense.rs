@@ -175,8 +175,8 @@ fn matmul_into(g: &Gpu, x: &GpuTensor, w: &GpuTensor, groups: usize) -> BResult<
         return Ok(out);
     }
     if let Buf::Stored(sw) = &w.buf {
-        // Small batches read the stored bytes directly; larger ones pay one exact bf16 copy
-        // for cuBLAS.
+        // Small batches where a benchmark asks for the CUDA-core kernel read the stored
+        // bytes directly; larger ones pay one exact bf16 copy for cuBLAS.
         if x.rows <= stored::FUSED_MAX_ROWS {
             let xa = stored::Activations::Bf16(bf16_of(g, x, "matmul")?);
             stored::matmul_fused(g, (xa, x.cols, x.rows), (sw, w.rows), o, (din, dout))?;

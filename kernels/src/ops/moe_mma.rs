@@ -155,8 +155,9 @@ pub(crate) struct DenseWeight {
 /// The weight `w` (`k` inputs and `dout` outputs per group, `groups` of them) as the dense
 /// tensor-core GEMM takes it for `rows` rows, or `None` where another kernel runs: past
 /// [`DENSE_MAX_ROWS`], under the fp32 reference mode or `--deterministic`, for fp32 weights
-/// and shapes off the kernel's grid, and where [`DenseKernel`] or, for stored weights,
-/// [`ExpertKernel::CudaCores`] asks for the kernels it replaced.
+/// and shapes off the kernel's grid, for bf16 weights unless [`DenseKernel::TensorCores`],
+/// and where [`DenseKernel::Fused`] or [`ExpertKernel::CudaCores`] asks for the kernels it
+/// replaced.
 pub(crate) fn dense_weight(
     g: &Gpu,
     w: &GpuTensor,
@@ -165,14 +166,12 @@ pub(crate) fn dense_weight(
 ) -> Option<DenseWeight> {
     let operand = w.buf.operand()?;
     let format = format_of(operand.fmt)?;
-    let chosen = match (&w.buf, g.dense_kernel) {
-        (_, DenseKernel::TensorCores) => g.expert_kernel != ExpertKernel::CudaCores,
-        (Buf::Stored(_), _) => {
-            rows > stored::FUSED_MAX_ROWS && g.expert_kernel != ExpertKernel::CudaCores
-        }
-        (_, DenseKernel::Auto) => true,
-        (_, DenseKernel::Cublas) => false,
-    };
+    let chosen = g.expert_kernel != ExpertKernel::CudaCores
+        && match (&w.buf, g.dense_kernel) {
+            (Buf::Stored(_), DenseKernel::Fused) => rows > stored::FUSED_MAX_ROWS,
+            (Buf::Stored(_), _) | (_, DenseKernel::TensorCores) => true,
+            _ => false,
+        };
     let fits = rows <= DENSE_MAX_ROWS
         && k.is_multiple_of(stage_shape(format).0)
         && (groups == 1 || dout.is_multiple_of(TILE_ROWS));

@@ -13,13 +13,11 @@ use crate::tensor::{Buf, GpuTensor, StoredBuf};
 use pdserve_engine::backend::{BResult, WeightInit};
 use pdserve_engine::checkpoint::{StoredWeight, WeightFormat};
 
-/// Batches up to this many rows run the fused kernel (each weight byte read once per 8
-/// rows, no bf16 copy); larger ones, up to `moe_mma::DENSE_MAX_ROWS`, the tensor-core
-/// kernel on the stored bytes where the shape allows, else a bf16 copy of the weight and
-/// cuBLAS.
-/// Measured on the H200 (V4-Flash layers, docs/performance.md): at 64 rows the fused
-/// kernel's CUDA-core work (8 row tiles, each decoding the weights again) costs more than
-/// the bf16 copy's extra bytes.
+/// Batches up to this many rows ran the fused kernel (each weight byte read once per 8
+/// rows, no bf16 copy) until the tensor-core kernel took them (`moe_mma::dense_weight`);
+/// `DenseKernel::Fused` still sends them here for A/B runs, as does `--deterministic`
+/// (fp32 activations) at every batch. Past it, at 64 rows, the fused kernel's CUDA-core
+/// work (8 row tiles, each decoding the weights again) cost more than a bf16 copy.
 pub(crate) const FUSED_MAX_ROWS: usize = 16;
 /// Rows per block row of `k_matmul_q` (`QMM_TILE` in cu/quant.cu).
 const QMM_TILE: usize = 8;
