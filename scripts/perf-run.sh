@@ -12,8 +12,9 @@
 #             against the GEMM rate measured in the same run
 #   decode    batch 1..256, contexts 4K and 32K, bf16 and the stored formats, graphs and
 #             eager, against the byte floor (WEIGHTS=bf16 for a shorter run)
-#   ncu       one eager decode step of batch 1 and 64 (NCU_BATCH) and one 8K prefill
-#             forward (NCU_PREFILL) by kernel, through ncu and scripts/ncu_step.py
+#   ncu       one eager decode step of batch 1 and 64 (NCU_BATCH; NCU_WEIGHTS=fp8 for
+#             the stored format) and one 8K prefill forward (NCU_PREFILL) by kernel,
+#             through ncu and scripts/ncu_step.py
 #   gap       the decode loop's host time between steps at batch 64 (embedded model)
 #   ttft      an 8K prompt through router + prefill + decode (the bench's V4-Flash-dims
 #             model, random weights: --load-format dummy) with the worker-side breakdown
@@ -30,6 +31,9 @@ TTFT_TOKENS=${TTFT_TOKENS:-8192}
 TTFT_REQUESTS=${TTFT_REQUESTS:-8}
 WEIGHTS=${WEIGHTS:-bf16,fp8,fp8-fp4}
 NCU_BATCH=${NCU_BATCH:-1,64}
+NCU_WEIGHTS=${NCU_WEIGHTS:-bf16}
+# Extra flags for every bench command (BENCH_ARGS="--pdl": programmatic dependent launch).
+read -r -a BENCH_ARGS <<<"${BENCH_ARGS:-}"
 NCU_PREFILL=${NCU_PREFILL:-8192}
 [ -x "$BIN" ] || { echo "perf-run: $BIN not found: cargo build --release first (or set BIN)" >&2; exit 2; }
 [ $# -gt 0 ] || { sed -n '2,22p' "$0"; exit 2; }
@@ -54,20 +58,22 @@ part_peer() {
 part_prefill() {
   # shellcheck disable=SC2046
   "$BIN" bench prefill --device "$DEV" "${DIMS[@]}" --tokens 1024,8192,32768 --weights bf16,fp8 \
-    --repeats 3 --warmup 1 $(peer_flag) --json "$OUT/prefill.json" --plot "$OUT/prefill.svg"
+    --repeats 3 --warmup 1 "${BENCH_ARGS[@]}" $(peer_flag) --json "$OUT/prefill.json" \
+    --plot "$OUT/prefill.svg"
   "$BIN" bench prefill --device "$DEV" "${DIMS[@]}" --tokens 131072 --chunk 16384 \
-    --weights bf16,fp8 --repeats 1 --warmup 1 --json "$OUT/prefill-128k.json"
+    --weights bf16,fp8 --repeats 1 --warmup 1 "${BENCH_ARGS[@]}" --json "$OUT/prefill-128k.json"
 }
 
 part_decode() {
   # shellcheck disable=SC2046
   "$BIN" bench decode --device "$DEV" "${DIMS[@]}" --weights "$WEIGHTS" \
-    --context 4096,32768 --graph capture,eager --steps 20 --warmup 3 \
+    --context 4096,32768 --graph capture,eager --steps 20 --warmup 3 "${BENCH_ARGS[@]}" \
     $(peer_flag) --json "$OUT/decode.json" --plot "$OUT/decode.svg"
 }
 
 part_ncu() {
-  # One eager bf16 step at 4K by kernel (ncu): batch 1 and 64 by default (NCU_BATCH=1,64).
+  # One eager step at 4K by kernel (ncu): batch 1 and 64 by default (NCU_BATCH=1,64), bf16
+  # weights by default (NCU_WEIGHTS).
   local ncu b steps
   ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -n1 || true)
   [ -n "$ncu" ] || { echo "perf-run: ncu not found" >&2; return 1; }
@@ -75,11 +81,11 @@ part_ncu() {
     for steps in 1 2; do
       "$ncu" --clock-control none --cache-control none --metrics gpu__time_duration.sum \
         --csv --print-units base --log-file "$OUT/ncu-b$b-s$steps.csv" \
-        "$BIN" bench decode --device "$DEV" "${DIMS[@]}" --weights bf16 --batch "$b" \
-        --context 4096 --graph eager --warmup 0 --steps "$steps" >/dev/null
+        "$BIN" bench decode --device "$DEV" "${DIMS[@]}" --weights "$NCU_WEIGHTS" --batch "$b" \
+        --context 4096 --graph eager --warmup 0 --steps "$steps" "${BENCH_ARGS[@]}" >/dev/null
     done
     python3 scripts/ncu_step.py "$OUT/ncu-b$b-s1.csv" "$OUT/ncu-b$b-s2.csv" \
-      --title "bf16 batch $b, 4K, eager"
+      --title "$NCU_WEIGHTS batch $b, 4K, eager"
   done
   # One bf16 prefill forward of NCU_PREFILL tokens (one repeat less the other).
   local reps

@@ -45,13 +45,35 @@ impl Rng {
         self.0 ^= self.0 >> 27;
         (self.0.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 33) as usize % n.max(1)
     }
+
+    /// A random batch: 1 to `n` distinct indices below `n`, in random order.
+    fn batch(&mut self, n: usize) -> Vec<usize> {
+        let want = 1 + self.below(n);
+        let mut pick: Vec<usize> = (0..n).collect();
+        for i in (1..pick.len()).rev() {
+            pick.swap(i, self.below(i + 1));
+        }
+        pick.truncate(want);
+        pick
+    }
 }
 
 fn engine(ordinal: usize, mode: GraphMode, verify: bool) -> AnyResult<Engine<CudaBackend>> {
+    engine_with(ordinal, mode, verify, false)
+}
+
+/// [`engine`], with programmatic dependent launch on or off.
+fn engine_with(
+    ordinal: usize,
+    mode: GraphMode,
+    verify: bool,
+    programmatic: bool,
+) -> AnyResult<Engine<CudaBackend>> {
     let dir = pdserve_engine::embedded::model_dir()?;
     let mut b = CudaBackend::new(ordinal, None)?;
     b.set_graph_mode(mode);
     b.set_verify_graphs(verify);
+    b.set_programmatic_launch(programmatic);
     Ok(Engine::load(&dir, b, None, POOL)?)
 }
 
@@ -103,13 +125,8 @@ fn verify_random(ordinal: usize, tok: &Tokenizer, steps: usize) -> AnyResult<Che
     let mut result = Ok(());
     let mut sizes = std::collections::BTreeSet::new();
     for _ in 0..steps {
-        let want = 1 + rng.below(seqs.len());
-        let mut pick: Vec<usize> = (0..seqs.len()).collect();
-        for i in (1..pick.len()).rev() {
-            pick.swap(i, rng.below(i + 1));
-        }
-        pick.truncate(want);
-        sizes.insert(want);
+        let pick = rng.batch(seqs.len());
+        sizes.insert(pick.len());
         if let Err(err) = step(&mut e, &mut seqs, &mut next, &pick) {
             result = Err(err);
             break;
@@ -136,6 +153,60 @@ fn verify_random(ordinal: usize, tok: &Tokenizer, steps: usize) -> AnyResult<Che
         greedy_same: 0,
         near_ties: 0,
         pass: result.is_ok() && stats.replays >= steps as u64 && stats.verify_mismatches == 0,
+        gate: true,
+    })
+}
+
+/// The same prefills and `steps` random batches of greedy decode steps (graphs captured)
+/// with kernels launched plainly and with programmatic dependent launch: every logit of
+/// every step bitwise equal. The launch attribute only lets a kernel be scheduled early;
+/// one that touched memory before waiting for its predecessor would race and show here.
+fn programmatic_launch_same_bits(
+    ordinal: usize,
+    tok: &Tokenizer,
+    steps: usize,
+) -> AnyResult<CheckRow> {
+    let run = |programmatic: bool| -> AnyResult<Vec<Vec<f32>>> {
+        let mut e = engine_with(ordinal, GraphMode::Capture, false, programmatic)?;
+        let (mut seqs, mut next) = start(&mut e, tok, 2)?;
+        let mut rng = Rng(0x51_7CC1_B727_220A);
+        let mut out = Vec::new();
+        for _ in 0..steps {
+            let mut pick = rng.batch(seqs.len());
+            pick.sort_unstable();
+            let toks: Vec<u32> = pick.iter().map(|&i| next[i]).collect();
+            let chosen = seqs
+                .iter_mut()
+                .enumerate()
+                .filter(|(i, _)| pick.contains(i))
+                .map(|(_, s)| s);
+            let logits = decode_logits(&mut e, chosen, &toks)?;
+            for (&i, row) in pick.iter().zip(&logits) {
+                next[i] = argmax(row);
+            }
+            out.extend(logits);
+        }
+        for s in seqs {
+            e.release(s)?;
+        }
+        Ok(out)
+    };
+    let (plain, programmatic) = (run(false)?, run(true)?);
+    let differ = plain
+        .iter()
+        .zip(&programmatic)
+        .filter(|(a, b)| a.iter().map(|v| v.to_bits()).ne(b.iter().map(|v| v.to_bits())))
+        .count();
+    Ok(CheckRow {
+        name: format!(
+            "programmatic dependent launch == plain launch bitwise, {steps} random batches ({differ} rows differ)"
+        ),
+        rows: plain.len(),
+        max_rel_err: 0.0,
+        worst_row: 0,
+        greedy_same: 0,
+        near_ties: 0,
+        pass: differ == 0 && plain.len() == programmatic.len() && !plain.is_empty(),
         gate: true,
     })
 }
@@ -367,6 +438,7 @@ pub fn check_graphs(ordinal: usize) -> AnyResult<(Vec<CheckRow>, Vec<String>)> {
         verify_random(ordinal, &tok, 200)?,
         batched_vs_cpu(ordinal, &tok, 30)?,
         planted_write_in_graph(ordinal, &tok)?,
+        programmatic_launch_same_bits(ordinal, &tok, 100)?,
     ];
     rows.extend(crate::device_argmax::check_device_argmax(ordinal)?);
     let steps = 200;
