@@ -32,7 +32,7 @@ TTFT_REQUESTS=${TTFT_REQUESTS:-8}
 WEIGHTS=${WEIGHTS:-bf16,fp8,fp8-fp4}
 NCU_BATCH=${NCU_BATCH:-1,64}
 NCU_WEIGHTS=${NCU_WEIGHTS:-bf16}
-# Extra flags for every bench command (BENCH_ARGS="--pdl": programmatic dependent launch).
+# Extra flags for every bench command (BENCH_ARGS="--no-pdl": plain kernel launches).
 read -r -a BENCH_ARGS <<<"${BENCH_ARGS:-}"
 NCU_PREFILL=${NCU_PREFILL:-8192}
 [ -x "$BIN" ] || { echo "perf-run: $BIN not found: cargo build --release first (or set BIN)" >&2; exit 2; }

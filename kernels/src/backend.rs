@@ -145,7 +145,8 @@ impl CudaBackend {
 
     /// Whether kernels are launched with programmatic dependent launch (each may be
     /// scheduled while the previous one finishes, and waits for it in its first
-    /// statement), eagerly and inside captured graphs alike. Off by default.
+    /// statement), eagerly and inside captured graphs alike. On by default where the
+    /// device has it (sm_90 and later); off for A/B runs (`bench --no-pdl`).
     pub fn set_programmatic_launch(&mut self, on: bool) {
         self.gpu.programmatic_launch = on;
     }

@@ -79,7 +79,7 @@ pub struct Gpu {
     /// [`crate::CudaBackend::set_dense_kernel`]).
     pub(crate) dense_kernel: DenseKernel,
     /// Kernels launched with programmatic dependent launch (see
-    /// [`crate::CudaBackend::set_programmatic_launch`]).
+    /// [`crate::CudaBackend::set_programmatic_launch`]); on by default from sm_90.
     pub(crate) programmatic_launch: bool,
     /// fp32 weights, the reference mode gpu-check holds to the CPU engine: attention stays
     /// on the fp32 split-key kernel (unless [`AttentionKernel::TensorCores`] asks for tensor
@@ -329,7 +329,8 @@ impl Gpu {
             indexer_gemm: false,
             expert_kernel: ExpertKernel::Auto,
             dense_kernel: DenseKernel::Auto,
-            programmatic_launch: false,
+            // griddepcontrol (pdl_enter) needs sm_90; older devices launch plainly.
+            programmatic_launch: major >= 9,
             fp32_reference: true,
         })
     }

@@ -69,10 +69,11 @@ pub struct ModelFlags {
     /// fused CUDA-core kernel: what the tensor-core kernel replaced there).
     #[arg(long, default_value = "auto", value_parser = ["auto", "tensor-cores", "fused"])]
     pub dense_kernel: String,
-    /// Launch the CUDA kernels with programmatic dependent launch: each may be scheduled
-    /// while the previous one finishes (and waits for it before touching memory).
+    /// Launch the CUDA kernels plainly, without programmatic dependent launch (by default
+    /// on sm_90+, each kernel may be scheduled while the previous one finishes and waits
+    /// for it before touching memory): the A/B of that launch mode.
     #[arg(long)]
-    pub pdl: bool,
+    pub no_pdl: bool,
     /// CUDA indexer scores of a prefill: auto (tensor cores for bf16 index-K under bf16
     /// weights, the causally invisible entries skipped) or gemm (every head's dot
     /// products as one cuBLAS GEMM, then a reduce pass: what the tensor-core kernel
@@ -268,7 +269,7 @@ mod tests {
             attention: "auto".into(),
             expert_kernel: "auto".into(),
             dense_kernel: "auto".into(),
-            pdl: false,
+            no_pdl: false,
             indexer: "auto".into(),
         }
     }

@@ -554,7 +554,7 @@ mod tests {
             attention: "auto".into(),
             expert_kernel: "auto".into(),
             dense_kernel: "auto".into(),
-            pdl: false,
+            no_pdl: false,
             indexer: "auto".into(),
         };
         let cfg = f.config().unwrap();

@@ -107,7 +107,9 @@ fn on_device(
                 "fused" => DenseKernel::Fused,
                 _ => DenseKernel::Auto,
             });
-            backend.set_programmatic_launch(m.pdl);
+            if m.no_pdl {
+                backend.set_programmatic_launch(false);
+            }
             cuda(backend)
         }
         Device::Auto => bail!("--device auto is not accepted by bench: name cpu or cuda:N"),
