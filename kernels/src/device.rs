@@ -92,9 +92,10 @@ pub struct Gpu {
 /// serving choice is [`ExpertKernel::Auto`]; the others are for A/B runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum ExpertKernel {
-    /// Past 2 rows, the tensor-core kernels (`k_moe_*_mma`) where the shape allows (measured
-    /// faster than the padded-batch cuBLAS GEMMs at batch 8-256 with bf16 experts, and than
-    /// the CUDA-core grouped kernels in every format); else the CUDA-core grouped kernels.
+    /// The tensor-core kernels (`k_moe_*_mma`) where the shape allows: stored FP8/FP4 experts
+    /// at every batch, bf16 ones past 2 rows (measured faster than the padded-batch cuBLAS
+    /// GEMMs at batch 8-256 with bf16 experts, and than the CUDA-core grouped kernels in
+    /// every format there); else the CUDA-core grouped kernels.
     #[default]
     Auto,
     /// The tensor-core kernels wherever the shape allows, bf16 batches included.

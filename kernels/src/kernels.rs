@@ -75,9 +75,17 @@ pub(crate) enum ExpertFormat {
     Fp4,
 }
 
-impl Variant for ExpertFormat {
+/// A tensor-core expert or dense kernel: its weight format and picks per pass (`narrow`:
+/// 8 instead of 32, the `_p8` kernels, three blocks per SM; for batches of at most 8 rows).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct MmaVariant {
+    pub format: ExpertFormat,
+    pub narrow: bool,
+}
+
+impl Variant for MmaVariant {
     fn index(self) -> usize {
-        self as usize
+        2 * self.format as usize + usize::from(self.narrow)
     }
 }
 
@@ -451,19 +459,22 @@ kernels! {
     module "moe_mma" {
         /// Routed experts' gate/up projections on tensor cores (bf16 inputs, bf16 SwiGLU
         /// output; bf16 or stored FP8/FP4 weights dequantized in registers).
-        MoeGateUpMma = "k_moe_gate_up_mma_bf16" | "k_moe_gate_up_mma_fp8" | "k_moe_gate_up_mma_fp4" by ExpertFormat {
+        MoeGateUpMma = "k_moe_gate_up_mma_bf16" | "k_moe_gate_up_mma_bf16_p8" | "k_moe_gate_up_mma_fp8" | "k_moe_gate_up_mma_fp8_p8"
+            | "k_moe_gate_up_mma_fp4" | "k_moe_gate_up_mma_fp4_p8" by MmaVariant {
             x: DevPtr, w: DevPtr, s: DevPtr, group_rows: i32, list: DevPtr,
             active: DevPtr, count: DevPtr, act: DevPtr, rows: i32, e: i32, h: i32, i: i32,
             k: i32, limit: f32,
         }
         /// Their down projection on tensor cores, as [`MoeGateUpMma`].
-        MoeDownMma = "k_moe_down_mma_bf16" | "k_moe_down_mma_fp8" | "k_moe_down_mma_fp4" by ExpertFormat {
+        MoeDownMma = "k_moe_down_mma_bf16" | "k_moe_down_mma_bf16_p8" | "k_moe_down_mma_fp8" | "k_moe_down_mma_fp8_p8"
+            | "k_moe_down_mma_fp4" | "k_moe_down_mma_fp4_p8" by MmaVariant {
             act: DevPtr, w: DevPtr, s: DevPtr, group_rows: i32, list: DevPtr,
             active: DevPtr, count: DevPtr, y: DevPtr, rows: i32, e: i32, h: i32, i: i32,
         }
         /// A dense stored-format GEMM on tensor cores (decode batches past the fused
         /// kernel's), each split's partial sums to `ys`.
-        MatmulMma = "k_matmul_mma_bf16" | "k_matmul_mma_fp8" | "k_matmul_mma_fp4" by ExpertFormat {
+        MatmulMma = "k_matmul_mma_bf16" | "k_matmul_mma_bf16_p8" | "k_matmul_mma_fp8" | "k_matmul_mma_fp8_p8"
+            | "k_matmul_mma_fp4" | "k_matmul_mma_fp4_p8" by MmaVariant {
             x: DevPtr, ldx: i32, w: DevPtr, s: DevPtr, group_rows: i32, ys: DevPtr, rows: i32,
             n: i32, k: i32, dout: i32,
         }

@@ -57,7 +57,8 @@ pub struct ModelFlags {
     /// tensor-core kernel replaced, for A/B runs).
     #[arg(long, default_value = "auto", value_parser = ["auto", "split"])]
     pub attention: String,
-    /// CUDA routed-expert kernels of decode steps: auto (tensor cores past 2 rows),
+    /// CUDA routed-expert kernels of decode steps: auto (tensor cores for stored FP8/FP4
+    /// experts at every batch, for bf16 past 2 rows),
     /// tensor-cores (wherever the shape allows), or cuda-cores (what the tensor-core kernels
     /// replaced: padded-batch cuBLAS GEMMs for bf16, CUDA-core grouped kernels, and the bf16
     /// copy + cuBLAS for dense FP8/FP4 GEMMs of 17-128 rows).

@@ -25,8 +25,10 @@
 // aligned weight and activation rows. Dynamic shared memory: STAGES x (128 x 128 bytes of
 // weights + 32 pick rows x the stage's bf16 activations) (ops/moe_mma.rs `shared_bytes`).
 
-#define MMA_PICK_TILES 4  // n-tiles of 8 picks held at once
-#define MMA_PICKS (8 * MMA_PICK_TILES)
+// PT: n-tiles of 8 picks held at once, a kernel's template parameter: 4 (32 picks per
+// pass, two blocks per SM) or 1 for batches of at most 8 rows (8 picks; 80 registers and
+// a quarter of the activation tile, so three blocks per SM: more warps hide the latency of
+// the dequantizing arithmetic, which bounds these kernels at small batches).
 #define MMA_WARPS 8
 #define MMA_ROWS 128  // weight rows per block, 16 per warp
 #define MMA_SLAB 128  // bytes of each weight row per stage
@@ -124,13 +126,14 @@ __device__ __forceinline__ int mm_a_unit(int r, int u) {
     return u ^ ((u >> 3) & 1) ^ ((r & 1) ? S::ODD_X : 0);
 }
 
-template <typename S>
+template <typename S, int PT>
 struct MmaTile {
+    static constexpr int PICKS = 8 * PT;
     static constexpr int A_UNITS = S::KS * 2 / 16;  // 16-byte units of a pick row per stage
     static constexpr int W_BYTES = MMA_ROWS * MMA_SLAB;
-    static constexpr int STAGE = W_BYTES + MMA_PICKS * A_UNITS * 16;
+    static constexpr int STAGE = W_BYTES + PICKS * A_UNITS * 16;
     static constexpr int W_PER_THREAD = MMA_ROWS * (MMA_SLAB / 16) / (32 * MMA_WARPS);
-    static constexpr int A_PER_THREAD = (MMA_PICKS * A_UNITS + 32 * MMA_WARPS - 1) / (32 * MMA_WARPS);
+    static constexpr int A_PER_THREAD = (PICKS * A_UNITS + 32 * MMA_WARPS - 1) / (32 * MMA_WARPS);
 };
 
 // One 16-byte unit of the two weight rows against every n-tile: 8 activations (two k-steps)
@@ -138,8 +141,8 @@ struct MmaTile {
 #define MM_UNIT(FAST)                                                                                          \
     do {                                                                                                       \
         _Pragma("unroll") for (int q = 0; q < S::VEC / 8; q++) {                                               \
-            u32 b[MMA_PICK_TILES][4];                                                                          \
-            _Pragma("unroll") for (int nt = 0; nt < MMA_PICK_TILES; nt++) {                                   \
+            u32 b[PT][4];                                                                          \
+            _Pragma("unroll") for (int nt = 0; nt < PT; nt++) {                                   \
                 if (nt < tiles) {                                                                              \
                     int pr = nt * 8 + g;                                                                       \
                     uint4 v = *reinterpret_cast<const uint4*>(                                                 \
@@ -151,7 +154,7 @@ struct MmaTile {
                 int j = 4 * q + 2 * s;                                                                         \
                 u32 a[4] = {S::template pair<FAST>(wl, cl, j), S::template pair<FAST>(wh, ch, j),              \
                             S::template pair<FAST>(wl, cl, j + 1), S::template pair<FAST>(wh, ch, j + 1)};     \
-                _Pragma("unroll") for (int nt = 0; nt < MMA_PICK_TILES; nt++) if (nt < tiles)                 \
+                _Pragma("unroll") for (int nt = 0; nt < PT; nt++) if (nt < tiles)                 \
                     tc_mma(acc[nt], a, b[nt][2 * s], b[nt][2 * s + 1]);                                        \
             }                                                                                                  \
         }                                                                                                      \
@@ -163,10 +166,10 @@ struct MmaTile {
 // (a split's partial sums where [s0, s1) is not the whole of K).
 // `units`: I (gate/up) or the outputs; `K`: the reduction; `per_row`: k (gate/up: pick ->
 // row) or 1.
-template <bool GATE_UP, typename S, typename M>
+template <bool GATE_UP, typename S, int PT, typename M>
 __device__ void mm_run(const bf16_t* x, i64 ldx, M w, const int* picks, int n, int e, void* out, int units, int K,
                        int per_row, float limit, int s0, int s1) {
-    typedef MmaTile<S> T;
+    typedef MmaTile<S, PT> T;
     extern __shared__ __align__(16) unsigned char mm_sh[];
     int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     int g = lane >> 2, t = lane & 3;
@@ -192,14 +195,14 @@ __device__ void mm_run(const bf16_t* x, i64 ldx, M w, const int* picks, int n, i
         u_hi = blockIdx.y * MMA_ROWS + r_hi;
     }
     auto pick_at = [&](int j) -> i64 { return picks ? picks[j] : j; };
-    for (int p0 = 0; p0 < n; p0 += MMA_PICKS) {
-        int np = min(MMA_PICKS, n - p0), tiles = (np + 7) / 8;
+    for (int p0 = 0; p0 < n; p0 += T::PICKS) {
+        int np = min(T::PICKS, n - p0), tiles = (np + 7) / 8;
         // The activation units this thread copies: pick row i / A_UNITS, unit i % A_UNITS.
         const unsigned char* asrc[T::A_PER_THREAD];
 #pragma unroll
         for (int j = 0; j < T::A_PER_THREAD; j++) {
             int i = tid + 32 * MMA_WARPS * j, pr = i / T::A_UNITS;
-            asrc[j] = pr < np && i < MMA_PICKS * T::A_UNITS
+            asrc[j] = pr < np && i < T::PICKS * T::A_UNITS
                           ? (const unsigned char*)(x + pick_at(p0 + pr) / per_row * ldx) + (i % T::A_UNITS) * 16
                           : nullptr;
         }
@@ -220,9 +223,9 @@ __device__ void mm_run(const bf16_t* x, i64 ldx, M w, const int* picks, int n, i
                 }
             }
         };
-        float acc[MMA_PICK_TILES][4];
+        float acc[PT][4];
 #pragma unroll
-        for (int nt = 0; nt < MMA_PICK_TILES; nt++)
+        for (int nt = 0; nt < PT; nt++)
 #pragma unroll
             for (int q = 0; q < 4; q++) acc[nt][q] = 0.f;
 #pragma unroll
@@ -273,7 +276,7 @@ __device__ void mm_run(const bf16_t* x, i64 ldx, M w, const int* picks, int n, i
         __syncthreads();  // the next pick group's copies reuse the stages
         // Accumulator q: row g (q < 2) or g + 8, pick 2t + (q & 1) of the n-tile.
 #pragma unroll
-        for (int nt = 0; nt < MMA_PICK_TILES; nt++) {
+        for (int nt = 0; nt < PT; nt++) {
 #pragma unroll
             for (int c = 0; c < 2; c++) {
                 int j = nt * 8 + 2 * t + c;
@@ -293,94 +296,159 @@ __device__ void mm_run(const bf16_t* x, i64 ldx, M w, const int* picks, int n, i
 }
 
 // Expert `active[blockIdx.x]`'s picks, the whole reduction.
-template <bool GATE_UP, typename S, typename M>
+template <bool GATE_UP, typename S, int PT, typename M>
 __device__ void moe_mma(const bf16_t* x, M w, const int* list, const int* count, const int* active, void* out,
                         int rows, int E, int units, int K, int per_row, float limit) {
     if ((int)blockIdx.x >= active[E]) return;
     int e = active[blockIdx.x];
-    mm_run<GATE_UP, S>(x, K, w, list + (i64)e * rows, count[e], e, out, units, K, per_row, limit, 0, K / S::KS);
+    mm_run<GATE_UP, S, PT>(x, K, w, list + (i64)e * rows, count[e], e, out, units, K, per_row, limit, 0, K / S::KS);
 }
 
 // A dense GEMM y = x @ w^T of `rows` rows (decode batches), per
 // group of `dout` outputs (group i: x's columns i K .., x row stride ldx): grid
-// (ceil(rows / 32), ceil(N / 128), splits), block x taking rows 32 x .. + 32 (the blocks of
+// (ceil(rows / 8 PT), ceil(N / 128), splits), block x taking rows 8 PT x .. (the blocks of
 // one weight slab run together, so it is read from memory about once); split z writes its
 // stages' partial sums to ys + z rows N, which k_split_sum adds in split order. dout is a
 // multiple of 128 where there are several groups (a block within one group).
-template <typename S, typename M>
+template <typename S, int PT, typename M>
 __device__ void matmul_mma(const bf16_t* x, int ldx, M w, float* ys, int rows, int N, int K, int dout) {
     int nst = K / S::KS, z = blockIdx.z, splits = gridDim.z;
     int s0 = (int)((i64)nst * z / splits), s1 = (int)((i64)nst * (z + 1) / splits);
-    int r0 = blockIdx.x * MMA_PICKS, group = (int)blockIdx.y * MMA_ROWS / dout;
-    mm_run<false, S>(x + (i64)r0 * ldx + (i64)group * K, ldx, w, nullptr, min(MMA_PICKS, rows - r0), 0,
+    int r0 = blockIdx.x * 8 * PT, group = (int)blockIdx.y * MMA_ROWS / dout;
+    mm_run<false, S, PT>(x + (i64)r0 * ldx + (i64)group * K, ldx, w, nullptr, min(8 * PT, rows - r0), 0,
                      ys + (i64)z * rows * N + (i64)r0 * N, N, K, 1, 0.f, s0, s1);
 }
 
-// One kernel per weight format, each with its own register allocation (written out: the
-// handles' signature test reads each parameter list). x: bf16 [rows, H]; act: bf16
-// [rows * k, I]; y: f32 [rows * k, H].
+// One kernel per weight format and pick tile, each with its own register allocation
+// (written out: the handles' signature test reads each parameter list). `_p8`: 8 picks
+// per pass (PT = 1, three blocks per SM), for batches of at most 8 rows. x: bf16 [rows,
+// H]; act: bf16 [rows * k, I]; y: f32 [rows * k, H].
 extern "C" __launch_bounds__(256, 2) __global__ void k_moe_gate_up_mma_bf16(
     const bf16_t* x, const unsigned char* w, const unsigned char* s, int group_rows, const int* list,
     const int* active, const int* count, bf16_t* act, int rows, int E, int H, int I, int k, float limit) {
     pdl_enter();
-    moe_mma<true, SliceBf16>(x, MatBf16{(const bf16_t*)w, H}, list, count, active, act, rows, E, I, H, k, limit);
+    moe_mma<true, SliceBf16, 4>(x, MatBf16{(const bf16_t*)w, H}, list, count, active, act, rows, E, I, H, k, limit);
 }
 
 extern "C" __launch_bounds__(256, 2) __global__ void k_moe_down_mma_bf16(
     const bf16_t* act, const unsigned char* w, const unsigned char* s, int group_rows, const int* list,
     const int* active, const int* count, float* y, int rows, int E, int H, int I) {
     pdl_enter();
-    moe_mma<false, SliceBf16>(act, MatBf16{(const bf16_t*)w, I}, list, count, active, y, rows, E, H, I, 1, 0.f);
+    moe_mma<false, SliceBf16, 4>(act, MatBf16{(const bf16_t*)w, I}, list, count, active, y, rows, E, H, I, 1, 0.f);
 }
 
 extern "C" __launch_bounds__(256, 2) __global__ void k_moe_gate_up_mma_fp8(
     const bf16_t* x, const unsigned char* w, const unsigned char* s, int group_rows, const int* list,
     const int* active, const int* count, bf16_t* act, int rows, int E, int H, int I, int k, float limit) {
     pdl_enter();
-    moe_mma<true, SliceFp8>(x, MatFp8{w, s, H, group_rows}, list, count, active, act, rows, E, I, H, k, limit);
+    moe_mma<true, SliceFp8, 4>(x, MatFp8{w, s, H, group_rows}, list, count, active, act, rows, E, I, H, k, limit);
 }
 
 extern "C" __launch_bounds__(256, 2) __global__ void k_moe_down_mma_fp8(
     const bf16_t* act, const unsigned char* w, const unsigned char* s, int group_rows, const int* list,
     const int* active, const int* count, float* y, int rows, int E, int H, int I) {
     pdl_enter();
-    moe_mma<false, SliceFp8>(act, MatFp8{w, s, I, group_rows}, list, count, active, y, rows, E, H, I, 1, 0.f);
+    moe_mma<false, SliceFp8, 4>(act, MatFp8{w, s, I, group_rows}, list, count, active, y, rows, E, H, I, 1, 0.f);
 }
 
 extern "C" __launch_bounds__(256, 2) __global__ void k_moe_gate_up_mma_fp4(
     const bf16_t* x, const unsigned char* w, const unsigned char* s, int group_rows, const int* list,
     const int* active, const int* count, bf16_t* act, int rows, int E, int H, int I, int k, float limit) {
     pdl_enter();
-    moe_mma<true, SliceFp4>(x, MatFp4{w, s, H}, list, count, active, act, rows, E, I, H, k, limit);
+    moe_mma<true, SliceFp4, 4>(x, MatFp4{w, s, H}, list, count, active, act, rows, E, I, H, k, limit);
 }
 
 extern "C" __launch_bounds__(256, 2) __global__ void k_moe_down_mma_fp4(
     const bf16_t* act, const unsigned char* w, const unsigned char* s, int group_rows, const int* list,
     const int* active, const int* count, float* y, int rows, int E, int H, int I) {
     pdl_enter();
-    moe_mma<false, SliceFp4>(act, MatFp4{w, s, I}, list, count, active, y, rows, E, H, I, 1, 0.f);
+    moe_mma<false, SliceFp4, 4>(act, MatFp4{w, s, I}, list, count, active, y, rows, E, H, I, 1, 0.f);
 }
 
 // Dense weights (bf16, FP8 block-scaled, FP4): x bf16 [rows, ldx]; ys f32 [splits, rows, N].
-extern "C" __launch_bounds__(256, 2) __global__ void k_matmul_mma_bf16(const bf16_t* x, int ldx, const unsigned char* w,
-                                                                      const unsigned char* s, int group_rows,
-                                                                      float* ys, int rows, int N, int K, int dout) {
+extern "C" __launch_bounds__(256, 2) __global__ void k_matmul_mma_bf16(
+    const bf16_t* x, int ldx, const unsigned char* w, const unsigned char* s, int group_rows, float* ys, int rows,
+    int N, int K, int dout) {
     pdl_enter();
-    matmul_mma<SliceBf16>(x, ldx, MatBf16{(const bf16_t*)w, K}, ys, rows, N, K, dout);
+    matmul_mma<SliceBf16, 4>(x, ldx, MatBf16{(const bf16_t*)w, K}, ys, rows, N, K, dout);
 }
 
-extern "C" __launch_bounds__(256, 2) __global__ void k_matmul_mma_fp8(const bf16_t* x, int ldx, const unsigned char* w,
-                                                                     const unsigned char* s, int group_rows,
-                                                                     float* ys, int rows, int N, int K, int dout) {
+extern "C" __launch_bounds__(256, 2) __global__ void k_matmul_mma_fp8(
+    const bf16_t* x, int ldx, const unsigned char* w, const unsigned char* s, int group_rows, float* ys, int rows,
+    int N, int K, int dout) {
     pdl_enter();
-    matmul_mma<SliceFp8>(x, ldx, MatFp8{w, s, K, group_rows}, ys, rows, N, K, dout);
+    matmul_mma<SliceFp8, 4>(x, ldx, MatFp8{w, s, K, group_rows}, ys, rows, N, K, dout);
 }
 
-extern "C" __launch_bounds__(256, 2) __global__ void k_matmul_mma_fp4(const bf16_t* x, int ldx, const unsigned char* w,
-                                                                     const unsigned char* s, int group_rows,
-                                                                     float* ys, int rows, int N, int K, int dout) {
+extern "C" __launch_bounds__(256, 2) __global__ void k_matmul_mma_fp4(
+    const bf16_t* x, int ldx, const unsigned char* w, const unsigned char* s, int group_rows, float* ys, int rows,
+    int N, int K, int dout) {
     pdl_enter();
-    matmul_mma<SliceFp4>(x, ldx, MatFp4{w, s, K}, ys, rows, N, K, dout);
+    matmul_mma<SliceFp4, 4>(x, ldx, MatFp4{w, s, K}, ys, rows, N, K, dout);
+}
+
+extern "C" __launch_bounds__(256, 3) __global__ void k_moe_gate_up_mma_bf16_p8(
+    const bf16_t* x, const unsigned char* w, const unsigned char* s, int group_rows, const int* list,
+    const int* active, const int* count, bf16_t* act, int rows, int E, int H, int I, int k, float limit) {
+    pdl_enter();
+    moe_mma<true, SliceBf16, 1>(x, MatBf16{(const bf16_t*)w, H}, list, count, active, act, rows, E, I, H, k, limit);
+}
+
+extern "C" __launch_bounds__(256, 3) __global__ void k_moe_down_mma_bf16_p8(
+    const bf16_t* act, const unsigned char* w, const unsigned char* s, int group_rows, const int* list,
+    const int* active, const int* count, float* y, int rows, int E, int H, int I) {
+    pdl_enter();
+    moe_mma<false, SliceBf16, 1>(act, MatBf16{(const bf16_t*)w, I}, list, count, active, y, rows, E, H, I, 1, 0.f);
+}
+
+extern "C" __launch_bounds__(256, 3) __global__ void k_moe_gate_up_mma_fp8_p8(
+    const bf16_t* x, const unsigned char* w, const unsigned char* s, int group_rows, const int* list,
+    const int* active, const int* count, bf16_t* act, int rows, int E, int H, int I, int k, float limit) {
+    pdl_enter();
+    moe_mma<true, SliceFp8, 1>(x, MatFp8{w, s, H, group_rows}, list, count, active, act, rows, E, I, H, k, limit);
+}
+
+extern "C" __launch_bounds__(256, 3) __global__ void k_moe_down_mma_fp8_p8(
+    const bf16_t* act, const unsigned char* w, const unsigned char* s, int group_rows, const int* list,
+    const int* active, const int* count, float* y, int rows, int E, int H, int I) {
+    pdl_enter();
+    moe_mma<false, SliceFp8, 1>(act, MatFp8{w, s, I, group_rows}, list, count, active, y, rows, E, H, I, 1, 0.f);
+}
+
+extern "C" __launch_bounds__(256, 3) __global__ void k_moe_gate_up_mma_fp4_p8(
+    const bf16_t* x, const unsigned char* w, const unsigned char* s, int group_rows, const int* list,
+    const int* active, const int* count, bf16_t* act, int rows, int E, int H, int I, int k, float limit) {
+    pdl_enter();
+    moe_mma<true, SliceFp4, 1>(x, MatFp4{w, s, H}, list, count, active, act, rows, E, I, H, k, limit);
+}
+
+extern "C" __launch_bounds__(256, 3) __global__ void k_moe_down_mma_fp4_p8(
+    const bf16_t* act, const unsigned char* w, const unsigned char* s, int group_rows, const int* list,
+    const int* active, const int* count, float* y, int rows, int E, int H, int I) {
+    pdl_enter();
+    moe_mma<false, SliceFp4, 1>(act, MatFp4{w, s, I}, list, count, active, y, rows, E, H, I, 1, 0.f);
+}
+
+// Dense weights (bf16, FP8 block-scaled, FP4): x bf16 [rows, ldx]; ys f32 [splits, rows, N].
+extern "C" __launch_bounds__(256, 3) __global__ void k_matmul_mma_bf16_p8(
+    const bf16_t* x, int ldx, const unsigned char* w, const unsigned char* s, int group_rows, float* ys, int rows,
+    int N, int K, int dout) {
+    pdl_enter();
+    matmul_mma<SliceBf16, 1>(x, ldx, MatBf16{(const bf16_t*)w, K}, ys, rows, N, K, dout);
+}
+
+extern "C" __launch_bounds__(256, 3) __global__ void k_matmul_mma_fp8_p8(
+    const bf16_t* x, int ldx, const unsigned char* w, const unsigned char* s, int group_rows, float* ys, int rows,
+    int N, int K, int dout) {
+    pdl_enter();
+    matmul_mma<SliceFp8, 1>(x, ldx, MatFp8{w, s, K, group_rows}, ys, rows, N, K, dout);
+}
+
+extern "C" __launch_bounds__(256, 3) __global__ void k_matmul_mma_fp4_p8(
+    const bf16_t* x, int ldx, const unsigned char* w, const unsigned char* s, int group_rows, float* ys, int rows,
+    int N, int K, int dout) {
+    pdl_enter();
+    matmul_mma<SliceFp4, 1>(x, ldx, MatFp4{w, s, K}, ys, rows, N, K, dout);
 }
 
 // y[i] = sum over splits z (in order) of ys[z, i]; n = rows N.

@@ -114,7 +114,7 @@ pub fn moe(g: &Gpu, x: &GpuTensor, p: &MoeParams<'_, GpuTensor>) -> BResult<GpuT
     } else if moe_gemm::worthwhile(g, n, k, e) {
         let sorted = moe_gemm::routed(g, x, p, &ids)?;
         (sorted.y, Some(sorted.pos))
-    } else if tensor_cores(g, n) && moe_mma::takes(g, p, h) {
+    } else if tensor_cores(g, p, n) && moe_mma::takes(g, p, h) {
         let (list, count) = expert_lists(g, &ids, n, e, k)?;
         (moe_mma::routed(g, x, p, &list, &count)?, None)
     } else if moe_gemm::padded_worthwhile(p, n, k, e) {
@@ -157,12 +157,14 @@ pub fn moe(g: &Gpu, x: &GpuTensor, p: &MoeParams<'_, GpuTensor>) -> BResult<GpuT
     Ok(out)
 }
 
-/// Whether the tensor-core expert kernels are asked for: past 2 rows (where the CUDA-core
-/// small-tile kernels read the weights as fast, measured at batch 1), or always when a
-/// benchmark asks for them.
-fn tensor_cores(g: &Gpu, rows: usize) -> bool {
+/// Whether the tensor-core expert kernels are asked for. Auto: stored FP8/FP4 experts at
+/// every batch (their 8-pick kernels measured faster than the CUDA-core small-tile ones at
+/// 1 and 2 rows: H100, fp8 batch 2 2.53 -> 2.26 ms/step), bf16 experts past 2 rows (where
+/// the small-tile kernels read bf16 weights as fast). Always or never when a benchmark
+/// asks.
+fn tensor_cores(g: &Gpu, p: &MoeParams<'_, GpuTensor>, rows: usize) -> bool {
     match g.expert_kernel {
-        ExpertKernel::Auto => rows > SMALL_TILE_ROWS,
+        ExpertKernel::Auto => rows > SMALL_TILE_ROWS || p.gate_up.stored().is_some(),
         ExpertKernel::TensorCores => true,
         ExpertKernel::CudaCores => false,
     }

@@ -1,26 +1,53 @@
 //! Routed experts on tensor cores in decode steps (`cu/moe_mma.cu`): each expert's picks
 //! against its bf16, FP8 or FP4 weights as bf16 `mma.sync`, the weights read once per 32
-//! picks in their own format and dequantized in registers. No host synchronisation, so it
-//! runs inside captured graphs. The inputs of both projections are rounded to bf16, as in
-//! the padded cuBLAS path; outside the fp32 reference mode and `--deterministic` only.
+//! picks (8 at batches of up to 8 rows) in their own format and dequantized in registers.
+//! No host synchronisation, so it runs inside captured graphs. The inputs of both
+//! projections are rounded to bf16, as in the padded cuBLAS path; outside the fp32
+//! reference mode and `--deterministic` only.
 //! The same kernel body also runs the dense GEMMs of decode batches, bf16 and stored
 //! weights alike ([`matmul_dense`]).
 
 use crate::buf::shape_err;
 use crate::device::{DenseKernel, ExpertKernel, Gpu};
 use crate::devmem::DevMem;
-use crate::kernels::{self, DevPtr, ExpertFormat};
+use crate::kernels::{self, DevPtr, ExpertFormat, MmaVariant};
 use crate::launch::grid_1d;
 use crate::ops::stored::{self, to_i32};
 use crate::ops::tensors::bf16_of;
 use crate::tensor::{Buf, GpuTensor, WeightOperand, WF_BF16, WF_FP4, WF_FP8};
 use pdserve_engine::backend::{BResult, MoeParams};
 
-/// Weight rows per block (`MMA_ROWS`), bytes of each per stage (`MMA_SLAB`), pick rows
-/// staged with them (`MMA_PICKS`).
+/// Weight rows per block (`MMA_ROWS`), bytes of each per stage (`MMA_SLAB`).
 const TILE_ROWS: usize = 128;
 const SLAB_BYTES: usize = 128;
-const TILE_PICKS: usize = 32;
+
+/// Largest batch the `_p8` kernels take: their 8 picks per pass (`8 PT` with `PT` 1) hold
+/// every pick of an expert or row of a dense GEMM in one pass, with three blocks per SM.
+const NARROW_MAX_ROWS: usize = 8;
+
+/// The kernel for weights of format `format` in a batch of `rows` rows.
+fn variant(format: ExpertFormat, rows: usize) -> MmaVariant {
+    MmaVariant { format, narrow: rows <= NARROW_MAX_ROWS }
+}
+
+/// Blocks of a kernel resident per SM: its launch bounds (moe_mma.cu), which its registers
+/// and shared memory allow (the unit test below).
+fn blocks_per_sm(v: MmaVariant) -> usize {
+    if v.narrow {
+        3
+    } else {
+        2
+    }
+}
+
+/// Pick rows staged with each weight slab per pass (`8 PT` in moe_mma.cu).
+fn tile_picks(v: MmaVariant) -> usize {
+    if v.narrow {
+        8
+    } else {
+        32
+    }
+}
 
 /// Weights of a row per stage (`KS`) and stages in flight (`STAGES`) of each format's
 /// `Slice*` in moe_mma.cu.
@@ -32,11 +59,11 @@ fn stage_shape(f: ExpertFormat) -> (usize, usize) {
     }
 }
 
-/// Dynamic shared memory of a format's kernels: every stage's weight slab and the picks'
-/// bf16 activations of the same columns.
-fn shared_bytes(f: ExpertFormat) -> usize {
-    let (ks, stages) = stage_shape(f);
-    stages * (TILE_ROWS * SLAB_BYTES + TILE_PICKS * ks * 2)
+/// Dynamic shared memory of a kernel: every stage's weight slab and the picks' bf16
+/// activations of the same columns.
+fn shared_bytes(v: MmaVariant) -> usize {
+    let (ks, stages) = stage_shape(v.format);
+    stages * (TILE_ROWS * SLAB_BYTES + tile_picks(v) * ks * 2)
 }
 
 /// The kernel variant of a weight format (`None`: f32, which these kernels do not take).
@@ -94,13 +121,15 @@ pub(crate) fn routed(
     // One block column per expert that may be used: at most one per pick.
     let slots = e.min(n * k) as u32;
     let ((gu, gu_fmt), (down, down_fmt)) = (operand(p.gate_up)?, operand(p.down)?);
+    // An expert has at most one pick per row.
+    let (gu_kernel, down_kernel) = (variant(gu_fmt, n), variant(down_fmt, n));
     let xb = bf16_of(g, x, "moe")?;
     let act = g.uninit::<u16>(n * k * inter)?;
     g.launch(
         (slots, inter.div_ceil(GATE_UP_UNITS) as u32, 1),
-        shared_bytes(gu_fmt) as u32,
+        shared_bytes(gu_kernel) as u32,
         &kernels::MoeGateUpMma {
-            variant: gu_fmt,
+            variant: gu_kernel,
             x: DevPtr::of(xb),
             w: DevPtr(gu.w),
             s: DevPtr(gu.s),
@@ -120,9 +149,9 @@ pub(crate) fn routed(
     let y = g.uninit::<f32>(n * k * h)?;
     g.launch(
         (slots, h.div_ceil(DOWN_CHANNELS) as u32, 1),
-        shared_bytes(down_fmt) as u32,
+        shared_bytes(down_kernel) as u32,
         &kernels::MoeDownMma {
-            variant: down_fmt,
+            variant: down_kernel,
             act: DevPtr::of(&act),
             w: DevPtr(down.w),
             s: DevPtr(down.s),
@@ -191,8 +220,9 @@ pub(crate) fn matmul_dense(
 ) -> BResult<()> {
     let n = dout * groups;
     let stages = k / stage_shape(w.format).0;
-    let (row_blocks, col_blocks) = (rows.div_ceil(TILE_PICKS), n.div_ceil(TILE_ROWS));
-    let splits = (2 * g.sms)
+    let kernel = variant(w.format, rows);
+    let (row_blocks, col_blocks) = (rows.div_ceil(tile_picks(kernel)), n.div_ceil(TILE_ROWS));
+    let splits = (blocks_per_sm(kernel) * g.sms)
         .div_ceil(row_blocks * col_blocks)
         .clamp(1, stages.max(1));
     let partial = (splits > 1)
@@ -201,9 +231,9 @@ pub(crate) fn matmul_dense(
     let ys = partial.as_ref().unwrap_or(y);
     g.launch(
         (row_blocks as u32, col_blocks as u32, splits as u32),
-        shared_bytes(w.format) as u32,
+        shared_bytes(kernel) as u32,
         &kernels::MatmulMma {
-            variant: w.format,
+            variant: kernel,
             x: DevPtr::of(xb),
             ldx: to_i32(k * groups, "row stride")?,
             w: DevPtr(w.operand.w),
@@ -237,15 +267,21 @@ mod tests {
     use crate::device::MMA_SHARED;
 
     #[test]
-    fn stages_are_128_byte_slabs_and_two_blocks_fit_an_sm() {
+    fn stages_are_128_byte_slabs_and_the_resident_blocks_fit_an_sm() {
         // bf16 2 bytes, FP8 1, FP4 half a byte per weight: every stage slab is 128 bytes.
         assert_eq!(stage_shape(ExpertFormat::Bf16).0 * 2, SLAB_BYTES);
         assert_eq!(stage_shape(ExpertFormat::Fp8).0, SLAB_BYTES);
         assert_eq!(stage_shape(ExpertFormat::Fp4).0 / 2, SLAB_BYTES);
-        // Two blocks per SM (the kernels' launch bounds) within the H200's 227 KiB.
-        for f in [ExpertFormat::Bf16, ExpertFormat::Fp8, ExpertFormat::Fp4] {
-            assert!(2 * (shared_bytes(f) + 1024) <= MMA_SHARED, "{f:?}");
+        // The blocks per SM of the kernels' launch bounds (two, three for `_p8`) within
+        // sm_90's 227 KiB, each with the driver's 1 KiB.
+        for format in [ExpertFormat::Bf16, ExpertFormat::Fp8, ExpertFormat::Fp4] {
+            for narrow in [false, true] {
+                let v = MmaVariant { format, narrow };
+                assert!(blocks_per_sm(v) * (shared_bytes(v) + 1024) <= MMA_SHARED, "{v:?}");
+            }
         }
-        assert_eq!(shared_bytes(ExpertFormat::Fp8), 4 * (16384 + 8192));
+        let fp8 = |rows| shared_bytes(variant(ExpertFormat::Fp8, rows));
+        assert_eq!(fp8(9), 4 * (16384 + 32 * 256));
+        assert_eq!(fp8(8), 4 * (16384 + 8 * 256));
     }
 }
