@@ -7,45 +7,37 @@ __device__ __forceinline__ bool hc_vec4(const float* a, const float* b, int h) {
     return ((h & 3) | (((unsigned long long)a | (unsigned long long)b) & 15)) == 0;
 }
 
-// One block per row. mix: [rows, (2+hc)*hc]; streams: [rows, hc*h].
-extern "C" __global__ void k_hc_pre(const float* streams, const float* mix, const float* base, const float* scale,
-                                    float* post, float* comb, float* collapsed, int h, int hc, int iters, float eps) {
-    pdl_enter();
-    __shared__ float pre[HC_MAX];
-    __shared__ float c[HC_MAX * HC_MAX];
-    int r = blockIdx.x;
-    const float* m = mix + (i64)r * (2 + hc) * hc;
+// Row r's post weights and its Sinkhorn-normalised comb matrix, by the calling warp (c:
+// shared scratch for hc * hc > 32, which lane 0 computes serially).
+__device__ void hc_mix_weights(const float* m, const float* base, const float* scale, float* post, float* comb,
+                               float* c, int r, int hc, int iters, float eps) {
     if (hc * hc <= 32) {
-        // Warp 0, lane t holds c[t / hc][t % hc]: the same sums in the same order as the
-        // serial path below, through shuffles instead of shared memory.
-        if (threadIdx.x < 32) {
-            int t = threadIdx.x, i = t / hc, j = t % hc;
-            bool on = t < hc * hc;
-            if (t < hc) pre[t] = sigmoidf_(m[t] * scale[0] + base[t]) + eps;
-            if (t < hc) post[(i64)r * hc + t] = 2.f * sigmoidf_(m[hc + t] * scale[1] + base[hc + t]);
-            float v = on ? m[2 * hc + t] * scale[2] + base[2 * hc + t] : 0.f;
-            int row0 = on ? i * hc : 0, col0 = on ? j : 0;
-            float mx = NEG_INF;
-            for (int q = 0; q < hc; q++) mx = fmaxf(mx, __shfl_sync(0xffffffffu, v, row0 + q));
-            v = expf(v - mx);
-            float sum = 0.f;
-            for (int q = 0; q < hc; q++) sum += __shfl_sync(0xffffffffu, v, row0 + q);
-            v = v / sum + eps;
-            int rounds = iters > 1 ? iters : 1;
-            for (int it = 0; it < rounds; it++) {
-                if (it > 0) {
-                    float acc = 0.f;
-                    for (int q = 0; q < hc; q++) acc += __shfl_sync(0xffffffffu, v, row0 + q);
-                    v /= acc + eps;
-                }
+        // Lane t holds c[t / hc][t % hc]: the same sums in the same order as the serial
+        // path below, through shuffles instead of shared memory.
+        int t = threadIdx.x, i = t / hc, j = t % hc;
+        bool on = t < hc * hc;
+        if (t < hc) post[(i64)r * hc + t] = 2.f * sigmoidf_(m[hc + t] * scale[1] + base[hc + t]);
+        float v = on ? m[2 * hc + t] * scale[2] + base[2 * hc + t] : 0.f;
+        int row0 = on ? i * hc : 0, col0 = on ? j : 0;
+        float mx = NEG_INF;
+        for (int q = 0; q < hc; q++) mx = fmaxf(mx, __shfl_sync(0xffffffffu, v, row0 + q));
+        v = expf(v - mx);
+        float sum = 0.f;
+        for (int q = 0; q < hc; q++) sum += __shfl_sync(0xffffffffu, v, row0 + q);
+        v = v / sum + eps;
+        int rounds = iters > 1 ? iters : 1;
+        for (int it = 0; it < rounds; it++) {
+            if (it > 0) {
                 float acc = 0.f;
-                for (int q = 0; q < hc; q++) acc += __shfl_sync(0xffffffffu, v, col0 + q * hc);
+                for (int q = 0; q < hc; q++) acc += __shfl_sync(0xffffffffu, v, row0 + q);
                 v /= acc + eps;
             }
-            if (on) comb[(i64)r * hc * hc + t] = v;
+            float acc = 0.f;
+            for (int q = 0; q < hc; q++) acc += __shfl_sync(0xffffffffu, v, col0 + q * hc);
+            v /= acc + eps;
         }
+        if (on) comb[(i64)r * hc * hc + t] = v;
     } else if (threadIdx.x == 0) {
-        for (int k = 0; k < hc; k++) pre[k] = sigmoidf_(m[k] * scale[0] + base[k]) + eps;
         for (int k = 0; k < hc; k++) post[(i64)r * hc + k] = 2.f * sigmoidf_(m[hc + k] * scale[1] + base[hc + k]);
         for (int i = 0; i < hc * hc; i++) c[i] = m[2 * hc + i] * scale[2] + base[2 * hc + i];
         for (int i = 0; i < hc; i++) {
@@ -75,14 +67,35 @@ extern "C" __global__ void k_hc_pre(const float* streams, const float* mix, cons
         }
         for (int i = 0; i < hc * hc; i++) comb[(i64)r * hc * hc + i] = c[i];
     }
-    __syncthreads();
+}
+
+// One block per row. mix: [rows, (2+hc)*hc]; streams: [rows, hc*h]. Warp 0 computes
+// the row's post and comb weights (the Sinkhorn rounds: a serial chain) while the other
+// warps collapse the streams with the pre weights, which each of them computes itself:
+// the two are independent, so the block takes the longer of them instead of their sum.
+extern "C" __global__ void k_hc_pre(const float* streams, const float* mix, const float* base, const float* scale,
+                                    float* post, float* comb, float* collapsed, int h, int hc, int iters, float eps) {
+    pdl_enter();
+    __shared__ float c[HC_MAX * HC_MAX];
+    int r = blockIdx.x;
+    const float* m = mix + (i64)r * (2 + hc) * hc;
+    // With a single warp it does both, the weights first.
+    int first = blockDim.x > 32 ? 32 : 0;
+    if (threadIdx.x < 32) hc_mix_weights(m, base, scale, post, comb, c, r, hc, iters, eps);
+    if ((int)threadIdx.x < first) return;
+    float pre[HC_MAX];
+#pragma unroll
+    for (int k = 0; k < HC_MAX; k++) pre[k] = k < hc ? sigmoidf_(m[k] * scale[0] + base[k]) + eps : 0.f;
+    int tid = threadIdx.x - first, threads = blockDim.x - first;
     const float* s = streams + (i64)r * hc * h;
     float* dst = collapsed + (i64)r * h;
     if (hc_vec4(streams, collapsed, h)) {
         // Four channels per thread and step (the same sums, 16-byte accesses).
-        for (int d = threadIdx.x * 4; d < h; d += blockDim.x * 4) {
+        for (int d = tid * 4; d < h; d += threads * 4) {
             float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-            for (int k = 0; k < hc; k++) {
+#pragma unroll
+            for (int k = 0; k < HC_MAX; k++) {
+                if (k >= hc) break;
                 float4 v = *reinterpret_cast<const float4*>(s + (i64)k * h + d);
                 acc.x += pre[k] * v.x;
                 acc.y += pre[k] * v.y;
@@ -93,9 +106,13 @@ extern "C" __global__ void k_hc_pre(const float* streams, const float* mix, cons
         }
         return;
     }
-    for (int d = threadIdx.x; d < h; d += blockDim.x) {
+    for (int d = tid; d < h; d += threads) {
         float acc = 0.f;
-        for (int k = 0; k < hc; k++) acc += pre[k] * s[(i64)k * h + d];
+#pragma unroll
+        for (int k = 0; k < HC_MAX; k++) {
+            if (k >= hc) break;
+            acc += pre[k] * s[(i64)k * h + d];
+        }
         dst[d] = acc;
     }
 }
