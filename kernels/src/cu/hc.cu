@@ -7,36 +7,51 @@ __device__ __forceinline__ bool hc_vec4(const float* a, const float* b, int h) {
     return ((h & 3) | (((unsigned long long)a | (unsigned long long)b) & 15)) == 0;
 }
 
+// Row r's post weights and its Sinkhorn-normalised comb matrix by one warp, hc * hc <= 32:
+// lane t holds c[t / hc][t % hc], the same sums in the same order as the serial path of
+// hc_mix_weights, through shuffles instead of shared memory. HC: hc at compile time (0:
+// at run time), so each sum's shuffles are issued together.
+template <int HC>
+__device__ void hc_mix_warp(const float* m, const float* base, const float* scale, float* post, float* comb, int r,
+                            int hc_rt, int iters, float eps) {
+    const int hc = HC ? HC : hc_rt;
+    int t = threadIdx.x, i = t / hc, j = t % hc;
+    bool on = t < hc * hc;
+    if (t < hc) post[(i64)r * hc + t] = 2.f * sigmoidf_(m[hc + t] * scale[1] + base[hc + t]);
+    float v = on ? m[2 * hc + t] * scale[2] + base[2 * hc + t] : 0.f;
+    int row0 = on ? i * hc : 0, col0 = on ? j : 0;
+    float mx = NEG_INF;
+#pragma unroll
+    for (int q = 0; q < hc; q++) mx = fmaxf(mx, __shfl_sync(0xffffffffu, v, row0 + q));
+    v = expf(v - mx);
+    float sum = 0.f;
+#pragma unroll
+    for (int q = 0; q < hc; q++) sum += __shfl_sync(0xffffffffu, v, row0 + q);
+    v = v / sum + eps;
+    int rounds = iters > 1 ? iters : 1;
+    for (int it = 0; it < rounds; it++) {
+        if (it > 0) {
+            float acc = 0.f;
+#pragma unroll
+            for (int q = 0; q < hc; q++) acc += __shfl_sync(0xffffffffu, v, row0 + q);
+            v /= acc + eps;
+        }
+        float acc = 0.f;
+#pragma unroll
+        for (int q = 0; q < hc; q++) acc += __shfl_sync(0xffffffffu, v, col0 + q * hc);
+        v /= acc + eps;
+    }
+    if (on) comb[(i64)r * hc * hc + t] = v;
+}
+
 // Row r's post weights and its Sinkhorn-normalised comb matrix, by the calling warp (c:
 // shared scratch for hc * hc > 32, which lane 0 computes serially).
 __device__ void hc_mix_weights(const float* m, const float* base, const float* scale, float* post, float* comb,
                                float* c, int r, int hc, int iters, float eps) {
-    if (hc * hc <= 32) {
-        // Lane t holds c[t / hc][t % hc]: the same sums in the same order as the serial
-        // path below, through shuffles instead of shared memory.
-        int t = threadIdx.x, i = t / hc, j = t % hc;
-        bool on = t < hc * hc;
-        if (t < hc) post[(i64)r * hc + t] = 2.f * sigmoidf_(m[hc + t] * scale[1] + base[hc + t]);
-        float v = on ? m[2 * hc + t] * scale[2] + base[2 * hc + t] : 0.f;
-        int row0 = on ? i * hc : 0, col0 = on ? j : 0;
-        float mx = NEG_INF;
-        for (int q = 0; q < hc; q++) mx = fmaxf(mx, __shfl_sync(0xffffffffu, v, row0 + q));
-        v = expf(v - mx);
-        float sum = 0.f;
-        for (int q = 0; q < hc; q++) sum += __shfl_sync(0xffffffffu, v, row0 + q);
-        v = v / sum + eps;
-        int rounds = iters > 1 ? iters : 1;
-        for (int it = 0; it < rounds; it++) {
-            if (it > 0) {
-                float acc = 0.f;
-                for (int q = 0; q < hc; q++) acc += __shfl_sync(0xffffffffu, v, row0 + q);
-                v /= acc + eps;
-            }
-            float acc = 0.f;
-            for (int q = 0; q < hc; q++) acc += __shfl_sync(0xffffffffu, v, col0 + q * hc);
-            v /= acc + eps;
-        }
-        if (on) comb[(i64)r * hc * hc + t] = v;
+    if (hc == 4) {
+        hc_mix_warp<4>(m, base, scale, post, comb, r, hc, iters, eps);
+    } else if (hc * hc <= 32) {
+        hc_mix_warp<0>(m, base, scale, post, comb, r, hc, iters, eps);
     } else if (threadIdx.x == 0) {
         for (int k = 0; k < hc; k++) post[(i64)r * hc + k] = 2.f * sigmoidf_(m[hc + k] * scale[1] + base[hc + k]);
         for (int i = 0; i < hc * hc; i++) c[i] = m[2 * hc + i] * scale[2] + base[2 * hc + i];

@@ -49,9 +49,10 @@ __device__ __forceinline__ void mm_wait() {
 // starting at column k (`Scale`, in the form `pair` takes); pair j of a unit (its four
 // words) as bf16 (weights 2j, 2j + 1; exact: FP8 and FP4 values times a power of two fit
 // bf16). ODD_X: the activation tile's swizzle of odd pick rows (conflict-free reads).
+// STAGE_SCALE: a row has one scale across a stage slab.
 struct SliceBf16 {
     static constexpr int VEC = 8, KS = 64, STAGES = 4, ODD_X = 4;
-    static constexpr bool HAS_SLOW = false;
+    static constexpr bool HAS_SLOW = false, STAGE_SCALE = true;
     typedef float Scale;
     __device__ static const unsigned char* bytes(const RowBf16& r) { return (const unsigned char*)r.p; }
     __device__ static Scale scale(const RowBf16&, int) { return 1.f; }
@@ -62,7 +63,8 @@ struct SliceBf16 {
 
 struct SliceFp8 {
     static constexpr int VEC = 16, KS = 128, STAGES = 4, ODD_X = 1;
-    static constexpr bool HAS_SLOW = true;
+    // One scale per 128 columns: a whole stage.
+    static constexpr bool HAS_SLOW = true, STAGE_SCALE = true;
     typedef u32 Scale;  // the ue8m0 byte
     __device__ static const unsigned char* bytes(const RowFp8& r) { return r.q; }
     __device__ static Scale scale(const RowFp8& r, int c) { return r.s[c >> 7]; }
@@ -103,7 +105,7 @@ struct SliceFp8 {
 
 struct SliceFp4 {
     static constexpr int VEC = 32, KS = 256, STAGES = 3, ODD_X = 2;
-    static constexpr bool HAS_SLOW = false;
+    static constexpr bool HAS_SLOW = false, STAGE_SCALE = false;
     typedef float Scale;
     __device__ static const unsigned char* bytes(const RowFp4& r) { return r.q; }
     __device__ static bool fast(Scale) { return true; }
@@ -236,12 +238,13 @@ __device__ void mm_run(const bf16_t* x, i64 ldx, M w, const int* picks, int n, i
         // Scales of units t and t + 4 of both rows, one stage ahead (their loads are not in
         // the copies' pipeline).
         typename S::Scale sc[2][2], sn[2][2];
+        // (One load per row where a scale spans the stage: both units share it.)
         auto scales = [&](int k0, typename S::Scale(&o)[2][2]) {
 #pragma unroll
             for (int h = 0; h < 2; h++) {
                 int c = min(k0, K - S::KS) + (t + 4 * h) * S::VEC;
-                o[h][0] = S::scale(lo, c);
-                o[h][1] = S::scale(hi, c);
+                o[h][0] = S::STAGE_SCALE && h ? o[0][0] : S::scale(lo, c);
+                o[h][1] = S::STAGE_SCALE && h ? o[0][1] : S::scale(hi, c);
             }
         };
         scales(s0 * S::KS, sc);

@@ -209,8 +209,8 @@ pub(crate) fn dense_weight(
 
 /// `y[rows, groups * dout] = x @ w^T` per group over weight `w` (`dout` outputs and `k`
 /// inputs per group; group i reads x's columns `i k ..`), `x` in bf16, the reduction split
-/// over enough blocks to fill the device twice; the splits' sums added in a fixed order
-/// (the same bits every run).
+/// over as many blocks as the device holds at once ([`splits`]); the splits' sums added in
+/// a fixed order (the same bits every run).
 pub(crate) fn matmul_dense(
     g: &Gpu,
     xb: &DevMem<u16>,
@@ -222,9 +222,7 @@ pub(crate) fn matmul_dense(
     let stages = k / stage_shape(w.format).0;
     let kernel = variant(w.format, rows);
     let (row_blocks, col_blocks) = (rows.div_ceil(tile_picks(kernel)), n.div_ceil(TILE_ROWS));
-    let splits = (blocks_per_sm(kernel) * g.sms)
-        .div_ceil(row_blocks * col_blocks)
-        .clamp(1, stages.max(1));
+    let splits = splits(blocks_per_sm(kernel) * g.sms, row_blocks * col_blocks, stages);
     let partial = (splits > 1)
         .then(|| g.uninit::<f32>(splits * rows * n))
         .transpose()?;
@@ -261,10 +259,27 @@ pub(crate) fn matmul_dense(
     Ok(())
 }
 
+/// Splits of the reduction for `tiles` output tiles of `stages` stages on a device that
+/// holds `slots` blocks at once: as many as fit in one wave. A partial second wave (what
+/// rounding up gave: 288 blocks on 264 slots for a 4096 x 4096 weight at batch 1) costs a
+/// whole block time for a few blocks; a short block mostly waits for its first loads.
+fn splits(slots: usize, tiles: usize, stages: usize) -> usize {
+    (slots / tiles.max(1)).clamp(1, stages.max(1))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::device::MMA_SHARED;
+
+    #[test]
+    fn splits_fill_one_wave_at_most() {
+        // H100/H200 with three blocks per SM: 396 slots.
+        assert_eq!(splits(396, 32, 32), 12); // 384 blocks, not 13 x 32 = 416
+        assert_eq!(splits(396, 256, 8), 1);
+        assert_eq!(splits(396, 4, 8), 8); // no more splits than stages
+        assert_eq!(splits(396, 1000, 8), 1);
+    }
 
     #[test]
     fn stages_are_128_byte_slabs_and_the_resident_blocks_fit_an_sm() {
