@@ -1,56 +1,48 @@
 // RMS norm over groups and interleaved partial rope.
 
-// Values per thread the register-resident norms hold: RN_VEC float4 units.
-#define RN_VEC 4
+// Values per thread the register-resident norms hold.
+#define RN_MAX 16
 
-__device__ __forceinline__ bool rn_vec4(const float* a, const float* b, const float* c, int group) {
-    return ((group & 3) | (((unsigned long long)a | (unsigned long long)b | (unsigned long long)c) & 15)) == 0;
-}
-
-// Units u = first + stride j (j < RN_VEC, u < n4) of a row held in registers: the row's
-// loads (and the weight's) all in flight at once instead of one pass to sum the squares
-// and another to scale. Returns this thread's sum of squares; a[j], b[j]: the units.
-__device__ __forceinline__ float rn_load(const float* v, const float* w, int n4, int first, int stride,
-                                         float4 (&a)[RN_VEC], float4 (&b)[RN_VEC]) {
+// Values first + stride i (i < RN_MAX, below n) of a row held in registers, with the
+// weight's: all the loads in flight at once instead of one pass to sum the squares and
+// another to scale. Returns this thread's sum of squares in the order of the two-pass loop
+// (values past n add +0), so the norm keeps its bits.
+__device__ __forceinline__ float rn_load(const float* v, const float* w, int n, int first, int stride,
+                                         float (&a)[RN_MAX], float (&b)[RN_MAX]) {
+#pragma unroll
+    for (int i = 0; i < RN_MAX; i++) {
+        int k = first + i * stride;
+        a[i] = k < n ? v[k] : 0.f;
+        b[i] = w && k < n ? w[k] : 1.f;
+    }
     float ss = 0.f;
 #pragma unroll
-    for (int j = 0; j < RN_VEC; j++) {
-        int u = first + j * stride;
-        a[j] = u < n4 ? reinterpret_cast<const float4*>(v)[u] : make_float4(0.f, 0.f, 0.f, 0.f);
-        b[j] = w && u < n4 ? reinterpret_cast<const float4*>(w)[u] : make_float4(1.f, 1.f, 1.f, 1.f);
-    }
-#pragma unroll
-    for (int j = 0; j < RN_VEC; j++) ss += a[j].x * a[j].x + a[j].y * a[j].y + a[j].z * a[j].z + a[j].w * a[j].w;
+    for (int i = 0; i < RN_MAX; i++) ss += a[i] * a[i];
     return ss;
 }
 
-// The scaled units back to o: w * (v * r) per value (v * r without a weight).
-__device__ __forceinline__ void rn_store(float* o, bool has_w, int n4, int first, int stride, float r,
-                                         const float4 (&a)[RN_VEC], const float4 (&b)[RN_VEC]) {
+// The scaled values back to o: w * (v * r) (v * r without a weight).
+__device__ __forceinline__ void rn_store(float* o, bool has_w, int n, int first, int stride, float r,
+                                         const float (&a)[RN_MAX], const float (&b)[RN_MAX]) {
 #pragma unroll
-    for (int j = 0; j < RN_VEC; j++) {
-        int u = first + j * stride;
-        if (u >= n4) continue;
-        float4 y = make_float4(a[j].x * r, a[j].y * r, a[j].z * r, a[j].w * r);
-        if (has_w) y = make_float4(b[j].x * y.x, b[j].y * y.y, b[j].z * y.z, b[j].w * y.w);
-        reinterpret_cast<float4*>(o)[u] = y;
+    for (int i = 0; i < RN_MAX; i++) {
+        int k = first + i * stride;
+        if (k < n) o[k] = has_w ? b[i] * (a[i] * r) : a[i] * r;
     }
 }
 
 // One block per group of `group` consecutive values; `w` (length `group`) may be null.
-// Groups of up to RN_VEC float4 units per thread (4096 values with
-// 256 threads), 16-byte aligned, stay in registers; others take two passes.
+// Groups of up to RN_MAX values per thread (4096 with 256 threads) stay in registers.
 extern "C" __global__ void k_rms_norm(const float* x, const float* w, float* out, int group, float eps) {
     pdl_enter();
     __shared__ float sh[32];
     const float* v = x + (i64)blockIdx.x * group;
     float* o = out + (i64)blockIdx.x * group;
-    int n4 = group >> 2;
-    if (rn_vec4(v, o, w, group) && n4 <= RN_VEC * (int)blockDim.x) {
-        float4 a[RN_VEC], b[RN_VEC];
-        float ss = rn_load(v, w, n4, threadIdx.x, blockDim.x, a, b);
+    if (group <= RN_MAX * (int)blockDim.x) {
+        float a[RN_MAX], b[RN_MAX];
+        float ss = rn_load(v, w, group, threadIdx.x, blockDim.x, a, b);
         ss = block_sum(ss, sh) / (float)group;
-        rn_store(o, w != nullptr, n4, threadIdx.x, blockDim.x, 1.f / sqrtf(ss + eps), a, b);
+        rn_store(o, w != nullptr, group, threadIdx.x, blockDim.x, 1.f / sqrtf(ss + eps), a, b);
         return;
     }
     float ss = 0.f;
@@ -71,7 +63,8 @@ __device__ __forceinline__ float warp_inv_rms(const float* v, int group, int lan
 
 // One warp per group (groups of at most a few thousand values, e.g. per-head norms): grid
 // ceil(groups / warps per block); `groups` groups of `group` values. Groups of up to
-// RN_VEC float4 units per lane (512 values), 16-byte aligned, stay in registers.
+// RN_MAX values per lane (512) stay in registers, with warp_inv_rms's sums (the fused
+// query-head kernel's norm has the same bits).
 extern "C" __global__ void k_rms_norm_warp(const float* x, const float* w, float* out, int group, int groups,
                                            float eps) {
     pdl_enter();
@@ -79,11 +72,10 @@ extern "C" __global__ void k_rms_norm_warp(const float* x, const float* w, float
     if (gi >= groups) return;
     const float* v = x + (i64)gi * group;
     float* o = out + (i64)gi * group;
-    int n4 = group >> 2;
-    if (rn_vec4(v, o, w, group) && n4 <= RN_VEC * 32) {
-        float4 a[RN_VEC], b[RN_VEC];
-        float ss = warp_sum(rn_load(v, w, n4, lane, 32, a, b)) / (float)group;
-        rn_store(o, w != nullptr, n4, lane, 32, 1.f / sqrtf(ss + eps), a, b);
+    if (group <= RN_MAX * 32) {
+        float a[RN_MAX], b[RN_MAX];
+        float ss = warp_sum(rn_load(v, w, group, lane, 32, a, b)) / (float)group;
+        rn_store(o, w != nullptr, group, lane, 32, 1.f / sqrtf(ss + eps), a, b);
         return;
     }
     float r = warp_inv_rms(v, group, lane, eps);
