@@ -127,6 +127,10 @@ fn bench_decode_table_on_cpu() {
         let ms = positive(&r[col("ms/step")]);
         // The CPU computes on the host: a step is all host time (medians of the same steps).
         assert!(positive(&r[col("host ms")]) <= ms * 1.05, "{r:?}");
+        // Nor does it record a dry pass or submit launches: those columns are the GPU's.
+        for c in ["dry ms", "submit ms"] {
+            assert_eq!(r[col(c)].parse::<f64>().unwrap(), 0.0, "{c}: {r:?}");
+        }
         let tps = positive(&r[col("tok/s")]);
         assert!((tps * ms / 1e3 / b - 1.0).abs() < 0.02, "{r:?}");
         // Experts per layer never exceed E = 4 nor batch * top_k.

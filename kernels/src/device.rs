@@ -575,9 +575,14 @@ impl Gpu {
             .map_err(dev_err)
     }
 
-    /// Start recording a decode step in `mode`.
-    pub(crate) fn begin_step(&self, mode: StepMode) -> BResult<()> {
-        self.step()?.begin(mode);
+    /// Start recording a pass of a decode step in `mode` over `plan`, which the caller
+    /// keeps borrowed until [`Gpu::end_step`] (see [`crate::step::StepState::begin`]).
+    pub(crate) fn begin_step(
+        &self,
+        mode: StepMode,
+        plan: &pdserve_engine::backend::BatchPlan,
+    ) -> BResult<()> {
+        self.step()?.begin(mode, plan);
         Ok(())
     }
 

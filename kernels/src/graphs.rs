@@ -43,10 +43,28 @@ fn table_len(plan: &BatchPlan) -> usize {
 /// kernels' launches then depend only on the bucket, not on the batch's exact contents.
 pub(crate) fn pad_plan(plan: &BatchPlan, rows: usize, page: PageId, state: StateSlot) -> BatchPlan {
     let cap = table_len(plan);
-    let mut out = plan.clone();
-    for s in &mut out.seqs {
-        s.pages.resize(cap, page);
-    }
+    // Built at its final size (one allocation per page table; cloning then resizing took
+    // two, at 256 sequences of 32K tokens 256 KB of tables each step).
+    let padded_table = |pages: &[PageId]| {
+        let mut t = Vec::with_capacity(cap);
+        t.extend_from_slice(pages);
+        t.resize(cap, page);
+        t
+    };
+    let mut out = BatchPlan {
+        seqs: Vec::with_capacity(rows.max(plan.seqs.len())),
+        tokens: Vec::with_capacity(rows),
+        positions: Vec::with_capacity(rows),
+        row_seq: Vec::with_capacity(rows),
+        cuts: plan.cuts.clone(),
+    };
+    out.seqs.extend(plan.seqs.iter().map(|s| SeqPlan {
+        pages: padded_table(&s.pages),
+        ..*s
+    }));
+    out.tokens.extend_from_slice(&plan.tokens);
+    out.positions.extend_from_slice(&plan.positions);
+    out.row_seq.extend_from_slice(&plan.row_seq);
     for r in plan.rows()..rows {
         out.seqs.push(SeqPlan {
             start: 0,
@@ -79,7 +97,9 @@ fn pass(
     step: &mut Step<'_, '_>,
     mode: StepMode,
 ) -> BResult<(StepRecord, DeviceOut)> {
-    b.gpu.begin_step(mode)?;
+    // `plan` stays borrowed until the step ends (below, or in the guard on an error), as
+    // begin_step requires.
+    b.gpu.begin_step(mode, plan)?;
     let guard = StepGuard(b);
     let out = (step.forward)(b, kv, plan).and_then(|t| step_output::launch(b, &t, step.outs));
     let rec = b.gpu.end_step()?;

@@ -39,10 +39,17 @@ pub(crate) enum Upload {
 pub(crate) struct StepState {
     recorder: Recorder,
     arena: StepArena,
-    /// The batch plan staged last in this pass: every paged op of every layer uploads the
-    /// same plan (at 256 sequences of 32K tokens, 256 KB of page tables each time), so
-    /// later uploads of an equal plan reuse its staged copy.
-    plan: Option<StagedPlan>,
+    /// The address of the pass's own batch plan (0: none), which the caller of
+    /// [`StepState::begin`] keeps borrowed, hence alive and unchanged, until
+    /// [`StepState::end`]: while the pass runs no other object can be at that address.
+    pass_plan: usize,
+    /// Where this pass staged its own plan: every paged op of every layer uploads it (at
+    /// 256 sequences of 32K tokens, 256 KB of page tables each time), so later uploads of
+    /// the same object reuse the staged copy, found by address (no copy, no compare).
+    pass_staged: Option<(u64, [(u64, usize); 4])>,
+    /// Another plan staged last in this pass, kept by value: later uploads of an equal
+    /// plan (compared in full) reuse its staged copy.
+    other: Option<StagedPlan>,
 }
 
 /// What a staged plan holds (the fields its upload reads) and where its four arrays are.
@@ -55,6 +62,11 @@ struct StagedPlan {
     at: [(u64, usize); 4],
 }
 
+/// A plan's address, the key of the pass's own plan.
+fn address(plan: &BatchPlan) -> usize {
+    std::ptr::from_ref(plan) as usize
+}
+
 impl StagedPlan {
     fn holds(&self, pool: u64, plan: &BatchPlan) -> bool {
         self.pool == pool
@@ -65,30 +77,55 @@ impl StagedPlan {
 }
 
 impl StepState {
-    pub fn begin(&mut self, mode: StepMode) {
+    /// Start a pass in `mode` over `pass_plan`, which the caller keeps borrowed until
+    /// [`StepState::end`] (`graphs::pass` does: the forward runs inside the borrow).
+    pub fn begin(&mut self, mode: StepMode, pass_plan: &BatchPlan) {
         self.recorder.begin(mode);
         self.arena.reset();
-        self.plan = None;
+        self.pass_plan = address(pass_plan);
+        self.pass_staged = None;
+        self.other = None;
     }
 
     pub fn end(&mut self) -> StepRecord {
-        self.plan = None;
+        self.pass_plan = 0;
+        self.pass_staged = None;
+        self.other = None;
         self.recorder.end(self.arena.arena_used())
+    }
+
+    fn is_pass_plan(&self, plan: &BatchPlan) -> bool {
+        self.in_step() && self.pass_plan == address(plan)
     }
 
     /// Where this pass staged a plan equal to `plan` over the pool at `pool` (its
     /// sequences, rows and positions), if it did: `(pointer, values)` of each array.
     pub fn staged_plan(&self, pool: u64, plan: &BatchPlan) -> Option<[(u64, usize); 4]> {
-        self.plan
+        if !self.in_step() {
+            return None;
+        }
+        if let Some((_, at)) = self
+            .pass_staged
+            .filter(|&(p, _)| p == pool && self.is_pass_plan(plan))
+        {
+            return Some(at);
+        }
+        self.other
             .as_ref()
-            .filter(|p| self.in_step() && p.holds(pool, plan))
+            .filter(|p| p.holds(pool, plan))
             .map(|p| p.at)
     }
 
-    /// Remember that `plan` is staged at `at` in this pass (nothing outside a step).
+    /// Remember that `plan` is staged at `at` in this pass (nothing outside a step): the
+    /// pass's own plan by address, another by value.
     pub fn keep_plan(&mut self, pool: u64, plan: &BatchPlan, at: [(u64, usize); 4]) {
-        if self.in_step() {
-            self.plan = Some(StagedPlan {
+        if !self.in_step() {
+            return;
+        }
+        if self.is_pass_plan(plan) {
+            self.pass_staged = Some((pool, at));
+        } else {
+            self.other = Some(StagedPlan {
                 pool,
                 seqs: plan.seqs.clone(),
                 row_seq: plan.row_seq.clone(),
@@ -187,7 +224,7 @@ mod tests {
 
     fn dry_step(values: &[u8], rows: u32) -> StepRecord {
         let mut st = StepState::default();
-        st.begin(StepMode::Dry);
+        st.begin(StepMode::Dry, &BatchPlan::default());
         let a = arena_ptr(st.temp(10).unwrap());
         let b = arena_ptr(st.temp(300).unwrap());
         assert_eq!((a, b), (0, 256), "arena allocations are 256-byte aligned");
@@ -222,10 +259,11 @@ mod tests {
     #[test]
     fn only_a_dry_pass_may_outgrow_the_buffers() {
         let mut st = StepState::default();
-        st.begin(StepMode::Eager);
+        let none = BatchPlan::default();
+        st.begin(StepMode::Eager, &none);
         let err = st.temp(16).unwrap_err().to_string();
         assert!(err.contains("sized by its dry pass"), "{err}");
-        st.begin(StepMode::Capture);
+        st.begin(StepMode::Capture, &none);
         assert!(st.upload(&[1]).is_err());
     }
 
@@ -265,7 +303,8 @@ mod tests {
             None,
             "outside a step: nothing kept"
         );
-        st.begin(StepMode::Dry);
+        let own = plan(vec![1]);
+        st.begin(StepMode::Dry, &own);
         st.keep_plan(1, &plan(vec![3, 4]), at);
         let mut other_tokens = plan(vec![3, 4]);
         other_tokens.tokens = vec![9];
@@ -280,11 +319,45 @@ mod tests {
         moved.positions = vec![8];
         assert_eq!(st.staged_plan(1, &moved), None, "another position");
         st.end();
-        st.begin(StepMode::Dry);
+        st.begin(StepMode::Dry, &own);
         assert_eq!(
             st.staged_plan(1, &plan(vec![3, 4])),
             None,
             "a new pass stages anew"
         );
+    }
+
+    #[test]
+    fn the_pass_plan_is_found_by_address_beside_another_kept_by_value() {
+        let own_at = [(0, 6), (256, 2), (512, 1), (768, 1)];
+        let other_at = [(1024, 6), (1280, 2), (1536, 1), (1792, 1)];
+        let own = plan(vec![3, 4]);
+        let equal_copy = own.clone();
+        let other = plan(vec![8, 9]);
+        let mut st = StepState::default();
+        st.begin(StepMode::Dry, &own);
+        assert_eq!(st.staged_plan(1, &own), None, "nothing staged yet");
+        st.keep_plan(1, &own, own_at);
+        assert_eq!(st.staged_plan(1, &own), Some(own_at));
+        assert_eq!(st.staged_plan(2, &own), None, "another pool");
+        assert_eq!(
+            st.staged_plan(1, &equal_copy),
+            None,
+            "the pass plan is kept by address: an equal plan elsewhere stages its own copy"
+        );
+        st.keep_plan(1, &other, other_at);
+        assert_eq!(st.staged_plan(1, &own), Some(own_at), "both are kept");
+        assert_eq!(st.staged_plan(1, &plan(vec![8, 9])), Some(other_at));
+        st.end();
+        assert_eq!(st.staged_plan(1, &own), None, "outside a step");
+        st.begin(StepMode::Eager, &other);
+        assert_eq!(st.staged_plan(1, &own), None, "a new pass stages anew");
+        st.keep_plan(1, &own, own_at);
+        assert_eq!(
+            st.staged_plan(1, &own),
+            Some(own_at),
+            "no longer the pass plan: kept by value"
+        );
+        assert_eq!(st.staged_plan(1, &equal_copy), Some(own_at));
     }
 }

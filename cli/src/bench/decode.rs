@@ -65,6 +65,14 @@ pub struct DecodeRow {
     pub ms_per_step: f64,
     /// Median host time of a step: its wall time less the time it waited on the device.
     pub host_ms: f64,
+    /// Median time of a step's dry pass (the forward's host code; 0 where the backend
+    /// has none, as the CPU). Absent from records made before it was measured.
+    #[serde(default)]
+    pub dry_ms: f64,
+    /// Median time of a step's submission: eager launches, or the staged-input copy and
+    /// the graph launch.
+    #[serde(default)]
+    pub submit_ms: f64,
     pub tokens_per_s: f64,
     pub experts_per_layer: f64,
     pub weight_bytes: f64,
@@ -268,7 +276,7 @@ fn run_format<B: BenchBackend>(
                     a.model.seed ^ ((c as u64) << 20) ^ b as u64,
                 );
                 let (mut times, mut bytes, mut finite) = (Vec::new(), StepBytes::default(), true);
-                let mut host = Vec::new();
+                let (mut host, mut dry, mut submit) = (Vec::new(), Vec::new(), Vec::new());
                 for step in 0..span {
                     let pos = c + step;
                     let tokens: Vec<u32> = (0..b)
@@ -278,7 +286,7 @@ fn run_format<B: BenchBackend>(
                     let model = &p.model;
                     let outs = row_outs(a.sample, b, step == 0);
                     let t = Instant::now();
-                    let waited = backend.device_wait_s();
+                    let before = backend.step_phases();
                     let out = backend.decode_step(
                         kv,
                         &plan,
@@ -290,14 +298,16 @@ fn run_format<B: BenchBackend>(
                     )?;
                     backend.sync()?;
                     let dt = t.elapsed().as_secs_f64();
-                    let waited = backend.device_wait_s() - waited;
+                    let phases = backend.step_phases() - before;
                     bar.inc(1);
                     let step_finite = finite_checked(&outs, &out)?;
                     if step < a.warmup {
                         continue;
                     }
                     times.push(dt);
-                    host.push(dt - waited);
+                    host.push(dt - phases.wait);
+                    dry.push(phases.dry);
+                    submit.push(phases.submit);
                     finite &= step_finite;
                     let sb = step_bytes(cfg, layout, &wb, &tid2eid, &tokens, &plan.positions);
                     bytes.weights += sb.weights;
@@ -314,6 +324,8 @@ fn run_format<B: BenchBackend>(
                     mode: label,
                     ms_per_step: ms,
                     host_ms: median(host) * 1e3,
+                    dry_ms: median(dry) * 1e3,
+                    submit_ms: median(submit) * 1e3,
                     tokens_per_s: b as f64 / (ms / 1e3),
                     experts_per_layer: bytes.experts_per_layer / n,
                     weight_bytes: w,
@@ -425,6 +437,8 @@ pub fn table(rows: &[DecodeRow], peer: Option<&Peer>) -> Table {
         "mode",
         "ms/step",
         "host ms",
+        "dry ms",
+        "submit ms",
         "tok/s",
         "experts/layer",
         "weights MB",
@@ -446,6 +460,8 @@ pub fn table(rows: &[DecodeRow], peer: Option<&Peer>) -> Table {
                 r.mode.clone(),
                 num(r.ms_per_step),
                 num(r.host_ms),
+                num(r.dry_ms),
+                num(r.submit_ms),
                 num(r.tokens_per_s),
                 num(r.experts_per_layer),
                 mb(r.weight_bytes),
@@ -479,6 +495,8 @@ mod tests {
             mode: mode.into(),
             ms_per_step: ms,
             host_ms: ms / 10.0,
+            dry_ms: ms / 20.0,
+            submit_ms: ms / 40.0,
             tokens_per_s: batch as f64 / ms * 1e3,
             experts_per_layer: 6.0,
             weight_bytes: 1e9,

@@ -37,9 +37,31 @@ pub trait BenchBackend: Backend + Sized {
     fn fp8_gemm_rate(&self) -> Result<Option<Ceiling>>;
     /// Run decode steps in `mode`; returns the label the table shows for it.
     fn apply_graph_mode(&mut self, mode: GraphMode) -> String;
-    /// Seconds decode steps have spent blocked on the device so far (the rest of a step's
-    /// wall time is host time).
-    fn device_wait_s(&self) -> f64;
+    /// Seconds decode steps have spent so far in each phase the backend times.
+    fn step_phases(&self) -> StepSeconds;
+}
+
+/// Cumulative seconds of decode steps by phase (`StepPhases` of the CUDA backend; the CPU
+/// times none, all of its step is host time).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct StepSeconds {
+    /// The dry pass: the forward's host code recording launches and staging inputs.
+    pub dry: f64,
+    /// Eager launches, or the staged-input copy and the graph launch.
+    pub submit: f64,
+    /// Blocked on the device (the rest of a step's wall time is host time).
+    pub wait: f64,
+}
+
+impl std::ops::Sub for StepSeconds {
+    type Output = StepSeconds;
+    fn sub(self, o: StepSeconds) -> StepSeconds {
+        StepSeconds {
+            dry: self.dry - o.dry,
+            submit: self.submit - o.submit,
+            wait: self.wait - o.wait,
+        }
+    }
 }
 
 impl BenchBackend for CpuBackend {
@@ -110,8 +132,8 @@ impl BenchBackend for CpuBackend {
     }
 
     /// The CPU computes on the host: all of a step is host time.
-    fn device_wait_s(&self) -> f64 {
-        0.0
+    fn step_phases(&self) -> StepSeconds {
+        StepSeconds::default()
     }
 }
 
@@ -199,8 +221,13 @@ impl BenchBackend for CudaBackend {
         set_graph_mode(self, mode)
     }
 
-    fn device_wait_s(&self) -> f64 {
-        self.graph_stats().phases.wait
+    fn step_phases(&self) -> StepSeconds {
+        let p = self.graph_stats().phases;
+        StepSeconds {
+            dry: p.dry,
+            submit: p.submit,
+            wait: p.wait,
+        }
     }
 }
 

@@ -155,6 +155,8 @@ mod tests {
             mode: mode.into(),
             ms_per_step: ms,
             host_ms: ms / 20.0,
+            dry_ms: ms / 40.0,
+            submit_ms: ms / 80.0,
             tokens_per_s: batch as f64 / ms * 1e3,
             experts_per_layer: 6.0,
             weight_bytes: 1e9,
