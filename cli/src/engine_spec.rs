@@ -160,8 +160,13 @@ pub fn open_engine<B: Backend>(spec: &EngineSpec, backend: B) -> Result<Engine<B
             states: spec.pool.states,
         },
     };
-    let mut engine =
-        Engine::load_format(&spec.dir, backend, Some(spec.layout), pool, spec.load_format)?;
+    let mut engine = Engine::load_format(
+        &spec.dir,
+        backend,
+        Some(spec.layout),
+        pool,
+        spec.load_format,
+    )?;
     engine.set_kv_audit_every(spec.kv_audit_every);
     tracing::info!(
         model = %spec.dir.display(),

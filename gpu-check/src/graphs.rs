@@ -195,7 +195,11 @@ fn programmatic_launch_same_bits(
     let differ = plain
         .iter()
         .zip(&programmatic)
-        .filter(|(a, b)| a.iter().map(|v| v.to_bits()).ne(b.iter().map(|v| v.to_bits())))
+        .filter(|(a, b)| {
+            a.iter()
+                .map(|v| v.to_bits())
+                .ne(b.iter().map(|v| v.to_bits()))
+        })
         .count();
     Ok(CheckRow {
         name: format!(

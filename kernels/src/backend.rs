@@ -2,7 +2,9 @@
 //! an op module (`ops/`) or the KV store (`kv_store`); `graphs` implements the step runner;
 //! this file holds only the backend's settings and the weight-storage policy.
 
-use crate::device::{AttentionKernel, DenseKernel, DeviceError, ExpertKernel, Gpu, IndexerBlocking};
+use crate::device::{
+    AttentionKernel, DenseKernel, DeviceError, ExpertKernel, Gpu, IndexerBlocking,
+};
 use crate::graph_cache::{GraphCache, GraphStats};
 use crate::kv_store::GpuKv;
 use crate::launch::dev_err;

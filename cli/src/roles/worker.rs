@@ -2,10 +2,10 @@
 
 use super::{one_or_many, redact, ClusterTokenFlags};
 use crate::engine_spec::{Device, GraphChoice};
-use pdserve_engine::LoadFormat;
 use crate::layered::{self, flag, Entry, Flags};
 use anyhow::{bail, Result};
 use pdserve_engine::kv::{EntryDtype, KvLayoutSpec};
+use pdserve_engine::LoadFormat;
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 

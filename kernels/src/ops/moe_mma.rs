@@ -27,7 +27,10 @@ const NARROW_MAX_ROWS: usize = 8;
 
 /// The kernel for weights of format `format` in a batch of `rows` rows.
 fn variant(format: ExpertFormat, rows: usize) -> MmaVariant {
-    MmaVariant { format, narrow: rows <= NARROW_MAX_ROWS }
+    MmaVariant {
+        format,
+        narrow: rows <= NARROW_MAX_ROWS,
+    }
 }
 
 /// Blocks of a kernel resident per SM: its launch bounds (moe_mma.cu), which its registers
@@ -204,7 +207,8 @@ pub(crate) fn dense_weight(
     let fits = rows <= DENSE_MAX_ROWS
         && k.is_multiple_of(stage_shape(format).0)
         && (groups == 1 || dout.is_multiple_of(TILE_ROWS));
-    (chosen && fits && !g.deterministic && !g.fp32_reference).then_some(DenseWeight { operand, format })
+    (chosen && fits && !g.deterministic && !g.fp32_reference)
+        .then_some(DenseWeight { operand, format })
 }
 
 /// `y[rows, groups * dout] = x @ w^T` per group over weight `w` (`dout` outputs and `k`
@@ -222,7 +226,11 @@ pub(crate) fn matmul_dense(
     let stages = k / stage_shape(w.format).0;
     let kernel = variant(w.format, rows);
     let (row_blocks, col_blocks) = (rows.div_ceil(tile_picks(kernel)), n.div_ceil(TILE_ROWS));
-    let splits = splits(blocks_per_sm(kernel) * g.sms, row_blocks * col_blocks, stages);
+    let splits = splits(
+        blocks_per_sm(kernel) * g.sms,
+        row_blocks * col_blocks,
+        stages,
+    );
     let partial = (splits > 1)
         .then(|| g.uninit::<f32>(splits * rows * n))
         .transpose()?;
@@ -292,7 +300,10 @@ mod tests {
         for format in [ExpertFormat::Bf16, ExpertFormat::Fp8, ExpertFormat::Fp4] {
             for narrow in [false, true] {
                 let v = MmaVariant { format, narrow };
-                assert!(blocks_per_sm(v) * (shared_bytes(v) + 1024) <= MMA_SHARED, "{v:?}");
+                assert!(
+                    blocks_per_sm(v) * (shared_bytes(v) + 1024) <= MMA_SHARED,
+                    "{v:?}"
+                );
             }
         }
         let fp8 = |rows| shared_bytes(variant(ExpertFormat::Fp8, rows));
