@@ -5,7 +5,7 @@
 #
 #   scripts/gpu-check.sh                 # uses target/release/pdserve
 #   PDSERVE_BIN=path/to/pdserve DEVICE=1 scripts/gpu-check.sh
-#   scripts/gpu-check.sh --only graphs   # one group: embedded, fixtures, graphs, batched, picks, stored
+#   scripts/gpu-check.sh --only graphs   # one group: embedded, fixtures, graphs, batched, picks, stored, deepseek
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${PDSERVE_BIN:-target/release/pdserve}

@@ -108,11 +108,13 @@ pub fn numerics(s: &str) -> Result<Numerics> {
         .context("--numerics")
 }
 
-/// Why a layout spec cannot run on the CUDA backend yet (`None`: it can): its kernels run
-/// no activation quantization and no Hadamard rotation (fp8 KV entries they do run).
+/// Why a layout spec cannot be served on the CUDA backend yet (`None`: it can). The
+/// kernels of `deepseek` numerics are in (docs/numerics.md, "On the GPU") but have not yet
+/// passed `gpu-check --only deepseek` on a GPU: until they have, serving refuses the mode
+/// there rather than risk wrong logits.
 pub fn cuda_refusal(spec: &KvLayoutSpec) -> Option<&'static str> {
     (spec.numerics == Numerics::Deepseek).then_some(
-        "--numerics deepseek runs on the CPU backend only for now (the CUDA kernels quantize no activations); use --device cpu, or --numerics transformers (--kv-dtype fp8 runs on the GPU)",
+        "--numerics deepseek is not yet verified on the GPU (its kernels await their first `pdserve gpu-check --only deepseek` run); use --device cpu, or --numerics transformers (--kv-dtype fp8 runs on the GPU)",
     )
 }
 

@@ -5,6 +5,7 @@ use pdserve_gpu_check::attention::check_attention_ab;
 use pdserve_gpu_check::batched::check_batched;
 use pdserve_gpu_check::check::{check_embedded, check_fixture, header, CheckRow};
 use pdserve_gpu_check::cuts::check_cuts;
+use pdserve_gpu_check::deepseek::check_deepseek;
 use pdserve_gpu_check::graphs::check_graphs;
 use pdserve_gpu_check::indexer::check_indexer_blocking;
 use pdserve_gpu_check::picks::check_picks;
@@ -20,7 +21,7 @@ pub struct GpuCheckArgs {
     #[arg(long, default_value_t = 0)]
     device: usize,
     /// Run only these groups of checks (default: all).
-    #[arg(long, value_delimiter = ',', value_parser = ["embedded", "fixtures", "graphs", "batched", "picks", "stored"])]
+    #[arg(long, value_delimiter = ',', value_parser = ["embedded", "fixtures", "graphs", "batched", "picks", "stored", "deepseek"])]
     only: Vec<String>,
     /// Text the `batched` and `picks` groups cut their teacher-forced sequences from.
     #[arg(long, default_value = "scripts/tokenizer_corpus.txt")]
@@ -79,6 +80,9 @@ pub fn gpu_check(a: GpuCheckArgs) -> Result<()> {
     }
     if run("stored") {
         show(check_stored(a.device).map_err(|e| anyhow::anyhow!("stored FP8/FP4 weights: {e}"))?);
+    }
+    if run("deepseek") {
+        show(check_deepseek(a.device).map_err(|e| anyhow::anyhow!("deepseek numerics: {e}"))?);
     }
     let mut figures = Vec::new();
     if run("graphs") {

@@ -29,10 +29,10 @@ const FP8_GEMM_TOL: f64 = 1e-2;
 /// row blocks.
 const DIMS: [(usize, usize, usize); 2] = [(256, 384, 1024), (128, 320, 640)];
 
-struct Rng(u64);
+pub(crate) struct Rng(pub(crate) u64);
 
 impl Rng {
-    fn next(&mut self) -> u64 {
+    pub(crate) fn next(&mut self) -> u64 {
         self.0 ^= self.0 << 13;
         self.0 ^= self.0 >> 7;
         self.0 ^= self.0 << 17;
@@ -137,7 +137,7 @@ fn product_row(
 
 /// Activations with every kind of block: normal values, a zero block, values past 448
 /// (scales above 1), tiny ones (scales far below), a partial last block (`cols` = 1000).
-fn activations(rows: usize, cols: usize, seed: u64) -> Vec<f32> {
+pub(crate) fn activations(rows: usize, cols: usize, seed: u64) -> Vec<f32> {
     let mut rng = Rng(seed);
     (0..rows * cols)
         .map(|i| {

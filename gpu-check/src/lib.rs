@@ -2,7 +2,8 @@
 //! against the fp32 CPU engine on reference fixtures and the embedded model
 //! ([`check`]), and decode steps replayed from CUDA graphs against eager runs
 //! ([`graphs`]), and batched decode against one-at-a-time decode and the CPU
-//! ([`batched`]), weights kept in DeepSeek's stored FP8/FP4 formats ([`stored`]), cuBLASLt's
+//! ([`batched`]), weights kept in DeepSeek's stored FP8/FP4 formats ([`stored`]), DeepSeek's
+//! numerics (`--numerics deepseek`) against the CPU's ([`deepseek`]), cuBLASLt's
 //! block-scaled FP8 GEMM against the host ([`fp8_gemm`]), the
 //! split-key attention kernel against the one it replaced ([`attention`]), greedy tokens
 //! sampled on the device against the host's argmax ([`device_argmax`]), the states at
@@ -15,6 +16,7 @@ pub mod attention;
 pub mod batched;
 pub mod check;
 pub mod cuts;
+pub mod deepseek;
 pub mod device_argmax;
 pub mod fp8_gemm;
 pub mod graphs;

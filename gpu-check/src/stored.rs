@@ -6,11 +6,13 @@
 //! whole random model in the stored formats against the CPU engine on the same weights.
 
 use crate::check::{compare, decode_logits, rel_err, CheckRow, REL_TOL, REL_TOL_F32};
+use pdserve_engine::backend::Backend;
 use pdserve_engine::backend::MoeParams;
 use pdserve_engine::backend::{counter_rng::WeightInit, HostTensor, TensorOps, WeightUse};
 use pdserve_engine::checkpoint::{weight_format, WeightFormat};
 use pdserve_engine::config::{ModelConfig, ScoringFunc};
 use pdserve_engine::generate::prefill;
+use pdserve_engine::kv::KvLayoutSpec;
 use pdserve_engine::model::random_weights::RandomSource;
 use pdserve_engine::model::weights::{weight_use, LoadError, ModelWeights, TensorSource};
 use pdserve_engine::{CpuBackend, Engine, Logits, PoolSize};
@@ -180,17 +182,17 @@ const MMA_TOL: f64 = 1e-2;
 /// One MoE shape class: experts, hidden, intermediate, top-k, batch sizes, and whether the
 /// hash routing sends every row's first pick to expert 0 (more than 32 picks of one expert:
 /// the tensor-core kernels' second pick group).
-struct MoeCase {
+pub(crate) struct MoeCase {
     e: usize,
     h: usize,
     inter: usize,
     top_k: usize,
-    batches: &'static [usize],
-    crowded: bool,
-    what: &'static str,
+    pub(crate) batches: &'static [usize],
+    pub(crate) crowded: bool,
+    pub(crate) what: &'static str,
 }
 
-const MOE_CASES: [MoeCase; 2] = [
+pub(crate) const MOE_CASES: [MoeCase; 2] = [
     // 4 rows take the CUDA-core grouped kernels (160 is no whole number of tensor-core
     // stages), 64 rows (outside a decode step) the per-expert bf16 copy + cuBLAS.
     MoeCase {
@@ -235,7 +237,8 @@ fn moe_rows(gpu: &CudaBackend, det: &CudaBackend) -> AnyResult<Vec<CheckRow>> {
         for &experts in formats {
             let default_tol = if case.crowded { MMA_TOL } else { REL_TOL };
             for (b, tol, label) in [(gpu, default_tol, ""), (det, GEMM_TOL, " --deterministic")] {
-                let (worst, rows) = moe_case(b, case, experts)?;
+                let errs = moe_case(b, case, experts, (false, false))?;
+                let (worst, rows) = (errs.iter().copied().fold(0f64, f64::max), errs.len());
                 out.push(CheckRow {
                     name: format!(
                         "stored {} experts MoE {} rows {:?}{label}",
@@ -257,9 +260,14 @@ fn moe_rows(gpu: &CudaBackend, det: &CudaBackend) -> AnyResult<Vec<CheckRow>> {
     Ok(out)
 }
 
-/// The worst row's relative error of one case and expert format on backend `b`, and the
-/// rows compared.
-fn moe_case(b: &CudaBackend, case: &MoeCase, experts: WeightFormat) -> AnyResult<(f64, usize)> {
+/// Each row's relative error of one case and expert format on backend `b` against the CPU;
+/// `(on the GPU, on the CPU)`: whether each runs DeepSeek's activation quantization.
+pub(crate) fn moe_case(
+    b: &CudaBackend,
+    case: &MoeCase,
+    experts: WeightFormat,
+    (gpu_deepseek, cpu_deepseek): (bool, bool),
+) -> AnyResult<Vec<f64>> {
     let MoeCase {
         e, h, inter, top_k, ..
     } = *case;
@@ -294,7 +302,7 @@ fn moe_case(b: &CudaBackend, case: &MoeCase, experts: WeightFormat) -> AnyResult
     let (cgu, cdown) = (on_cpu(&gu)?, on_cpu(&down)?);
     let (csg, csu, csd) = (on_cpu(&sg)?, on_cpu(&su)?, on_cpu(&sd)?);
     let crouter = cpu.upload(router_h)?;
-    let mut worst = 0f64;
+    let mut errs = Vec::new();
     for &rows in case.batches {
         let hash: Vec<u32> = (0..rows * top_k)
             .map(|i| {
@@ -318,6 +326,7 @@ fn moe_case(b: &CudaBackend, case: &MoeCase, experts: WeightFormat) -> AnyResult
                 [&router, &gu, &down, &sg, &su, &sd],
                 &hash,
                 (e, top_k, inter),
+                gpu_deepseek,
             ),
         )?;
         let got = b.to_host(&got)?;
@@ -327,15 +336,17 @@ fn moe_case(b: &CudaBackend, case: &MoeCase, experts: WeightFormat) -> AnyResult
                 [&crouter, &cgu, &cdown, &csg, &csu, &csd],
                 &hash,
                 (e, top_k, inter),
+                cpu_deepseek,
             ),
         )?;
-        worst = rows_of(&got)
-            .iter()
-            .zip(rows_of(&want).iter())
-            .map(|(g, w)| rel_err(g, w))
-            .fold(worst, f64::max);
+        errs.extend(
+            rows_of(&got)
+                .iter()
+                .zip(rows_of(&want).iter())
+                .map(|(g, w)| rel_err(g, w)),
+        );
     }
-    Ok((worst, case.batches.iter().sum()))
+    Ok(errs)
 }
 
 /// MoE parameters over `[router, gate_up, down, shared gate, up, down]`, hash-routed.
@@ -343,6 +354,7 @@ fn moe_params<'a, T>(
     [router, gate_up, down, shared_gate, shared_up, shared_down]: [&'a T; 6],
     hash: &'a [u32],
     (n_experts, top_k, intermediate): (usize, usize, usize),
+    deepseek: bool,
 ) -> MoeParams<'a, T> {
     MoeParams {
         router,
@@ -359,13 +371,13 @@ fn moe_params<'a, T>(
         scoring: ScoringFunc::SqrtSoftplus,
         routed_scaling: 1.5,
         swiglu_limit: 10.0,
-        act_quant_routed: false,
-        act_quant_shared: false,
+        act_quant_routed: deepseek,
+        act_quant_shared: deepseek,
         record: None,
     }
 }
 
-fn fmt_name(f: WeightFormat) -> &'static str {
+pub(crate) fn fmt_name(f: WeightFormat) -> &'static str {
     match f {
         WeightFormat::Fp8Block => "fp8",
         WeightFormat::Fp4Packed => "fp4",
@@ -404,7 +416,7 @@ impl TensorSource<CpuBackend> for SameValues {
 }
 
 /// The embedded model's config with DeepSeek's `quantization_config` (FP4 or FP8 experts).
-fn quantized_config(expert_dtype: &str) -> AnyResult<ModelConfig> {
+pub(crate) fn quantized_config(expert_dtype: &str) -> AnyResult<ModelConfig> {
     let dir = pdserve_engine::embedded::model_dir()?;
     let text = std::fs::read_to_string(dir.join("config.json"))?;
     let mut v: serde_json::Value = serde_json::from_str(&text)?;
@@ -421,10 +433,65 @@ const POOL: PoolSize = PoolSize {
     states: 16,
 };
 
-/// A random model in the stored formats: GPU logits (prefill of 8 prompts, then 6
-/// teacher-forced decode steps of all 8 together) against the CPU engine on the same
-/// weights (the CPU draws and quantizes them on the host, the GPU on the device: the same
-/// bytes).
+/// The random model in the stored formats (`experts`: fp4 or fp8) on the CPU, holding the
+/// values the GPU holds under `weights` (the CPU draws and quantizes them on the host, the
+/// GPU on the device: the same bytes), with KV layout `spec` (None: the default).
+pub(crate) fn cpu_model(
+    experts: &str,
+    weights: WeightDtype,
+    spec: Option<KvLayoutSpec>,
+) -> AnyResult<Engine<CpuBackend>> {
+    let cfg = quantized_config(experts)?;
+    let mut src = SameValues {
+        inner: RandomSource::new(&cfg, 5),
+        cfg: cfg.clone(),
+        bf16: weights == WeightDtype::Bf16,
+    };
+    let cpu_w = ModelWeights::from_source(&mut src, &cfg, &CpuBackend)?;
+    Ok(Engine::new(cfg, cpu_w, CpuBackend, spec, POOL)?)
+}
+
+/// The same random model on the GPU.
+pub(crate) fn gpu_model(
+    ordinal: usize,
+    experts: &str,
+    (weights, deterministic): (WeightDtype, bool),
+    spec: Option<KvLayoutSpec>,
+) -> AnyResult<Engine<CudaBackend>> {
+    let cfg = quantized_config(experts)?;
+    let mut backend = CudaBackend::with_weights(ordinal, None, weights)?;
+    backend.set_deterministic(deterministic);
+    let gpu_w = ModelWeights::random(&cfg, &backend, 5)?;
+    Ok(Engine::new(cfg, gpu_w, backend, spec, POOL)?)
+}
+
+/// Logits of 8 prompts' prefills, then 6 teacher-forced decode steps of all 8 together.
+pub(crate) fn model_logits<B: Backend>(e: &mut Engine<B>) -> AnyResult<Vec<Vec<f32>>> {
+    let vocab = e.config().vocab_size as u64;
+    let prompts: Vec<Vec<u32>> = (0..8u64)
+        .map(|i| {
+            (0..(20 + 37 * i))
+                .map(|t| ((t * 7919 + i * 104_729) % vocab) as u32)
+                .collect()
+        })
+        .collect();
+    let (mut out, mut seqs) = (Vec::new(), Vec::new());
+    for p in &prompts {
+        let mut s = e.new_sequence()?;
+        out.extend(prefill(e, &mut s, p, 0, Logits::Last)?);
+        seqs.push(s);
+    }
+    for step in 0..6u32 {
+        let toks: Vec<u32> = (0..prompts.len() as u32)
+            .map(|i| (i * 31 + step * 7) % vocab as u32)
+            .collect();
+        out.extend(decode_logits(e, seqs.iter_mut(), &toks)?);
+    }
+    Ok(out)
+}
+
+/// A random model in the stored formats: GPU logits against the CPU engine on the same
+/// weights ([`model_logits`]).
 fn model_rows(ordinal: usize) -> AnyResult<Vec<CheckRow>> {
     let mut out = Vec::new();
     for (experts, weights, deterministic) in [
@@ -434,43 +501,13 @@ fn model_rows(ordinal: usize) -> AnyResult<Vec<CheckRow>> {
         ("fp8", WeightDtype::Bf16, true),
         ("fp4", WeightDtype::F32, false),
     ] {
-        let cfg = quantized_config(experts)?;
-        let mut src = SameValues {
-            inner: RandomSource::new(&cfg, 5),
-            cfg: cfg.clone(),
-            bf16: weights == WeightDtype::Bf16,
-        };
-        let cpu_w = ModelWeights::from_source(&mut src, &cfg, &CpuBackend)?;
-        let mut cpu = Engine::new(cfg.clone(), cpu_w, CpuBackend, None, POOL)?;
-        let mut backend = CudaBackend::with_weights(ordinal, None, weights)?;
-        backend.set_deterministic(deterministic);
-        let gpu_w = ModelWeights::random(&cfg, &backend, 5)?;
-        let mut gpu = Engine::new(cfg.clone(), gpu_w, backend, None, POOL)?;
-        let vocab = cfg.vocab_size as u64;
-        let prompts: Vec<Vec<u32>> = (0..8u64)
-            .map(|i| {
-                (0..(20 + 37 * i))
-                    .map(|t| ((t * 7919 + i * 104_729) % vocab) as u32)
-                    .collect()
-            })
-            .collect();
-        let (mut got, mut want) = (Vec::new(), Vec::new());
-        let (mut gseqs, mut cseqs) = (Vec::new(), Vec::new());
-        for p in &prompts {
-            let mut g = gpu.new_sequence()?;
-            let mut c = cpu.new_sequence()?;
-            got.extend(prefill(&mut gpu, &mut g, p, 0, Logits::Last)?);
-            want.extend(prefill(&mut cpu, &mut c, p, 0, Logits::Last)?);
-            gseqs.push(g);
-            cseqs.push(c);
-        }
-        for step in 0..6u32 {
-            let toks: Vec<u32> = (0..prompts.len() as u32)
-                .map(|i| (i * 31 + step * 7) % cfg.vocab_size as u32)
-                .collect();
-            got.extend(decode_logits(&mut gpu, gseqs.iter_mut(), &toks)?);
-            want.extend(decode_logits(&mut cpu, cseqs.iter_mut(), &toks)?);
-        }
+        let want = model_logits(&mut cpu_model(experts, weights, None)?)?;
+        let got = model_logits(&mut gpu_model(
+            ordinal,
+            experts,
+            (weights, deterministic),
+            None,
+        )?)?;
         let mut row = compare(
             format!(
                 "stored fp8 + {experts} experts random model w={}{}",

@@ -9,7 +9,7 @@ use crate::graph_cache::{GraphCache, GraphStats};
 use crate::kv_store::GpuKv;
 use crate::launch::dev_err;
 use crate::ops::indexer::{self, GpuSelection};
-use crate::ops::{attention, compress, dense, hc, moe, random, stored, tensors};
+use crate::ops::{attention, compress, dense, hc, moe, numerics, random, stored, tensors};
 use crate::tensor::{stores_bf16, GpuTensor, WeightDtype};
 use crate::GraphMode;
 use pdserve_engine::backend::{
@@ -482,5 +482,9 @@ impl TensorOps for CudaBackend {
 
     fn moe(&self, x: &GpuTensor, p: &MoeParams<'_, GpuTensor>) -> BResult<GpuTensor> {
         moe::moe(&self.gpu, x, p)
+    }
+
+    fn act_quant(&self, x: &GpuTensor, block: usize) -> BResult<GpuTensor> {
+        numerics::act_quant(&self.gpu, x, block)
     }
 }

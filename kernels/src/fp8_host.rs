@@ -1,9 +1,11 @@
-//! The FP8 GEMM and DeepSeek's act_quant on host data, for `gpu-check` (which uses only
-//! this crate's public API): the operands go up, the results come back.
+//! The FP8 GEMM, DeepSeek's act_quant and the indexer's rotation on host data, for
+//! `gpu-check` (which uses only this crate's public API): the operands go up, the results
+//! come back.
 
 use crate::blas_fp8::{natural_from_vec128, Fp8Gemm, Fp8Scaling, SCALE_BLOCK};
+use crate::buf::f32_buf;
 use crate::launch::dev_err;
-use crate::ops::fp8_linear;
+use crate::ops::{fp8_linear, numerics};
 use crate::tensor::{Buf, GpuTensor};
 use pdserve_engine::backend::BResult;
 
@@ -93,5 +95,22 @@ impl crate::backend::CudaBackend {
         let xd = g.upload(x)?;
         let y = fp8_linear::matmul(g, (&xd, n, k), (sw, w.rows), k)?;
         g.download(&y, n * w.rows)
+    }
+
+    /// deepseek numerics' rotation of the indexer's queries on the device: each
+    /// `head_dim`-wide head of the `rows x cols` values Hadamard-rotated and FP4-quantized.
+    pub fn rotate_fp4_on_host(
+        &self,
+        x: &[f32],
+        (rows, cols): (usize, usize),
+        head_dim: usize,
+    ) -> BResult<Vec<f32>> {
+        if x.len() != rows * cols {
+            return Err(dev_err("rotation input does not match its dims"));
+        }
+        let g = &self.gpu;
+        let xd = GpuTensor::new(rows, cols, Buf::F32(g.upload(x)?));
+        let y = numerics::rotate_fp4(g, &xd, head_dim)?;
+        g.download(f32_buf(&y, "rotate_fp4")?, rows * cols)
     }
 }

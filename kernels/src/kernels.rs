@@ -318,7 +318,7 @@ kernels! {
             pt: DevPtr, proj_kv: DevPtr, proj_gate: DevPtr, bias: DevPtr, norm_w: DevPtr,
             cs: DevPtr, sn: DevPtr, width: i32, rate: i32, slots: i32, overlap: i32,
             ring_off: i64, entry_off: i64, scale_off: i64, entries_per_page: i32,
-            page_tokens: i32, dt: i32, rd: i32, eps: f32, by_window: i32,
+            page_tokens: i32, dt: i32, rd: i32, eps: f32, by_window: i32, rot_scale_bits: i64,
         }
         /// After a compress by window: each sequence's last rows into its ring.
         CompressRing = "k_compress_ring" {
@@ -506,6 +506,22 @@ kernels! {
         /// of a row (the scales `[block][row]`, cuBLASLt's VEC128 layout).
         ActQuantE4m3 = "k_act_quant_e4m3" {
             x: DevPtr, ldx: i32, q: DevPtr, s: DevPtr, rows: i32, cols: i32,
+        }
+        /// deepseek numerics' act_quant: each value replaced by its FP8 value per 128 of
+        /// a row (f32 or bf16 in, f32 out).
+        ActQuantF32 = "k_act_quant_f32" {
+            x: DevPtr, x16: DevPtr, y: DevPtr, rows: i32, cols: i32,
+        }
+        /// deepseek numerics, routed experts: each pick's activation times its routing
+        /// weight, then act_quant, in place; unit weights for the combine.
+        MoeWeightActQuant = "k_moe_weight_act_quant" {
+            act: DevPtr, act16: DevPtr, wts: DevPtr, pos: DevPtr, unit: DevPtr, picks: i32,
+            inter: i32,
+        }
+        /// deepseek numerics, the indexer's queries: each head rotated (Hadamard) and
+        /// FP4-quantized.
+        RotateFp4 = "k_rotate_fp4" {
+            x: DevPtr, y: DevPtr, heads: i32, hd: i32, scale_bits: i64,
         }
     }
     module "random" {

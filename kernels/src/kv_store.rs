@@ -5,6 +5,7 @@ use crate::device::Gpu;
 use crate::devmem::DevMem;
 use crate::kernels::{self, DevPtr};
 use crate::launch::dev_err;
+use crate::ops::numerics::rotation_scale_bits;
 use pdserve_engine::backend::{check_state_ranges, BResult, BackendError, BatchPlan};
 use pdserve_engine::kv::checksum::sections;
 use pdserve_engine::kv::{EntryDtype, KvLayout, PageId, StateSlot};
@@ -30,12 +31,9 @@ fn kv_err(msg: String) -> BackendError {
 impl GpuKv {
     pub(crate) fn new(gpu: &Gpu, layout: &KvLayout, pages: usize, states: usize) -> BResult<Self> {
         // Refuse layouts the kernels cannot compute before any memory is taken: `deepseek`
-        // numerics (activation quantization, the indexer's Hadamard + FP4) runs on the CPU.
+        // numerics rotate the indexer's heads, which takes a power of two of whole FP4 blocks.
         if layout.numerics == Numerics::Deepseek {
-            return Err(kv_err(
-                "--numerics deepseek is implemented on the CPU backend only: use --numerics transformers on the GPU (fp8 KV with --kv-dtype fp8 works in either)"
-                    .into(),
-            ));
+            rotation_scale_bits(layout.index_head_dim, "deepseek numerics")?;
         }
         kv_dt_code(layout)?;
         dt_code(layout.index_k_dtype)?;

@@ -235,12 +235,12 @@ pub trait TensorOps: KvStorage {
     fn moe(&self, x: &Self::Tensor, p: &MoeParams<'_, Self::Tensor>) -> BResult<Self::Tensor>;
     /// `deepseek` numerics: `x` with every `block` consecutive values of a row replaced by
     /// their FP8 value under a power-of-two scale ([`crate::numerics::act_quant`]), the
-    /// input of an FP8/FP4 linear. Default: refused (only the CPU backend implements the
-    /// mode; the CUDA backend never gets a `deepseek` layout, see `kv::KvLayout::numerics`).
+    /// input of an FP8/FP4 linear. Default: refused, for a backend that does not implement
+    /// the mode (the CPU and CUDA backends both do).
     fn act_quant(&self, x: &Self::Tensor, block: usize) -> BResult<Self::Tensor> {
         let _ = (x, block);
         Err(super::BackendError::Device(format!(
-            "{}: --numerics deepseek (FP8 activation quantization) is implemented on the CPU backend only",
+            "{}: --numerics deepseek (FP8 activation quantization) is not implemented on this backend",
             self.name()
         )))
     }

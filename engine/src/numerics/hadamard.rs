@@ -2,6 +2,12 @@
 //! order, `x @ H * n^-0.5`) over each head's values, applied before the FP4 simulation so
 //! that outlier channels spread over the whole head.
 
+/// The normalization `n^-0.5` of an `n`-point transform, in f64 (the GPU's rotation takes
+/// these bits, so both round the same product).
+pub fn hadamard_scale(n: usize) -> f64 {
+    (n as f64).powf(-0.5)
+}
+
 /// Rotate `vals` in place; its length must be a power of two. The butterflies run in f64
 /// and round once, so the result is the correctly rounded product up to f64 error.
 pub fn hadamard(vals: &mut [f32]) {
@@ -20,7 +26,7 @@ pub fn hadamard(vals: &mut [f32]) {
         }
         h *= 2;
     }
-    let scale = (n as f64).powf(-0.5);
+    let scale = hadamard_scale(n);
     for (v, y) in vals.iter_mut().zip(x) {
         *v = (y * scale) as f32;
     }

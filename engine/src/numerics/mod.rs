@@ -20,7 +20,7 @@ pub use act_quant::{
     act_quant, e2m1_to_f32, f32_to_e2m1, fp4_act_quant, pow2_scale, quantize_e4m3_block, ACT_BLOCK,
     FP4_BLOCK, FP4_MAX,
 };
-pub use hadamard::hadamard;
+pub use hadamard::{hadamard, hadamard_scale};
 
 /// The numerics mode of an engine (`--numerics`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, serde::Serialize)]

@@ -299,11 +299,16 @@ struct MatFp4 {
 __device__ __forceinline__ int fp8kv_row_bytes(int nope, int rope) { return nope + 2 * rope; }
 __device__ __forceinline__ int fp8kv_scale_bytes(int nope) { return ((nope + KV_TILE - 1) / KV_TILE + 7) / 8 * 8; }
 
-__device__ __forceinline__ float fp8kv_scale(float amax) {
-    float x = fmaxf(amax, 1e-4f) * (float)(1.0 / 448.0);
+// `fast_round_scale`: the power of two at or above x, read from its bits
+// (pdserve_engine::numerics::pow2_scale).
+__device__ __forceinline__ float pow2_at_or_above(float x) {
     u32 bits = __float_as_uint(x);
     int e = (int)((bits >> 23) & 0xff) - 127 + ((bits & 0x7fffffu) != 0);
     return __uint_as_float((u32)min(max(e + 127, 0), 255) << 23);
+}
+
+__device__ __forceinline__ float fp8kv_scale(float amax) {
+    return pow2_at_or_above(fmaxf(amax, 1e-4f) * (float)(1.0 / 448.0));
 }
 
 // The scale of tile t (non-rope values t*64 .. min(nope, t*64 + 64)) of entry `vals`.
@@ -342,6 +347,61 @@ __device__ void st_fp8kv(const float* vals, unsigned char* row, unsigned char* s
     for (int c = threadIdx.x; c < nope + rope; c += blockDim.x) {
         if (c < nope) row[c] = fp8kv_code(vals[c], tile_sc[c / KV_TILE]);
         else ((bf16_t*)(row + nope))[c - nope] = f_to_bf16(vals[c]);
+    }
+    __syncthreads();
+}
+
+// ---- deepseek numerics (pdserve_engine::numerics), bit for bit.
+
+// act_quant of one 128-value block held by a warp, 4 values a lane (values past the row
+// as 0, which leave the amax alone): each value replaced by its FP8 value, e4m3 code times
+// the block's power-of-two scale. Every lane of the warp must call it.
+__device__ __forceinline__ void act_quant_warp(float* v) {
+    float am = 0.f;
+    for (int i = 0; i < 4; i++) am = fmaxf(am, fabsf(v[i]));
+    float sc = fp8kv_scale(warp_max(am));
+    for (int i = 0; i < 4; i++) v[i] = e4m3_to_f(fp8kv_code(v[i], sc)) * sc;
+}
+
+// The e2m1 value nearest to x (clamped to +-6 by the caller), ties to the even code, with
+// x's sign (numerics::f32_to_e2m1 then e2m1_to_f32).
+__device__ __forceinline__ float e2m1_round(float x) {
+    float a = fabsf(x), r;
+    if (a <= 0.25f) r = 0.f;
+    else if (a < 0.75f) r = 0.5f;
+    else if (a <= 1.25f) r = 1.f;
+    else if (a < 1.75f) r = 1.5f;
+    else if (a <= 2.5f) r = 2.f;
+    else if (a < 3.5f) r = 3.f;
+    else if (a <= 5.f) r = 4.f;
+    else r = 6.f;
+    return signbit(x) ? -r : r;
+}
+
+// The indexer's rotate_activation then fp4_act_quant over the n values of `in`, written
+// to `out` (either may be shared or global memory, and they may be the same): the
+// Walsh-Hadamard butterflies in f64 in the CPU's order (stage h pairs a and a + h inside
+// blocks of 2h), y * scale (n^-0.5 as the host computes it) rounded once to f32; then per
+// 32 values the power-of-two scale at or above max(amax, 6 * 2^-126) / 6 and each value's
+// e2m1 value times it. n a power of two and a multiple of 32; `tmp` holds n doubles of
+// shared memory; every thread of the block must call it (blockDim.x a multiple of 32, so a
+// warp holds one 32-value block in the last loop).
+__device__ void rotate_fp4(const float* in, float* out, double* tmp, int n, double scale) {
+    for (int c = threadIdx.x; c < n; c += blockDim.x) tmp[c] = (double)in[c];
+    __syncthreads();
+    for (int h = 1; h < n; h *= 2) {
+        for (int i = threadIdx.x; i < n / 2; i += blockDim.x) {
+            int a = (i / h) * 2 * h + i % h;
+            double p = tmp[a], q = tmp[a + h];
+            tmp[a] = p + q;
+            tmp[a + h] = p - q;
+        }
+        __syncthreads();
+    }
+    for (int c = threadIdx.x; c < n; c += blockDim.x) {
+        float v = (float)(tmp[c] * scale);
+        float s = pow2_at_or_above(fmaxf(warp_max(fabsf(v)), 6.f * 0x1p-126f) * (float)(1.0 / 6.0));
+        out[c] = e2m1_round(fminf(fmaxf(v / s, -6.f), 6.f)) * s;
     }
     __syncthreads();
 }

@@ -8,9 +8,11 @@
 //
 // seq/pt: sequence table and page tables (common.cuh). bias: [rate, width];
 // norm_w: [dim]; cs/sn: [rows, rd/2], cos/sin at the window position of rows that close one.
-// Dynamic shared memory: dim floats. fp8 index-K entries (dt 2) keep their scale at
-// scale_off; fp8 compressed-KV entries (dt 3, the last rd values the bf16 rope part) their
-// scale bytes at scale_off (st_fp8kv).
+// Dynamic shared memory: dim floats, then (rotating) dim doubles from the next 8-byte
+// boundary. fp8 index-K entries (dt 2) keep their scale at scale_off; fp8 compressed-KV
+// entries (dt 3, the last rd values the bf16 rope part) their scale bytes at scale_off
+// (st_fp8kv). rot_scale_bits != 0 (deepseek numerics, the indexer's keys): after the rope,
+// each entry is rotated and FP4-quantized (rotate_fp4; the bits are dim^-0.5's f64).
 // Where one sequence's compressor rows live: positions from `proj_from` on in this
 // forward's projections (row row0 + pos - start), earlier ones in the ring.
 struct CompressRows {
@@ -36,7 +38,7 @@ __device__ void compress_window(const CompressRows& src, int w, i64 r, unsigned 
                                 const u32* table, const float* bias, const float* norm_w, const float* cs,
                                 const float* sn, int rate, int overlap, i64 entry_off, i64 scale_off,
                                 int entries_per_page, int page_tokens, int dt, int rd, float eps, float* pooled,
-                                float* red, float* tile_sc) {
+                                float* red, float* tile_sc, double* rot_tmp, i64 rot_scale_bits) {
     int width = src.width;
     int dim = overlap ? width / 2 : width;
     int half = overlap ? dim : 0;
@@ -76,6 +78,7 @@ __device__ void compress_window(const CompressRows& src, int w, i64 r, unsigned 
         p[1] = x1 * cc + x0 * s;
     }
     __syncthreads();
+    if (rot_scale_bits) rotate_fp4(pooled, pooled, rot_tmp, dim, __longlong_as_double(rot_scale_bits));
     u32 page = table[(i64)w * rate / page_tokens];
     int slot_in_page = w % entries_per_page;
     i64 row_bytes = dt == 3 ? fp8kv_row_bytes(dim - rd, rd) : (i64)dim * dt_bytes(dt);
@@ -107,9 +110,11 @@ extern "C" __global__ void k_compress(unsigned char* pages, unsigned char* state
                                       const float* bias, const float* norm_w, const float* cs, const float* sn,
                                       int width, int rate, int slots, int overlap, i64 ring_off, i64 entry_off,
                                       i64 scale_off, int entries_per_page, int page_tokens, int dt, int rd,
-                                      float eps, int by_window) {
+                                      float eps, int by_window, i64 rot_scale_bits) {
     pdl_enter();
     extern __shared__ float pooled[];
+    int dim = overlap ? width / 2 : width;
+    double* rot_tmp = (double*)(pooled + ((dim + 1) & ~1));
     __shared__ float red[32];
     __shared__ float tile_sc[32];
     const int* sq = seq + blockIdx.x * SEQ_INTS;
@@ -122,7 +127,8 @@ extern "C" __global__ void k_compress(unsigned char* pages, unsigned char* state
         CompressRows src = {ring, proj_kv, proj_gate, start, start, row0, slots, width};
         i64 r = row0 + ((w + 1) * rate - 1 - start);
         compress_window(src, w, r, pages, page_bytes, table, bias, norm_w, cs, sn, rate, overlap, entry_off,
-                        scale_off, entries_per_page, page_tokens, dt, rd, eps, pooled, red, tile_sc);
+                        scale_off, entries_per_page, page_tokens, dt, rd, eps, pooled, red, tile_sc, rot_tmp,
+                        rot_scale_bits);
         return;
     }
     CompressRows src = {ring, proj_kv, proj_gate, 0x7fffffff, start, row0, slots, width};
@@ -137,7 +143,8 @@ extern "C" __global__ void k_compress(unsigned char* pages, unsigned char* state
         __syncthreads();
         if ((pos + 1) % rate != 0) continue;
         compress_window(src, (pos + 1) / rate - 1, r, pages, page_bytes, table, bias, norm_w, cs, sn, rate, overlap,
-                        entry_off, scale_off, entries_per_page, page_tokens, dt, rd, eps, pooled, red, tile_sc);
+                        entry_off, scale_off, entries_per_page, page_tokens, dt, rd, eps, pooled, red, tile_sc,
+                        rot_tmp, rot_scale_bits);
     }
 }
 

@@ -251,3 +251,62 @@ extern "C" __global__ void k_act_quant_e4m3(const float* x, int ldx, unsigned ch
         if (lane == 0) s[(i64)b * rows + r] = sc;
     }
 }
+
+// deepseek numerics' act_quant (numerics::act_quant) of `rows` rows of `cols` values: every
+// value replaced by its FP8 value per 128 of a row (a partial last block on its own
+// values). Input f32 `x` or, where x is NULL, bf16 `x16`; output f32 `y` (may be x). One
+// warp per block, warp-strided as k_act_quant_e4m3.
+extern "C" __global__ void k_act_quant_f32(const float* x, const bf16_t* x16, float* y, int rows, int cols) {
+    pdl_enter();
+    int kb = (cols + 127) / 128, lane = threadIdx.x & 31;
+    i64 total = (i64)rows * kb, stride = ((i64)gridDim.x * blockDim.x) >> 5;
+    for (i64 w = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; w < total; w += stride) {
+        i64 r = w / kb;
+        int c0 = (int)(w % kb) * 128 + lane * 4;
+        float v[4];
+        for (int i = 0; i < 4; i++) {
+            i64 at = r * cols + c0 + i;
+            v[i] = c0 + i < cols ? (x ? x[at] : bf16_to_f(x16[at])) : 0.f;
+        }
+        act_quant_warp(v);
+        for (int i = 0; i < 4; i++)
+            if (c0 + i < cols) y[r * cols + c0 + i] = v[i];
+    }
+}
+
+// deepseek numerics, routed experts (the CPU's MoE under act_quant_routed): each pick's
+// SwiGLU activation times its routing weight, then act_quant per 128 of its `inter` values,
+// in place: the reference's order, the weight applied before w2's input is quantized. The
+// activations are f32 (`act`) or, where act is NULL, bf16 (`act16`: the FP8 values are
+// exact in bf16); pick p's row is pos[p] (pos NULL: row p). `unit[p] = 1`: the weight the
+// combine then applies. One warp per (pick, 128-block).
+extern "C" __global__ void k_moe_weight_act_quant(float* act, bf16_t* act16, const float* wts, const int* pos,
+                                                  float* unit, int picks, int inter) {
+    pdl_enter();
+    int kb = (inter + 127) / 128, lane = threadIdx.x & 31;
+    i64 total = (i64)picks * kb, stride = ((i64)gridDim.x * blockDim.x) >> 5;
+    for (i64 w = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; w < total; w += stride) {
+        int p = (int)(w / kb), b = (int)(w % kb), c0 = b * 128 + lane * 4;
+        i64 row = (i64)(pos ? pos[p] : p) * inter;
+        float wt = wts[p], v[4];
+        for (int i = 0; i < 4; i++)
+            v[i] = c0 + i < inter ? (act ? act[row + c0 + i] : bf16_to_f(act16[row + c0 + i])) * wt : 0.f;
+        act_quant_warp(v);
+        for (int i = 0; i < 4; i++) {
+            if (c0 + i >= inter) continue;
+            if (act) act[row + c0 + i] = v[i];
+            else act16[row + c0 + i] = f_to_bf16(v[i]);
+        }
+        if (lane == 0 && b == 0) unit[p] = 1.f;
+    }
+}
+
+// deepseek numerics, the indexer's queries: every `hd`-wide head of each row of `x`
+// rotated and FP4-quantized into `y` (rotate_fp4; `scale_bits` the f64 bits of hd^-0.5).
+// Grid (rows, heads); dynamic shared memory hd doubles.
+extern "C" __global__ void k_rotate_fp4(const float* x, float* y, int heads, int hd, i64 scale_bits) {
+    pdl_enter();
+    extern __shared__ double rot_tmp[];
+    i64 at = ((i64)blockIdx.x * heads + blockIdx.y) * hd;
+    rotate_fp4(x + at, y + at, rot_tmp, hd, __longlong_as_double(scale_bits));
+}

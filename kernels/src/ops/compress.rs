@@ -6,12 +6,14 @@ use crate::device::Gpu;
 use crate::kernels::{self, DevPtr};
 use crate::kv_store::{check_entry_page, dt_code, kv_dt_code, DevPlan, GpuKv};
 use crate::ops::kv_reach::layer_of;
+use crate::ops::numerics::rotation_scale_bits;
 use crate::ops::rope_tables::rope_tables;
 use crate::ops::tensors::param_f32;
 use crate::tensor::GpuTensor;
 use pdserve_engine::backend::{shapes, BResult, BatchPlan, CompressorParams, CompressorPart};
 use pdserve_engine::config::LayerKind;
 use pdserve_engine::kv::KvLayout;
+use pdserve_engine::numerics::Numerics;
 
 /// Largest dynamic shared memory a kernel asks for without opting in.
 const SHARED_LIMIT: usize = 48 * 1024;
@@ -32,6 +34,17 @@ pub fn compress(
     let overlap = l.kind == LayerKind::Csa;
     let dim = if overlap { width / 2 } else { width };
     let rate = l.rate;
+    // deepseek numerics rotate and FP4-quantize the indexer's keys before they are stored.
+    let rot_scale_bits = match (layout.numerics, p.part) {
+        (Numerics::Deepseek, CompressorPart::Index) => rotation_scale_bits(dim, "compress")?,
+        _ => 0,
+    };
+    // Dynamic shared memory: the pooled entry, then the rotation's doubles.
+    let shared = if rot_scale_bits != 0 {
+        dim.next_multiple_of(2) * 4 + dim * 8
+    } else {
+        dim * 4
+    };
     let (entry_off, scale_off, epp, dt, want_dim) = match p.part {
         CompressorPart::Main => (
             l.comp_page_offset,
@@ -72,7 +85,7 @@ pub fn compress(
         || p.norm_weight.len() != dim
         || dim != want_dim
         || p.rope.dim() > dim
-        || dim * 4 > SHARED_LIMIT
+        || shared > SHARED_LIMIT
     {
         return Err(shape_err(
             "compress",
@@ -148,9 +161,10 @@ pub fn compress(
         rd: p.rope.dim() as i32,
         eps: p.eps,
         by_window: windows as i32,
+        rot_scale_bits,
     };
     if grid.1 > 0 {
-        g.launch(grid, (dim * 4) as u32, &args)?;
+        g.launch(grid, shared as u32, &args)?;
     }
     if !windows {
         return Ok(());

@@ -8,11 +8,13 @@ use crate::kernels::{self, DevPtr};
 use crate::kv_store::{dt_code, DevPlan, GpuKv};
 use crate::launch::BLOCK;
 use crate::ops::kv_reach::{check_visible_reach, entry_bucket, layer_of};
+use crate::ops::numerics;
 use crate::ops::tensors::to_bf16;
 use crate::tensor::GpuTensor;
 use pdserve_engine::backend::{BResult, BatchPlan};
 use pdserve_engine::config::LayerKind;
 use pdserve_engine::kv::{KvLayout, LayerKvLayout};
+use pdserve_engine::numerics::Numerics;
 
 /// Indexer picks: `[rows, topk]` entry ids, ascending, `-1` padded.
 #[derive(Debug)]
@@ -52,6 +54,15 @@ pub fn index_select(
         ));
     }
     check_visible_reach(layout, l.rate, plan)?;
+    // deepseek numerics score rotated, FP4-quantized queries against the keys the
+    // compressor stored the same way.
+    let rotated;
+    let q = if layout.numerics == Numerics::Deepseek {
+        rotated = numerics::rotate_fp4(g, q, ihd)?;
+        &rotated
+    } else {
+        q
+    };
     let max_nv = entry_bucket(
         plan.positions
             .iter()

@@ -14,6 +14,7 @@ pub(crate) mod kv_reach;
 pub(crate) mod moe;
 pub(crate) mod moe_gemm;
 pub(crate) mod moe_mma;
+pub(crate) mod numerics;
 pub(crate) mod random;
 pub(crate) mod rope_tables;
 pub(crate) mod sample;

@@ -10,6 +10,7 @@ use crate::launch::BLOCK;
 use crate::ops::dense::matmul;
 use crate::ops::moe_gemm;
 use crate::ops::moe_mma;
+use crate::ops::numerics::{self, Activations, RoutedQuant};
 use crate::ops::tensors::{new_f32, param_f32};
 use crate::tensor::GpuTensor;
 use pdserve_engine::backend::{BResult, MoeParams, PickKind, Picks, RowPicks};
@@ -18,6 +19,7 @@ use pdserve_engine::backend::{BResult, MoeParams, PickKind, Picks, RowPicks};
 /// (`MOE_TILE_SMALL` in moe.cu).
 const SMALL_TILE_ROWS: usize = 2;
 use pdserve_engine::config::ScoringFunc;
+use pdserve_engine::numerics::ACT_BLOCK;
 
 const WARPS: usize = BLOCK as usize / 32;
 /// Picks per row the combine kernel orders in shared memory (`order[64]` in moe.cu).
@@ -48,12 +50,6 @@ pub fn moe(g: &Gpu, x: &GpuTensor, p: &MoeParams<'_, GpuTensor>) -> BResult<GpuT
                 "router {} experts, gate_up rows {}",
                 p.router.rows, p.gate_up.rows
             ),
-        ));
-    }
-    if p.act_quant_routed || p.act_quant_shared {
-        return Err(shape_err(
-            "moe",
-            "--numerics deepseek (FP8 activation quantization) runs on the CPU backend only".into(),
         ));
     }
     let hash = match p.hash_experts {
@@ -108,24 +104,51 @@ pub fn moe(g: &Gpu, x: &GpuTensor, p: &MoeParams<'_, GpuTensor>) -> BResult<GpuT
                 .collect(),
         });
     }
+    // deepseek numerics: the routed experts' input quantized per 128, each pick's routing
+    // weight applied to its activation before w2's input is quantized, and the combine's
+    // weights then 1 (the CPU's order).
+    let (xq, unit);
+    let (xr, quant) = if p.act_quant_routed {
+        xq = numerics::act_quant(g, x, ACT_BLOCK)?;
+        unit = g.uninit::<f32>(n * k)?;
+        (
+            &xq,
+            Some(RoutedQuant {
+                wts: &wts,
+                unit: &unit,
+            }),
+        )
+    } else {
+        (x, None)
+    };
+    let q = quant.as_ref();
     // The routed experts' outputs, and where each pick's row is (None: in pick order).
     let (y, pos) = if g.deterministic {
-        (routed_grouped(g, x, p, &ids)?, None)
+        (routed_grouped(g, xr, p, &ids, q)?, None)
     } else if moe_gemm::worthwhile(g, n, k, e) {
-        let sorted = moe_gemm::routed(g, x, p, &ids)?;
+        let sorted = moe_gemm::routed(g, xr, p, &ids, q)?;
         (sorted.y, Some(sorted.pos))
     } else if tensor_cores(g, p, n) && moe_mma::takes(g, p, h) {
         let (list, count) = expert_lists(g, &ids, n, e, k)?;
-        (moe_mma::routed(g, x, p, &list, &count)?, None)
-    } else if moe_gemm::padded_worthwhile(p, n, k, e) {
+        (moe_mma::routed(g, xr, p, &list, &count, q)?, None)
+    } else if q.is_none() && moe_gemm::padded_worthwhile(p, n, k, e) {
+        // (Its activations sit in per-expert slots: no deepseek step there.)
         let (list, count) = expert_lists(g, &ids, n, e, k)?;
-        (moe_gemm::routed_padded(g, x, p, &list, &count)?, None)
+        (moe_gemm::routed_padded(g, xr, p, &list, &count)?, None)
     } else {
-        (routed_grouped(g, x, p, &ids)?, None)
+        (routed_grouped(g, xr, p, &ids, q)?, None)
     };
+    let combine_wts = q.map_or(&wts, |q| q.unit);
     // Shared expert.
-    let sg = matmul(g, x, p.shared_gate)?;
-    let su = matmul(g, x, p.shared_up)?;
+    let xsq;
+    let xs = if p.act_quant_shared {
+        xsq = numerics::act_quant(g, x, ACT_BLOCK)?;
+        &xsq
+    } else {
+        x
+    };
+    let sg = matmul(g, xs, p.shared_gate)?;
+    let su = matmul(g, xs, p.shared_up)?;
     let sact = new_f32(g, n, p.shared_gate.rows)?;
     g.launch(
         crate::launch::grid_1d(sact.len()),
@@ -138,6 +161,11 @@ pub fn moe(g: &Gpu, x: &GpuTensor, p: &MoeParams<'_, GpuTensor>) -> BResult<GpuT
             limit: p.swiglu_limit,
         },
     )?;
+    let sact = if p.act_quant_shared {
+        numerics::act_quant(g, &sact, ACT_BLOCK)?
+    } else {
+        sact
+    };
     let shared = matmul(g, &sact, p.shared_down)?;
     let out = new_f32(g, n, h)?;
     g.launch(
@@ -147,7 +175,7 @@ pub fn moe(g: &Gpu, x: &GpuTensor, p: &MoeParams<'_, GpuTensor>) -> BResult<GpuT
             y: DevPtr::of(&y),
             pos: pos.as_ref().map_or(DevPtr::NULL, DevPtr::of),
             ids: DevPtr::of(&ids),
-            wts: DevPtr::of(&wts),
+            wts: DevPtr::of(combine_wts),
             shared: DevPtr::of(f32_buf(&shared, "moe")?),
             out: out_ptr(&out)?,
             h: h as i32,
@@ -177,6 +205,7 @@ fn routed_grouped(
     x: &GpuTensor,
     p: &MoeParams<'_, GpuTensor>,
     ids: &DevMem<i32>,
+    quant: Option<&RoutedQuant<'_>>,
 ) -> BResult<DevMem<f32>> {
     let (n, h) = (x.rows, x.cols);
     let (e, k, inter) = (p.n_experts, p.top_k, p.intermediate);
@@ -225,6 +254,9 @@ fn routed_grouped(
             limit: p.swiglu_limit,
         },
     )?;
+    if let Some(q) = quant {
+        numerics::weight_act_quant(g, Activations::F32(&act), q, None, (n * k, inter))?;
+    }
     g.launch(
         (slots, h.div_ceil(WARPS) as u32, 1),
         0,

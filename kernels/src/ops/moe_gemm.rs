@@ -9,6 +9,7 @@ use crate::device::Gpu;
 use crate::devmem::DevMem;
 use crate::kernels::{self, DevPtr};
 use crate::launch::grid_1d;
+use crate::ops::numerics::{self, Activations, RoutedQuant};
 use crate::ops::stored;
 use crate::tensor::{Buf, GpuTensor};
 use pdserve_engine::backend::{BResult, MoeParams};
@@ -79,6 +80,7 @@ pub(crate) fn routed(
     x: &GpuTensor,
     p: &MoeParams<'_, GpuTensor>,
     ids: &DevMem<i32>,
+    quant: Option<&RoutedQuant<'_>>,
 ) -> BResult<SortedRows> {
     let (n, h) = (x.rows, x.cols);
     let (e, k, inter) = (p.n_experts, p.top_k, p.intermediate);
@@ -147,6 +149,14 @@ pub(crate) fn routed(
         g.launch(grid_1d(picks * inter), 0, &k)?;
     }
     drop(gu);
+    let pos = g.upload(&pos)?;
+    if let Some(q) = quant {
+        let a = match &act {
+            Gathered::Bf16(b) => Activations::Bf16(b),
+            Gathered::F32(b) => Activations::F32(b),
+        };
+        numerics::weight_act_quant(g, a, q, Some(&pos), (picks, inter))?;
+    }
     let ys = g.uninit::<f32>(picks * h)?;
     for (ex, &(first, count)) in spans.iter().enumerate() {
         if count == 0 {
@@ -165,10 +175,7 @@ pub(crate) fn routed(
             down_bf16,
         )?;
     }
-    Ok(SortedRows {
-        y: ys,
-        pos: g.upload(&pos)?,
-    })
+    Ok(SortedRows { y: ys, pos })
 }
 
 /// A GEMM input built for it: bf16 next to bf16 (or dequantized) weights, else fp32.

@@ -12,6 +12,7 @@ use crate::device::{DenseKernel, ExpertKernel, Gpu};
 use crate::devmem::DevMem;
 use crate::kernels::{self, DevPtr, ExpertFormat, MmaVariant};
 use crate::launch::grid_1d;
+use crate::ops::numerics::{self, Activations, RoutedQuant};
 use crate::ops::stored::{self, to_i32};
 use crate::ops::tensors::bf16_of;
 use crate::tensor::{Buf, GpuTensor, WeightOperand, WF_BF16, WF_FP4, WF_FP8};
@@ -117,6 +118,7 @@ pub(crate) fn routed(
     p: &MoeParams<'_, GpuTensor>,
     list: &DevMem<i32>,
     count: &DevMem<i32>,
+    quant: Option<&RoutedQuant<'_>>,
 ) -> BResult<DevMem<f32>> {
     let (n, h) = (x.rows, x.cols);
     let (e, k, inter) = (p.n_experts, p.top_k, p.intermediate);
@@ -149,6 +151,9 @@ pub(crate) fn routed(
             limit: p.swiglu_limit,
         },
     )?;
+    if let Some(q) = quant {
+        numerics::weight_act_quant(g, Activations::Bf16(&act), q, None, (n * k, inter))?;
+    }
     let y = g.uninit::<f32>(n * k * h)?;
     g.launch(
         (slots, h.div_ceil(DOWN_CHANNELS) as u32, 1),
