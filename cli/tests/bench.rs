@@ -22,6 +22,15 @@ fn run(args: &[&str]) -> String {
     stdout
 }
 
+/// Stderr of a run that must fail (and not by a panic).
+fn run_err(args: &[&str]) -> String {
+    let out = bin().args(args).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!out.status.success(), "pdserve {args:?} succeeded");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    stderr
+}
+
 /// Table rows (after the header and rule) as cells, with the header.
 fn table(out: &str, first_header: &str) -> (Vec<String>, Vec<Vec<String>>) {
     let lines: Vec<&str> = out
@@ -153,6 +162,40 @@ fn bench_decode_table_on_cpu() {
     };
     assert!(kv("1", "70") > kv("1", "20"));
     assert!(kv("3", "20") > kv("1", "20"));
+}
+
+/// `--numerics deepseek` reaches the forward: the stored-format model prefills under it
+/// (FP8 activations, fp8 KV, the indexer rotated) with finite logits and says so.
+#[test]
+fn bench_prefill_under_deepseek_numerics_on_cpu() {
+    let mut args = vec!["bench", "prefill"];
+    args.extend(TINY);
+    args.extend([
+        "--weights",
+        "fp8-fp4",
+        "--numerics",
+        "deepseek",
+        "--kv-dtype",
+        "fp8",
+        "--tokens",
+        "24",
+        "--repeats",
+        "1",
+        "--warmup",
+        "0",
+    ]);
+    let out = run(&args);
+    assert!(out.contains("numerics deepseek"), "{out}");
+    let (head, rows) = table(&out, "tokens");
+    let col = |name: &str| head.iter().position(|h| h == name).unwrap();
+    assert_eq!(rows.len(), 1, "{out}");
+    assert_eq!(rows[0][col("finite")], "yes", "{out}");
+    // The mode needs fp8 KV entries: refused by name without them.
+    let mut args = vec!["bench", "prefill"];
+    args.extend(TINY);
+    args.extend(["--numerics", "deepseek", "--tokens", "8"]);
+    let err = run_err(&args);
+    assert!(err.contains("kv_dtype"), "{err}");
 }
 
 #[test]

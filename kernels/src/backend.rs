@@ -9,7 +9,9 @@ use crate::graph_cache::{GraphCache, GraphStats};
 use crate::kv_store::GpuKv;
 use crate::launch::dev_err;
 use crate::ops::indexer::{self, GpuSelection};
-use crate::ops::{attention, compress, dense, hc, moe, numerics, random, stored, tensors};
+use crate::ops::{
+    attention, compress, dense, fp8_linear, hc, moe, numerics, random, stored, tensors,
+};
 use crate::tensor::{stores_bf16, GpuTensor, WeightDtype};
 use crate::GraphMode;
 use pdserve_engine::backend::{
@@ -19,6 +21,7 @@ use pdserve_engine::backend::{
 };
 use pdserve_engine::checkpoint::{StoredWeight, WeightFormat};
 use pdserve_engine::kv::{KvLayout, PageId, StateSlot};
+use pdserve_engine::numerics::ACT_BLOCK;
 use pdserve_engine::rope::Rope;
 use std::path::PathBuf;
 use std::sync::Mutex;
@@ -34,6 +37,8 @@ pub struct CudaBackend {
     graphs: Mutex<GraphCache>,
     /// Test only: a page the next captured decode graph writes garbage into.
     planted: Mutex<Option<PageId>>,
+    /// The FP8 linears' GEMM descriptors by shape (`--numerics deepseek` prefills).
+    fp8_gemms: Mutex<fp8_linear::GemmCache>,
 }
 
 impl CudaBackend {
@@ -56,6 +61,7 @@ impl CudaBackend {
             verify_every: 0,
             graphs: Mutex::new(GraphCache::default()),
             planted: Mutex::new(None),
+            fp8_gemms: Mutex::new(fp8_linear::GemmCache::default()),
         })
     }
 
@@ -486,5 +492,19 @@ impl TensorOps for CudaBackend {
 
     fn act_quant(&self, x: &GpuTensor, block: usize) -> BResult<GpuTensor> {
         numerics::act_quant(&self.gpu, x, block)
+    }
+
+    /// A prefill-sized batch over an FP8 weight on cuBLASLt's block-scaled FP8 GEMM
+    /// (`fp8_linear::takes`); otherwise act_quant, then the matmul the weight's format
+    /// takes.
+    fn quantized_matmul(&self, x: &GpuTensor, w: &GpuTensor) -> BResult<GpuTensor> {
+        if fp8_linear::takes(&self.gpu, x, w) {
+            let mut cache = self
+                .fp8_gemms
+                .lock()
+                .map_err(|_| dev_err("FP8 GEMM cache lock poisoned"))?;
+            return fp8_linear::linear(&self.gpu, &mut cache, x, w);
+        }
+        self.matmul(&self.act_quant(x, ACT_BLOCK)?, w)
     }
 }

@@ -12,8 +12,8 @@ use cudarc::cublaslt::sys;
 use pdserve_engine::backend::BResult;
 use std::ffi::c_void;
 
-/// Bytes of cuBLASLt workspace.
-const WORKSPACE: usize = 32 << 20;
+/// Bytes of cuBLASLt workspace one FP8 GEMM may use.
+pub const WORKSPACE: usize = 32 << 20;
 
 /// Which scales the GEMM's operands carry, and which operand is cuBLASLt's A.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -179,7 +179,8 @@ pub struct Fp8Gemm {
     desc: sys::cublasLtMatmulDesc_t,
     layouts: [sys::cublasLtMatrixLayout_t; 3],
     algo: sys::cublasLtMatmulAlgo_t,
-    workspace: crate::DevMem<u8>,
+    /// Its own, or one shared by GEMMs that run on one stream (see [`Fp8Gemm::first_of_in`]).
+    workspace: std::sync::Arc<crate::DevMem<u8>>,
     pub scaling: Fp8Scaling,
     /// Why block scaling was not taken, when it was not.
     pub block_refused: Option<String>,
@@ -205,9 +206,20 @@ impl Fp8Gemm {
         dims: (usize, usize, usize),
         scalings: &[Fp8Scaling],
     ) -> BResult<Self> {
+        let workspace = std::sync::Arc::new(gpu.zeros_owned::<u8>(WORKSPACE)?);
+        Self::first_of_in(dims, scalings, &workspace)
+    }
+
+    /// [`Fp8Gemm::first_of`] with `workspace` (at least [`WORKSPACE`] bytes), which GEMMs
+    /// that run one after another on the device's stream may share.
+    pub fn first_of_in(
+        dims: (usize, usize, usize),
+        scalings: &[Fp8Scaling],
+        workspace: &std::sync::Arc<crate::DevMem<u8>>,
+    ) -> BResult<Self> {
         let mut refusals = Vec::new();
         for &scaling in scalings {
-            match Self::with(gpu, dims, scaling) {
+            match Self::with_workspace(dims, scaling, workspace) {
                 Ok(mut gemm) => {
                     gemm.block_refused = (!refusals.is_empty()).then(|| refusals.join("; "));
                     return Ok(gemm);
@@ -227,7 +239,21 @@ impl Fp8Gemm {
         dims: (usize, usize, usize),
         scaling: Fp8Scaling,
     ) -> BResult<Self> {
-        let workspace = gpu.zeros_owned::<u8>(WORKSPACE)?;
+        let workspace = std::sync::Arc::new(gpu.zeros_owned::<u8>(WORKSPACE)?);
+        Self::with_workspace(dims, scaling, &workspace)
+    }
+
+    fn with_workspace(
+        dims: (usize, usize, usize),
+        scaling: Fp8Scaling,
+        workspace: &std::sync::Arc<crate::DevMem<u8>>,
+    ) -> BResult<Self> {
+        if workspace.len() < WORKSPACE {
+            return Err(dev_err(format!(
+                "an FP8 GEMM workspace of {} bytes; {WORKSPACE} needed",
+                workspace.len()
+            )));
+        }
         let handle = lt::create_handle().map_err(|e| lt_err("handle", e))?;
         match Self::plan(handle, dims, scaling, workspace.ptr()) {
             Ok((desc, layouts, algo)) => Ok(Fp8Gemm {
@@ -235,7 +261,7 @@ impl Fp8Gemm {
                 desc,
                 layouts,
                 algo,
-                workspace,
+                workspace: std::sync::Arc::clone(workspace),
                 scaling,
                 block_refused: None,
                 dims,

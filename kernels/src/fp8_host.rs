@@ -70,7 +70,7 @@ impl crate::backend::CudaBackend {
         }
         let g = &self.gpu;
         let xd = g.upload(x)?;
-        let act = fp8_linear::act_quant(g, &xd, (rows, cols, cols))?;
+        let act = fp8_linear::act_quant(g, &xd, (rows, cols, cols), rows)?;
         let kb = cols.div_ceil(SCALE_BLOCK);
         let q = g.download(&act.q, rows * cols)?;
         let by_block = g.download(&act.s, rows * kb)?;
@@ -85,16 +85,18 @@ impl crate::backend::CudaBackend {
         (n, k): (usize, usize),
         w: &GpuTensor,
     ) -> BResult<Vec<f32>> {
-        let Buf::Stored(sw) = &w.buf else {
+        let Buf::Stored(_) = &w.buf else {
             return Err(dev_err("the FP8 linear takes a weight kept as stored"));
         };
         if x.len() != n * k || w.cols != k {
             return Err(dev_err("FP8 linear operands do not match the dims"));
         }
         let g = &self.gpu;
-        let xd = g.upload(x)?;
-        let y = fp8_linear::matmul(g, (&xd, n, k), (sw, w.rows), k)?;
-        g.download(&y, n * w.rows)
+        let xd = GpuTensor::new(n, k, Buf::F32(g.upload(x)?));
+        let mut cache = fp8_linear::GemmCache::default();
+        let y = fp8_linear::linear(g, &mut cache, &xd, w)?;
+        // (The download waits for the GEMM, before `cache` drops its descriptors.)
+        g.download(f32_buf(&y, "fp8 linear")?, n * w.rows)
     }
 
     /// deepseek numerics' rotation of the indexer's queries on the device: each

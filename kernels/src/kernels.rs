@@ -505,7 +505,7 @@ kernels! {
         /// DeepSeek's act_quant: e4m3 codes and one power-of-two f32 scale per 128 values
         /// of a row (the scales `[block][row]`, cuBLASLt's VEC128 layout).
         ActQuantE4m3 = "k_act_quant_e4m3" {
-            x: DevPtr, ldx: i32, q: DevPtr, s: DevPtr, rows: i32, cols: i32,
+            x: DevPtr, ldx: i32, q: DevPtr, s: DevPtr, rows: i32, cols: i32, srows: i32,
         }
         /// deepseek numerics' act_quant: each value replaced by its FP8 value per 128 of
         /// a row (f32 or bf16 in, f32 out).

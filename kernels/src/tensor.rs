@@ -1,6 +1,7 @@
 //! Device tensors: fp32 activations, bf16 weight matrices, weights kept in DeepSeek's
 //! stored FP8/FP4 formats.
 
+use crate::blas_fp8::OperandScales;
 use crate::devmem::DevMem;
 use pdserve_engine::checkpoint::{StoredWeight, WeightFormat};
 use std::sync::OnceLock;
@@ -101,6 +102,9 @@ pub struct GpuTensor {
     /// kept for the next ones (q_a, kv and four compressor projections read one normed
     /// hidden state; it was rounded once per GEMM).
     bf16: OnceLock<DevMem<u16>>,
+    /// An FP8 weight's block scales as f32 in the layout cuBLASLt's FP8 GEMM reads, made by
+    /// the first FP8 linear over it and kept with the weight (`ops::fp8_linear`).
+    fp8_scales: OnceLock<(OperandScales, DevMem<f32>)>,
 }
 
 impl GpuTensor {
@@ -110,7 +114,22 @@ impl GpuTensor {
             cols,
             buf,
             bf16: OnceLock::new(),
+            fp8_scales: OnceLock::new(),
         }
+    }
+
+    /// The kept FP8 GEMM scales and their layout, if a linear made them.
+    pub(crate) fn fp8_scales(&self) -> Option<&(OperandScales, DevMem<f32>)> {
+        self.fp8_scales.get()
+    }
+
+    /// Keeps `scales` (in `layout`) as this weight's FP8 GEMM scales (the first kept stay).
+    pub(crate) fn keep_fp8_scales(
+        &self,
+        layout: OperandScales,
+        scales: DevMem<f32>,
+    ) -> &(OperandScales, DevMem<f32>) {
+        self.fp8_scales.get_or_init(|| (layout, scales))
     }
 
     /// The kept bf16 rounding, if a GEMM made one.

@@ -2,7 +2,7 @@
 //! number of layers and experts, as a transformers `config.json` (parsed by the engine's
 //! own [`ModelConfig`] parser, and given as-is to `scripts/peer_bench.py`).
 
-use crate::engine_spec::layout_spec;
+use crate::engine_spec::{layout_spec, numerics};
 use anyhow::{bail, Context, Result};
 use pdserve_engine::config::ModelConfig;
 use pdserve_engine::kv::KvLayout;
@@ -37,6 +37,12 @@ pub struct ModelFlags {
     /// Storage dtype of the indexer's index-K entries: f32, bf16 or fp8 (e4m3 + one f32 scale per entry).
     #[arg(long, default_value = "bf16")]
     pub index_k_dtype: String,
+    /// Numerics: transformers (f32 activations) or deepseek (DeepSeek's reference
+    /// quantization: FP8 activations before the FP8/FP4 linears, which then run on FP8
+    /// tensor cores in a prefill; needs --kv-dtype fp8). Not yet verified on a GPU: see
+    /// `pdserve gpu-check --only deepseek`.
+    #[arg(long, default_value = "transformers", value_parser = ["transformers", "deepseek"])]
+    pub numerics: String,
     /// Weight storage on a CUDA device: bf16 (router and hyper-connection maps stay fp32)
     /// or f32.
     #[arg(long, default_value = "bf16")]
@@ -215,7 +221,8 @@ impl ModelFlags {
     }
 
     pub fn layout(&self, cfg: &ModelConfig) -> Result<KvLayout> {
-        let spec = layout_spec(cfg, &self.index_k_dtype, &self.kv_dtype, None)?;
+        let mut spec = layout_spec(cfg, &self.index_k_dtype, &self.kv_dtype, None)?;
+        spec.numerics = numerics(&self.numerics)?;
         KvLayout::new(cfg, spec).context("KV layout")
     }
 }
@@ -264,6 +271,7 @@ mod tests {
             seed: 0,
             kv_dtype: "bf16".into(),
             index_k_dtype: "bf16".into(),
+            numerics: "transformers".into(),
             cuda_weights: "bf16".into(),
             weights: vec!["bf16".into()],
             deterministic: false,

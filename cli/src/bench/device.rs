@@ -247,6 +247,7 @@ mod tests {
             seed: 0,
             kv_dtype: "bf16".into(),
             index_k_dtype: "bf16".into(),
+            numerics: "transformers".into(),
             cuda_weights: "bf16".into(),
             weights: vec![weights.into()],
             deterministic: false,

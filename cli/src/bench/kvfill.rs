@@ -129,6 +129,7 @@ mod tests {
                 seed: 0,
                 kv_dtype: kv.into(),
                 index_k_dtype: idx.into(),
+                numerics: "transformers".into(),
                 cuda_weights: "bf16".into(),
                 weights: vec!["bf16".into()],
                 deterministic: false,

@@ -146,14 +146,15 @@ impl<B: BenchBackend> Prepared<B> {
             cfg.vocab_size
         );
         println!(
-            "weights: {}, {} (random, seed {}); KV layout {} (kv {}, index-K {}, {} tokens/page)",
+            "weights: {}, {} (random, seed {}); KV layout {} (kv {}, index-K {}, {} tokens/page); numerics {}",
             flags.format()?,
             table::size(wb.total as f64),
             flags.seed,
             layout.fingerprint(),
             layout.kv_dtype,
             layout.index_k_dtype,
-            layout.page_tokens
+            layout.page_tokens,
+            layout.numerics
         );
         let t = Instant::now();
         let weights = ModelWeights::random(&cfg, backend, flags.seed)?;

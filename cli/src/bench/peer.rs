@@ -109,6 +109,7 @@ mod tests {
             seed: 0,
             kv_dtype: "f32".into(),
             index_k_dtype: "f32".into(),
+            numerics: "transformers".into(),
             cuda_weights: "bf16".into(),
             weights: vec!["bf16".into()],
             deterministic: false,

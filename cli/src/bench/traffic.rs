@@ -220,6 +220,7 @@ mod tests {
             seed: 0,
             kv_dtype: "bf16".into(),
             index_k_dtype: "bf16".into(),
+            numerics: "transformers".into(),
             cuda_weights: "bf16".into(),
             weights: vec!["bf16".into()],
             deterministic: false,

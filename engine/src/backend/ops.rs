@@ -244,6 +244,13 @@ pub trait TensorOps: KvStorage {
             self.name()
         )))
     }
+
+    /// `deepseek` numerics' FP8/FP4 linear: `act_quant(x) @ w^T`, the input quantized per
+    /// [`crate::numerics::ACT_BLOCK`]. Default: those two ops; a backend may run the
+    /// product on FP8 tensor cores instead (the same products, its own summation).
+    fn quantized_matmul(&self, x: &Self::Tensor, w: &Self::Tensor) -> BResult<Self::Tensor> {
+        self.matmul(&self.act_quant(x, crate::numerics::ACT_BLOCK)?, w)
+    }
 }
 
 /// The exact f32 values of stored weight `w` as a host tensor (what a backend without

@@ -11,7 +11,7 @@ use crate::backend::{
 };
 use crate::config::{LayerKind, MlpKind, ModelConfig};
 use crate::kv::KvLayout;
-use crate::numerics::{Numerics, ACT_BLOCK};
+use crate::numerics::Numerics;
 use crate::rope::Rope;
 use quantized_linears::QuantizedLinears;
 use std::sync::Arc;
@@ -67,7 +67,7 @@ impl<B: Backend> Model<B> {
         stored_quantized: bool,
     ) -> BResult<B::Tensor> {
         if stored_quantized && layout.numerics == Numerics::Deepseek {
-            b.matmul(&b.act_quant(x, ACT_BLOCK)?, w)
+            b.quantized_matmul(x, w)
         } else {
             b.matmul(x, w)
         }

@@ -229,9 +229,10 @@ extern "C" __global__ void k_quantize_fp4(const float* x, unsigned char* q, unsi
 // (fp8kv_scale's rule, the fp8 KV entries' too) and the e4m3 codes of the values over it,
 // clamped to +-448 and rounded to nearest even. One warp per 128-value block (a partial
 // last block on its own values), four values a lane, warp-strided over the blocks. Codes
-// row-major (`cols` a row); scales as cuBLASLt's VEC128_32F reads them: [block][row].
+// row-major (`cols` a row); scales as cuBLASLt's VEC128_32F reads them: [block][row], a
+// block's run of `srows` rows (>= rows: a GEMM over rows padded to its tile).
 extern "C" __global__ void k_act_quant_e4m3(const float* x, int ldx, unsigned char* q, float* s, int rows,
-                                            int cols) {
+                                            int cols, int srows) {
     pdl_enter();
     int kb = (cols + 127) / 128, lane = threadIdx.x & 31;
     i64 total = (i64)rows * kb, stride = ((i64)gridDim.x * blockDim.x) >> 5;
@@ -248,7 +249,7 @@ extern "C" __global__ void k_act_quant_e4m3(const float* x, int ldx, unsigned ch
         unsigned char* qr = q + (i64)r * cols;
         for (int i = 0; i < 4; i++)
             if (c0 + i < cols) qr[c0 + i] = fp8kv_code(v[i], sc);
-        if (lane == 0) s[(i64)b * rows + r] = sc;
+        if (lane == 0) s[(i64)b * srows + r] = sc;
     }
 }
 

@@ -1,20 +1,102 @@
 //! DeepSeek's FP8 linear on tensor cores, as its reference inference runs an FP8 weight:
 //! the activations quantized per 1 x 128 (`act_quant`: `k_act_quant_e4m3`), the weight's
 //! e4m3 bytes and 128 x 128 block scales as stored, and cuBLASLt's block-scaled FP8 GEMM
-//! ([`crate::blas_fp8`]) summing the per-block products with both scales in fp32. The
-//! building block of `--numerics deepseek` on the GPU; the forward does not call it yet
-//! (`gpu-check --only stored` checks it against the CPU's act_quant and product).
+//! ([`crate::blas_fp8`]) summing the per-block products with both scales in fp32. Under
+//! `--numerics deepseek` a prefill-sized batch's FP8 linears run here
+//! ([`pdserve_engine::backend::TensorOps::quantized_matmul`]); the GEMMs' descriptors are
+//! kept per shape ([`GemmCache`]) and each weight's scales in cuBLASLt's layout with the
+//! weight, so a forward neither plans nor synchronises per linear.
 
-use crate::blas_fp8::{Fp8Gemm, Fp8Scaling, OperandScales, SCALE_BLOCK};
+use crate::blas_fp8::{Fp8Gemm, Fp8Scaling, OperandScales, SCALE_BLOCK, WORKSPACE};
+use crate::buf::{f32_buf, out_ptr};
 use crate::device::Gpu;
 use crate::devmem::DevMem;
 use crate::kernels::{self, DevPtr};
 use crate::launch::{dev_err, grid_1d};
 use crate::ops::stored::to_i32;
-use crate::tensor::StoredBuf;
+use crate::ops::tensors::new_f32;
+use crate::tensor::{Buf, GpuTensor, StoredBuf};
 use pdserve_engine::backend::BResult;
 use pdserve_engine::checkpoint::dequant::e8m0_to_f32;
 use pdserve_engine::checkpoint::{StoredWeight, WeightFormat};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// The scalings a linear may run with: DeepSeek's block scales, or both operands per
+/// 1 x 128 where the library takes only that; never one scale per tensor (which these
+/// operands do not have).
+const SCALINGS: [Fp8Scaling; 2] = [Fp8Scaling::Blocks, Fp8Scaling::RowBlocks];
+
+/// Rows from which a linear runs on the FP8 GEMM: below, the stored-weight kernels that
+/// stream the weight once for all rows (decode batches) are the faster path.
+pub(crate) const MIN_ROWS: usize = 128;
+
+/// Shapes whose GEMM descriptors are kept (a prefill uses one row count for its ~8
+/// linear shapes); past it the cache starts over.
+const MAX_SHAPES: usize = 64;
+
+/// The rows' padding: cuBLASLt's FP8 GEMM takes rows in multiples of 16.
+const ROW_TILE: usize = 16;
+
+/// FP8 GEMM descriptors by `(rows, outputs, inputs)`, sharing one workspace (they run one
+/// after another on the device's stream).
+#[derive(Default)]
+pub(crate) struct GemmCache {
+    workspace: Option<Arc<DevMem<u8>>>,
+    gemms: HashMap<(usize, usize, usize), Fp8Gemm>,
+}
+
+// SAFETY: the cuBLASLt handles and descriptors inside are only used with the backend's
+// mutex over this cache held, so calls on them are serialised; they are valid on any
+// thread of the process.
+#[allow(unsafe_code)]
+unsafe impl Send for GemmCache {}
+
+impl std::fmt::Debug for GemmCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "GemmCache({} shapes)", self.gemms.len())
+    }
+}
+
+impl GemmCache {
+    fn gemm(&mut self, g: &Gpu, dims: (usize, usize, usize)) -> BResult<&Fp8Gemm> {
+        if !self.gemms.contains_key(&dims) {
+            if self.gemms.len() >= MAX_SHAPES {
+                // Work already queued may still use the descriptors about to go.
+                g.synchronize()?;
+                self.gemms.clear();
+            }
+            let ws = match &self.workspace {
+                Some(ws) => Arc::clone(ws),
+                None => Arc::clone(
+                    self.workspace
+                        .insert(Arc::new(g.zeros_owned::<u8>(WORKSPACE)?)),
+                ),
+            };
+            let gemm = Fp8Gemm::first_of_in(dims, &SCALINGS, &ws)?;
+            self.gemms.insert(dims, gemm);
+        }
+        self.gemms
+            .get(&dims)
+            .ok_or_else(|| dev_err("an FP8 GEMM shape missing from its cache"))
+    }
+}
+
+/// Whether `x @ w^T` of `x`'s rows takes the FP8 GEMM: an fp32 activation of at least
+/// [`MIN_ROWS`] rows, an FP8 weight with one scale grid over all its rows, outputs a
+/// multiple of 16 and inputs of 128, outside decode steps, and not in a mode that keeps
+/// fp32 products or batch-invariant sums (the reference and `--deterministic`).
+pub(crate) fn takes(g: &Gpu, x: &GpuTensor, w: &GpuTensor) -> bool {
+    let fp8 = matches!(w.stored(), Some(sw) if sw.format == WeightFormat::Fp8Block && sw.group_rows == w.rows);
+    fp8 && matches!(x.buf, Buf::F32(_))
+        && x.rows >= MIN_ROWS
+        && x.cols == w.cols
+        && w.rows.is_multiple_of(16)
+        && w.cols.is_multiple_of(SCALE_BLOCK)
+        && !g.in_step()
+        && !g.fp32_reference
+        && !g.deterministic
+}
 
 /// FP8 activations: `rows x cols` e4m3 codes (row-major) and one f32 scale per 1 x 128
 /// block in cuBLASLt's VEC128 layout (`[block][row]`).
@@ -23,21 +105,26 @@ pub(crate) struct Fp8Activations {
     pub s: DevMem<f32>,
 }
 
-/// `act_quant` of `rows` fp32 rows of `cols` values (`ldx` apart).
+/// `act_quant` of `rows` fp32 rows of `cols` values (`ldx` apart), for a GEMM over
+/// `padded` rows (>= rows): the codes of the rows past `rows` and their scales are 0.
 pub(crate) fn act_quant(
     g: &Gpu,
     x: &DevMem<f32>,
     (rows, cols, ldx): (usize, usize, usize),
+    padded: usize,
 ) -> BResult<Fp8Activations> {
-    if ldx < cols || x.len() < rows.saturating_sub(1) * ldx + cols {
+    if ldx < cols || padded < rows || x.len() < rows.saturating_sub(1) * ldx + cols {
         return Err(dev_err(format!(
-            "act_quant of {rows} x {cols} (row stride {ldx}) over {} values",
+            "act_quant of {rows} x {cols} (row stride {ldx}, padded to {padded}) over {} values",
             x.len()
         )));
     }
     let kb = cols.div_ceil(SCALE_BLOCK);
-    let q = g.uninit::<u8>(rows * cols)?;
-    let s = g.uninit::<f32>(rows * kb)?;
+    let (q, s) = if padded > rows {
+        (g.zeros::<u8>(padded * cols)?, g.zeros::<f32>(padded * kb)?)
+    } else {
+        (g.uninit::<u8>(rows * cols)?, g.uninit::<f32>(rows * kb)?)
+    };
     // A warp per 128-value block (the kernel strides when the grid is capped).
     g.launch(
         grid_1d(rows * kb * 32),
@@ -49,6 +136,7 @@ pub(crate) fn act_quant(
             s: DevPtr::of(&s),
             rows: to_i32(rows, "rows")?,
             cols: to_i32(cols, "columns")?,
+            srows: to_i32(padded, "padded rows")?,
         },
     )?;
     Ok(Fp8Activations { q, s })
@@ -80,40 +168,57 @@ pub(crate) fn weight_scales(
     g.upload(&laid)
 }
 
-/// `y = act_quant(x) @ w^T` (`n x m`, fp32 out from the GEMM's bf16) for `n` rows of `k`
-/// values (`ldx` apart) and an FP8 weight of `m x k`; `n` and `m` multiples of 16, `k` of
-/// 128. Runs with DeepSeek's block scales, or with both operands scaled per 1 x 128 where
-/// the library takes only that; never with one scale per tensor (which these operands do
-/// not have).
-pub(crate) fn matmul(
+/// `y = act_quant(x) @ w^T` (`n x m`, fp32 out from the GEMM's bf16) for `n` rows of an
+/// FP8 weight `w` of `m x k` (see [`takes`] for what it needs); `n` is padded to the
+/// GEMM's row tile.
+pub(crate) fn linear(
     g: &Gpu,
-    (x, n, ldx): (&DevMem<f32>, usize, usize),
-    (w, m): (&StoredBuf, usize),
-    k: usize,
-) -> BResult<DevMem<f32>> {
-    if !n.is_multiple_of(16) || !m.is_multiple_of(16) || !k.is_multiple_of(SCALE_BLOCK) {
+    cache: &mut GemmCache,
+    x: &GpuTensor,
+    w: &GpuTensor,
+) -> BResult<GpuTensor> {
+    let Some(sw) = w.stored() else {
+        return Err(dev_err("the FP8 linear takes a weight kept as stored"));
+    };
+    let (n, m, k) = (x.rows, w.rows, w.cols);
+    if x.cols != k || !m.is_multiple_of(16) || !k.is_multiple_of(SCALE_BLOCK) {
         return Err(dev_err(format!(
-            "the FP8 GEMM takes rows and outputs in multiples of 16 and inputs in multiples of 128, not {n} x {m} x {k}"
+            "the FP8 GEMM takes outputs in multiples of 16 and inputs in multiples of 128, not {n} x {m} x {k} (x of {} columns)",
+            x.cols
         )));
     }
-    // Never one scale per tensor: these operands do not have one.
-    let gemm = Fp8Gemm::first_of(g, (n, m, k), &[Fp8Scaling::Blocks, Fp8Scaling::RowBlocks])?;
-    let act = act_quant(g, x, (n, k, ldx))?;
-    let ws = weight_scales(g, w, (m, k), gemm.scaling.weight_scales())?;
-    let out = g.uninit::<u16>(n * m)?;
-    gemm.run(g, act.q.ptr(), act.s.ptr(), w.q.ptr(), ws.ptr(), out.ptr())?;
-    let y = g.uninit::<f32>(n * m)?;
+    let y = new_f32(g, n, m)?;
+    if n == 0 {
+        return Ok(y);
+    }
+    let padded = n.next_multiple_of(ROW_TILE);
+    let gemm = cache.gemm(g, (padded, m, k))?;
+    let act = act_quant(g, f32_buf(x, "fp8 linear")?, (n, k, k), padded)?;
+    let layout = gemm.scaling.weight_scales();
+    let fresh;
+    let ws = match w.fp8_scales() {
+        Some((l, s)) if *l == layout => s,
+        Some(_) => {
+            fresh = weight_scales(g, sw, (m, k), layout)?;
+            &fresh
+        }
+        None => {
+            &w.keep_fp8_scales(layout, weight_scales(g, sw, (m, k), layout)?)
+                .1
+        }
+    };
+    let out = g.uninit::<u16>(padded * m)?;
+    gemm.run(g, act.q.ptr(), act.s.ptr(), sw.q.ptr(), ws.ptr(), out.ptr())?;
+    // The first n rows of the output (row-major `[padded][m]`; activations-first
+    // scalings are not among SCALINGS).
     g.launch(
         grid_1d(n * m),
         0,
         &kernels::Bf16ToF32 {
             x: DevPtr::of(&out),
-            y: DevPtr::of(&y),
+            y: out_ptr(&y)?,
             n: (n * m) as i64,
         },
     )?;
-    // The GEMM's descriptors and workspace go with `gemm` at the end of this call: the
-    // stream must be done with them first.
-    g.synchronize()?;
     Ok(y)
 }
