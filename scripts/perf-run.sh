@@ -10,6 +10,8 @@
 #             to reuse one; PEER_ARGS="--decode-batch 1,8 ..." for fewer rows)
 #   prefill   1K, 8K, 32K tokens in one forward and 128K in chunks of 16K, bf16 and fp8,
 #             against the GEMM rate measured in the same run
+#   prefill-deepseek  the stored formats' prefill under --numerics deepseek (FP8
+#             activations; the FP8 linears on the block-scaled FP8 GEMM), fp8 KV, 1K/8K/32K
 #   decode    batch 1..256, contexts 4K and 32K, bf16 and the stored formats, graphs and
 #             eager, against the byte floor (WEIGHTS=bf16 for a shorter run)
 #   ncu       one eager decode step of batch 1 and 64 (NCU_BATCH; NCU_WEIGHTS=fp8 for
@@ -36,7 +38,7 @@ NCU_WEIGHTS=${NCU_WEIGHTS:-bf16}
 read -r -a BENCH_ARGS <<<"${BENCH_ARGS:-}"
 NCU_PREFILL=${NCU_PREFILL:-8192}
 [ -x "$BIN" ] || { echo "perf-run: $BIN not found: cargo build --release first (or set BIN)" >&2; exit 2; }
-[ $# -gt 0 ] || { sed -n '2,22p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,23p' "$0"; exit 2; }
 mkdir -p "$OUT"
 work=$(mktemp -d)
 # shellcheck source=scripts/cluster-lib.sh
@@ -62,6 +64,12 @@ part_prefill() {
     --plot "$OUT/prefill.svg"
   "$BIN" bench prefill --device "$DEV" "${DIMS[@]}" --tokens 131072 --chunk 16384 \
     --weights bf16,fp8 --repeats 1 --warmup 1 "${BENCH_ARGS[@]}" --json "$OUT/prefill-128k.json"
+}
+
+part_prefill_deepseek() {
+  "$BIN" bench prefill --device "$DEV" "${DIMS[@]}" --tokens 1024,8192,32768 --weights fp8,fp8-fp4 \
+    --numerics deepseek --kv-dtype fp8 --repeats 3 --warmup 1 "${BENCH_ARGS[@]}" \
+    --json "$OUT/prefill-deepseek.json"
 }
 
 part_decode() {
@@ -163,13 +171,13 @@ part_ttft() {
 
 for part in "$@"; do
   case $part in
-    peer|prefill|decode|ttft|ncu|gap) ;;
-    *) echo "perf-run: unknown part '$part' (peer, prefill, decode, ttft, ncu, gap)" >&2; exit 2;;
+    peer|prefill|prefill-deepseek|decode|ttft|ncu|gap) ;;
+    *) echo "perf-run: unknown part '$part' (peer, prefill, prefill-deepseek, decode, ttft, ncu, gap)" >&2; exit 2;;
   esac
 done
 for part in "$@"; do
   echo "== perf-run: $part (log: $OUT/$part.log)"
   start_s=$SECONDS
-  "part_$part" 2>&1 | tee "$OUT/$part.log"
+  "part_${part//-/_}" 2>&1 | tee "$OUT/$part.log"
   echo "== perf-run: $part done in $((SECONDS - start_s)) s"
 done
