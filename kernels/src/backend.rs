@@ -487,7 +487,7 @@ impl TensorOps for CudaBackend {
     }
 
     fn moe(&self, x: &GpuTensor, p: &MoeParams<'_, GpuTensor>) -> BResult<GpuTensor> {
-        moe::moe(&self.gpu, x, p)
+        moe::moe(&self.gpu, x, p, &|x, w| self.quantized_matmul(x, w))
     }
 
     fn act_quant(&self, x: &GpuTensor, block: usize) -> BResult<GpuTensor> {

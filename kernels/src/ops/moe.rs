@@ -31,7 +31,18 @@ const COMBINE_COLS: usize = 512;
 /// Experts `k_moe_route` ranks (one warp per row, a 32-bit taken mask per lane).
 const MAX_EXPERTS: usize = 1024;
 
-pub fn moe(g: &Gpu, x: &GpuTensor, p: &MoeParams<'_, GpuTensor>) -> BResult<GpuTensor> {
+/// A linear over an FP8/FP4 weight on FP8 activations (`deepseek` numerics: the backend's
+/// `quantized_matmul`, which may take the FP8 GEMM).
+pub type QuantizedLinear<'a> = &'a dyn Fn(&GpuTensor, &GpuTensor) -> BResult<GpuTensor>;
+
+/// Routed experts plus shared expert; under `deepseek` numerics the shared expert's
+/// linears go through `quantized`.
+pub fn moe(
+    g: &Gpu,
+    x: &GpuTensor,
+    p: &MoeParams<'_, GpuTensor>,
+    quantized: QuantizedLinear<'_>,
+) -> BResult<GpuTensor> {
     let (n, h) = (x.rows, x.cols);
     let (e, k, inter) = (p.n_experts, p.top_k, p.intermediate);
     if p.router.rows != e
@@ -139,16 +150,13 @@ pub fn moe(g: &Gpu, x: &GpuTensor, p: &MoeParams<'_, GpuTensor>) -> BResult<GpuT
         (routed_grouped(g, xr, p, &ids, q)?, None)
     };
     let combine_wts = q.map_or(&wts, |q| q.unit);
-    // Shared expert.
-    let xsq;
-    let xs = if p.act_quant_shared {
-        xsq = numerics::act_quant(g, x, ACT_BLOCK)?;
-        &xsq
-    } else {
-        x
+    // Shared expert (its input and its SwiGLU output quantized under `deepseek`).
+    let linear = |x: &GpuTensor, w: &GpuTensor| match p.act_quant_shared {
+        true => quantized(x, w),
+        false => matmul(g, x, w),
     };
-    let sg = matmul(g, xs, p.shared_gate)?;
-    let su = matmul(g, xs, p.shared_up)?;
+    let sg = linear(x, p.shared_gate)?;
+    let su = linear(x, p.shared_up)?;
     let sact = new_f32(g, n, p.shared_gate.rows)?;
     g.launch(
         crate::launch::grid_1d(sact.len()),
@@ -161,12 +169,7 @@ pub fn moe(g: &Gpu, x: &GpuTensor, p: &MoeParams<'_, GpuTensor>) -> BResult<GpuT
             limit: p.swiglu_limit,
         },
     )?;
-    let sact = if p.act_quant_shared {
-        numerics::act_quant(g, &sact, ACT_BLOCK)?
-    } else {
-        sact
-    };
-    let shared = matmul(g, &sact, p.shared_down)?;
+    let shared = linear(&sact, p.shared_down)?;
     let out = new_f32(g, n, h)?;
     g.launch(
         (n as u32, h.div_ceil(COMBINE_COLS) as u32, 1),
