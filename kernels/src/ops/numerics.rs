@@ -101,7 +101,7 @@ pub(crate) fn weight_act_quant(
         return Ok(());
     }
     g.launch(
-        warps(picks * inter.div_ceil(ACT_BLOCK).max(1)),
+        warps(picks * inter.div_ceil(ACT_BLOCK)),
         0,
         &kernels::MoeWeightActQuant {
             act: a32,
