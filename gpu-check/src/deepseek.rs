@@ -20,7 +20,8 @@
 use crate::check::{argmax, rel_err, CheckRow, REL_TOL_F32};
 use crate::fp8_gemm::{activations, Rng};
 use crate::stored::{
-    cpu_model, fmt_name, gpu_model, model_logits, moe_case, quantized_config, MOE_CASES,
+    cpu_model, fmt_name, gpu_model, model_logits, moe_case, quantized_config, FP8_GEMM_MOE,
+    MOE_CASES,
 };
 use pdserve_engine::backend::{HostTensor, TensorOps, WeightUse};
 use pdserve_engine::checkpoint::WeightFormat;
@@ -148,10 +149,12 @@ fn rotation_rows(gpu: &CudaBackend) -> AnyResult<Vec<CheckRow>> {
     Ok(out)
 }
 
-/// The MoE under DeepSeek's activation quantization against the CPU's.
+/// The MoE under DeepSeek's activation quantization against the CPU's. On the last case
+/// the default mode's FP8 experts must have run on the FP8 GEMM (the backend's count of
+/// expert GEMMs grows).
 fn moe_rows(gpu: &CudaBackend, det: &CudaBackend) -> AnyResult<Vec<CheckRow>> {
     let mut out = Vec::new();
-    for case in &MOE_CASES {
+    for case in MOE_CASES.iter().chain([&FP8_GEMM_MOE]) {
         for experts in [WeightFormat::Fp4Packed, WeightFormat::Fp8Block] {
             let what = format!(
                 "deepseek {} experts MoE {} {:?}",
@@ -170,8 +173,18 @@ fn moe_rows(gpu: &CudaBackend, det: &CudaBackend) -> AnyResult<Vec<CheckRow>> {
                 &same,
                 pass,
             ));
+            let before = gpu.fp8_expert_gemm_runs()?;
             let errs = moe_case(gpu, case, experts, (true, true))?;
-            let pass = errs.iter().all(|&e| e <= LOOSE);
+            let ran = gpu.fp8_expert_gemm_runs()? - before;
+            let fp8_gemm = case.what == FP8_GEMM_MOE.what && experts == WeightFormat::Fp8Block;
+            let pass = errs.iter().all(|&e| e <= LOOSE) && (!fp8_gemm || ran > 0);
+            let what = match fp8_gemm {
+                true => format!(
+                    "{what} on the FP8 GEMM ({ran} expert GEMMs, median {:.1e})",
+                    quantile(&errs, 0.5)
+                ),
+                false => what,
+            };
             out.push(row(what, &errs, pass));
         }
     }

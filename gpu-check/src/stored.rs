@@ -217,6 +217,19 @@ pub(crate) const MOE_CASES: [MoeCase; 2] = [
     },
 ];
 
+/// Whole 128-blocks (hidden 256, intermediate 128) and at least 4 picks per expert: a
+/// prefill's routed experts sorted by expert; under deepseek numerics FP8 experts take the
+/// block-scaled FP8 GEMM (64 rows: runs of 16 padded rows; 300: runs past one row bucket).
+pub(crate) const FP8_GEMM_MOE: MoeCase = MoeCase {
+    e: 8,
+    h: 256,
+    inter: 128,
+    top_k: 2,
+    batches: &[64, 300],
+    crowded: false,
+    what: "sorted, whole blocks",
+};
+
 /// Routed experts (FP4, FP8 or bf16 gate/up/down; FP8 shared expert) through the backend's
 /// MoE against the CPU's on the dequantized weights, per [`MOE_CASES`]. Hash routing fixes
 /// the picks. Default mode rounds GEMM inputs to bf16 (tolerance [`REL_TOL`], or

@@ -65,6 +65,16 @@ impl CudaBackend {
         })
     }
 
+    /// Routed-expert GEMMs run on the block-scaled FP8 GEMM so far (`--numerics deepseek`
+    /// prefills over FP8 experts).
+    pub fn fp8_expert_gemm_runs(&self) -> BResult<u64> {
+        let cache = self
+            .fp8_gemms
+            .lock()
+            .map_err(|_| dev_err("FP8 GEMM cache lock poisoned"))?;
+        Ok(cache.expert_runs)
+    }
+
     /// How decode steps run (`--cuda-graph`).
     pub fn set_graph_mode(&mut self, mode: GraphMode) {
         self.graph_mode = mode;
@@ -487,7 +497,13 @@ impl TensorOps for CudaBackend {
     }
 
     fn moe(&self, x: &GpuTensor, p: &MoeParams<'_, GpuTensor>) -> BResult<GpuTensor> {
-        moe::moe(&self.gpu, x, p, &|x, w| self.quantized_matmul(x, w))
+        moe::moe(
+            &self.gpu,
+            x,
+            p,
+            &|x, w| self.quantized_matmul(x, w),
+            &self.fp8_gemms,
+        )
     }
 
     fn act_quant(&self, x: &GpuTensor, block: usize) -> BResult<GpuTensor> {

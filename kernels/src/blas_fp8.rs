@@ -400,6 +400,60 @@ impl Fp8Gemm {
         w_scale: u64,
         out: u64,
     ) -> BResult<()> {
+        self.run_in(gpu, self.layouts, (x, x_scale), (w, w_scale), out)
+    }
+
+    /// [`Fp8Gemm::run`] over `rows` rows of x (a multiple of 16), with this GEMM's
+    /// algorithm (chosen for its own row count): one descriptor set serves a range of row
+    /// counts, such as the experts' runs of a prefill. The library's refusal of the
+    /// algorithm at that count is the error; the weights must be operand A.
+    pub fn run_rows(
+        &self,
+        gpu: &crate::device::Gpu,
+        rows: usize,
+        x: (u64, u64),
+        w: (u64, u64),
+        out: u64,
+    ) -> BResult<()> {
+        if rows == self.dims.0 {
+            return self.run_in(gpu, self.layouts, x, w, out);
+        }
+        if self.scaling.activations_first() || !rows.is_multiple_of(16) {
+            return Err(dev_err(format!(
+                "an FP8 GEMM planned for {:?} over {rows} rows ({:?})",
+                self.dims, self.scaling
+            )));
+        }
+        let (m, k, n) = (self.dims.1 as u64, self.dims.2 as u64, rows as u64);
+        let b = lt::create_matrix_layout(sys::cudaDataType::CUDA_R_8F_E4M3, k, n, k as i64)
+            .map_err(|e| lt_err("layout", e))?;
+        let d = match lt::create_matrix_layout(sys::cudaDataType::CUDA_R_16BF, m, n, m as i64) {
+            Ok(d) => d,
+            Err(e) => {
+                // SAFETY: created above, not used after.
+                unsafe {
+                    let _ = lt::destroy_matrix_layout(b);
+                }
+                return Err(lt_err("layout", e));
+            }
+        };
+        let ran = self.run_in(gpu, [self.layouts[0], b, d], x, w, out);
+        // SAFETY: created above; cuBLASLt reads layouts only while the call is made.
+        unsafe {
+            let _ = lt::destroy_matrix_layout(b);
+            let _ = lt::destroy_matrix_layout(d);
+        }
+        ran
+    }
+
+    fn run_in(
+        &self,
+        gpu: &crate::device::Gpu,
+        layouts: [sys::cublasLtMatrixLayout_t; 3],
+        (x, x_scale): (u64, u64),
+        (w, w_scale): (u64, u64),
+        out: u64,
+    ) -> BResult<()> {
         use sys::cublasLtMatmulDescAttributes_t as A;
         let set_ptr = |attr: A, p: u64| {
             // SAFETY: `desc` is live; the value is a device pointer.
@@ -425,13 +479,13 @@ impl Fp8Gemm {
                 (&alpha as *const f32).cast(),
                 (&beta as *const f32).cast(),
                 a as *const c_void,
-                self.layouts[0],
+                layouts[0],
                 b as *const c_void,
-                self.layouts[1],
+                layouts[1],
                 out as *const c_void,
-                self.layouts[2],
+                layouts[2],
                 out as *mut c_void,
-                self.layouts[2],
+                layouts[2],
                 &self.algo,
                 self.workspace.ptr() as *mut c_void,
                 WORKSPACE,

@@ -518,6 +518,17 @@ kernels! {
             act: DevPtr, act16: DevPtr, wts: DevPtr, pos: DevPtr, unit: DevPtr, picks: i32,
             inter: i32,
         }
+        /// deepseek numerics, routed experts on the FP8 GEMM: each sorted pick's row of
+        /// x quantized per 128 into its expert's padded run (codes and VEC128 scales).
+        ActQuantE4m3Picks = "k_act_quant_e4m3_picks" {
+            x: DevPtr, map: DevPtr, q: DevPtr, s: DevPtr, picks: i32, cols: i32, k: i32,
+        }
+        /// deepseek numerics, routed experts on the FP8 GEMM: SwiGLU of the bf16 gate/up
+        /// rows times the routing weight, quantized per 128 (w2's FP8 operand).
+        MoeSwigluQuantE4m3 = "k_moe_swiglu_quant_e4m3" {
+            gu: DevPtr, map: DevPtr, wts: DevPtr, unit: DevPtr, q: DevPtr, s: DevPtr,
+            picks: i32, inter: i32, limit: f32,
+        }
         /// deepseek numerics, the indexer's queries: each head rotated (Hadamard) and
         /// FP4-quantized.
         RotateFp4 = "k_rotate_fp4" {

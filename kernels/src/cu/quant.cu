@@ -302,6 +302,63 @@ extern "C" __global__ void k_moe_weight_act_quant(float* act, bf16_t* act16, con
     }
 }
 
+// The FP8 operands of the routed experts' block-scaled GEMMs (a prefill under deepseek
+// numerics): picks sorted by expert, each expert's run of rows padded to the GEMM's row
+// tile. `map` holds four ints per sorted pick j: the pick (row * k + slot), its GEMM row,
+// and where its scales go: block b's at `map[2] + b * map[3]` (each expert's scales are
+// its own VEC128 [block][row] run). One warp per (pick, 128-block), warp-strided as
+// k_act_quant_e4m3; the padding rows' codes and scales are left as the caller zeroed them.
+
+// w2's input of pick j: SwiGLU of its gate and up halves (bf16, the gate/up GEMM's output
+// at its GEMM row) times its routing weight, then act_quant (k_moe_weight_act_quant's
+// order); `unit[pick] = 1`, the weight the combine then applies.
+extern "C" __global__ void k_moe_swiglu_quant_e4m3(const bf16_t* gu, const int* map, const float* wts, float* unit,
+                                                   unsigned char* q, float* s, int picks, int inter, float limit) {
+    pdl_enter();
+    int kb = (inter + 127) / 128, lane = threadIdx.x & 31;
+    i64 total = (i64)picks * kb, stride = ((i64)gridDim.x * blockDim.x) >> 5;
+    for (i64 w = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; w < total; w += stride) {
+        int j = (int)(w / kb), b = (int)(w % kb), c0 = b * 128 + lane * 4;
+        int pick = map[4 * j], row = map[4 * j + 1];
+        const bf16_t* g = gu + (i64)row * 2 * inter;
+        float wt = wts[pick], v[4], am = 0.f;
+        for (int i = 0; i < 4; i++) {
+            int c = c0 + i;
+            v[i] = c < inter ? swiglu_(bf16_to_f(g[c]), bf16_to_f(g[inter + c]), limit) * wt : 0.f;
+            am = fmaxf(am, fabsf(v[i]));
+        }
+        float sc = fp8kv_scale(warp_max(am));
+        unsigned char* qr = q + (i64)row * inter;
+        for (int i = 0; i < 4; i++)
+            if (c0 + i < inter) qr[c0 + i] = fp8kv_code(v[i], sc);
+        if (lane == 0) s[map[4 * j + 2] + (i64)b * map[4 * j + 3]] = sc;
+        if (lane == 0 && b == 0) unit[pick] = 1.f;
+    }
+}
+
+// The experts' input: pick j's row of `x` (row pick / k, `cols` values) quantized per 128
+// into its GEMM row.
+extern "C" __global__ void k_act_quant_e4m3_picks(const float* x, const int* map, unsigned char* q, float* s,
+                                                  int picks, int cols, int k) {
+    pdl_enter();
+    int kb = (cols + 127) / 128, lane = threadIdx.x & 31;
+    i64 total = (i64)picks * kb, stride = ((i64)gridDim.x * blockDim.x) >> 5;
+    for (i64 w = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; w < total; w += stride) {
+        int j = (int)(w / kb), b = (int)(w % kb), c0 = b * 128 + lane * 4;
+        const float* xr = x + (i64)(map[4 * j] / k) * cols;
+        float v[4], am = 0.f;
+        for (int i = 0; i < 4; i++) {
+            v[i] = c0 + i < cols ? xr[c0 + i] : 0.f;
+            am = fmaxf(am, fabsf(v[i]));
+        }
+        float sc = fp8kv_scale(warp_max(am));
+        unsigned char* qr = q + (i64)map[4 * j + 1] * cols;
+        for (int i = 0; i < 4; i++)
+            if (c0 + i < cols) qr[c0 + i] = fp8kv_code(v[i], sc);
+        if (lane == 0) s[map[4 * j + 2] + (i64)b * map[4 * j + 3]] = sc;
+    }
+}
+
 // deepseek numerics, the indexer's queries: every `hd`-wide head of each row of `x`
 // rotated and FP4-quantized into `y` (rotate_fp4; `scale_bits` the f64 bits of hd^-0.5).
 // Grid (rows, heads); dynamic shared memory hd doubles.

@@ -36,7 +36,7 @@ pub(crate) const MIN_ROWS: usize = 128;
 const MAX_SHAPES: usize = 64;
 
 /// The rows' padding: cuBLASLt's FP8 GEMM takes rows in multiples of 16.
-const ROW_TILE: usize = 16;
+pub(crate) const ROW_TILE: usize = 16;
 
 /// FP8 GEMM descriptors by `(rows, outputs, inputs)`, sharing one workspace (they run one
 /// after another on the device's stream).
@@ -44,6 +44,9 @@ const ROW_TILE: usize = 16;
 pub(crate) struct GemmCache {
     workspace: Option<Arc<DevMem<u8>>>,
     gemms: HashMap<(usize, usize, usize), Fp8Gemm>,
+    /// Expert GEMMs run so far ([`crate::ops::moe_fp8`]): what shows a check that the
+    /// path ran.
+    pub(crate) expert_runs: u64,
 }
 
 // SAFETY: the cuBLASLt handles and descriptors inside are only used with the backend's
@@ -79,6 +82,17 @@ impl GemmCache {
         self.gemms
             .get(&dims)
             .ok_or_else(|| dev_err("an FP8 GEMM shape missing from its cache"))
+    }
+
+    /// The GEMM planned for `rows`' power-of-two bucket (at least [`ROW_TILE`]), to run at
+    /// `rows` through [`Fp8Gemm::run_rows`]: runs of many row counts (each expert's picks)
+    /// share a few descriptor sets.
+    pub(crate) fn for_rows(
+        &mut self,
+        g: &Gpu,
+        (rows, m, k): (usize, usize, usize),
+    ) -> BResult<&Fp8Gemm> {
+        self.gemm(g, (rows.next_power_of_two().max(ROW_TILE), m, k))
     }
 }
 
@@ -143,21 +157,24 @@ pub(crate) fn act_quant(
 }
 
 /// The 128 x 128 block scales of an FP8 weight of `rows x cols` as f32, in `layout`
-/// (from the stored ue8m0 bytes, one grid over all rows).
+/// (from the stored ue8m0 bytes: one grid over all rows, or groups of whole 128-row
+/// blocks, such as experts).
 pub(crate) fn weight_scales(
     g: &Gpu,
     w: &StoredBuf,
     (rows, cols): (usize, usize),
     layout: OperandScales,
 ) -> BResult<DevMem<f32>> {
-    if w.format != WeightFormat::Fp8Block || w.group_rows != rows {
+    // Groups of whole 128-row blocks make the same grid as one group of all the rows.
+    let whole_blocks = w.group_rows == rows || w.group_rows.is_multiple_of(SCALE_BLOCK);
+    if w.format != WeightFormat::Fp8Block || !whole_blocks || !rows.is_multiple_of(w.group_rows) {
         return Err(dev_err(format!(
             "an FP8 GEMM takes a {:?} weight in groups of {} rows: one FP8 grid over all {rows} rows expected",
             w.format, w.group_rows
         )));
     }
-    let (sr, sc) = StoredWeight::scale_grid(w.format, rows, cols);
-    let bytes = g.download(&w.s, sr * sc)?;
+    let (sr, sc) = StoredWeight::scale_grid(w.format, w.group_rows, cols);
+    let bytes = g.download(&w.s, rows / w.group_rows * sr * sc)?;
     let natural = bytes
         .iter()
         .map(|&b| e8m0_to_f32(b).ok_or_else(|| dev_err("a NaN weight scale byte")))

@@ -12,6 +12,7 @@ pub(crate) mod hc;
 pub(crate) mod indexer;
 pub(crate) mod kv_reach;
 pub(crate) mod moe;
+pub(crate) mod moe_fp8;
 pub(crate) mod moe_gemm;
 pub(crate) mod moe_mma;
 pub(crate) mod numerics;

@@ -8,12 +8,15 @@ use crate::devmem::DevMem;
 use crate::kernels::{self, DevPtr, PickTile};
 use crate::launch::BLOCK;
 use crate::ops::dense::matmul;
+use crate::ops::fp8_linear::GemmCache;
+use crate::ops::moe_fp8;
 use crate::ops::moe_gemm;
 use crate::ops::moe_mma;
 use crate::ops::numerics::{self, Activations, RoutedQuant};
 use crate::ops::tensors::{new_f32, param_f32};
 use crate::tensor::GpuTensor;
 use pdserve_engine::backend::{BResult, MoeParams, PickKind, Picks, RowPicks};
+use std::sync::Mutex;
 
 /// Batches of at most this many rows take the grouped kernels' small pick tile
 /// (`MOE_TILE_SMALL` in moe.cu).
@@ -36,12 +39,14 @@ const MAX_EXPERTS: usize = 1024;
 pub type QuantizedLinear<'a> = &'a dyn Fn(&GpuTensor, &GpuTensor) -> BResult<GpuTensor>;
 
 /// Routed experts plus shared expert; under `deepseek` numerics the shared expert's
-/// linears go through `quantized`.
+/// linears go through `quantized`, and a prefill's FP8 routed experts through the FP8
+/// GEMMs of `gemms`.
 pub fn moe(
     g: &Gpu,
     x: &GpuTensor,
     p: &MoeParams<'_, GpuTensor>,
     quantized: QuantizedLinear<'_>,
+    gemms: &Mutex<GemmCache>,
 ) -> BResult<GpuTensor> {
     let (n, h) = (x.rows, x.cols);
     let (e, k, inter) = (p.n_experts, p.top_k, p.intermediate);
@@ -137,7 +142,15 @@ pub fn moe(
     let (y, pos) = if g.deterministic {
         (routed_grouped(g, xr, p, &ids, q)?, None)
     } else if moe_gemm::worthwhile(g, n, k, e) {
-        let sorted = moe_gemm::routed(g, xr, p, &ids, q)?;
+        // FP8 experts under deepseek numerics on the FP8 GEMM, else bf16 GEMMs.
+        let fp8 = match q {
+            Some(q) if moe_fp8::takes(g, p, true) => moe_fp8::routed(g, gemms, xr, p, &ids, q)?,
+            _ => None,
+        };
+        let sorted = match fp8 {
+            Some(sorted) => sorted,
+            None => moe_gemm::routed(g, xr, p, &ids, q)?,
+        };
         (sorted.y, Some(sorted.pos))
     } else if tensor_cores(g, p, n) && moe_mma::takes(g, p, h) {
         let (list, count) = expert_lists(g, &ids, n, e, k)?;

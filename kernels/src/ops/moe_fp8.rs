@@ -1,0 +1,289 @@
+//! Routed experts of a prefill under `--numerics deepseek` on cuBLASLt's block-scaled FP8
+//! GEMM, the way DeepSeek's reference runs FP8 experts: picks sorted by expert on the host
+//! (as [`crate::ops::moe_gemm`]), each pick's input row quantized per 1 x 128 into its
+//! expert's run of GEMM rows (padded to the GEMM's row tile, each run with its own VEC128
+//! scales), one FP8 GEMM per used expert and projection over the stored e4m3 bytes and
+//! 128 x 128 block scales, and between them one kernel for SwiGLU of the bf16 gate/up
+//! rows, the routing weight and w2's act_quant. No bf16 copy of any expert is made.
+//!
+//! The GEMMs' descriptors are kept per power-of-two row bucket ([`GemmCache::for_rows`]),
+//! each run at its expert's exact row count, so a forward plans a few shapes, not one per
+//! expert.
+
+use crate::blas_fp8::{Fp8Scaling, OperandScales, SCALE_BLOCK};
+use crate::buf::f32_buf;
+use crate::device::Gpu;
+use crate::devmem::DevMem;
+use crate::kernels::{self, DevPtr};
+use crate::launch::{dev_err, grid_1d};
+use crate::ops::fp8_linear::{weight_scales, GemmCache, ROW_TILE};
+use crate::ops::moe_gemm::{sort_picks, SortedRows};
+use crate::ops::numerics::RoutedQuant;
+use crate::ops::stored::to_i32;
+use crate::tensor::GpuTensor;
+use pdserve_engine::backend::{BResult, MoeParams};
+use pdserve_engine::checkpoint::WeightFormat;
+use std::sync::Mutex;
+
+/// Whether the routed experts of this MoE run here: FP8 activations asked for (`quant`),
+/// outside decode steps and the fp32 reference / batch-invariant modes, both projections
+/// stored FP8 with each expert's rows on whole 128-row scale blocks.
+pub(crate) fn takes(g: &Gpu, p: &MoeParams<'_, GpuTensor>, quant: bool) -> bool {
+    quant
+        && !g.in_step()
+        && !g.fp32_reference
+        && !g.deterministic
+        && expert_fp8(p.gate_up, 2 * p.intermediate)
+        && expert_fp8(p.down, p.gate_up.cols)
+}
+
+/// An FP8 weight of `per` rows per expert whose experts each start and end on a 128-row
+/// scale block, with inputs in whole 128-blocks.
+fn expert_fp8(w: &GpuTensor, per: usize) -> bool {
+    matches!(w.stored(), Some(sw) if sw.format == WeightFormat::Fp8Block
+        && sw.group_rows.is_multiple_of(SCALE_BLOCK))
+        && per.is_multiple_of(SCALE_BLOCK)
+        && per > 0
+        && w.rows.is_multiple_of(per)
+        && w.cols.is_multiple_of(SCALE_BLOCK)
+}
+
+/// Each used expert's run of GEMM rows: `(expert, first sorted pick, picks, first GEMM
+/// row, GEMM rows)`, the GEMM rows padded to [`ROW_TILE`].
+struct Runs {
+    runs: Vec<(usize, usize, usize, usize, usize)>,
+    rows: usize,
+}
+
+impl Runs {
+    fn new(spans: &[(usize, usize)]) -> Self {
+        let mut runs = Vec::new();
+        let mut rows = 0;
+        for (ex, &(first, count)) in spans.iter().enumerate() {
+            if count == 0 {
+                continue;
+            }
+            let padded = count.next_multiple_of(ROW_TILE);
+            runs.push((ex, first, count, rows, padded));
+            rows += padded;
+        }
+        Runs { runs, rows }
+    }
+
+    /// Four ints per sorted pick for the quantize kernels (`k_act_quant_e4m3_picks`):
+    /// the pick, its GEMM row, its first scale and the scales' stride (its run's rows), for
+    /// operands of `kb` 128-blocks a row; and each pick's GEMM row (the combine's `pos`).
+    fn map(&self, order: &[i32], kb: usize) -> BResult<(Vec<i32>, Vec<i32>)> {
+        let mut map = vec![0i32; 4 * order.len()];
+        let mut pos = vec![0i32; order.len()];
+        for &(_, first, count, row0, padded) in &self.runs {
+            for i in 0..count {
+                let (j, row) = (first + i, row0 + i);
+                let pick = order[j];
+                let at = &mut map[4 * j..4 * j + 4];
+                at[0] = pick;
+                at[1] = to_i32(row, "GEMM row")?;
+                at[2] = to_i32(row0 * kb + i, "scale index")?;
+                at[3] = to_i32(padded, "run rows")?;
+                pos[pick as usize] = at[1];
+            }
+        }
+        Ok((map, pos))
+    }
+}
+
+/// One projection's stored weight: e4m3 codes and, kept with the weight, its 128 x 128
+/// block scales in cuBLASLt's BLK128 layout (`[row block][pad4(k blocks)]`), so expert
+/// `ex`'s rows and scales are contiguous slices.
+struct ExpertFp8<'a> {
+    codes: u64,
+    scales: &'a DevMem<f32>,
+    per: usize,
+    cols: usize,
+}
+
+impl<'a> ExpertFp8<'a> {
+    fn new(g: &Gpu, w: &'a GpuTensor, per: usize) -> BResult<Self> {
+        let Some(sw) = w.stored() else {
+            return Err(dev_err("FP8 experts kept as stored expected"));
+        };
+        let layout = OperandScales::Blk128;
+        let scales = match w.fp8_scales() {
+            Some((l, s)) if *l == layout => s,
+            Some((l, _)) => {
+                return Err(dev_err(format!(
+                    "expert weight scales kept as {l:?}; the expert GEMMs take {layout:?}"
+                )))
+            }
+            None => {
+                &w.keep_fp8_scales(layout, weight_scales(g, sw, (w.rows, w.cols), layout)?)
+                    .1
+            }
+        };
+        Ok(ExpertFp8 {
+            codes: sw.q.ptr(),
+            scales,
+            per,
+            cols: w.cols,
+        })
+    }
+
+    /// Device addresses of expert `ex`'s codes and block scales.
+    fn expert(&self, ex: usize) -> (u64, u64) {
+        let kb4 = self.cols.div_ceil(SCALE_BLOCK).next_multiple_of(4);
+        let scale0 = ex * (self.per / SCALE_BLOCK) * kb4;
+        (
+            self.codes + (ex * self.per * self.cols) as u64,
+            self.scales.ptr() + (scale0 * 4) as u64,
+        )
+    }
+}
+
+/// The routed experts' outputs, sorted by expert as [`crate::ops::moe_gemm::routed`]'s
+/// (`pos` maps each pick to its row); `None` where the library has no block-scaled GEMM
+/// for these shapes (the caller takes the bf16 path), decided before anything runs.
+pub(crate) fn routed(
+    g: &Gpu,
+    gemms: &Mutex<GemmCache>,
+    x: &GpuTensor,
+    p: &MoeParams<'_, GpuTensor>,
+    ids: &DevMem<i32>,
+    quant: &RoutedQuant<'_>,
+) -> BResult<Option<SortedRows>> {
+    let (n, h) = (x.rows, x.cols);
+    let (e, k, inter) = (p.n_experts, p.top_k, p.intermediate);
+    let mut cache = gemms
+        .lock()
+        .map_err(|_| dev_err("FP8 GEMM cache lock poisoned"))?;
+    let host_ids = g.download(ids, n * k)?;
+    let (order, spans) = sort_picks(&host_ids, e);
+    let runs = Runs::new(&spans);
+    let most = runs.runs.iter().map(|r| r.4).max().unwrap_or(ROW_TILE);
+    let mut blocks =
+        |dims| -> BResult<bool> { Ok(cache.for_rows(g, dims)?.scaling == Fp8Scaling::Blocks) };
+    if !blocks((most, 2 * inter, h))? || !blocks((most, h, inter))? {
+        return Ok(None);
+    }
+    let gu_w = ExpertFp8::new(g, p.gate_up, 2 * inter)?;
+    let down_w = ExpertFp8::new(g, p.down, h)?;
+    let picks = to_i32(n * k, "picks")?;
+    let (kb_h, kb_i) = (h / SCALE_BLOCK, inter / SCALE_BLOCK);
+    // The gate/up GEMMs' input: every pick's row, quantized into its expert's run.
+    let (map_h, pos) = runs.map(&order, kb_h)?;
+    let map_h = g.upload(&map_h)?;
+    let (xq, xs) = (
+        g.zeros::<u8>(runs.rows * h)?,
+        g.zeros::<f32>(runs.rows * kb_h)?,
+    );
+    g.launch(
+        grid_1d(n * k * kb_h * 32),
+        0,
+        &kernels::ActQuantE4m3Picks {
+            x: DevPtr::of(f32_buf(x, "moe")?),
+            map: DevPtr::of(&map_h),
+            q: DevPtr::of(&xq),
+            s: DevPtr::of(&xs),
+            picks,
+            cols: to_i32(h, "hidden")?,
+            k: to_i32(k, "top k")?,
+        },
+    )?;
+    let gu = g.uninit::<u16>(runs.rows * 2 * inter)?;
+    for &(ex, _, _, row0, rows) in &runs.runs {
+        let (w, ws) = gu_w.expert(ex);
+        let gemm = cache.for_rows(g, (rows, 2 * inter, h))?;
+        gemm.run_rows(
+            g,
+            rows,
+            (
+                xq.ptr() + (row0 * h) as u64,
+                xs.ptr() + (row0 * kb_h * 4) as u64,
+            ),
+            (w, ws),
+            gu.ptr() + (row0 * 2 * inter * 2) as u64,
+        )?;
+        cache.expert_runs += 1;
+    }
+    drop((xq, xs, map_h));
+    // w2's input: SwiGLU, the routing weight, act_quant.
+    let (map_i, _) = runs.map(&order, kb_i)?;
+    let map_i = g.upload(&map_i)?;
+    let (aq, asc) = (
+        g.zeros::<u8>(runs.rows * inter)?,
+        g.zeros::<f32>(runs.rows * kb_i)?,
+    );
+    g.launch(
+        grid_1d(n * k * kb_i * 32),
+        0,
+        &kernels::MoeSwigluQuantE4m3 {
+            gu: DevPtr::of(&gu),
+            map: DevPtr::of(&map_i),
+            wts: DevPtr::of(quant.wts),
+            unit: DevPtr::of(quant.unit),
+            q: DevPtr::of(&aq),
+            s: DevPtr::of(&asc),
+            picks,
+            inter: to_i32(inter, "intermediate")?,
+            limit: p.swiglu_limit,
+        },
+    )?;
+    drop(gu);
+    let yb = g.uninit::<u16>(runs.rows * h)?;
+    for &(ex, _, _, row0, rows) in &runs.runs {
+        let (w, ws) = down_w.expert(ex);
+        let gemm = cache.for_rows(g, (rows, h, inter))?;
+        gemm.run_rows(
+            g,
+            rows,
+            (
+                aq.ptr() + (row0 * inter) as u64,
+                asc.ptr() + (row0 * kb_i * 4) as u64,
+            ),
+            (w, ws),
+            yb.ptr() + (row0 * h * 2) as u64,
+        )?;
+        cache.expert_runs += 1;
+    }
+    let y = g.uninit::<f32>(runs.rows * h)?;
+    g.launch(
+        grid_1d(runs.rows * h),
+        0,
+        &kernels::Bf16ToF32 {
+            x: DevPtr::of(&yb),
+            y: DevPtr::of(&y),
+            n: (runs.rows * h) as i64,
+        },
+    )?;
+    Ok(Some(SortedRows {
+        y,
+        pos: g.upload(&pos)?,
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn runs_pad_each_expert_and_map_picks_to_their_rows_and_scales() {
+        // 4 experts; sorted picks: expert 0 has 2, expert 1 none, expert 2 has 17, expert 3 has 1.
+        let spans = [(0, 2), (2, 0), (2, 17), (19, 1)];
+        let runs = Runs::new(&spans);
+        assert_eq!(
+            runs.runs,
+            vec![(0, 0, 2, 0, 16), (2, 2, 17, 16, 32), (3, 19, 1, 48, 16)]
+        );
+        assert_eq!(runs.rows, 64);
+        let order: Vec<i32> = (0..20).rev().collect();
+        let (map, pos) = runs.map(&order, 3).unwrap();
+        // Sorted pick 1 (pick 18): expert 0's second row, scales from 1, stride 16.
+        assert_eq!(&map[4..8], &[18, 1, 1, 16]);
+        // Sorted pick 4 (pick 15): expert 2's third row (GEMM row 18); its run's scales
+        // start at 16 * 3.
+        assert_eq!(&map[16..20], &[15, 18, 48 + 2, 32]);
+        // Sorted pick 19 (pick 0): expert 3's only row.
+        assert_eq!(&map[76..80], &[0, 48, 48 * 3, 16]);
+        assert_eq!((pos[18], pos[15], pos[0]), (1, 18, 48));
+    }
+}
