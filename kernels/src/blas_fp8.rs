@@ -16,7 +16,7 @@ use std::ffi::c_void;
 pub const WORKSPACE: usize = 32 << 20;
 
 /// Which scales the GEMM's operands carry, and which operand is cuBLASLt's A.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Fp8Scaling {
     /// Weights one scale per 128 x 128 block, activations one per 1 x 128 (DeepSeek's),
     /// the weights as cuBLASLt's A operand.

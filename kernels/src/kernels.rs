@@ -523,6 +523,11 @@ kernels! {
         ActQuantE4m3Picks = "k_act_quant_e4m3_picks" {
             x: DevPtr, map: DevPtr, q: DevPtr, s: DevPtr, picks: i32, cols: i32, k: i32,
         }
+        /// deepseek numerics, FP4 experts on the FP8 GEMM: rows expanded exactly to e4m3
+        /// codes with one f32 scale per 1 x 128 (VEC128).
+        Fp4ToE4m3 = "k_fp4_to_e4m3" {
+            q4: DevPtr, s4: DevPtr, q8: DevPtr, s8: DevPtr, rows: i32, cols: i32,
+        }
         /// deepseek numerics, routed experts on the FP8 GEMM: SwiGLU of the bf16 gate/up
         /// rows times the routing weight, quantized per 128 (w2's FP8 operand).
         MoeSwigluQuantE4m3 = "k_moe_swiglu_quant_e4m3" {

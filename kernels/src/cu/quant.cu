@@ -336,6 +336,32 @@ extern "C" __global__ void k_moe_swiglu_quant_e4m3(const bf16_t* gu, const int* 
     }
 }
 
+// FP4 expert rows (e2m1 pairs, one ue8m0 scale byte per 32 of a row) expanded to e4m3
+// codes with one f32 scale per 1 x 128 (VEC128: [block][row], `rows` a block's run), as
+// DeepSeek's reference expands FP4 weights to FP8 inside its GEMM: the block's scale is
+// 2^(smax - 127 - 6) for the largest of its four scale bytes, each value its e2m1 value times
+// 2^(s - smax + 6) (at most 6 * 64 = 384). Exact while a block's four scales lie within
+// 2^14 of each other (smaller values would fall below e4m3's subnormal step). One warp per
+// (row, 128-block), four values a lane; cols a multiple of 128.
+extern "C" __global__ void k_fp4_to_e4m3(const unsigned char* q4, const unsigned char* s4, unsigned char* q8,
+                                         float* s8, int rows, int cols) {
+    pdl_enter();
+    int kb = cols / 128, lane = threadIdx.x & 31;
+    i64 total = (i64)rows * kb, stride = ((i64)gridDim.x * blockDim.x) >> 5;
+    for (i64 w = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; w < total; w += stride) {
+        i64 r = w / kb;
+        int b = (int)(w % kb), c0 = b * 128 + lane * 4;
+        int sb = s4[r * (cols / 32) + c0 / 32], smax = sb;
+        for (int o = 16; o > 0; o >>= 1) smax = max(smax, __shfl_xor_sync(0xffffffffu, smax, o));
+        u32 two = *reinterpret_cast<const unsigned short*>(q4 + r * (cols / 2) + c0 / 2);
+        float up = ldexpf(1.f, sb - smax + 6);
+        u32 codes = 0;
+        for (int i = 0; i < 4; i++) codes |= (u32)f_to_e4m3(e2m1w(two >> (4 * i)) * up) << (8 * i);
+        *reinterpret_cast<u32*>(q8 + r * cols + c0) = codes;
+        if (lane == 0) s8[(i64)b * rows + r] = ldexpf(1.f, smax - 133);
+    }
+}
+
 // The experts' input: pick j's row of `x` (row pick / k, `cols` values) quantized per 128
 // into its GEMM row.
 extern "C" __global__ void k_act_quant_e4m3_picks(const float* x, const int* map, unsigned char* q, float* s,

@@ -43,7 +43,7 @@ pub(crate) const ROW_TILE: usize = 16;
 #[derive(Default)]
 pub(crate) struct GemmCache {
     workspace: Option<Arc<DevMem<u8>>>,
-    gemms: HashMap<(usize, usize, usize), Fp8Gemm>,
+    gemms: HashMap<((usize, usize, usize), Fp8Scaling), Fp8Gemm>,
     /// Expert GEMMs run so far ([`crate::ops::moe_fp8`]): what shows a check that the
     /// path ran.
     pub(crate) expert_runs: u64,
@@ -63,7 +63,22 @@ impl std::fmt::Debug for GemmCache {
 
 impl GemmCache {
     fn gemm(&mut self, g: &Gpu, dims: (usize, usize, usize)) -> BResult<&Fp8Gemm> {
-        if !self.gemms.contains_key(&dims) {
+        self.gemm_of(g, dims, &SCALINGS)
+    }
+
+    /// The GEMM of `dims` with the first of `scalings` the library takes (kept by the
+    /// shape and the first scaling asked for).
+    fn gemm_of(
+        &mut self,
+        g: &Gpu,
+        dims: (usize, usize, usize),
+        scalings: &[Fp8Scaling],
+    ) -> BResult<&Fp8Gemm> {
+        let first = *scalings
+            .first()
+            .ok_or_else(|| dev_err("an FP8 GEMM asked for with no scaling"))?;
+        let key = (dims, first);
+        if !self.gemms.contains_key(&key) {
             if self.gemms.len() >= MAX_SHAPES {
                 // Work already queued may still use the descriptors about to go.
                 g.synchronize()?;
@@ -76,11 +91,11 @@ impl GemmCache {
                         .insert(Arc::new(g.zeros_owned::<u8>(WORKSPACE)?)),
                 ),
             };
-            let gemm = Fp8Gemm::first_of_in(dims, &SCALINGS, &ws)?;
-            self.gemms.insert(dims, gemm);
+            let gemm = Fp8Gemm::first_of_in(dims, scalings, &ws)?;
+            self.gemms.insert(key, gemm);
         }
         self.gemms
-            .get(&dims)
+            .get(&key)
             .ok_or_else(|| dev_err("an FP8 GEMM shape missing from its cache"))
     }
 
@@ -91,8 +106,10 @@ impl GemmCache {
         &mut self,
         g: &Gpu,
         (rows, m, k): (usize, usize, usize),
+        scaling: Fp8Scaling,
     ) -> BResult<&Fp8Gemm> {
-        self.gemm(g, (rows.next_power_of_two().max(ROW_TILE), m, k))
+        let bucket = rows.next_power_of_two().max(ROW_TILE);
+        self.gemm_of(g, (bucket, m, k), &[scaling])
     }
 }
 

@@ -1,10 +1,12 @@
 //! Routed experts of a prefill under `--numerics deepseek` on cuBLASLt's block-scaled FP8
-//! GEMM, the way DeepSeek's reference runs FP8 experts: picks sorted by expert on the host
-//! (as [`crate::ops::moe_gemm`]), each pick's input row quantized per 1 x 128 into its
+//! GEMM, the way DeepSeek's reference runs FP8/FP4 experts: picks sorted by expert on the
+//! host (as [`crate::ops::moe_gemm`]), each pick's input row quantized per 1 x 128 into its
 //! expert's run of GEMM rows (padded to the GEMM's row tile, each run with its own VEC128
-//! scales), one FP8 GEMM per used expert and projection over the stored e4m3 bytes and
-//! 128 x 128 block scales, and between them one kernel for SwiGLU of the bf16 gate/up
-//! rows, the routing weight and w2's act_quant. No bf16 copy of any expert is made.
+//! scales), one FP8 GEMM per used expert and projection, and between them one kernel for
+//! SwiGLU of the bf16 gate/up rows, the routing weight and w2's act_quant. FP8 experts
+//! are read as stored (e4m3 bytes, 128 x 128 block scales); FP4 experts are expanded to
+//! e4m3 one expert at a time, exactly (the reference expands them to FP8 inside its GEMM).
+//! No bf16 copy of any expert is made.
 //!
 //! The GEMMs' descriptors are kept per power-of-two row bucket ([`GemmCache::for_rows`]),
 //! each run at its expert's exact row count, so a forward plans a few shapes, not one per
@@ -20,32 +22,22 @@ use crate::ops::fp8_linear::{weight_scales, GemmCache, ROW_TILE};
 use crate::ops::moe_gemm::{sort_picks, SortedRows};
 use crate::ops::numerics::RoutedQuant;
 use crate::ops::stored::to_i32;
-use crate::tensor::GpuTensor;
+use crate::tensor::{GpuTensor, StoredBuf};
 use pdserve_engine::backend::{BResult, MoeParams};
 use pdserve_engine::checkpoint::WeightFormat;
 use std::sync::Mutex;
 
 /// Whether the routed experts of this MoE run here: FP8 activations asked for (`quant`),
 /// outside decode steps and the fp32 reference / batch-invariant modes, both projections
-/// stored FP8 with each expert's rows on whole 128-row scale blocks.
+/// stored FP8 (each expert on whole 128-row scale blocks) or FP4, inputs in whole
+/// 128-blocks.
 pub(crate) fn takes(g: &Gpu, p: &MoeParams<'_, GpuTensor>, quant: bool) -> bool {
     quant
         && !g.in_step()
         && !g.fp32_reference
         && !g.deterministic
-        && expert_fp8(p.gate_up, 2 * p.intermediate)
-        && expert_fp8(p.down, p.gate_up.cols)
-}
-
-/// An FP8 weight of `per` rows per expert whose experts each start and end on a 128-row
-/// scale block, with inputs in whole 128-blocks.
-fn expert_fp8(w: &GpuTensor, per: usize) -> bool {
-    matches!(w.stored(), Some(sw) if sw.format == WeightFormat::Fp8Block
-        && sw.group_rows.is_multiple_of(SCALE_BLOCK))
-        && per.is_multiple_of(SCALE_BLOCK)
-        && per > 0
-        && w.rows.is_multiple_of(per)
-        && w.cols.is_multiple_of(SCALE_BLOCK)
+        && ExpertWeights::takes(p.gate_up, 2 * p.intermediate)
+        && ExpertWeights::takes(p.down, p.gate_up.cols)
 }
 
 /// Each used expert's run of GEMM rows: `(expert, first sorted pick, picks, first GEMM
@@ -92,50 +84,99 @@ impl Runs {
     }
 }
 
-/// One projection's stored weight: e4m3 codes and, kept with the weight, its 128 x 128
-/// block scales in cuBLASLt's BLK128 layout (`[row block][pad4(k blocks)]`), so expert
-/// `ex`'s rows and scales are contiguous slices.
-struct ExpertFp8<'a> {
-    codes: u64,
-    scales: &'a DevMem<f32>,
+/// One projection of every expert (`per` rows each) as the FP8 GEMM's weight operand.
+/// FP8: the stored e4m3 codes and, kept with the weight, its 128 x 128 block scales in
+/// cuBLASLt's BLK128 layout (`[row block][pad4(k blocks)]`), so expert `ex`'s codes and
+/// scales are slices. FP4: each expert expanded to e4m3 with one scale per 1 x 128 row
+/// block (`k_fp4_to_e4m3`) into one reused buffer just before its GEMM.
+struct ExpertWeights<'a> {
+    stored: &'a StoredBuf,
+    fp8_scales: Option<&'a DevMem<f32>>,
+    fp4_scratch: Option<(DevMem<u8>, DevMem<f32>)>,
     per: usize,
     cols: usize,
 }
 
-impl<'a> ExpertFp8<'a> {
+impl<'a> ExpertWeights<'a> {
+    fn takes(w: &GpuTensor, per: usize) -> bool {
+        let format_ok = match w.stored() {
+            Some(sw) if sw.format == WeightFormat::Fp8Block => {
+                sw.group_rows.is_multiple_of(SCALE_BLOCK) && per.is_multiple_of(SCALE_BLOCK)
+            }
+            Some(sw) => sw.format == WeightFormat::Fp4Packed && per.is_multiple_of(ROW_TILE),
+            None => false,
+        };
+        format_ok && per > 0 && w.rows.is_multiple_of(per) && w.cols.is_multiple_of(SCALE_BLOCK)
+    }
+
     fn new(g: &Gpu, w: &'a GpuTensor, per: usize) -> BResult<Self> {
-        let Some(sw) = w.stored() else {
-            return Err(dev_err("FP8 experts kept as stored expected"));
+        let Some(stored) = w.stored() else {
+            return Err(dev_err("FP8/FP4 experts kept as stored expected"));
         };
-        let layout = OperandScales::Blk128;
-        let scales = match w.fp8_scales() {
-            Some((l, s)) if *l == layout => s,
-            Some((l, _)) => {
-                return Err(dev_err(format!(
-                    "expert weight scales kept as {l:?}; the expert GEMMs take {layout:?}"
-                )))
-            }
-            None => {
-                &w.keep_fp8_scales(layout, weight_scales(g, sw, (w.rows, w.cols), layout)?)
-                    .1
-            }
-        };
-        Ok(ExpertFp8 {
-            codes: sw.q.ptr(),
-            scales,
+        let (mut fp8_scales, mut fp4_scratch) = (None, None);
+        if stored.format == WeightFormat::Fp8Block {
+            let layout = OperandScales::Blk128;
+            fp8_scales = Some(match w.fp8_scales() {
+                Some((l, s)) if *l == layout => s,
+                Some((l, _)) => {
+                    return Err(dev_err(format!(
+                        "expert weight scales kept as {l:?}; the expert GEMMs take {layout:?}"
+                    )))
+                }
+                None => {
+                    &w.keep_fp8_scales(layout, weight_scales(g, stored, (w.rows, w.cols), layout)?)
+                        .1
+                }
+            });
+        } else {
+            let kb = w.cols / SCALE_BLOCK;
+            fp4_scratch = Some((g.uninit::<u8>(per * w.cols)?, g.uninit::<f32>(per * kb)?));
+        }
+        Ok(ExpertWeights {
+            stored,
+            fp8_scales,
+            fp4_scratch,
             per,
             cols: w.cols,
         })
     }
 
-    /// Device addresses of expert `ex`'s codes and block scales.
-    fn expert(&self, ex: usize) -> (u64, u64) {
-        let kb4 = self.cols.div_ceil(SCALE_BLOCK).next_multiple_of(4);
-        let scale0 = ex * (self.per / SCALE_BLOCK) * kb4;
-        (
-            self.codes + (ex * self.per * self.cols) as u64,
-            self.scales.ptr() + (scale0 * 4) as u64,
-        )
+    /// The scaling its GEMMs run with.
+    fn scaling(&self) -> Fp8Scaling {
+        match self.fp4_scratch {
+            Some(_) => Fp8Scaling::RowBlocks,
+            None => Fp8Scaling::Blocks,
+        }
+    }
+
+    /// Device addresses of expert `ex`'s e4m3 codes and scales, as its GEMM reads them.
+    /// The same stream runs each GEMM before the next expansion overwrites the buffer.
+    fn expert(&self, g: &Gpu, ex: usize) -> BResult<(u64, u64)> {
+        let (per, cols) = (self.per, self.cols);
+        if let Some(scales) = self.fp8_scales {
+            let kb4 = cols.div_ceil(SCALE_BLOCK).next_multiple_of(4);
+            let scale0 = ex * (per / SCALE_BLOCK) * kb4;
+            return Ok((
+                self.stored.q.ptr() + (ex * per * cols) as u64,
+                scales.ptr() + (scale0 * 4) as u64,
+            ));
+        }
+        let Some((q8, s8)) = &self.fp4_scratch else {
+            return Err(dev_err("FP4 experts without their expansion buffer"));
+        };
+        g.launch(
+            grid_1d(per * (cols / SCALE_BLOCK) * 32),
+            0,
+            &kernels::Fp4ToE4m3 {
+                q4: DevPtr(self.stored.q.ptr() + (ex * per * cols / 2) as u64),
+                s4: DevPtr(self.stored.s.ptr() + (ex * per * (cols / 32)) as u64),
+                q8: DevPtr::of(q8),
+                s8: DevPtr::of(s8),
+                rows: to_i32(per, "expert rows")?,
+                cols: to_i32(cols, "expert inputs")?,
+            },
+        )?;
+        Ok((q8.ptr(), s8.ptr()))
     }
 }
 
@@ -158,14 +199,19 @@ pub(crate) fn routed(
     let host_ids = g.download(ids, n * k)?;
     let (order, spans) = sort_picks(&host_ids, e);
     let runs = Runs::new(&spans);
+    let gu_w = ExpertWeights::new(g, p.gate_up, 2 * inter)?;
+    let down_w = ExpertWeights::new(g, p.down, h)?;
+    // Whether the library takes these scalings, asked at the largest run's bucket.
     let most = runs.runs.iter().map(|r| r.4).max().unwrap_or(ROW_TILE);
-    let mut blocks =
-        |dims| -> BResult<bool> { Ok(cache.for_rows(g, dims)?.scaling == Fp8Scaling::Blocks) };
-    if !blocks((most, 2 * inter, h))? || !blocks((most, h, inter))? {
-        return Ok(None);
+    for (dims, scaling) in [
+        ((most, 2 * inter, h), gu_w.scaling()),
+        ((most, h, inter), down_w.scaling()),
+    ] {
+        if let Err(e) = cache.for_rows(g, dims, scaling) {
+            tracing::warn!(error = %e, ?dims, ?scaling, "FP8 expert GEMM refused: the experts take bf16 GEMMs");
+            return Ok(None);
+        }
     }
-    let gu_w = ExpertFp8::new(g, p.gate_up, 2 * inter)?;
-    let down_w = ExpertFp8::new(g, p.down, h)?;
     let picks = to_i32(n * k, "picks")?;
     let (kb_h, kb_i) = (h / SCALE_BLOCK, inter / SCALE_BLOCK);
     // The gate/up GEMMs' input: every pick's row, quantized into its expert's run.
@@ -190,8 +236,8 @@ pub(crate) fn routed(
     )?;
     let gu = g.uninit::<u16>(runs.rows * 2 * inter)?;
     for &(ex, _, _, row0, rows) in &runs.runs {
-        let (w, ws) = gu_w.expert(ex);
-        let gemm = cache.for_rows(g, (rows, 2 * inter, h))?;
+        let (w, ws) = gu_w.expert(g, ex)?;
+        let gemm = cache.for_rows(g, (rows, 2 * inter, h), gu_w.scaling())?;
         gemm.run_rows(
             g,
             rows,
@@ -230,8 +276,8 @@ pub(crate) fn routed(
     drop(gu);
     let yb = g.uninit::<u16>(runs.rows * h)?;
     for &(ex, _, _, row0, rows) in &runs.runs {
-        let (w, ws) = down_w.expert(ex);
-        let gemm = cache.for_rows(g, (rows, h, inter))?;
+        let (w, ws) = down_w.expert(g, ex)?;
+        let gemm = cache.for_rows(g, (rows, h, inter), down_w.scaling())?;
         gemm.run_rows(
             g,
             rows,
