@@ -111,6 +111,26 @@ impl GemmCache {
         let bucket = rows.next_power_of_two().max(ROW_TILE);
         self.gemm_of(g, (bucket, m, k), &[scaling])
     }
+
+    /// `out = x @ w^T` over `rows` rows with the bucket's GEMM ([`GemmCache::for_rows`]);
+    /// where the library refuses that algorithm at this row count, with one planned for
+    /// it. `x` and `w` are (codes, scales) device addresses.
+    pub(crate) fn run_rows(
+        &mut self,
+        g: &Gpu,
+        (rows, m, k): (usize, usize, usize),
+        scaling: Fp8Scaling,
+        x: (u64, u64),
+        w: (u64, u64),
+        out: u64,
+    ) -> BResult<()> {
+        let bucketed = self.for_rows(g, (rows, m, k), scaling)?;
+        if bucketed.run_rows(g, rows, x, w, out).is_ok() {
+            return Ok(());
+        }
+        self.gemm_of(g, (rows, m, k), &[scaling])?
+            .run_rows(g, rows, x, w, out)
+    }
 }
 
 /// Whether `x @ w^T` of `x`'s rows takes the FP8 GEMM: an fp32 activation of at least

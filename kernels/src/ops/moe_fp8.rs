@@ -237,10 +237,10 @@ pub(crate) fn routed(
     let gu = g.uninit::<u16>(runs.rows * 2 * inter)?;
     for &(ex, _, _, row0, rows) in &runs.runs {
         let (w, ws) = gu_w.expert(g, ex)?;
-        let gemm = cache.for_rows(g, (rows, 2 * inter, h), gu_w.scaling())?;
-        gemm.run_rows(
+        cache.run_rows(
             g,
-            rows,
+            (rows, 2 * inter, h),
+            gu_w.scaling(),
             (
                 xq.ptr() + (row0 * h) as u64,
                 xs.ptr() + (row0 * kb_h * 4) as u64,
@@ -277,10 +277,10 @@ pub(crate) fn routed(
     let yb = g.uninit::<u16>(runs.rows * h)?;
     for &(ex, _, _, row0, rows) in &runs.runs {
         let (w, ws) = down_w.expert(g, ex)?;
-        let gemm = cache.for_rows(g, (rows, h, inter), down_w.scaling())?;
-        gemm.run_rows(
+        cache.run_rows(
             g,
-            rows,
+            (rows, h, inter),
+            down_w.scaling(),
             (
                 aq.ptr() + (row0 * inter) as u64,
                 asc.ptr() + (row0 * kb_i * 4) as u64,
