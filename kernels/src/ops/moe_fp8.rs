@@ -235,21 +235,7 @@ pub(crate) fn routed(
         },
     )?;
     let gu = g.uninit::<u16>(runs.rows * 2 * inter)?;
-    for &(ex, _, _, row0, rows) in &runs.runs {
-        let (w, ws) = gu_w.expert(g, ex)?;
-        cache.run_rows(
-            g,
-            (rows, 2 * inter, h),
-            gu_w.scaling(),
-            (
-                xq.ptr() + (row0 * h) as u64,
-                xs.ptr() + (row0 * kb_h * 4) as u64,
-            ),
-            (w, ws),
-            gu.ptr() + (row0 * 2 * inter * 2) as u64,
-        )?;
-        cache.expert_runs += 1;
-    }
+    run_experts(g, &mut cache, &runs, &gu_w, (&xq, &xs), &gu)?;
     drop((xq, xs, map_h));
     // w2's input: SwiGLU, the routing weight, act_quant.
     let (map_i, _) = runs.map(&order, kb_i)?;
@@ -275,21 +261,7 @@ pub(crate) fn routed(
     )?;
     drop(gu);
     let yb = g.uninit::<u16>(runs.rows * h)?;
-    for &(ex, _, _, row0, rows) in &runs.runs {
-        let (w, ws) = down_w.expert(g, ex)?;
-        cache.run_rows(
-            g,
-            (rows, h, inter),
-            down_w.scaling(),
-            (
-                aq.ptr() + (row0 * inter) as u64,
-                asc.ptr() + (row0 * kb_i * 4) as u64,
-            ),
-            (w, ws),
-            yb.ptr() + (row0 * h * 2) as u64,
-        )?;
-        cache.expert_runs += 1;
-    }
+    run_experts(g, &mut cache, &runs, &down_w, (&aq, &asc), &yb)?;
     let y = g.uninit::<f32>(runs.rows * h)?;
     g.launch(
         grid_1d(runs.rows * h),
@@ -304,6 +276,31 @@ pub(crate) fn routed(
         y,
         pos: g.upload(&pos)?,
     }))
+}
+
+/// One projection of every used expert: its run of `act`'s rows (e4m3 codes, VEC128
+/// scales per run) times the expert's weight into the same rows of `out` (bf16).
+fn run_experts(
+    g: &Gpu,
+    cache: &mut GemmCache,
+    runs: &Runs,
+    weights: &ExpertWeights<'_>,
+    (codes, scales): (&DevMem<u8>, &DevMem<f32>),
+    out: &DevMem<u16>,
+) -> BResult<()> {
+    let (m, k) = (weights.per, weights.cols);
+    let kb = k / SCALE_BLOCK;
+    for &(ex, _, _, row0, rows) in &runs.runs {
+        let w = weights.expert(g, ex)?;
+        let x = (
+            codes.ptr() + (row0 * k) as u64,
+            scales.ptr() + (row0 * kb * 4) as u64,
+        );
+        let y = out.ptr() + (row0 * m * 2) as u64;
+        cache.run_rows(g, (rows, m, k), weights.scaling(), x, w, y)?;
+        cache.expert_runs += 1;
+    }
+    Ok(())
 }
 
 #[cfg(test)]
