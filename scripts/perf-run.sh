@@ -15,8 +15,9 @@
 #   decode    batch 1..256, contexts 4K and 32K, bf16 and the stored formats, graphs and
 #             eager, against the byte floor (WEIGHTS=bf16 for a shorter run)
 #   ncu       one eager decode step of batch 1 and 64 (NCU_BATCH; NCU_WEIGHTS=fp8 for
-#             the stored format) and one 8K prefill forward (NCU_PREFILL) by kernel,
-#             through ncu and scripts/ncu_step.py
+#             the stored format; NCU_BATCH= for none) and one 8K prefill forward
+#             (NCU_PREFILL; NCU_PREFILL_ARGS="--weights fp8 --numerics deepseek --kv-dtype
+#             fp8" for the FP8 GEMMs) by kernel, through ncu and scripts/ncu_step.py
 #   gap       the decode loop's host time between steps at batch 64 (embedded model)
 #   ttft      an 8K prompt through router + prefill + decode (the bench's V4-Flash-dims
 #             model, random weights: --load-format dummy) with the worker-side breakdown
@@ -32,11 +33,12 @@ TTFT_TOKENS=${TTFT_TOKENS:-8192}
 # Timed requests of the ttft part, one at a time (after one untimed).
 TTFT_REQUESTS=${TTFT_REQUESTS:-8}
 WEIGHTS=${WEIGHTS:-bf16,fp8,fp8-fp4}
-NCU_BATCH=${NCU_BATCH:-1,64}
+NCU_BATCH=${NCU_BATCH-1,64}
 NCU_WEIGHTS=${NCU_WEIGHTS:-bf16}
 # Extra flags for every bench command (BENCH_ARGS="--no-pdl": plain kernel launches).
 read -r -a BENCH_ARGS <<<"${BENCH_ARGS:-}"
 NCU_PREFILL=${NCU_PREFILL:-8192}
+read -r -a NCU_PREFILL_ARGS <<<"${NCU_PREFILL_ARGS:---weights bf16}"
 [ -x "$BIN" ] || { echo "perf-run: $BIN not found: cargo build --release first (or set BIN)" >&2; exit 2; }
 [ $# -gt 0 ] || { sed -n '2,23p' "$0"; exit 2; }
 mkdir -p "$OUT"
@@ -95,16 +97,16 @@ part_ncu() {
     python3 scripts/ncu_step.py "$OUT/ncu-b$b-s1.csv" "$OUT/ncu-b$b-s2.csv" \
       --title "$NCU_WEIGHTS batch $b, 4K, eager"
   done
-  # One bf16 prefill forward of NCU_PREFILL tokens (one repeat less the other).
+  # One prefill forward of NCU_PREFILL tokens (one repeat less the other).
   local reps
   for reps in 1 2; do
     "$ncu" --clock-control none --cache-control none --metrics gpu__time_duration.sum \
       --csv --print-units base --log-file "$OUT/ncu-p$NCU_PREFILL-r$reps.csv" \
-      "$BIN" bench prefill --device "$DEV" "${DIMS[@]}" --weights bf16 \
+      "$BIN" bench prefill --device "$DEV" "${DIMS[@]}" "${NCU_PREFILL_ARGS[@]}" \
       --tokens "$NCU_PREFILL" --warmup 0 --repeats "$reps" >/dev/null
   done
   python3 scripts/ncu_step.py "$OUT/ncu-p$NCU_PREFILL-r1.csv" "$OUT/ncu-p$NCU_PREFILL-r2.csv" \
-    --title "bf16 prefill, $NCU_PREFILL tokens" --top 25
+    --title "prefill ${NCU_PREFILL_ARGS[*]}, $NCU_PREFILL tokens" --top 25
 }
 
 part_gap() {

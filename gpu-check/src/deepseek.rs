@@ -11,16 +11,21 @@
 //!   on the 90th percentile), and the GPU must sit far closer to the CPU's deepseek result
 //!   than to its transformers one. The default mode rounds the experts' activations to bf16
 //!   before they are quantized, which flips a few percent of the FP8 roundings: it is held
-//!   to 5e-2.
+//!   to 5e-2. On the FP8 GEMM (the last case) the gate/up and down outputs are rounded to
+//!   bf16 as DeepSeek's GEMMs return them, two roundings where the tensor-core kernels have
+//!   one: 99% of rows within 5e-2, every row within 1e-1, the median at most a quarter of
+//!   the distance to the transformers mode.
 //! - A random model in the released formats (FP8 attention and shared expert, FP4 experts),
 //!   prefill then batched decode, under `deepseek` with fp8 KV, against the CPU engine in
-//!   the same mode: with fp32 weights 90% of the rows within 1e-3, and the median error at
-//!   most a tenth of the GPU's distance from the CPU's transformers mode.
+//!   the same mode: with fp32 weights the median and 90th-percentile row errors no larger
+//!   than the CPU's own under a one-ulp nudge of its float weights (the mode is chaotic in
+//!   fp32 rounding: 3-4e-2 median), and the median at most a tenth of the GPU's distance
+//!   from the CPU's transformers mode.
 
-use crate::check::{argmax, rel_err, CheckRow, REL_TOL_F32};
+use crate::check::{argmax, rel_err, CheckRow};
 use crate::fp8_gemm::{activations, Rng};
 use crate::stored::{
-    cpu_model, fmt_name, gpu_model, model_logits, moe_case, quantized_config, FP8_GEMM_MOE,
+    cpu_model, cpu_model_nudged, fmt_name, gpu_model, model_logits, moe_case, quantized_config, FP8_GEMM_MOE,
     MOE_CASES,
 };
 use pdserve_engine::backend::{HostTensor, TensorOps, WeightUse};
@@ -177,13 +182,22 @@ fn moe_rows(gpu: &CudaBackend, det: &CudaBackend) -> AnyResult<Vec<CheckRow>> {
             let errs = moe_case(gpu, case, experts, (true, true))?;
             let ran = gpu.fp8_expert_gemm_runs()? - before;
             let fp8_gemm = case.what == FP8_GEMM_MOE.what;
-            let pass = errs.iter().all(|&e| e <= LOOSE) && (!fp8_gemm || ran > 0);
-            let what = match fp8_gemm {
-                true => format!(
-                    "{what} on the FP8 GEMM ({ran} expert GEMMs, median {:.1e})",
-                    quantile(&errs, 0.5)
-                ),
-                false => what,
+            let (pass, what) = match fp8_gemm {
+                true => {
+                    let off = moe_case(gpu, case, experts, (true, false))?;
+                    let (typical, gap) = (quantile(&errs, 0.5), quantile(&off, 0.5));
+                    let pass = ran > 0
+                        && typical * 4.0 <= gap
+                        && quantile(&errs, 0.99) <= LOOSE
+                        && errs.iter().all(|&e| e <= 2.0 * LOOSE);
+                    let what = format!(
+                        "{what} on the FP8 GEMM ({ran} expert GEMMs, median {typical:.1e}, \
+                         p99 {:.1e}, transformers {gap:.1e})",
+                        quantile(&errs, 0.99)
+                    );
+                    (pass, what)
+                }
+                false => (errs.iter().all(|&e| e <= LOOSE), what),
             };
             out.push(row(what, &errs, pass));
         }
@@ -203,7 +217,35 @@ fn spec(numerics: Numerics) -> AnyResult<KvLayoutSpec> {
     })
 }
 
+/// Seeds of the CPU's own noise under the mode ([`mode_noise`]).
+const NUDGES: [u64; 3] = [1, 2, 3];
+
+/// How far the CPU engine moves from itself under `spec` when its float weights move by one
+/// ulp (seeds [`NUDGES`]): the largest median and 90th-percentile row error over the seeds.
+/// FP8 activations and KV make the mode chaotic in fp32 rounding: one rounding that lands on
+/// the other side of an e4m3 midpoint moves a value by up to 1/16, and through the KV every
+/// later token of the sequence. No engine that sums in another order can sit closer to the
+/// CPU than this, and a defect sits at the distance to the other mode.
+fn mode_noise(spec: KvLayoutSpec, want: &[Vec<f32>]) -> AnyResult<(f64, f64)> {
+    let mut noise = (0f64, 0f64);
+    for seed in NUDGES {
+        let got = model_logits(&mut cpu_model_nudged(
+            "fp4",
+            WeightDtype::F32,
+            Some(spec),
+            Some(seed),
+        )?)?;
+        let errs: Vec<f64> = got.iter().zip(want).map(|(g, w)| rel_err(g, w)).collect();
+        noise.0 = noise.0.max(quantile(&errs, 0.5));
+        noise.1 = noise.1.max(quantile(&errs, MOST));
+    }
+    Ok(noise)
+}
+
 /// The random model in the released formats under `deepseek` on the GPU against the CPU.
+/// With fp32 weights the rows must sit no further from the CPU than the CPU's own one-ulp
+/// noise under the mode ([`mode_noise`], median and 90th percentile), and the median at
+/// most a tenth of the distance to the CPU's transformers mode.
 fn model_rows(ordinal: usize) -> AnyResult<Vec<CheckRow>> {
     let mut out = Vec::new();
     let deepseek = spec(Numerics::Deepseek)?;
@@ -219,27 +261,37 @@ fn model_rows(ordinal: usize) -> AnyResult<Vec<CheckRow>> {
         )?)?;
         let errs: Vec<f64> = got.iter().zip(&want).map(|(g, w)| rel_err(g, w)).collect();
         let gaps: Vec<f64> = got.iter().zip(&off).map(|(g, w)| rel_err(g, w)).collect();
-        let (typical, gap) = (quantile(&errs, 0.5), quantile(&gaps, 0.5));
+        let (typical, p90, gap) = (
+            quantile(&errs, 0.5),
+            quantile(&errs, MOST),
+            quantile(&gaps, 0.5),
+        );
         let greedy = got
             .iter()
             .zip(&want)
             .filter(|(g, w)| argmax(g) == argmax(w))
             .count();
-        let label = match weights {
-            WeightDtype::F32 => "f32",
-            WeightDtype::Bf16 => "stored",
-        };
-        let mut r = row(
-            format!(
-                "deepseek random model w={label} fp8 KV (median {typical:.1e}, transformers {gap:.1e})"
-            ),
-            &errs,
-            quantile(&errs, MOST) <= REL_TOL_F32 && typical * 10.0 <= gap,
-        );
-        r.greedy_same = greedy;
         // Stored weights round activations to bf16 before every GEMM (as every bf16 row):
         // reported, not gated.
-        r.gate = weights == WeightDtype::F32;
+        let gated = weights == WeightDtype::F32;
+        let (label, noise) = match gated {
+            true => ("f32", Some(mode_noise(deepseek, &want)?)),
+            false => ("stored", None),
+        };
+        let noise_text = noise.map_or(String::new(), |(m, p)| {
+            format!("; CPU one-ulp noise {m:.1e}, {p:.1e}")
+        });
+        let within = noise.is_none_or(|(m, p)| typical <= m && p90 <= p);
+        let mut r = row(
+            format!(
+                "deepseek random model w={label} fp8 KV (median {typical:.1e}, p90 {p90:.1e}\
+                 {noise_text}; transformers {gap:.1e})"
+            ),
+            &errs,
+            within && typical * 10.0 <= gap,
+        );
+        r.greedy_same = greedy;
+        r.gate = gated;
         out.push(r);
     }
     Ok(out)

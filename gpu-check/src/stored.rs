@@ -405,6 +405,9 @@ struct SameValues {
     inner: RandomSource,
     cfg: ModelConfig,
     bf16: bool,
+    /// Flip the last mantissa bit of about half the float weights' values (a seed), the
+    /// size of the rounding differences between two correct fp32 engines.
+    nudge: Option<u64>,
 }
 
 impl TensorSource<CpuBackend> for SameValues {
@@ -414,6 +417,12 @@ impl TensorSource<CpuBackend> for SameValues {
         if self.bf16 && matrix && weight_format(&self.cfg, name) == WeightFormat::Float {
             for v in &mut t.data {
                 *v = half::bf16::from_f32(*v).to_f32();
+            }
+        }
+        if let Some(seed) = self.nudge {
+            let mut rng = crate::fp8_gemm::Rng(seed ^ name.len() as u64 ^ 0x9E37_79B9_7F4A_7C15);
+            for v in &mut t.data {
+                *v = f32::from_bits(v.to_bits() ^ (rng.next() & 1) as u32);
             }
         }
         Ok(t)
@@ -454,11 +463,22 @@ pub(crate) fn cpu_model(
     weights: WeightDtype,
     spec: Option<KvLayoutSpec>,
 ) -> AnyResult<Engine<CpuBackend>> {
+    cpu_model_nudged(experts, weights, spec, None)
+}
+
+/// [`cpu_model`] with its float weights nudged by one ulp where `nudge` (a seed) says.
+pub(crate) fn cpu_model_nudged(
+    experts: &str,
+    weights: WeightDtype,
+    spec: Option<KvLayoutSpec>,
+    nudge: Option<u64>,
+) -> AnyResult<Engine<CpuBackend>> {
     let cfg = quantized_config(experts)?;
     let mut src = SameValues {
         inner: RandomSource::new(&cfg, 5),
         cfg: cfg.clone(),
         bf16: weights == WeightDtype::Bf16,
+        nudge,
     };
     let cpu_w = ModelWeights::from_source(&mut src, &cfg, &CpuBackend)?;
     Ok(Engine::new(cfg, cpu_w, CpuBackend, spec, POOL)?)
