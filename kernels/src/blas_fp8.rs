@@ -1,5 +1,5 @@
 //! cuBLASLt's FP8 GEMM with DeepSeek's block scaling, on the device's stream:
-//! `out[n x m] (bf16) = x[n x k] (e4m3, one f32 scale per 1 x 128 block) @ w[m x k]^T
+//! `out[n x m] (bf16, or f32 where asked and taken: [`Fp8Out`]) = x[n x k] (e4m3, one f32 scale per 1 x 128 block) @ w[m x k]^T
 //! (e4m3, one f32 scale per 128 x 128 block)`, fp32 accumulation: the form of the
 //! checkpoints' FP8 weights and of their reference activation quantization. Where the
 //! library refuses the block modes (cuBLAS before 12.9, or a pairing it does not take),
@@ -29,6 +29,34 @@ pub enum Fp8Scaling {
     RowBlocks,
     /// One scale per tensor.
     Tensor,
+}
+
+/// The GEMM's output type: bf16 (as DeepSeek's reference GEMMs return), or the fp32 sums
+/// unrounded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Fp8Out {
+    Bf16,
+    F32,
+}
+
+impl Fp8Out {
+    /// The order a forward asks for them in: fp32 first (no rounding, no widening pass).
+    pub const UNROUNDED_FIRST: [Fp8Out; 2] = [Fp8Out::F32, Fp8Out::Bf16];
+
+    fn dtype(self) -> sys::cudaDataType {
+        match self {
+            Fp8Out::Bf16 => sys::cudaDataType::CUDA_R_16BF,
+            Fp8Out::F32 => sys::cudaDataType::CUDA_R_32F,
+        }
+    }
+
+    /// Bytes per output value.
+    pub fn bytes(self) -> usize {
+        match self {
+            Fp8Out::Bf16 => 2,
+            Fp8Out::F32 => 4,
+        }
+    }
 }
 
 /// How one operand's scales are laid out for cuBLASLt (an operand of `rows x k`, `k`
@@ -182,6 +210,7 @@ pub struct Fp8Gemm {
     /// Its own, or one shared by GEMMs that run on one stream (see [`Fp8Gemm::first_of_in`]).
     workspace: std::sync::Arc<crate::DevMem<u8>>,
     pub scaling: Fp8Scaling,
+    pub out: Fp8Out,
     /// Why block scaling was not taken, when it was not.
     pub block_refused: Option<String>,
     pub dims: (usize, usize, usize),
@@ -207,24 +236,30 @@ impl Fp8Gemm {
         scalings: &[Fp8Scaling],
     ) -> BResult<Self> {
         let workspace = std::sync::Arc::new(gpu.zeros_owned::<u8>(WORKSPACE)?);
-        Self::first_of_in(dims, scalings, &workspace)
+        Self::first_of_in(dims, scalings, &[Fp8Out::Bf16], &workspace)
     }
 
-    /// [`Fp8Gemm::first_of`] with `workspace` (at least [`WORKSPACE`] bytes), which GEMMs
-    /// that run one after another on the device's stream may share.
+    /// [`Fp8Gemm::first_of`] with the first of `outs` the library takes for a scaling
+    /// (scalings first: the first scaling with any of `outs`), and `workspace` (at least
+    /// [`WORKSPACE`] bytes), which GEMMs that run one after another on the device's stream
+    /// may share.
     pub fn first_of_in(
         dims: (usize, usize, usize),
         scalings: &[Fp8Scaling],
+        outs: &[Fp8Out],
         workspace: &std::sync::Arc<crate::DevMem<u8>>,
     ) -> BResult<Self> {
         let mut refusals = Vec::new();
         for &scaling in scalings {
-            match Self::with_workspace(dims, scaling, workspace) {
-                Ok(mut gemm) => {
-                    gemm.block_refused = (!refusals.is_empty()).then(|| refusals.join("; "));
-                    return Ok(gemm);
+            for &out in outs {
+                match Self::with_workspace(dims, (scaling, out), workspace) {
+                    Ok(mut gemm) => {
+                        gemm.block_refused =
+                            (!refusals.is_empty()).then(|| refusals.join("; "));
+                        return Ok(gemm);
+                    }
+                    Err(e) => refusals.push(format!("{scaling:?} to {out:?}: {e}")),
                 }
-                Err(e) => refusals.push(format!("{scaling:?}: {e}")),
             }
         }
         Err(dev_err(format!(
@@ -240,12 +275,12 @@ impl Fp8Gemm {
         scaling: Fp8Scaling,
     ) -> BResult<Self> {
         let workspace = std::sync::Arc::new(gpu.zeros_owned::<u8>(WORKSPACE)?);
-        Self::with_workspace(dims, scaling, &workspace)
+        Self::with_workspace(dims, (scaling, Fp8Out::Bf16), &workspace)
     }
 
     fn with_workspace(
         dims: (usize, usize, usize),
-        scaling: Fp8Scaling,
+        (scaling, out): (Fp8Scaling, Fp8Out),
         workspace: &std::sync::Arc<crate::DevMem<u8>>,
     ) -> BResult<Self> {
         if workspace.len() < WORKSPACE {
@@ -255,7 +290,7 @@ impl Fp8Gemm {
             )));
         }
         let handle = lt::create_handle().map_err(|e| lt_err("handle", e))?;
-        match Self::plan(handle, dims, scaling, workspace.ptr()) {
+        match Self::plan(handle, dims, (scaling, out), workspace.ptr()) {
             Ok((desc, layouts, algo)) => Ok(Fp8Gemm {
                 handle,
                 desc,
@@ -263,6 +298,7 @@ impl Fp8Gemm {
                 algo,
                 workspace: std::sync::Arc::clone(workspace),
                 scaling,
+                out,
                 block_refused: None,
                 dims,
             }),
@@ -280,7 +316,7 @@ impl Fp8Gemm {
     fn plan(
         handle: sys::cublasLtHandle_t,
         dims: (usize, usize, usize),
-        scaling: Fp8Scaling,
+        (scaling, out): (Fp8Scaling, Fp8Out),
         placeholder: u64,
     ) -> BResult<(
         sys::cublasLtMatmulDesc_t,
@@ -345,12 +381,7 @@ impl Fp8Gemm {
         let layouts = [
             lt::create_matrix_layout(e4m3, k, a_cols, k as i64),
             lt::create_matrix_layout(e4m3, k, b_cols, k as i64),
-            lt::create_matrix_layout(
-                sys::cudaDataType::CUDA_R_16BF,
-                a_cols,
-                b_cols,
-                a_cols as i64,
-            ),
+            lt::create_matrix_layout(out.dtype(), a_cols, b_cols, a_cols as i64),
         ];
         let mut ok = Vec::new();
         for l in layouts {
@@ -384,12 +415,13 @@ impl Fp8Gemm {
                         let _ = lt::destroy_matrix_layout(l);
                     }
                 }
-                Err(lt_err(&format!("no {scaling:?}-scaled algorithm"), e))
+                Err(lt_err(&format!("no {scaling:?}-scaled algorithm to {out:?}"), e))
             }
         }
     }
 
-    /// `out = x @ w^T` (its transpose under [`Fp8Scaling::BlocksActivationsFirst`]) with
+    /// `out = x @ w^T` (of type [`Fp8Gemm::out`]; its transpose under
+    /// [`Fp8Scaling::BlocksActivationsFirst`]) with
     /// the scales (sized by [`scale_counts`]) on the device's stream, now.
     pub fn run(
         &self,
@@ -427,7 +459,7 @@ impl Fp8Gemm {
         let (m, k, n) = (self.dims.1 as u64, self.dims.2 as u64, rows as u64);
         let b = lt::create_matrix_layout(sys::cudaDataType::CUDA_R_8F_E4M3, k, n, k as i64)
             .map_err(|e| lt_err("layout", e))?;
-        let d = match lt::create_matrix_layout(sys::cudaDataType::CUDA_R_16BF, m, n, m as i64) {
+        let d = match lt::create_matrix_layout(self.out.dtype(), m, n, m as i64) {
             Ok(d) => d,
             Err(e) => {
                 // SAFETY: created above, not used after.

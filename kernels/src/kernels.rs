@@ -528,9 +528,10 @@ kernels! {
         Fp4ToE4m3 = "k_fp4_to_e4m3" {
             q4: DevPtr, s4: DevPtr, q8: DevPtr, s8: DevPtr, rows: i32, cols: i32,
         }
-        /// deepseek numerics, routed experts on the FP8 GEMM: SwiGLU of the bf16 gate/up
-        /// rows times the routing weight, quantized per 128 (w2's FP8 operand).
-        MoeSwigluQuantE4m3 = "k_moe_swiglu_quant_e4m3" {
+        /// deepseek numerics, routed experts on the FP8 GEMM: SwiGLU of the gate/up rows
+        /// (the GEMM's bf16 or fp32 output) times the routing weight, quantized per 128
+        /// (w2's FP8 operand).
+        MoeSwigluQuantE4m3 = "k_moe_swiglu_quant_e4m3_bf16" | "k_moe_swiglu_quant_e4m3_f32" by Elem {
             gu: DevPtr, map: DevPtr, wts: DevPtr, unit: DevPtr, q: DevPtr, s: DevPtr,
             picks: i32, inter: i32, limit: f32,
         }

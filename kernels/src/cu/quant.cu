@@ -309,22 +309,26 @@ extern "C" __global__ void k_moe_weight_act_quant(float* act, bf16_t* act16, con
 // its own VEC128 [block][row] run). One warp per (pick, 128-block), warp-strided as
 // k_act_quant_e4m3; the padding rows' codes and scales are left as the caller zeroed them.
 
-// w2's input of pick j: SwiGLU of its gate and up halves (bf16, the gate/up GEMM's output
-// at its GEMM row) times its routing weight, then act_quant (k_moe_weight_act_quant's
-// order); `unit[pick] = 1`, the weight the combine then applies.
-extern "C" __global__ void k_moe_swiglu_quant_e4m3(const bf16_t* gu, const int* map, const float* wts, float* unit,
-                                                   unsigned char* q, float* s, int picks, int inter, float limit) {
-    pdl_enter();
+// w2's input of pick j: SwiGLU of its gate and up halves (the gate/up GEMM's output at its
+// GEMM row: bf16, or fp32 where the library writes it) times its routing weight, then
+// act_quant (k_moe_weight_act_quant's order); `unit[pick] = 1`, the weight the combine
+// then applies.
+__device__ __forceinline__ float gemm_out_f(bf16_t v) { return bf16_to_f(v); }
+__device__ __forceinline__ float gemm_out_f(float v) { return v; }
+
+template <typename T>
+__device__ void moe_swiglu_quant_e4m3(const T* gu, const int* map, const float* wts, float* unit,
+                                      unsigned char* q, float* s, int picks, int inter, float limit) {
     int kb = (inter + 127) / 128, lane = threadIdx.x & 31;
     i64 total = (i64)picks * kb, stride = ((i64)gridDim.x * blockDim.x) >> 5;
     for (i64 w = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; w < total; w += stride) {
         int j = (int)(w / kb), b = (int)(w % kb), c0 = b * 128 + lane * 4;
         int pick = map[4 * j], row = map[4 * j + 1];
-        const bf16_t* g = gu + (i64)row * 2 * inter;
+        const T* g = gu + (i64)row * 2 * inter;
         float wt = wts[pick], v[4], am = 0.f;
         for (int i = 0; i < 4; i++) {
             int c = c0 + i;
-            v[i] = c < inter ? swiglu_(bf16_to_f(g[c]), bf16_to_f(g[inter + c]), limit) * wt : 0.f;
+            v[i] = c < inter ? swiglu_(gemm_out_f(g[c]), gemm_out_f(g[inter + c]), limit) * wt : 0.f;
             am = fmaxf(am, fabsf(v[i]));
         }
         float sc = fp8kv_scale(warp_max(am));
@@ -334,6 +338,20 @@ extern "C" __global__ void k_moe_swiglu_quant_e4m3(const bf16_t* gu, const int* 
         if (lane == 0) s[map[4 * j + 2] + (i64)b * map[4 * j + 3]] = sc;
         if (lane == 0 && b == 0) unit[pick] = 1.f;
     }
+}
+
+extern "C" __global__ void k_moe_swiglu_quant_e4m3_bf16(const bf16_t* gu, const int* map, const float* wts,
+                                                        float* unit, unsigned char* q, float* s, int picks,
+                                                        int inter, float limit) {
+    pdl_enter();
+    moe_swiglu_quant_e4m3(gu, map, wts, unit, q, s, picks, inter, limit);
+}
+
+extern "C" __global__ void k_moe_swiglu_quant_e4m3_f32(const float* gu, const int* map, const float* wts,
+                                                       float* unit, unsigned char* q, float* s, int picks,
+                                                       int inter, float limit) {
+    pdl_enter();
+    moe_swiglu_quant_e4m3(gu, map, wts, unit, q, s, picks, inter, limit);
 }
 
 // FP4 expert rows (e2m1 pairs, one ue8m0 scale byte per 32 of a row) expanded to e4m3

@@ -7,7 +7,7 @@
 //! kept per shape ([`GemmCache`]) and each weight's scales in cuBLASLt's layout with the
 //! weight, so a forward neither plans nor synchronises per linear.
 
-use crate::blas_fp8::{Fp8Gemm, Fp8Scaling, OperandScales, SCALE_BLOCK, WORKSPACE};
+use crate::blas_fp8::{Fp8Gemm, Fp8Out, Fp8Scaling, OperandScales, SCALE_BLOCK, WORKSPACE};
 use crate::buf::{f32_buf, out_ptr};
 use crate::device::Gpu;
 use crate::devmem::DevMem;
@@ -43,7 +43,7 @@ pub(crate) const ROW_TILE: usize = 16;
 #[derive(Default)]
 pub(crate) struct GemmCache {
     workspace: Option<Arc<DevMem<u8>>>,
-    gemms: HashMap<((usize, usize, usize), Fp8Scaling), Fp8Gemm>,
+    gemms: HashMap<((usize, usize, usize), Fp8Scaling, Fp8Out), Fp8Gemm>,
     /// Expert GEMMs run so far ([`crate::ops::moe_fp8`]): what shows a check that the
     /// path ran.
     pub(crate) expert_runs: u64,
@@ -63,21 +63,22 @@ impl std::fmt::Debug for GemmCache {
 
 impl GemmCache {
     fn gemm(&mut self, g: &Gpu, dims: (usize, usize, usize)) -> BResult<&Fp8Gemm> {
-        self.gemm_of(g, dims, &SCALINGS)
+        self.gemm_of(g, dims, &SCALINGS, &Fp8Out::UNROUNDED_FIRST)
     }
 
-    /// The GEMM of `dims` with the first of `scalings` the library takes (kept by the
-    /// shape and the first scaling asked for).
+    /// The GEMM of `dims` with the first of `scalings` and `outs` the library takes (kept
+    /// by the shape and the first scaling and output type asked for).
     fn gemm_of(
         &mut self,
         g: &Gpu,
         dims: (usize, usize, usize),
         scalings: &[Fp8Scaling],
+        outs: &[Fp8Out],
     ) -> BResult<&Fp8Gemm> {
-        let first = *scalings
-            .first()
-            .ok_or_else(|| dev_err("an FP8 GEMM asked for with no scaling"))?;
-        let key = (dims, first);
+        let (Some(&first), Some(&out)) = (scalings.first(), outs.first()) else {
+            return Err(dev_err("an FP8 GEMM asked for with no scaling or output type"));
+        };
+        let key = (dims, first, out);
         if !self.gemms.contains_key(&key) {
             if self.gemms.len() >= MAX_SHAPES {
                 // Work already queued may still use the descriptors about to go.
@@ -91,7 +92,7 @@ impl GemmCache {
                         .insert(Arc::new(g.zeros_owned::<u8>(WORKSPACE)?)),
                 ),
             };
-            let gemm = Fp8Gemm::first_of_in(dims, scalings, &ws)?;
+            let gemm = Fp8Gemm::first_of_in(dims, scalings, outs, &ws)?;
             self.gemms.insert(key, gemm);
         }
         self.gemms
@@ -99,36 +100,37 @@ impl GemmCache {
             .ok_or_else(|| dev_err("an FP8 GEMM shape missing from its cache"))
     }
 
-    /// The GEMM planned for `rows`' power-of-two bucket (at least [`ROW_TILE`]), to run at
-    /// `rows` through [`Fp8Gemm::run_rows`]: runs of many row counts (each expert's picks)
-    /// share a few descriptor sets.
+    /// The GEMM planned for `rows`' power-of-two bucket (at least [`ROW_TILE`]) with the
+    /// first of `outs` the library takes, to run at `rows` through [`Fp8Gemm::run_rows`]:
+    /// runs of many row counts (each expert's picks) share a few descriptor sets.
     pub(crate) fn for_rows(
         &mut self,
         g: &Gpu,
         (rows, m, k): (usize, usize, usize),
         scaling: Fp8Scaling,
+        outs: &[Fp8Out],
     ) -> BResult<&Fp8Gemm> {
         let bucket = rows.next_power_of_two().max(ROW_TILE);
-        self.gemm_of(g, (bucket, m, k), &[scaling])
+        self.gemm_of(g, (bucket, m, k), &[scaling], outs)
     }
 
-    /// `out = x @ w^T` over `rows` rows with the bucket's GEMM ([`GemmCache::for_rows`]);
-    /// where the library refuses that algorithm at this row count, with one planned for
-    /// it. `x` and `w` are (codes, scales) device addresses.
+    /// `out = x @ w^T` (values of type `out_type`) over `rows` rows with the bucket's GEMM
+    /// ([`GemmCache::for_rows`]); where the library refuses that algorithm at this row
+    /// count, with one planned for it. `x` and `w` are (codes, scales) device addresses.
     pub(crate) fn run_rows(
         &mut self,
         g: &Gpu,
         (rows, m, k): (usize, usize, usize),
-        scaling: Fp8Scaling,
+        (scaling, out_type): (Fp8Scaling, Fp8Out),
         x: (u64, u64),
         w: (u64, u64),
         out: u64,
     ) -> BResult<()> {
-        let bucketed = self.for_rows(g, (rows, m, k), scaling)?;
+        let bucketed = self.for_rows(g, (rows, m, k), scaling, &[out_type])?;
         if bucketed.run_rows(g, rows, x, w, out).is_ok() {
             return Ok(());
         }
-        self.gemm_of(g, (rows, m, k), &[scaling])?
+        self.gemm_of(g, (rows, m, k), &[scaling], &[out_type])?
             .run_rows(g, rows, x, w, out)
     }
 }
@@ -222,7 +224,8 @@ pub(crate) fn weight_scales(
     g.upload(&laid)
 }
 
-/// `y = act_quant(x) @ w^T` (`n x m`, fp32 out from the GEMM's bf16) for `n` rows of an
+/// `y = act_quant(x) @ w^T` (`n x m`, fp32: the GEMM's own fp32 output where the library
+/// takes it, else widened from its bf16) for `n` rows of an
 /// FP8 weight `w` of `m x k` (see [`takes`] for what it needs); `n` is padded to the
 /// GEMM's row tile.
 pub(crate) fn linear(
@@ -261,18 +264,31 @@ pub(crate) fn linear(
                 .1
         }
     };
-    let out = g.uninit::<u16>(padded * m)?;
-    gemm.run(g, act.q.ptr(), act.s.ptr(), sw.q.ptr(), ws.ptr(), out.ptr())?;
-    // The first n rows of the output (row-major `[padded][m]`; activations-first
-    // scalings are not among SCALINGS).
-    g.launch(
-        grid_1d(n * m),
-        0,
-        &kernels::Bf16ToF32 {
-            x: DevPtr::of(&out),
-            y: out_ptr(&y)?,
-            n: (n * m) as i64,
-        },
-    )?;
+    match gemm.out {
+        Fp8Out::F32 if padded == n => {
+            gemm.run(g, act.q.ptr(), act.s.ptr(), sw.q.ptr(), ws.ptr(), out_ptr(&y)?.0)?;
+        }
+        Fp8Out::F32 => {
+            let out = g.uninit::<f32>(padded * m)?;
+            gemm.run(g, act.q.ptr(), act.s.ptr(), sw.q.ptr(), ws.ptr(), out.ptr())?;
+            // The first n rows (row-major `[padded][m]`).
+            g.copy_dtod(out_ptr(&y)?.0, out.ptr(), n * m * 4)?;
+        }
+        Fp8Out::Bf16 => {
+            let out = g.uninit::<u16>(padded * m)?;
+            gemm.run(g, act.q.ptr(), act.s.ptr(), sw.q.ptr(), ws.ptr(), out.ptr())?;
+            // The first n rows of the output (row-major `[padded][m]`; activations-first
+            // scalings are not among SCALINGS).
+            g.launch(
+                grid_1d(n * m),
+                0,
+                &kernels::Bf16ToF32 {
+                    x: DevPtr::of(&out),
+                    y: out_ptr(&y)?,
+                    n: (n * m) as i64,
+                },
+            )?;
+        }
+    }
     Ok(y)
 }

@@ -3,7 +3,8 @@
 //! host (as [`crate::ops::moe_gemm`]), each pick's input row quantized per 1 x 128 into its
 //! expert's run of GEMM rows (padded to the GEMM's row tile, each run with its own VEC128
 //! scales), one FP8 GEMM per used expert and projection, and between them one kernel for
-//! SwiGLU of the bf16 gate/up rows, the routing weight and w2's act_quant. FP8 experts
+//! SwiGLU of the gate/up rows, the routing weight and w2's act_quant. The GEMMs write
+//! fp32 where the library takes it (bf16 otherwise, widened after w2). FP8 experts
 //! are read as stored (e4m3 bytes, 128 x 128 block scales); FP4 experts are expanded to
 //! e4m3 one expert at a time, exactly (the reference expands them to FP8 inside its GEMM).
 //! No bf16 copy of any expert is made.
@@ -12,11 +13,11 @@
 //! each run at its expert's exact row count, so a forward plans a few shapes, not one per
 //! expert.
 
-use crate::blas_fp8::{Fp8Scaling, OperandScales, SCALE_BLOCK};
+use crate::blas_fp8::{Fp8Out, Fp8Scaling, OperandScales, SCALE_BLOCK};
 use crate::buf::f32_buf;
 use crate::device::Gpu;
 use crate::devmem::DevMem;
-use crate::kernels::{self, DevPtr};
+use crate::kernels::{self, DevPtr, Elem};
 use crate::launch::{dev_err, grid_1d};
 use crate::ops::fp8_linear::{weight_scales, GemmCache, ROW_TILE};
 use crate::ops::moe_gemm::{sort_picks, SortedRows};
@@ -201,17 +202,26 @@ pub(crate) fn routed(
     let runs = Runs::new(&spans);
     let gu_w = ExpertWeights::new(g, p.gate_up, 2 * inter)?;
     let down_w = ExpertWeights::new(g, p.down, h)?;
-    // Whether the library takes these scalings, asked at the largest run's bucket.
+    // Whether the library takes these scalings (and which output type), asked at the
+    // largest run's bucket.
     let most = runs.runs.iter().map(|r| r.4).max().unwrap_or(ROW_TILE);
-    for (dims, scaling) in [
+    let mut outs = [Fp8Out::Bf16; 2];
+    for (i, (dims, scaling)) in [
         ((most, 2 * inter, h), gu_w.scaling()),
         ((most, h, inter), down_w.scaling()),
-    ] {
-        if let Err(e) = cache.for_rows(g, dims, scaling) {
-            tracing::warn!(error = %e, ?dims, ?scaling, "FP8 expert GEMM refused: the experts take bf16 GEMMs");
-            return Ok(None);
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        match cache.for_rows(g, dims, scaling, &Fp8Out::UNROUNDED_FIRST) {
+            Ok(gemm) => outs[i] = gemm.out,
+            Err(e) => {
+                tracing::warn!(error = %e, ?dims, ?scaling, "FP8 expert GEMM refused: the experts take bf16 GEMMs");
+                return Ok(None);
+            }
         }
     }
+    let [gu_out, down_out] = outs;
     let picks = to_i32(n * k, "picks")?;
     let (kb_h, kb_i) = (h / SCALE_BLOCK, inter / SCALE_BLOCK);
     // The gate/up GEMMs' input: every pick's row, quantized into its expert's run.
@@ -234,8 +244,8 @@ pub(crate) fn routed(
             k: to_i32(k, "top k")?,
         },
     )?;
-    let gu = g.uninit::<u16>(runs.rows * 2 * inter)?;
-    run_experts(g, &mut cache, &runs, &gu_w, (&xq, &xs), &gu)?;
+    let gu = g.uninit::<u8>(runs.rows * 2 * inter * gu_out.bytes())?;
+    run_experts(g, &mut cache, &runs, &gu_w, (&xq, &xs), (gu.ptr(), gu_out))?;
     drop((xq, xs, map_h));
     // w2's input: SwiGLU, the routing weight, act_quant.
     let (map_i, _) = runs.map(&order, kb_i)?;
@@ -248,6 +258,10 @@ pub(crate) fn routed(
         grid_1d(n * k * kb_i * 32),
         0,
         &kernels::MoeSwigluQuantE4m3 {
+            variant: match gu_out {
+                Fp8Out::Bf16 => Elem::Bf16,
+                Fp8Out::F32 => Elem::F32,
+            },
             gu: DevPtr::of(&gu),
             map: DevPtr::of(&map_i),
             wts: DevPtr::of(quant.wts),
@@ -260,18 +274,22 @@ pub(crate) fn routed(
         },
     )?;
     drop(gu);
-    let yb = g.uninit::<u16>(runs.rows * h)?;
-    run_experts(g, &mut cache, &runs, &down_w, (&aq, &asc), &yb)?;
     let y = g.uninit::<f32>(runs.rows * h)?;
-    g.launch(
-        grid_1d(runs.rows * h),
-        0,
-        &kernels::Bf16ToF32 {
-            x: DevPtr::of(&yb),
-            y: DevPtr::of(&y),
-            n: (runs.rows * h) as i64,
-        },
-    )?;
+    if down_out == Fp8Out::F32 {
+        run_experts(g, &mut cache, &runs, &down_w, (&aq, &asc), (y.ptr(), down_out))?;
+    } else {
+        let yb = g.uninit::<u16>(runs.rows * h)?;
+        run_experts(g, &mut cache, &runs, &down_w, (&aq, &asc), (yb.ptr(), down_out))?;
+        g.launch(
+            grid_1d(runs.rows * h),
+            0,
+            &kernels::Bf16ToF32 {
+                x: DevPtr::of(&yb),
+                y: DevPtr::of(&y),
+                n: (runs.rows * h) as i64,
+            },
+        )?;
+    }
     Ok(Some(SortedRows {
         y,
         pos: g.upload(&pos)?,
@@ -279,14 +297,15 @@ pub(crate) fn routed(
 }
 
 /// One projection of every used expert: its run of `act`'s rows (e4m3 codes, VEC128
-/// scales per run) times the expert's weight into the same rows of `out` (bf16).
+/// scales per run) times the expert's weight into the same rows of `out` (a device
+/// address, values of `out_type`).
 fn run_experts(
     g: &Gpu,
     cache: &mut GemmCache,
     runs: &Runs,
     weights: &ExpertWeights<'_>,
     (codes, scales): (&DevMem<u8>, &DevMem<f32>),
-    out: &DevMem<u16>,
+    (out, out_type): (u64, Fp8Out),
 ) -> BResult<()> {
     let (m, k) = (weights.per, weights.cols);
     let kb = k / SCALE_BLOCK;
@@ -296,8 +315,8 @@ fn run_experts(
             codes.ptr() + (row0 * k) as u64,
             scales.ptr() + (row0 * kb * 4) as u64,
         );
-        let y = out.ptr() + (row0 * m * 2) as u64;
-        cache.run_rows(g, (rows, m, k), weights.scaling(), x, w, y)?;
+        let y = out + (row0 * m * out_type.bytes()) as u64;
+        cache.run_rows(g, (rows, m, k), (weights.scaling(), out_type), x, w, y)?;
         cache.expert_runs += 1;
     }
     Ok(())
