@@ -108,16 +108,6 @@ pub fn numerics(s: &str) -> Result<Numerics> {
         .context("--numerics")
 }
 
-/// Why a layout spec cannot be served on the CUDA backend yet (`None`: it can). The
-/// kernels of `deepseek` numerics are in (docs/numerics.md, "On the GPU") but have not yet
-/// passed `gpu-check --only deepseek` on a GPU: until they have, serving refuses the mode
-/// there rather than risk wrong logits.
-pub fn cuda_refusal(spec: &KvLayoutSpec) -> Option<&'static str> {
-    (spec.numerics == Numerics::Deepseek).then_some(
-        "--numerics deepseek is not yet verified on the GPU (its kernels await their first `pdserve gpu-check --only deepseek` run); use --device cpu, or --numerics transformers (--kv-dtype fp8 runs on the GPU)",
-    )
-}
-
 /// The KV layout spec of `cfg` with the dtype and page flags applied.
 pub fn layout_spec(
     cfg: &ModelConfig,

@@ -52,7 +52,7 @@ pub fn inspect(mut a: InspectArgs) -> Result<()> {
         );
     }
     let plan = a.model.plan()?;
-    let backend = backend_name(a.model.backend_choice(&plan.spec.layout)?);
+    let backend = backend_name(a.model.backend_choice()?);
     let storage = storage_report(&Checkpoint::open(&plan.spec.dir)?, matrix_elem);
     let report = Report {
         plan: &plan,

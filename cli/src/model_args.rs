@@ -1,7 +1,7 @@
 //! Flags shared by every command that loads a model.
 
 use crate::engine_spec::{
-    cuda_refusal, layout_spec, numerics, open_engine, weight_dtype, CudaSpec, Device, EngineSpec,
+    layout_spec, numerics, open_engine, weight_dtype, CudaSpec, Device, EngineSpec,
     GraphChoice,
 };
 use anyhow::{Context, Result};
@@ -58,7 +58,8 @@ pub struct ModelArgs {
     /// Numerics: `transformers` (f32 activations, exact against transformers' forward) or
     /// `deepseek` (DeepSeek's reference quantization: FP8 activations per 128 before every
     /// FP8/FP4 linear, fp8 compressed KV, Hadamard + FP4 simulation in the indexer; needs
-    /// --kv-dtype fp8; CPU only for now).
+    /// --kv-dtype fp8; on the GPU a prefill's FP8 linears and routed experts run on the
+    /// block-scaled FP8 GEMM).
     #[arg(long, default_value = "transformers")]
     pub numerics: String,
     /// Positions per KV page (a multiple of every compress rate). Default: 256 rounded up to one.
@@ -190,16 +191,9 @@ impl ModelArgs {
         })
     }
 
-    /// The backend `--device` selects for a model with KV layout `spec`: a layout the CUDA
-    /// kernels cannot run refuses `cuda:N` and turns `auto` into the CPU. Nothing is opened.
-    pub fn backend_choice(&self, spec: &KvLayoutSpec) -> Result<BackendChoice> {
+    /// The backend `--device` selects. Nothing is opened.
+    pub fn backend_choice(&self) -> Result<BackendChoice> {
         let device: Device = self.device.parse().context("--device")?;
-        if let Some(reason) = cuda_refusal(spec) {
-            match device {
-                Device::Cuda(_) => anyhow::bail!("{reason}"),
-                Device::Auto | Device::Cpu => return Ok(BackendChoice::Cpu),
-            }
-        }
         Ok(match device {
             Device::Cpu => BackendChoice::Cpu,
             Device::Cuda(n) => BackendChoice::Cuda(n),
@@ -210,8 +204,7 @@ impl ModelArgs {
     /// Load the model on the selected device and run `cmd` with it.
     pub fn run<C: OnEngine>(&self, cmd: C) -> Result<()> {
         let cuda = self.cuda_spec()?;
-        let cfg = pdserve_engine::config::ModelConfig::from_model_dir(&self.model_dir()?)?;
-        match self.backend_choice(&self.layout_spec(&cfg)?)? {
+        match self.backend_choice()? {
             BackendChoice::Cpu => cmd.run(self.load(CpuBackend)?),
             BackendChoice::Cuda(n) => {
                 let b = cuda.open(n).context("CUDA backend unavailable")?;
@@ -235,7 +228,7 @@ impl ModelArgs {
         let cfg = pdserve_engine::config::ModelConfig::from_model_dir(&dir)?;
         let layout_spec = self.layout_spec(&cfg)?;
         let layout = KvLayout::new(&cfg, layout_spec).context("KV layout")?;
-        let on_cpu = self.backend_choice(&layout_spec)? == BackendChoice::Cpu;
+        let on_cpu = self.backend_choice()? == BackendChoice::Cpu;
         let (device_pages, host_pages) = self.pool_pages(&layout, STATE_SLOTS, on_cpu)?;
         let spec = EngineSpec {
             dir,

@@ -25,7 +25,7 @@
 use crate::check::{argmax, rel_err, CheckRow};
 use crate::fp8_gemm::{activations, Rng};
 use crate::stored::{
-    cpu_model, cpu_model_nudged, fmt_name, gpu_model, model_logits, moe_case, quantized_config, FP8_GEMM_MOE,
+    cpu_model, cpu_model_nudged, fmt_name, gpu_model_graphs, gpu_model, model_logits, moe_case, quantized_config, FP8_GEMM_MOE,
     MOE_CASES,
 };
 use pdserve_engine::backend::{HostTensor, TensorOps, WeightUse};
@@ -34,7 +34,7 @@ use pdserve_engine::kv::{EntryDtype, KvLayoutSpec};
 use pdserve_engine::numerics::{
     act_quant, fp4_act_quant, hadamard, Numerics, ACT_BLOCK, FP4_BLOCK,
 };
-use pdserve_kernels::{CudaBackend, WeightDtype};
+use pdserve_kernels::{CudaBackend, GraphMode, WeightDtype};
 
 type AnyResult<T> = Result<T, Box<dyn std::error::Error>>;
 
@@ -297,6 +297,30 @@ fn model_rows(ordinal: usize) -> AnyResult<Vec<CheckRow>> {
     Ok(out)
 }
 
+/// The random model's decode steps under `deepseek` (stored weights, as served) replayed
+/// from captured graphs against the same steps launched one by one: the same bits.
+fn graph_row(ordinal: usize) -> AnyResult<CheckRow> {
+    let spec = spec(Numerics::Deepseek)?;
+    let run = |graphs| -> AnyResult<Vec<Vec<f32>>> {
+        model_logits(&mut gpu_model_graphs(
+            ordinal,
+            "fp4",
+            (WeightDtype::Bf16, false),
+            Some(spec),
+            graphs,
+        )?)
+    };
+    let (captured, eager) = (run(GraphMode::Capture)?, run(GraphMode::Eager)?);
+    let vocab = captured.first().map_or(1, Vec::len).max(1);
+    let errs = bit_errors(&captured.concat(), &eager.concat(), vocab);
+    let differ = errs.iter().filter(|&&e| e > 0.0).count();
+    Ok(row(
+        format!("deepseek random model graphs == eager bitwise ({differ} rows differ)"),
+        &errs,
+        differ == 0,
+    ))
+}
+
 pub fn check_deepseek(ordinal: usize) -> AnyResult<Vec<CheckRow>> {
     let gpu = CudaBackend::new(ordinal, None)?;
     let mut det = CudaBackend::new(ordinal, None)?;
@@ -305,5 +329,6 @@ pub fn check_deepseek(ordinal: usize) -> AnyResult<Vec<CheckRow>> {
     rows.extend(rotation_rows(&gpu)?);
     rows.extend(moe_rows(&gpu, &det)?);
     rows.extend(model_rows(ordinal)?);
+    rows.push(graph_row(ordinal)?);
     Ok(rows)
 }

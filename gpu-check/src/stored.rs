@@ -16,7 +16,7 @@ use pdserve_engine::kv::KvLayoutSpec;
 use pdserve_engine::model::random_weights::RandomSource;
 use pdserve_engine::model::weights::{weight_use, LoadError, ModelWeights, TensorSource};
 use pdserve_engine::{CpuBackend, Engine, Logits, PoolSize};
-use pdserve_kernels::{CudaBackend, WeightDtype};
+use pdserve_kernels::{CudaBackend, GraphMode, WeightDtype};
 
 /// Activations go up in fp32 (`upload` would store a matrix in bf16 under bf16 weights).
 const ACTIVATION: WeightUse = WeightUse::KeepF32;
@@ -491,9 +491,21 @@ pub(crate) fn gpu_model(
     (weights, deterministic): (WeightDtype, bool),
     spec: Option<KvLayoutSpec>,
 ) -> AnyResult<Engine<CudaBackend>> {
+    gpu_model_graphs(ordinal, experts, (weights, deterministic), spec, GraphMode::Capture)
+}
+
+/// [`gpu_model`] with its decode steps run as `graphs` says.
+pub(crate) fn gpu_model_graphs(
+    ordinal: usize,
+    experts: &str,
+    (weights, deterministic): (WeightDtype, bool),
+    spec: Option<KvLayoutSpec>,
+    graphs: GraphMode,
+) -> AnyResult<Engine<CudaBackend>> {
     let cfg = quantized_config(experts)?;
     let mut backend = CudaBackend::with_weights(ordinal, None, weights)?;
     backend.set_deterministic(deterministic);
+    backend.set_graph_mode(graphs);
     let gpu_w = ModelWeights::random(&cfg, &backend, 5)?;
     Ok(Engine::new(cfg, gpu_w, backend, spec, POOL)?)
 }

@@ -4,7 +4,7 @@ use super::{one_or_many, redact, ClusterTokenFlags};
 use crate::engine_spec::{Device, GraphChoice};
 use crate::layered::{self, flag, Entry, Flags};
 use anyhow::{bail, Result};
-use pdserve_engine::kv::{EntryDtype, KvLayoutSpec};
+use pdserve_engine::kv::EntryDtype;
 use pdserve_engine::LoadFormat;
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
@@ -160,17 +160,8 @@ impl WorkerConfig {
         self.load_format()?;
         EntryDtype::parse(&self.index_k_dtype)
             .map_err(|e| anyhow::anyhow!("--index-k-dtype: {e}"))?;
-        let kv_dtype =
-            EntryDtype::parse(&self.kv_dtype).map_err(|e| anyhow::anyhow!("--kv-dtype: {e}"))?;
-        let spec = KvLayoutSpec {
-            kv_dtype,
-            numerics: crate::engine_spec::numerics(&self.numerics)?,
-            page_tokens: 0,
-            index_k_dtype: EntryDtype::F32,
-        };
-        if let Some(reason) = crate::engine_spec::cuda_refusal(&spec).filter(|_| cuda) {
-            bail!("{reason}");
-        }
+        EntryDtype::parse(&self.kv_dtype).map_err(|e| anyhow::anyhow!("--kv-dtype: {e}"))?;
+        crate::engine_spec::numerics(&self.numerics)?;
         match self.transfer.as_str() {
             "grpc" => {}
             "nccl" if !cuda => bail!(
@@ -278,8 +269,8 @@ pub struct WorkerFlags {
     #[arg(long)]
     pub kv_dtype: Option<String>,
     /// Numerics: transformers (f32 activations, exact against transformers) or deepseek
-    /// (DeepSeek's reference quantization; needs --kv-dtype fp8; CPU only for now). Part of
-    /// the KV layout: prefill and decode must agree.
+    /// (DeepSeek's reference quantization; needs --kv-dtype fp8). Part of the KV layout:
+    /// prefill and decode must agree.
     #[arg(long)]
     pub numerics: Option<String>,
     /// Positions per KV page (a multiple of every compress rate).

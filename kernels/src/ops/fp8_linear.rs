@@ -38,12 +38,15 @@ const MAX_SHAPES: usize = 64;
 /// The rows' padding: cuBLASLt's FP8 GEMM takes rows in multiples of 16.
 pub(crate) const ROW_TILE: usize = 16;
 
+/// A kept GEMM's key: `(rows, outputs, inputs)`, the first scaling and output type asked.
+type GemmKey = ((usize, usize, usize), Fp8Scaling, Fp8Out);
+
 /// FP8 GEMM descriptors by `(rows, outputs, inputs)`, sharing one workspace (they run one
 /// after another on the device's stream).
 #[derive(Default)]
 pub(crate) struct GemmCache {
     workspace: Option<Arc<DevMem<u8>>>,
-    gemms: HashMap<((usize, usize, usize), Fp8Scaling, Fp8Out), Fp8Gemm>,
+    gemms: HashMap<GemmKey, Fp8Gemm>,
     /// Expert GEMMs run so far ([`crate::ops::moe_fp8`]): what shows a check that the
     /// path ran.
     pub(crate) expert_runs: u64,
