@@ -39,8 +39,8 @@ pub struct ModelFlags {
     pub index_k_dtype: String,
     /// Numerics: transformers (f32 activations) or deepseek (DeepSeek's reference
     /// quantization: FP8 activations before the FP8/FP4 linears, which then run on FP8
-    /// tensor cores in a prefill; needs --kv-dtype fp8). Not yet verified on a GPU: see
-    /// `pdserve gpu-check --only deepseek`.
+    /// tensor cores in a prefill; needs --kv-dtype fp8). `pdserve gpu-check --only
+    /// deepseek` holds its GPU kernels to the CPU.
     #[arg(long, default_value = "transformers", value_parser = ["transformers", "deepseek"])]
     pub numerics: String,
     /// Weight storage on a CUDA device: bf16 (router and hyper-connection maps stay fp32)
