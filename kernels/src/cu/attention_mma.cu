@@ -19,10 +19,7 @@
 // already (k_query_heads_bf16), the same bits the kernel's own rounding of `q` gives.
 //
 // A tile: the keys' bf16 values in shared memory (cp.async for bf16 entries, the next
-// tile's copies in flight while this one computes). fp8 entries: with bf16 products their
-// bytes (row and scales) go the same way, by cp.async into a staging tile, and are
-// converted into the key tile once they have landed; the `_exact` variant (no room for the
-// staging tiles) converts them on the way, from global memory. Warp
+// tile's copies in flight while this one computes; fp8 entries converted on the way). Warp
 // w owns heads 16 (w % 4) .. +16 and channels (w / 4) hd/2 .. +hd/2, its partner w ^ 4 the
 // other half of the same heads:
 //   scores  each warp takes S[16 x ATM_T] = Q K^T over its half of the channels; the pair
@@ -36,8 +33,7 @@
 // Requires hd a multiple of 32, at most 16 * ATM_MAXNT (the host takes multiples of 64 up
 // to 512); fp8 entries with 16-byte aligned rows (nope a multiple of 16). Dynamic
 // shared memory: MmaPlan::shared_bytes (ops/attention_mma.rs) gives the layout below (the
-// exact variant: the lo halves of the queries after the key tiles; bf16 products over fp8
-// entries: two staging tiles of entry rows, then of their scale bytes, after the key tiles).
+// exact variant: the lo halves of the queries after the key tiles).
 #define ATM_H 64
 #define ATM_T 32
 #define ATM_PAD 8
@@ -52,27 +48,6 @@ __device__ __forceinline__ u32 atm_fp8_pair(u32 w, float s) {
     float f0 = (b0 & 0x7fu) == 0x7fu ? __int_as_float(0x7fc00000) : e4m3w(b0) * s;
     float f1 = (b1 & 0x7fu) == 0x7fu ? __int_as_float(0x7fc00000) : e4m3w(b1) * s;
     return (u32)f_to_bf16(f0) | ((u32)f_to_bf16(f1) << 16);
-}
-
-// 8-byte cp.async (an fp8 entry's scale bytes).
-__device__ __forceinline__ void atm_cp8(void* dst, const void* src) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(tc_smem(dst)), "l"(src));
-}
-
-// Eight channels c .. c + 7 of an fp8 entry (`a`: its row, `sc`: its scale bytes) as bf16.
-__device__ __forceinline__ uint4 atm_fp8_chunk(const unsigned char* a, const unsigned char* sc, int c, int nope) {
-    uint4 w;
-    if (c < nope) {
-        uint2 codes = *reinterpret_cast<const uint2*>(a + c);
-        float s = e8m0_to_f(sc[c / KV_TILE]);
-        w.x = atm_fp8_pair(codes.x, s);
-        w.y = atm_fp8_pair(codes.x >> 16, s);
-        w.z = atm_fp8_pair(codes.y, s);
-        w.w = atm_fp8_pair(codes.y >> 16, s);
-    } else {
-        w = *reinterpret_cast<const uint4*>(a + nope + (i64)(c - nope) * 2);
-    }
-    return w;
 }
 
 __device__ __forceinline__ u32 atm_pack(float lo, float hi) {
@@ -129,11 +104,6 @@ __device__ __forceinline__ void atm_body(const unsigned char* pages, const unsig
     }
     int nope = hd - rd;
     int ntiles = (k1 - k0 + ATM_T - 1) / ATM_T;
-    // fp8 entries under bf16 products: staging tiles of entry rows and scale bytes.
-    const bool staged = !EXACT && dt != 1;
-    const int eb = nope + 2 * rd, sb = fp8kv_scale_bytes(nope);
-    unsigned char* raw = (unsigned char*)(ks + 2 * ATM_T * ldk);  // [2][ATM_T][eb]
-    unsigned char* raw_sc = raw + 2 * ATM_T * eb;                 // [2][ATM_T][sb]
     // Addresses of tile t's keys into slot b (past the split's keys: its last key again,
     // whose scores are masked, so that every loaded value is a finite key).
     auto stage = [&](int t, int b) {
@@ -155,39 +125,26 @@ __device__ __forceinline__ void atm_body(const unsigned char* pages, const unsig
             if (dt == 1) {
                 tc_cp16(d, a + c8 * 16);
             } else {
-                *reinterpret_cast<uint4*>(d) =
-                    atm_fp8_chunk(a, (const unsigned char*)saddr[b * ATM_T + key], c8 * 8, nope);
+                int c = c8 * 8;
+                uint4 w;
+                if (c < nope) {
+                    uint2 codes = *reinterpret_cast<const uint2*>(a + c);
+                    float s = e8m0_to_f(((const unsigned char*)saddr[b * ATM_T + key])[c / KV_TILE]);
+                    w.x = atm_fp8_pair(codes.x, s);
+                    w.y = atm_fp8_pair(codes.x >> 16, s);
+                    w.z = atm_fp8_pair(codes.y, s);
+                    w.w = atm_fp8_pair(codes.y >> 16, s);
+                } else {
+                    w = *reinterpret_cast<const uint4*>(a + nope + (i64)(c - nope) * 2);
+                }
+                *reinterpret_cast<uint4*>(d) = w;
             }
-        }
-    };
-    // fp8 entries, staged: slot b's entry rows and scale bytes into staging tile b.
-    int rpr = eb >> 4, spr = sb >> 3;
-    auto load_raw = [&](int b) {
-        for (int i = tid; i < ATM_T * rpr; i += ATM_THREADS) {
-            int key = i / rpr, c = i - key * rpr;
-            tc_cp16(raw + (b * ATM_T + key) * eb + c * 16, (const unsigned char*)kaddr[b * ATM_T + key] + c * 16);
-        }
-        for (int i = tid; i < ATM_T * spr; i += ATM_THREADS) {
-            int key = i / spr, c = i - key * spr;
-            atm_cp8(raw_sc + (b * ATM_T + key) * sb + c * 8, (const unsigned char*)saddr[b * ATM_T + key] + c * 8);
-        }
-    };
-    // Staging tile b (landed) into key buffer b: the values `load` would have converted.
-    auto convert = [&](int b) {
-        bf16_t* kb = ks + b * ATM_T * ldk;
-        for (int i = tid; i < ATM_T * cpr; i += ATM_THREADS) {
-            int key = i / cpr, c8 = i - key * cpr;
-            *reinterpret_cast<uint4*>(kb + key * ldk + c8 * 8) =
-                atm_fp8_chunk(raw + (b * ATM_T + key) * eb, raw_sc + (b * ATM_T + key) * sb, c8 * 8, nope);
         }
     };
     // The first tile's copies go out before the queries are read.
     stage(0, 0);
     __syncthreads();
-    if (staged)
-        load_raw(0);
-    else
-        load(0);
+    load(0);
     tc_commit();
     // Unrolled so that several rows' loads are in flight per thread (the block is alone on
     // its SM: nothing else hides their latency).
@@ -231,19 +188,10 @@ __device__ __forceinline__ void atm_body(const unsigned char* pages, const unsig
         // The next addresses are visible, and every warp is done with tile t - 1 (whose
         // buffer the next copies overwrite, and whose partial scores the pair read).
         __syncthreads();
-        if (t + 1 < ntiles) {
-            if (staged)
-                load_raw(b ^ 1);
-            else
-                load(b ^ 1);
-        }
+        if (t + 1 < ntiles) load(b ^ 1);
         tc_commit();
         tc_wait_prev();
         __syncthreads();
-        if (staged) {
-            convert(b);
-            __syncthreads();
-        }
         const bf16_t* kb = ks + b * ATM_T * ldk;
         int lim = min(ATM_T, k1 - k0 - t * ATM_T);  // keys of this tile
         // s[j]: keys 8j .. 8j+7; [0], [1] head g, [2], [3] head g + 8.

@@ -69,20 +69,10 @@ impl MmaPlan {
 
     /// Dynamic shared memory of a block (`k_attention_mma`'s layout): key and scale
     /// addresses of two tiles, the warps' partial scores, queries and two key tiles;
-    /// `exact`: the lo halves of the queries too; then `staging` bytes ([`staging_bytes`]).
-    pub(crate) fn shared_bytes(hd: usize, exact: bool, staging: usize) -> usize {
+    /// `exact`: the lo halves of the queries too.
+    pub(crate) fn shared_bytes(hd: usize, exact: bool) -> usize {
         let halves = if exact { 2 } else { 1 };
-        4 * TILE * 8 + PARTIAL_SCORES * 4 + (halves * HEADS + 2 * TILE) * (hd + PAD) * 2 + staging
-    }
-}
-
-/// The staging tiles of fp8 entries under bf16 products: two tiles of entry rows and of
-/// their scale bytes, copied asynchronously before they are converted (0 for bf16
-/// entries and the exact variant, which convert on the way).
-pub(crate) fn staging_bytes(a: &AttentionArgs, exact: bool) -> usize {
-    match a.dt == DT_FP8 && !exact {
-        true => 2 * TILE * (a.entry_bytes + a.scale_bytes),
-        false => 0,
+        4 * TILE * 8 + PARTIAL_SCORES * 4 + (halves * HEADS + 2 * TILE) * (hd + PAD) * 2
     }
 }
 
@@ -99,12 +89,11 @@ pub(crate) fn takes(a: &AttentionArgs, exact: bool) -> bool {
         && a.hd.is_multiple_of(64)
         && a.hd <= MAX_HEAD_DIM
         && a.entry_bytes.is_multiple_of(16)
-        && a.scale_bytes.is_multiple_of(8)
         && aligned(a.page_bytes)
         && aligned(a.state_bytes)
         && aligned(a.win_off)
         && aligned(a.comp_off)
-        && MmaPlan::shared_bytes(a.hd, exact, staging_bytes(a, exact)) <= MMA_SHARED
+        && MmaPlan::shared_bytes(a.hd, exact) <= MMA_SHARED
 }
 
 /// A direct launch's bf16 queries and output instead of `AttentionArgs::q` and `out`: the
@@ -160,7 +149,7 @@ pub(crate) fn launch(
             n_heads.div_ceil(HEADS) as u32,
             plan.nsplit as u32,
         ),
-        MmaPlan::shared_bytes(hd, exact, staging_bytes(a, exact)) as u32,
+        MmaPlan::shared_bytes(hd, exact) as u32,
         &kernels::AttentionMma {
             variant: if exact {
                 Products::HiLo
@@ -220,15 +209,13 @@ mod tests {
 
     #[test]
     fn the_block_fits_the_shared_memory_at_head_dim_512() {
-        // V4's fp8 entry: 448 e4m3 codes, 64 bf16 rope values, 7 scale bytes padded to 8.
-        let fp8_staging = 2 * TILE * (448 + 128 + 8);
-        for (exact, staging) in [(false, 0), (true, 0), (false, fp8_staging)] {
-            let bytes = MmaPlan::shared_bytes(512, exact, staging);
+        for exact in [false, true] {
+            let bytes = MmaPlan::shared_bytes(512, exact);
             assert!(bytes <= MMA_SHARED, "{bytes}");
             // Two blocks would not fit an SM (228 KiB): the plan aims at one per SM.
             assert!(2 * bytes > 228 * 1024);
         }
-        assert!(MmaPlan::shared_bytes(512, true, 0) > MmaPlan::shared_bytes(512, false, 0));
+        assert!(MmaPlan::shared_bytes(512, true) > MmaPlan::shared_bytes(512, false));
     }
 
     #[test]
