@@ -224,6 +224,30 @@ extern "C" __global__ void k_quantize_fp4(const float* x, unsigned char* q, unsi
     }
 }
 
+// Values c0 .. c0 + 3 of a row (0 past `cols`): one 16-byte load where all four lie in the
+// row at an aligned address, else one at a time (the same values either way).
+__device__ __forceinline__ void aq_load4(const float* xr, int c0, int cols, float v[4]) {
+    if (c0 + 3 < cols && ((unsigned long long)(xr + c0) & 15ull) == 0) {
+        float4 f = *reinterpret_cast<const float4*>(xr + c0);
+        v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
+        return;
+    }
+    for (int i = 0; i < 4; i++) v[i] = c0 + i < cols ? xr[c0 + i] : 0.f;
+}
+
+// The e4m3 codes of v[0..4) over `sc` into qr[c0 ..] (none past `cols`): one 4-byte store
+// where all four lie in the row at an aligned address, else byte by byte.
+__device__ __forceinline__ void aq_store4(unsigned char* qr, int c0, int cols, const float v[4], float sc) {
+    if (c0 + 3 < cols && ((unsigned long long)(qr + c0) & 3ull) == 0) {
+        u32 w = 0;
+        for (int i = 0; i < 4; i++) w |= (u32)fp8kv_code(v[i], sc) << (8 * i);
+        *reinterpret_cast<u32*>(qr + c0) = w;
+        return;
+    }
+    for (int i = 0; i < 4; i++)
+        if (c0 + i < cols) qr[c0 + i] = fp8kv_code(v[i], sc);
+}
+
 // DeepSeek's act_quant of fp32 activations (pdserve_engine::numerics::quantize_e4m3_block):
 // per 128 values of a row, the power-of-two scale at or above max(amax, 1e-4) / 448
 // (fp8kv_scale's rule, the fp8 KV entries' too) and the e4m3 codes of the values over it,
@@ -239,16 +263,11 @@ extern "C" __global__ void k_act_quant_e4m3(const float* x, int ldx, unsigned ch
     // The warp index is the same on every lane: whole warps loop and leave together.
     for (i64 w = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; w < total; w += stride) {
         int r = (int)(w / kb), b = (int)(w % kb), c0 = b * 128 + lane * 4;
-        const float* xr = x + (i64)r * ldx;
         float v[4], am = 0.f;
-        for (int i = 0; i < 4; i++) {
-            v[i] = c0 + i < cols ? xr[c0 + i] : 0.f;
-            am = fmaxf(am, fabsf(v[i]));
-        }
+        aq_load4(x + (i64)r * ldx, c0, cols, v);
+        for (int i = 0; i < 4; i++) am = fmaxf(am, fabsf(v[i]));
         float sc = fp8kv_scale(warp_max(am));
-        unsigned char* qr = q + (i64)r * cols;
-        for (int i = 0; i < 4; i++)
-            if (c0 + i < cols) qr[c0 + i] = fp8kv_code(v[i], sc);
+        aq_store4(q + (i64)r * cols, c0, cols, v, sc);
         if (lane == 0) s[(i64)b * srows + r] = sc;
     }
 }
@@ -313,8 +332,10 @@ extern "C" __global__ void k_moe_weight_act_quant(float* act, bf16_t* act16, con
 // GEMM row: bf16, or fp32 where the library writes it) times its routing weight, then
 // act_quant (k_moe_weight_act_quant's order); `unit[pick] = 1`, the weight the combine
 // then applies.
-__device__ __forceinline__ float gemm_out_f(bf16_t v) { return bf16_to_f(v); }
-__device__ __forceinline__ float gemm_out_f(float v) { return v; }
+__device__ __forceinline__ void gemm_out_load4(const float* g, int c0, int n, float v[4]) { aq_load4(g, c0, n, v); }
+__device__ __forceinline__ void gemm_out_load4(const bf16_t* g, int c0, int n, float v[4]) {
+    for (int i = 0; i < 4; i++) v[i] = c0 + i < n ? bf16_to_f(g[c0 + i]) : 0.f;
+}
 
 template <typename T>
 __device__ void moe_swiglu_quant_e4m3(const T* gu, const int* map, const float* wts, float* unit,
@@ -325,16 +346,15 @@ __device__ void moe_swiglu_quant_e4m3(const T* gu, const int* map, const float* 
         int j = (int)(w / kb), b = (int)(w % kb), c0 = b * 128 + lane * 4;
         int pick = map[4 * j], row = map[4 * j + 1];
         const T* g = gu + (i64)row * 2 * inter;
-        float wt = wts[pick], v[4], am = 0.f;
+        float wt = wts[pick], gate[4], up[4], v[4], am = 0.f;
+        gemm_out_load4(g, c0, inter, gate);
+        gemm_out_load4(g + inter, c0, inter, up);
         for (int i = 0; i < 4; i++) {
-            int c = c0 + i;
-            v[i] = c < inter ? swiglu_(gemm_out_f(g[c]), gemm_out_f(g[inter + c]), limit) * wt : 0.f;
+            v[i] = c0 + i < inter ? swiglu_(gate[i], up[i], limit) * wt : 0.f;
             am = fmaxf(am, fabsf(v[i]));
         }
         float sc = fp8kv_scale(warp_max(am));
-        unsigned char* qr = q + (i64)row * inter;
-        for (int i = 0; i < 4; i++)
-            if (c0 + i < inter) qr[c0 + i] = fp8kv_code(v[i], sc);
+        aq_store4(q + (i64)row * inter, c0, inter, v, sc);
         if (lane == 0) s[map[4 * j + 2] + (i64)b * map[4 * j + 3]] = sc;
         if (lane == 0 && b == 0) unit[pick] = 1.f;
     }
@@ -389,16 +409,11 @@ extern "C" __global__ void k_act_quant_e4m3_picks(const float* x, const int* map
     i64 total = (i64)picks * kb, stride = ((i64)gridDim.x * blockDim.x) >> 5;
     for (i64 w = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; w < total; w += stride) {
         int j = (int)(w / kb), b = (int)(w % kb), c0 = b * 128 + lane * 4;
-        const float* xr = x + (i64)(map[4 * j] / k) * cols;
         float v[4], am = 0.f;
-        for (int i = 0; i < 4; i++) {
-            v[i] = c0 + i < cols ? xr[c0 + i] : 0.f;
-            am = fmaxf(am, fabsf(v[i]));
-        }
+        aq_load4(x + (i64)(map[4 * j] / k) * cols, c0, cols, v);
+        for (int i = 0; i < 4; i++) am = fmaxf(am, fabsf(v[i]));
         float sc = fp8kv_scale(warp_max(am));
-        unsigned char* qr = q + (i64)map[4 * j + 1] * cols;
-        for (int i = 0; i < 4; i++)
-            if (c0 + i < cols) qr[c0 + i] = fp8kv_code(v[i], sc);
+        aq_store4(q + (i64)map[4 * j + 1] * cols, c0, cols, v, sc);
         if (lane == 0) s[map[4 * j + 2] + (i64)b * map[4 * j + 3]] = sc;
     }
 }
