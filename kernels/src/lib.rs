@@ -11,7 +11,6 @@ mod buf;
 pub mod compile;
 pub mod device;
 mod devmem;
-mod early_download;
 pub mod fp8_host;
 mod graph_cache;
 pub mod graph_metrics;
