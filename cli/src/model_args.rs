@@ -1,8 +1,7 @@
 //! Flags shared by every command that loads a model.
 
 use crate::engine_spec::{
-    layout_spec, numerics, open_engine, weight_dtype, CudaSpec, Device, EngineSpec,
-    GraphChoice,
+    layout_spec, numerics, open_engine, weight_dtype, CudaSpec, Device, EngineSpec, GraphChoice,
 };
 use anyhow::{Context, Result};
 use pdserve_engine::backend::Backend;

@@ -59,10 +59,7 @@ fn logits_run_under_deepseek_numerics_and_need_fp8_kv() {
         "cuda:0",
     ]) {
         Ok(gpu) => assert!(gpu.iter().flatten().all(|v| v.is_finite())),
-        Err(err) => assert!(
-            err.contains("CUDA") && !err.contains("numerics"),
-            "{err}"
-        ),
+        Err(err) => assert!(err.contains("CUDA") && !err.contains("numerics"), "{err}"),
     }
 }
 

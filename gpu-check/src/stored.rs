@@ -491,7 +491,13 @@ pub(crate) fn gpu_model(
     (weights, deterministic): (WeightDtype, bool),
     spec: Option<KvLayoutSpec>,
 ) -> AnyResult<Engine<CudaBackend>> {
-    gpu_model_graphs(ordinal, experts, (weights, deterministic), spec, GraphMode::Capture)
+    gpu_model_graphs(
+        ordinal,
+        experts,
+        (weights, deterministic),
+        spec,
+        GraphMode::Capture,
+    )
 }
 
 /// [`gpu_model`] with its decode steps run as `graphs` says.

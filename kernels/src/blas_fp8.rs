@@ -254,8 +254,7 @@ impl Fp8Gemm {
             for &out in outs {
                 match Self::with_workspace(dims, (scaling, out), workspace) {
                     Ok(mut gemm) => {
-                        gemm.block_refused =
-                            (!refusals.is_empty()).then(|| refusals.join("; "));
+                        gemm.block_refused = (!refusals.is_empty()).then(|| refusals.join("; "));
                         return Ok(gemm);
                     }
                     Err(e) => refusals.push(format!("{scaling:?} to {out:?}: {e}")),
@@ -415,7 +414,10 @@ impl Fp8Gemm {
                         let _ = lt::destroy_matrix_layout(l);
                     }
                 }
-                Err(lt_err(&format!("no {scaling:?}-scaled algorithm to {out:?}"), e))
+                Err(lt_err(
+                    &format!("no {scaling:?}-scaled algorithm to {out:?}"),
+                    e,
+                ))
             }
         }
     }

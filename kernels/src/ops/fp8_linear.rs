@@ -79,7 +79,9 @@ impl GemmCache {
         outs: &[Fp8Out],
     ) -> BResult<&Fp8Gemm> {
         let (Some(&first), Some(&out)) = (scalings.first(), outs.first()) else {
-            return Err(dev_err("an FP8 GEMM asked for with no scaling or output type"));
+            return Err(dev_err(
+                "an FP8 GEMM asked for with no scaling or output type",
+            ));
         };
         let key = (dims, first, out);
         if !self.gemms.contains_key(&key) {
@@ -269,7 +271,14 @@ pub(crate) fn linear(
     };
     match gemm.out {
         Fp8Out::F32 if padded == n => {
-            gemm.run(g, act.q.ptr(), act.s.ptr(), sw.q.ptr(), ws.ptr(), out_ptr(&y)?.0)?;
+            gemm.run(
+                g,
+                act.q.ptr(),
+                act.s.ptr(),
+                sw.q.ptr(),
+                ws.ptr(),
+                out_ptr(&y)?.0,
+            )?;
         }
         Fp8Out::F32 => {
             let out = g.uninit::<f32>(padded * m)?;

@@ -276,10 +276,24 @@ pub(crate) fn routed(
     drop(gu);
     let y = g.uninit::<f32>(runs.rows * h)?;
     if down_out == Fp8Out::F32 {
-        run_experts(g, &mut cache, &runs, &down_w, (&aq, &asc), (y.ptr(), down_out))?;
+        run_experts(
+            g,
+            &mut cache,
+            &runs,
+            &down_w,
+            (&aq, &asc),
+            (y.ptr(), down_out),
+        )?;
     } else {
         let yb = g.uninit::<u16>(runs.rows * h)?;
-        run_experts(g, &mut cache, &runs, &down_w, (&aq, &asc), (yb.ptr(), down_out))?;
+        run_experts(
+            g,
+            &mut cache,
+            &runs,
+            &down_w,
+            (&aq, &asc),
+            (yb.ptr(), down_out),
+        )?;
         g.launch(
             grid_1d(runs.rows * h),
             0,
