@@ -274,31 +274,20 @@ pub(crate) fn routed(
         },
     )?;
     drop(gu);
+    // The down GEMMs write y itself, or bf16 rows widened into it.
     let y = g.uninit::<f32>(runs.rows * h)?;
-    if down_out == Fp8Out::F32 {
-        run_experts(
-            g,
-            &mut cache,
-            &runs,
-            &down_w,
-            (&aq, &asc),
-            (y.ptr(), down_out),
-        )?;
-    } else {
-        let yb = g.uninit::<u16>(runs.rows * h)?;
-        run_experts(
-            g,
-            &mut cache,
-            &runs,
-            &down_w,
-            (&aq, &asc),
-            (yb.ptr(), down_out),
-        )?;
+    let yb = match down_out {
+        Fp8Out::F32 => None,
+        Fp8Out::Bf16 => Some(g.uninit::<u16>(runs.rows * h)?),
+    };
+    let dst = yb.as_ref().map_or(y.ptr(), DevMem::ptr);
+    run_experts(g, &mut cache, &runs, &down_w, (&aq, &asc), (dst, down_out))?;
+    if let Some(yb) = &yb {
         g.launch(
             grid_1d(runs.rows * h),
             0,
             &kernels::Bf16ToF32 {
-                x: DevPtr::of(&yb),
+                x: DevPtr::of(yb),
                 y: DevPtr::of(&y),
                 n: (runs.rows * h) as i64,
             },
