@@ -50,6 +50,8 @@ pub struct Gpu {
     step: Mutex<StepState>,
     /// Page-locked bounce buffer of large device-to-host copies.
     pinned: Mutex<Option<cudarc::driver::PinnedHostSlice<u8>>>,
+    /// Page-locked buffer of early downloads (`crate::early_download`), between uses.
+    early: Mutex<Option<cudarc::driver::PinnedHostSlice<u8>>>,
     /// Rope tables kept between calls outside decode steps (see `ops::rope_tables`).
     rope_tables: Mutex<RopeTableCache>,
     /// Every kernel of [`REGISTRY`] by name.
@@ -318,6 +320,7 @@ impl Gpu {
             blas,
             step: Mutex::new(StepState::default()),
             pinned: Mutex::new(None),
+            early: Mutex::new(None),
             rope_tables: Mutex::new(RopeTableCache::default()),
             funcs,
             arch,
@@ -455,6 +458,27 @@ impl Gpu {
         }
         self.synchronize()?;
         Ok(v)
+    }
+
+    /// The early downloads' page-locked buffer, if one is kept (taken until given back).
+    pub(crate) fn take_early_buffer(
+        &self,
+    ) -> BResult<Option<cudarc::driver::PinnedHostSlice<u8>>> {
+        let mut early = self
+            .early
+            .lock()
+            .map_err(|_| BackendError::Device("early buffer poisoned by a panic".into()))?;
+        Ok(early.take())
+    }
+
+    /// Keep `buf` for the next early download.
+    pub(crate) fn keep_early_buffer(&self, buf: cudarc::driver::PinnedHostSlice<u8>) -> BResult<()> {
+        let mut early = self
+            .early
+            .lock()
+            .map_err(|_| BackendError::Device("early buffer poisoned by a panic".into()))?;
+        *early = Some(buf);
+        Ok(())
     }
 
     /// A large copy to the host through a reused page-locked buffer (pageable copies of

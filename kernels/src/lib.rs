@@ -11,6 +11,7 @@ mod buf;
 pub mod compile;
 pub mod device;
 mod devmem;
+mod early_download;
 pub mod fp8_host;
 mod graph_cache;
 pub mod graph_metrics;

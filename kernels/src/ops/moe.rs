@@ -138,31 +138,13 @@ pub fn moe(
         (x, None)
     };
     let q = quant.as_ref();
-    // The routed experts' outputs, and where each pick's row is (None: in pick order).
-    let (y, pos) = if g.deterministic {
-        (routed_grouped(g, xr, p, &ids, q)?, None)
-    } else if moe_gemm::worthwhile(g, n, k, e) {
-        // FP8 experts under deepseek numerics on the FP8 GEMM, else bf16 GEMMs.
-        let fp8 = match q {
-            Some(q) if moe_fp8::takes(g, p, true) => moe_fp8::routed(g, gemms, xr, p, &ids, q)?,
-            _ => None,
-        };
-        let sorted = match fp8 {
-            Some(sorted) => sorted,
-            None => moe_gemm::routed(g, xr, p, &ids, q)?,
-        };
-        (sorted.y, Some(sorted.pos))
-    } else if tensor_cores(g, p, n) && moe_mma::takes(g, p, h) {
-        let (list, count) = expert_lists(g, &ids, n, e, k)?;
-        (moe_mma::routed(g, xr, p, &list, &count, q)?, None)
-    } else if q.is_none() && moe_gemm::padded_worthwhile(p, n, k, e) {
-        // (Its activations sit in per-expert slots: no deepseek step there.)
-        let (list, count) = expert_lists(g, &ids, n, e, k)?;
-        (moe_gemm::routed_padded(g, xr, p, &list, &count)?, None)
-    } else {
-        (routed_grouped(g, xr, p, &ids, q)?, None)
+    // The sorted-GEMM path sorts the picks on the host: their copy starts now and the
+    // shared expert is queued behind it, so the device runs that while the host sorts.
+    let sorted_path = !g.deterministic && moe_gemm::worthwhile(g, n, k, e);
+    let early_ids = match sorted_path {
+        true => Some(g.download_early(&ids, n * k)?),
+        false => None,
     };
-    let combine_wts = q.map_or(&wts, |q| q.unit);
     // Shared expert (its input and its SwiGLU output quantized under `deepseek`).
     let linear = |x: &GpuTensor, w: &GpuTensor| match p.act_quant_shared {
         true => quantized(x, w),
@@ -183,6 +165,34 @@ pub fn moe(
         },
     )?;
     let shared = linear(&sact, p.shared_down)?;
+    // The routed experts' outputs, and where each pick's row is (None: in pick order).
+    let (y, pos) = if let Some(early) = early_ids {
+        let host_ids = early.finish()?;
+        // FP8 experts under deepseek numerics on the FP8 GEMM, else bf16 GEMMs.
+        let fp8 = match q {
+            Some(q) if moe_fp8::takes(g, p, true) => {
+                moe_fp8::routed(g, gemms, xr, p, &host_ids, q)?
+            }
+            _ => None,
+        };
+        let sorted = match fp8 {
+            Some(sorted) => sorted,
+            None => moe_gemm::routed(g, xr, p, &host_ids, q)?,
+        };
+        (sorted.y, Some(sorted.pos))
+    } else if g.deterministic {
+        (routed_grouped(g, xr, p, &ids, q)?, None)
+    } else if tensor_cores(g, p, n) && moe_mma::takes(g, p, h) {
+        let (list, count) = expert_lists(g, &ids, n, e, k)?;
+        (moe_mma::routed(g, xr, p, &list, &count, q)?, None)
+    } else if q.is_none() && moe_gemm::padded_worthwhile(p, n, k, e) {
+        // (Its activations sit in per-expert slots: no deepseek step there.)
+        let (list, count) = expert_lists(g, &ids, n, e, k)?;
+        (moe_gemm::routed_padded(g, xr, p, &list, &count)?, None)
+    } else {
+        (routed_grouped(g, xr, p, &ids, q)?, None)
+    };
+    let combine_wts = q.map_or(&wts, |q| q.unit);
     let out = new_f32(g, n, h)?;
     g.launch(
         (n as u32, h.div_ceil(COMBINE_COLS) as u32, 1),

@@ -189,7 +189,7 @@ pub(crate) fn routed(
     gemms: &Mutex<GemmCache>,
     x: &GpuTensor,
     p: &MoeParams<'_, GpuTensor>,
-    ids: &DevMem<i32>,
+    host_ids: &[i32],
     quant: &RoutedQuant<'_>,
 ) -> BResult<Option<SortedRows>> {
     let (n, h) = (x.rows, x.cols);
@@ -197,8 +197,10 @@ pub(crate) fn routed(
     let mut cache = gemms
         .lock()
         .map_err(|_| dev_err("FP8 GEMM cache lock poisoned"))?;
-    let host_ids = g.download(ids, n * k)?;
-    let (order, spans) = sort_picks(&host_ids, e);
+    if host_ids.len() != n * k {
+        return Err(dev_err(format!("{} picks for {n} rows of {k}", host_ids.len())));
+    }
+    let (order, spans) = sort_picks(host_ids, e);
     let runs = Runs::new(&spans);
     let gu_w = ExpertWeights::new(g, p.gate_up, 2 * inter)?;
     let down_w = ExpertWeights::new(g, p.down, h)?;

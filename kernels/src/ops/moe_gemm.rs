@@ -1,14 +1,15 @@
-//! Routed experts as cuBLAS GEMMs (prefill): the routing is copied to the host, picks are
-//! sorted by expert, their rows gathered (in bf16 next to bf16 weights), and each used
+//! Routed experts as cuBLAS GEMMs (prefill): the routing, copied to the host (the caller
+//! waits for that copy only, with the shared expert queued behind it), picks sorted by
+//! expert, their rows gathered (in bf16 next to bf16 weights), and each used
 //! expert runs two tensor-core GEMMs over all of its picks (gate+up, then down), with
 //! SwiGLU between; the outputs stay sorted, and the combine reads them through each pick's
-//! position. Used outside decode steps only (it synchronises on the routing).
+//! position. Used outside decode steps only (the host reads the routing).
 
 use crate::buf::{f32_buf, storage};
 use crate::device::Gpu;
 use crate::devmem::DevMem;
 use crate::kernels::{self, DevPtr};
-use crate::launch::grid_1d;
+use crate::launch::{dev_err, grid_1d};
 use crate::ops::numerics::{self, Activations, RoutedQuant};
 use crate::ops::stored;
 use crate::tensor::{Buf, GpuTensor};
@@ -79,13 +80,15 @@ pub(crate) fn routed(
     g: &Gpu,
     x: &GpuTensor,
     p: &MoeParams<'_, GpuTensor>,
-    ids: &DevMem<i32>,
+    host_ids: &[i32],
     quant: Option<&RoutedQuant<'_>>,
 ) -> BResult<SortedRows> {
     let (n, h) = (x.rows, x.cols);
     let (e, k, inter) = (p.n_experts, p.top_k, p.intermediate);
-    let host_ids = g.download(ids, n * k)?;
-    let (order, spans) = sort_picks(&host_ids, e);
+    if host_ids.len() != n * k {
+        return Err(dev_err(format!("{} picks for {n} rows of {k}", host_ids.len())));
+    }
+    let (order, spans) = sort_picks(host_ids, e);
     let rows_of: Vec<i32> = order.iter().map(|&a| a / k as i32).collect();
     let mut pos = vec![0i32; order.len()];
     for (j, &a) in order.iter().enumerate() {
