@@ -461,9 +461,7 @@ impl Gpu {
     }
 
     /// The early downloads' page-locked buffer, if one is kept (taken until given back).
-    pub(crate) fn take_early_buffer(
-        &self,
-    ) -> BResult<Option<cudarc::driver::PinnedHostSlice<u8>>> {
+    pub(crate) fn take_early_buffer(&self) -> BResult<Option<cudarc::driver::PinnedHostSlice<u8>>> {
         let mut early = self
             .early
             .lock()
@@ -472,7 +470,10 @@ impl Gpu {
     }
 
     /// Keep `buf` for the next early download.
-    pub(crate) fn keep_early_buffer(&self, buf: cudarc::driver::PinnedHostSlice<u8>) -> BResult<()> {
+    pub(crate) fn keep_early_buffer(
+        &self,
+        buf: cudarc::driver::PinnedHostSlice<u8>,
+    ) -> BResult<()> {
         let mut early = self
             .early
             .lock()

@@ -14,7 +14,7 @@ use crate::devmem::DevMem;
 use crate::kernels::{self, DevPtr};
 use crate::launch::{dev_err, grid_1d};
 use crate::ops::stored::to_i32;
-use crate::ops::tensors::new_f32;
+use crate::ops::tensors::{bf16_to_f32, new_f32};
 use crate::tensor::{Buf, GpuTensor, StoredBuf};
 use pdserve_engine::backend::BResult;
 use pdserve_engine::checkpoint::dequant::e8m0_to_f32;
@@ -269,38 +269,21 @@ pub(crate) fn linear(
                 .1
         }
     };
-    match gemm.out {
-        Fp8Out::F32 if padded == n => {
-            gemm.run(
-                g,
-                act.q.ptr(),
-                act.s.ptr(),
-                sw.q.ptr(),
-                ws.ptr(),
-                out_ptr(&y)?.0,
-            )?;
-        }
-        Fp8Out::F32 => {
-            let out = g.uninit::<f32>(padded * m)?;
-            gemm.run(g, act.q.ptr(), act.s.ptr(), sw.q.ptr(), ws.ptr(), out.ptr())?;
-            // The first n rows (row-major `[padded][m]`).
-            g.copy_dtod(out_ptr(&y)?.0, out.ptr(), n * m * 4)?;
-        }
-        Fp8Out::Bf16 => {
-            let out = g.uninit::<u16>(padded * m)?;
-            gemm.run(g, act.q.ptr(), act.s.ptr(), sw.q.ptr(), ws.ptr(), out.ptr())?;
-            // The first n rows of the output (row-major `[padded][m]`; activations-first
-            // scalings are not among SCALINGS).
-            g.launch(
-                grid_1d(n * m),
-                0,
-                &kernels::Bf16ToF32 {
-                    x: DevPtr::of(&out),
-                    y: out_ptr(&y)?,
-                    n: (n * m) as i64,
-                },
-            )?;
-        }
+    // The GEMM writes y itself where it can (fp32 sums, no padded rows), else a scratch
+    // of `padded` rows (row-major `[padded][m]`) whose first n rows go into y.
+    let y_ptr = out_ptr(&y)?.0;
+    let scratch = if gemm.out == Fp8Out::F32 && padded == n {
+        None
+    } else {
+        Some(g.uninit::<u8>(padded * m * gemm.out.bytes())?)
+    };
+    let dst = scratch.as_ref().map_or(y_ptr, DevMem::ptr);
+    gemm.run(g, act.q.ptr(), act.s.ptr(), sw.q.ptr(), ws.ptr(), dst)?;
+    match (&scratch, gemm.out) {
+        (None, _) => {}
+        (Some(s), Fp8Out::F32) => g.copy_dtod(y_ptr, s.ptr(), n * m * 4)?,
+        // (Activations-first scalings are not among SCALINGS.)
+        (Some(s), Fp8Out::Bf16) => bf16_to_f32(g, s.ptr(), y_ptr, n * m)?,
     }
     Ok(y)
 }

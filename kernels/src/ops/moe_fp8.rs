@@ -23,6 +23,7 @@ use crate::ops::fp8_linear::{weight_scales, GemmCache, ROW_TILE};
 use crate::ops::moe_gemm::{sort_picks, SortedRows};
 use crate::ops::numerics::RoutedQuant;
 use crate::ops::stored::to_i32;
+use crate::ops::tensors::bf16_to_f32;
 use crate::tensor::{GpuTensor, StoredBuf};
 use pdserve_engine::backend::{BResult, MoeParams};
 use pdserve_engine::checkpoint::WeightFormat;
@@ -198,7 +199,10 @@ pub(crate) fn routed(
         .lock()
         .map_err(|_| dev_err("FP8 GEMM cache lock poisoned"))?;
     if host_ids.len() != n * k {
-        return Err(dev_err(format!("{} picks for {n} rows of {k}", host_ids.len())));
+        return Err(dev_err(format!(
+            "{} picks for {n} rows of {k}",
+            host_ids.len()
+        )));
     }
     let (order, spans) = sort_picks(host_ids, e);
     let runs = Runs::new(&spans);
@@ -207,23 +211,12 @@ pub(crate) fn routed(
     // Whether the library takes these scalings (and which output type), asked at the
     // largest run's bucket.
     let most = runs.runs.iter().map(|r| r.4).max().unwrap_or(ROW_TILE);
-    let mut outs = [Fp8Out::Bf16; 2];
-    for (i, (dims, scaling)) in [
-        ((most, 2 * inter, h), gu_w.scaling()),
-        ((most, h, inter), down_w.scaling()),
-    ]
-    .into_iter()
-    .enumerate()
-    {
-        match cache.for_rows(g, dims, scaling, &Fp8Out::UNROUNDED_FIRST) {
-            Ok(gemm) => outs[i] = gemm.out,
-            Err(e) => {
-                tracing::warn!(error = %e, ?dims, ?scaling, "FP8 expert GEMM refused: the experts take bf16 GEMMs");
-                return Ok(None);
-            }
-        }
-    }
-    let [gu_out, down_out] = outs;
+    let Some(gu_out) = expert_out(g, &mut cache, (most, 2 * inter, h), gu_w.scaling()) else {
+        return Ok(None);
+    };
+    let Some(down_out) = expert_out(g, &mut cache, (most, h, inter), down_w.scaling()) else {
+        return Ok(None);
+    };
     let picks = to_i32(n * k, "picks")?;
     let (kb_h, kb_i) = (h / SCALE_BLOCK, inter / SCALE_BLOCK);
     // The gate/up GEMMs' input: every pick's row, quantized into its expert's run.
@@ -285,20 +278,29 @@ pub(crate) fn routed(
     let dst = yb.as_ref().map_or(y.ptr(), DevMem::ptr);
     run_experts(g, &mut cache, &runs, &down_w, (&aq, &asc), (dst, down_out))?;
     if let Some(yb) = &yb {
-        g.launch(
-            grid_1d(runs.rows * h),
-            0,
-            &kernels::Bf16ToF32 {
-                x: DevPtr::of(yb),
-                y: DevPtr::of(&y),
-                n: (runs.rows * h) as i64,
-            },
-        )?;
+        bf16_to_f32(g, yb.ptr(), y.ptr(), runs.rows * h)?;
     }
     Ok(Some(SortedRows {
         y,
         pos: g.upload(&pos)?,
     }))
+}
+
+/// The output type of the block-scaled GEMM the library has for an expert projection of
+/// `dims` (rows, outputs, inputs), or `None` (logged) where it has none.
+fn expert_out(
+    g: &Gpu,
+    cache: &mut GemmCache,
+    dims: (usize, usize, usize),
+    scaling: Fp8Scaling,
+) -> Option<Fp8Out> {
+    match cache.for_rows(g, dims, scaling, &Fp8Out::UNROUNDED_FIRST) {
+        Ok(gemm) => Some(gemm.out),
+        Err(e) => {
+            tracing::warn!(error = %e, ?dims, ?scaling, "FP8 expert GEMM refused: the experts take bf16 GEMMs");
+            None
+        }
+    }
 }
 
 /// One projection of every used expert: its run of `act`'s rows (e4m3 codes, VEC128

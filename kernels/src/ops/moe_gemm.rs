@@ -86,7 +86,10 @@ pub(crate) fn routed(
     let (n, h) = (x.rows, x.cols);
     let (e, k, inter) = (p.n_experts, p.top_k, p.intermediate);
     if host_ids.len() != n * k {
-        return Err(dev_err(format!("{} picks for {n} rows of {k}", host_ids.len())));
+        return Err(dev_err(format!(
+            "{} picks for {n} rows of {k}",
+            host_ids.len()
+        )));
     }
     let (order, spans) = sort_picks(host_ids, e);
     let rows_of: Vec<i32> = order.iter().map(|&a| a / k as i32).collect();

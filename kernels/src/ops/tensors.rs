@@ -51,6 +51,19 @@ fn widen(bits: Vec<u16>) -> Vec<f32> {
         .collect()
 }
 
+/// Widens `n` bf16 values at device address `x` into fp32 values at `y`.
+pub(crate) fn bf16_to_f32(g: &Gpu, x: u64, y: u64, n: usize) -> BResult<()> {
+    g.launch(
+        grid_1d(n),
+        0,
+        &kernels::Bf16ToF32 {
+            x: DevPtr(x),
+            y: DevPtr(y),
+            n: n as i64,
+        },
+    )
+}
+
 /// An fp32 output tensor; every caller's kernel writes all of it.
 pub(crate) fn new_f32(g: &Gpu, rows: usize, cols: usize) -> BResult<GpuTensor> {
     let buf = Buf::F32(g.uninit::<f32>(rows * cols)?);
@@ -63,15 +76,7 @@ pub(crate) fn param_f32(g: &Gpu, t: &GpuTensor) -> BResult<DevMem<f32>> {
         Buf::F32(s) => Ok(DevMem::view(s.ptr(), s.len())),
         Buf::Bf16(s) => {
             let out = g.uninit::<f32>(t.len())?;
-            g.launch(
-                grid_1d(t.len()),
-                0,
-                &kernels::Bf16ToF32 {
-                    x: DevPtr::of(s),
-                    y: DevPtr::of(&out),
-                    n: t.len() as i64,
-                },
-            )?;
+            bf16_to_f32(g, s.ptr(), out.ptr(), t.len())?;
             Ok(out)
         }
         Buf::Stored(_) => Err(shape_err(
