@@ -105,3 +105,63 @@ fn prefill_and_decode_disagreeing_on_numerics_refuse_naming_it() {
     assert_eq!(st, 502, "{body}");
     assert!(body.contains("numerics"), "{body}");
 }
+
+/// `scripts/ab-logits.sh OLD NEW` (the bitwise A/B of two binaries, run on the GPU before
+/// timing a change that only moves work around) on the CPU: its four cases (the embedded
+/// model, and random deepseek-numerics models in the released formats) run and pass for
+/// one binary against itself, and fail, exit status 1, against a binary whose logits
+/// files gain a byte.
+#[test]
+fn ab_logits_script_passes_equal_binaries_and_fails_differing_ones() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let exe = env!("CARGO_BIN_EXE_pdserve");
+    let run = |new: &str| {
+        std::process::Command::new("bash")
+            .arg(root.join("scripts/ab-logits.sh"))
+            .args([exe, new])
+            .env("DEVICE", "cpu")
+            .output()
+            .unwrap()
+    };
+    let same = run(exe);
+    let text = String::from_utf8_lossy(&same.stdout).into_owned();
+    assert!(
+        same.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&same.stderr)
+    );
+    for case in [
+        "embedded-kv-bf16",
+        "embedded-kv-fp8",
+        "deepseek-fp8-experts",
+        "deepseek-fp4-experts",
+    ] {
+        assert!(
+            text.contains(&format!("PASS {case}: logits bitwise equal")),
+            "{text}"
+        );
+    }
+    // A binary whose logits files end in one more byte than the real one's.
+    let dir = tempfile::tempdir().unwrap();
+    let tampered = dir.path().join("pdserve-tampered");
+    std::fs::write(
+        &tampered,
+        format!(
+            "#!/usr/bin/env bash\n\"{exe}\" \"$@\" || exit $?\nprev=\nfor a in \"$@\"; do [ \"$prev\" = --out ] && echo >> \"$a\"; prev=$a; done\n"
+        ),
+    )
+    .unwrap();
+    std::process::Command::new("chmod")
+        .arg("+x")
+        .arg(&tampered)
+        .status()
+        .unwrap();
+    let differ = run(tampered.to_str().unwrap());
+    let text = String::from_utf8_lossy(&differ.stdout).into_owned();
+    assert_eq!(differ.status.code(), Some(1), "{text}");
+    assert_eq!(text.matches("FAIL ").count(), 4, "{text}");
+    assert!(
+        text.contains("FAIL deepseek-fp4-experts: logits differ"),
+        "{text}"
+    );
+}
