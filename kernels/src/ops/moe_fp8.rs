@@ -198,13 +198,7 @@ pub(crate) fn routed(
     let mut cache = gemms
         .lock()
         .map_err(|_| dev_err("FP8 GEMM cache lock poisoned"))?;
-    if host_ids.len() != n * k {
-        return Err(dev_err(format!(
-            "{} picks for {n} rows of {k}",
-            host_ids.len()
-        )));
-    }
-    let (order, spans) = sort_picks(host_ids, e);
+    let (order, spans) = sort_picks(host_ids, (n, k), e)?;
     let runs = Runs::new(&spans);
     let gu_w = ExpertWeights::new(g, p.gate_up, 2 * inter)?;
     let down_w = ExpertWeights::new(g, p.down, h)?;

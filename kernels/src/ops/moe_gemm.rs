@@ -21,12 +21,30 @@ pub(crate) fn worthwhile(g: &Gpu, rows: usize, k: usize, experts: usize) -> bool
     !g.in_step() && rows * k >= 4 * experts
 }
 
-/// Picks sorted by expert (ascending pick index within an expert) and each expert's
-/// `(first, count)` in that order.
-pub(crate) fn sort_picks(ids: &[i32], experts: usize) -> (Vec<i32>, Vec<(usize, usize)>) {
+/// Pick indices in expert order, and each expert's `(first, count)` in that order.
+pub(crate) type SortedPicks = (Vec<i32>, Vec<(usize, usize)>);
+
+/// The picks of `rows` rows of `k` (expert ids, as the host read them) sorted by expert
+/// (ascending pick index within an expert); an error where there are not `rows * k`
+/// picks or one names no expert (a corrupt routing, never a panic).
+pub(crate) fn sort_picks(
+    ids: &[i32],
+    (rows, k): (usize, usize),
+    experts: usize,
+) -> BResult<SortedPicks> {
+    if ids.len() != rows * k {
+        return Err(dev_err(format!(
+            "{} picks for {rows} rows of {k}",
+            ids.len()
+        )));
+    }
     let mut counts = vec![0usize; experts];
     for &e in ids {
-        counts[e as usize] += 1;
+        let count = usize::try_from(e)
+            .ok()
+            .and_then(|e| counts.get_mut(e))
+            .ok_or_else(|| dev_err(format!("a pick of expert {e} of {experts}")))?;
+        *count += 1;
     }
     let mut spans = Vec::with_capacity(experts);
     let mut first = 0;
@@ -40,7 +58,7 @@ pub(crate) fn sort_picks(ids: &[i32], experts: usize) -> (Vec<i32>, Vec<(usize, 
         order[next[e as usize]] = a as i32;
         next[e as usize] += 1;
     }
-    (order, spans)
+    Ok((order, spans))
 }
 
 /// `c[rows, m] = a[rows, kd] @ w[m, kd]^T` for one expert's span; element offsets given.
@@ -85,13 +103,7 @@ pub(crate) fn routed(
 ) -> BResult<SortedRows> {
     let (n, h) = (x.rows, x.cols);
     let (e, k, inter) = (p.n_experts, p.top_k, p.intermediate);
-    if host_ids.len() != n * k {
-        return Err(dev_err(format!(
-            "{} picks for {n} rows of {k}",
-            host_ids.len()
-        )));
-    }
-    let (order, spans) = sort_picks(host_ids, e);
+    let (order, spans) = sort_picks(host_ids, (n, k), e)?;
     let rows_of: Vec<i32> = order.iter().map(|&a| a / k as i32).collect();
     let mut pos = vec![0i32; order.len()];
     for (j, &a) in order.iter().enumerate() {
@@ -358,11 +370,21 @@ mod tests {
     fn picks_sort_by_expert_keeping_pick_order() {
         // 3 rows x k=2 over 4 experts.
         let ids = [2, 0, 0, 3, 2, 1];
-        let (order, spans) = sort_picks(&ids, 4);
+        let (order, spans) = sort_picks(&ids, (3, 2), 4).unwrap();
         assert_eq!(order, vec![1, 2, 5, 0, 4, 3]);
         assert_eq!(spans, vec![(0, 2), (2, 1), (3, 2), (5, 1)]);
-        let (order, spans) = sort_picks(&[1, 1], 3);
+        let (order, spans) = sort_picks(&[1, 1], (1, 2), 3).unwrap();
         assert_eq!(order, vec![0, 1]);
         assert_eq!(spans, vec![(0, 0), (0, 2), (2, 0)]);
+    }
+
+    #[test]
+    fn picks_of_the_wrong_count_or_no_expert_are_errors() {
+        let short = sort_picks(&[0, 1, 2], (2, 2), 4).unwrap_err().to_string();
+        assert!(short.contains("3 picks for 2 rows of 2"), "{short}");
+        let past = sort_picks(&[0, 4], (1, 2), 4).unwrap_err().to_string();
+        assert!(past.contains("a pick of expert 4 of 4"), "{past}");
+        let negative = sort_picks(&[-1, 0], (1, 2), 4).unwrap_err().to_string();
+        assert!(negative.contains("a pick of expert -1 of 4"), "{negative}");
     }
 }
