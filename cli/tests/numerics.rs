@@ -151,11 +151,8 @@ fn ab_logits_script_passes_equal_binaries_and_fails_differing_ones() {
         ),
     )
     .unwrap();
-    std::process::Command::new("chmod")
-        .arg("+x")
-        .arg(&tampered)
-        .status()
-        .unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&tampered, std::fs::Permissions::from_mode(0o755)).unwrap();
     let differ = run(tampered.to_str().unwrap());
     let text = String::from_utf8_lossy(&differ.stdout).into_owned();
     assert_eq!(differ.status.code(), Some(1), "{text}");

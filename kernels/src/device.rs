@@ -460,26 +460,14 @@ impl Gpu {
         Ok(v)
     }
 
-    /// The early downloads' page-locked buffer, if one is kept (taken until given back).
-    pub(crate) fn take_early_buffer(&self) -> BResult<Option<cudarc::driver::PinnedHostSlice<u8>>> {
-        let mut early = self
-            .early
-            .lock()
-            .map_err(|_| BackendError::Device("early buffer poisoned by a panic".into()))?;
-        Ok(early.take())
-    }
-
-    /// Keep `buf` for the next early download.
-    pub(crate) fn keep_early_buffer(
+    /// The early downloads' page-locked buffer between uses (`take` it for a copy, put it
+    /// back once the copy is read).
+    pub(crate) fn early_buffer(
         &self,
-        buf: cudarc::driver::PinnedHostSlice<u8>,
-    ) -> BResult<()> {
-        let mut early = self
-            .early
+    ) -> BResult<std::sync::MutexGuard<'_, Option<cudarc::driver::PinnedHostSlice<u8>>>> {
+        self.early
             .lock()
-            .map_err(|_| BackendError::Device("early buffer poisoned by a panic".into()))?;
-        *early = Some(buf);
-        Ok(())
+            .map_err(|_| BackendError::Device("early buffer poisoned by a panic".into()))
     }
 
     /// A large copy to the host through a reused page-locked buffer (pageable copies of

@@ -36,7 +36,8 @@ impl Gpu {
         }
         let n = n.min(s.len());
         let bytes = n * std::mem::size_of::<T>();
-        let mut host = match self.take_early_buffer()? {
+        let kept = self.early_buffer()?.take();
+        let mut host = match kept {
             Some(h) if h.len() >= bytes => h,
             _ => {
                 // SAFETY: plain page-locked bytes; only bytes the copy below writes are read.
@@ -89,7 +90,7 @@ impl<T: DeviceRepr> EarlyDownload<'_, T> {
                 v.set_len(self.n);
             }
         }
-        self.gpu.keep_early_buffer(host)?;
+        *self.gpu.early_buffer()? = Some(host);
         Ok(v)
     }
 }
