@@ -167,8 +167,8 @@ fn moe_rows(gpu: &CudaBackend, det: &CudaBackend) -> AnyResult<Vec<CheckRow>> {
                 case.what,
                 case.batches
             );
-            let same = moe_case(det, case, experts, (true, true))?;
-            let other = moe_case(det, case, experts, (true, false))?;
+            let same = moe_case(det, case, experts, (true, true))?.errs;
+            let other = moe_case(det, case, experts, (true, false))?.errs;
             let (typical, gap) = (quantile(&same, 0.5), quantile(&other, 0.5));
             let pass = quantile(&same, MOST) <= TIGHT
                 && same.iter().all(|&e| e <= LOOSE)
@@ -179,12 +179,12 @@ fn moe_rows(gpu: &CudaBackend, det: &CudaBackend) -> AnyResult<Vec<CheckRow>> {
                 pass,
             ));
             let before = gpu.fp8_expert_gemm_runs()?;
-            let errs = moe_case(gpu, case, experts, (true, true))?;
+            let errs = moe_case(gpu, case, experts, (true, true))?.errs;
             let ran = gpu.fp8_expert_gemm_runs()? - before;
             let fp8_gemm = case.what == FP8_GEMM_MOE.what;
             let (pass, what) = match fp8_gemm {
                 true => {
-                    let off = moe_case(gpu, case, experts, (true, false))?;
+                    let off = moe_case(gpu, case, experts, (true, false))?.errs;
                     let (typical, gap) = (quantile(&errs, 0.5), quantile(&off, 0.5));
                     let pass = ran > 0
                         && typical * 4.0 <= gap
@@ -321,6 +321,39 @@ fn graph_row(ordinal: usize) -> AnyResult<CheckRow> {
     ))
 }
 
+/// The prefill's routed-expert FP8 GEMMs spread over side streams (the default) give the
+/// same bits as the same GEMMs one after another on the device's stream.
+fn lanes_rows(gpu: &CudaBackend, ordinal: usize) -> AnyResult<Vec<CheckRow>> {
+    let mut serial = CudaBackend::new(ordinal, None)?;
+    serial.set_expert_lanes(1);
+    let mut out = Vec::new();
+    for experts in [WeightFormat::Fp4Packed, WeightFormat::Fp8Block] {
+        let before = gpu.fp8_expert_gemm_runs()?;
+        let spread = moe_case(gpu, &FP8_GEMM_MOE, experts, (true, true))?;
+        let ran = gpu.fp8_expert_gemm_runs()? - before;
+        let one = moe_case(&serial, &FP8_GEMM_MOE, experts, (true, true))?;
+        let differ = spread
+            .bits
+            .iter()
+            .zip(&one.bits)
+            .filter(|(a, b)| a != b)
+            .count();
+        let pass = ran > 0 && differ == 0 && spread.bits.len() == one.bits.len();
+        out.push(row(
+            format!(
+                "deepseek {} experts FP8 GEMMs on {} streams == on one, bitwise \
+                 ({ran} expert GEMMs, {differ} of {} values differ)",
+                fmt_name(experts),
+                pdserve_kernels::DEFAULT_LANES,
+                spread.bits.len()
+            ),
+            &spread.errs,
+            pass,
+        ));
+    }
+    Ok(out)
+}
+
 pub fn check_deepseek(ordinal: usize) -> AnyResult<Vec<CheckRow>> {
     let gpu = CudaBackend::new(ordinal, None)?;
     let mut det = CudaBackend::new(ordinal, None)?;
@@ -328,6 +361,7 @@ pub fn check_deepseek(ordinal: usize) -> AnyResult<Vec<CheckRow>> {
     let mut rows = vec![act_quant_row(&gpu)?];
     rows.extend(rotation_rows(&gpu)?);
     rows.extend(moe_rows(&gpu, &det)?);
+    rows.extend(lanes_rows(&gpu, ordinal)?);
     rows.extend(model_rows(ordinal)?);
     rows.push(graph_row(ordinal)?);
     Ok(rows)

@@ -250,7 +250,7 @@ fn moe_rows(gpu: &CudaBackend, det: &CudaBackend) -> AnyResult<Vec<CheckRow>> {
         for &experts in formats {
             let default_tol = if case.crowded { MMA_TOL } else { REL_TOL };
             for (b, tol, label) in [(gpu, default_tol, ""), (det, GEMM_TOL, " --deterministic")] {
-                let errs = moe_case(b, case, experts, (false, false))?;
+                let errs = moe_case(b, case, experts, (false, false))?.errs;
                 let (worst, rows) = (errs.iter().copied().fold(0f64, f64::max), errs.len());
                 out.push(CheckRow {
                     name: format!(
@@ -273,14 +273,21 @@ fn moe_rows(gpu: &CudaBackend, det: &CudaBackend) -> AnyResult<Vec<CheckRow>> {
     Ok(out)
 }
 
-/// Each row's relative error of one case and expert format on backend `b` against the CPU;
-/// `(on the GPU, on the CPU)`: whether each runs DeepSeek's activation quantization.
+/// One case's run on the GPU: each output row's relative error against the CPU, and the
+/// outputs' bits (every batch's rows in turn).
+pub(crate) struct MoeRun {
+    pub(crate) errs: Vec<f64>,
+    pub(crate) bits: Vec<u32>,
+}
+
+/// One case and expert format on backend `b` against the CPU; `(on the GPU, on the CPU)`:
+/// whether each runs DeepSeek's activation quantization.
 pub(crate) fn moe_case(
     b: &CudaBackend,
     case: &MoeCase,
     experts: WeightFormat,
     (gpu_deepseek, cpu_deepseek): (bool, bool),
-) -> AnyResult<Vec<f64>> {
+) -> AnyResult<MoeRun> {
     let MoeCase {
         e, h, inter, top_k, ..
     } = *case;
@@ -315,7 +322,7 @@ pub(crate) fn moe_case(
     let (cgu, cdown) = (on_cpu(&gu)?, on_cpu(&down)?);
     let (csg, csu, csd) = (on_cpu(&sg)?, on_cpu(&su)?, on_cpu(&sd)?);
     let crouter = cpu.upload(router_h)?;
-    let mut errs = Vec::new();
+    let (mut errs, mut bits) = (Vec::new(), Vec::new());
     for &rows in case.batches {
         let hash: Vec<u32> = (0..rows * top_k)
             .map(|i| {
@@ -343,6 +350,7 @@ pub(crate) fn moe_case(
             ),
         )?;
         let got = b.to_host(&got)?;
+        bits.extend(got.data.iter().map(|v| v.to_bits()));
         let want = cpu.moe(
             &cpu.upload(x)?,
             &moe_params(
@@ -359,7 +367,7 @@ pub(crate) fn moe_case(
                 .map(|(g, w)| rel_err(g, w)),
         );
     }
-    Ok(errs)
+    Ok(MoeRun { errs, bits })
 }
 
 /// MoE parameters over `[router, gate_up, down, shared gate, up, down]`, hash-routed.

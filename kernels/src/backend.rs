@@ -161,6 +161,14 @@ impl CudaBackend {
         self.gpu.dense_kernel = kernel;
     }
 
+    /// Side streams the routed experts' FP8 GEMMs of a prefill spread over (one GEMM per
+    /// used expert and projection; several run at once where one does not fill the
+    /// device): `1` queues them all on the device's stream, the A/B of that choice
+    /// (`bench prefill --expert-lanes`). The same bits either way.
+    pub fn set_expert_lanes(&mut self, lanes: usize) {
+        self.gpu.expert_lanes = lanes.max(1);
+    }
+
     /// Whether kernels are launched with programmatic dependent launch (each may be
     /// scheduled while the previous one finishes, and waits for it in its first
     /// statement), eagerly and inside captured graphs alike. On by default where the

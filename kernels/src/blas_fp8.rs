@@ -434,7 +434,21 @@ impl Fp8Gemm {
         w_scale: u64,
         out: u64,
     ) -> BResult<()> {
-        self.run_in(gpu, self.layouts, (x, x_scale), (w, w_scale), out)
+        self.run_in(
+            self.own_lane(gpu),
+            self.layouts,
+            (x, x_scale),
+            (w, w_scale),
+            out,
+        )
+    }
+
+    /// The device's stream and this GEMM's own workspace.
+    fn own_lane(&self, gpu: &crate::device::Gpu) -> (sys::cudaStream_t, u64) {
+        (
+            gpu.stream.cu_stream() as sys::cudaStream_t,
+            self.workspace.ptr(),
+        )
     }
 
     /// [`Fp8Gemm::run`] over `rows` rows of x (a multiple of 16), with this GEMM's
@@ -449,8 +463,42 @@ impl Fp8Gemm {
         w: (u64, u64),
         out: u64,
     ) -> BResult<()> {
+        self.run_rows_in(self.own_lane(gpu), rows, x, w, out)
+    }
+
+    /// [`Fp8Gemm::run_rows`] on a side stream with its own workspace (at least
+    /// [`WORKSPACE`] bytes; GEMMs that may run at once must not share one).
+    pub(crate) fn run_rows_on(
+        &self,
+        lane: &crate::lanes::Lane,
+        rows: usize,
+        x: (u64, u64),
+        w: (u64, u64),
+        out: u64,
+    ) -> BResult<()> {
+        if lane.workspace.len() < WORKSPACE {
+            return Err(dev_err(format!(
+                "a lane's FP8 GEMM workspace of {} bytes; {WORKSPACE} needed",
+                lane.workspace.len()
+            )));
+        }
+        let on = (
+            lane.stream.cu_stream() as sys::cudaStream_t,
+            lane.workspace.ptr(),
+        );
+        self.run_rows_in(on, rows, x, w, out)
+    }
+
+    fn run_rows_in(
+        &self,
+        lane: (sys::cudaStream_t, u64),
+        rows: usize,
+        x: (u64, u64),
+        w: (u64, u64),
+        out: u64,
+    ) -> BResult<()> {
         if rows == self.dims.0 {
-            return self.run_in(gpu, self.layouts, x, w, out);
+            return self.run_in(lane, self.layouts, x, w, out);
         }
         if self.scaling.activations_first() || !rows.is_multiple_of(16) {
             return Err(dev_err(format!(
@@ -471,7 +519,7 @@ impl Fp8Gemm {
                 return Err(lt_err("layout", e));
             }
         };
-        let ran = self.run_in(gpu, [self.layouts[0], b, d], x, w, out);
+        let ran = self.run_in(lane, [self.layouts[0], b, d], x, w, out);
         // SAFETY: created above; cuBLASLt reads layouts only while the call is made.
         unsafe {
             let _ = lt::destroy_matrix_layout(b);
@@ -480,9 +528,11 @@ impl Fp8Gemm {
         ran
     }
 
+    /// The GEMM on `stream` with `workspace` (a [`WORKSPACE`] no GEMM running at the same
+    /// time uses).
     fn run_in(
         &self,
-        gpu: &crate::device::Gpu,
+        (stream, workspace): (sys::cudaStream_t, u64),
         layouts: [sys::cublasLtMatrixLayout_t; 3],
         (x, x_scale): (u64, u64),
         (w, w_scale): (u64, u64),
@@ -503,9 +553,8 @@ impl Fp8Gemm {
         set_ptr(A::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, a_scale)?;
         set_ptr(A::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, b_scale)?;
         let (alpha, beta) = (1f32, 0f32);
-        let stream = gpu.stream.cu_stream() as sys::cudaStream_t;
         // SAFETY: the pointers are live device buffers of the sizes `dims` and
-        // `scale_counts` give; the workspace lives with `self`.
+        // `scale_counts` give; the workspace lives with `self` or its lane.
         unsafe {
             lt::matmul(
                 self.handle,
@@ -521,7 +570,7 @@ impl Fp8Gemm {
                 out as *mut c_void,
                 layouts[2],
                 &self.algo,
-                self.workspace.ptr() as *mut c_void,
+                workspace as *mut c_void,
                 WORKSPACE,
                 stream,
             )

@@ -5,6 +5,7 @@ use crate::blas::Blas;
 use crate::compile::{self, CompileError};
 use crate::devmem::DevMem;
 use crate::kernels::{Kernel, REGISTRY};
+use crate::lanes::{Lanes, DEFAULT_LANES};
 use crate::launch::{dev_err, launch_programmatic, Arg, BLOCK};
 use crate::recorder::{StepMode, StepRecord};
 use crate::rope_cache::RopeTableCache;
@@ -54,6 +55,11 @@ pub struct Gpu {
     early: Mutex<Option<cudarc::driver::PinnedHostSlice<u8>>>,
     /// Rope tables kept between calls outside decode steps (see `ops::rope_tables`).
     rope_tables: Mutex<RopeTableCache>,
+    /// Side streams of the routed experts' FP8 GEMMs, made at first use (`crate::lanes`).
+    lanes: Mutex<Option<Lanes>>,
+    /// How many: 1 queues every expert GEMM on the stream (see
+    /// [`crate::CudaBackend::set_expert_lanes`]).
+    pub(crate) expert_lanes: usize,
     /// Every kernel of [`REGISTRY`] by name.
     funcs: HashMap<&'static str, CudaFunction>,
     pub arch: String,
@@ -322,6 +328,8 @@ impl Gpu {
             pinned: Mutex::new(None),
             early: Mutex::new(None),
             rope_tables: Mutex::new(RopeTableCache::default()),
+            lanes: Mutex::new(None),
+            expert_lanes: DEFAULT_LANES,
             funcs,
             arch,
             device_name,
@@ -648,6 +656,24 @@ impl Gpu {
         Ok(())
     }
 
+    /// The [`Gpu::expert_lanes`] side streams (made now if not yet), outside decode steps.
+    pub(crate) fn lanes(&self) -> BResult<std::sync::MutexGuard<'_, Option<Lanes>>> {
+        if self.in_step() {
+            return Err(dev_err("side streams asked for inside a decode step"));
+        }
+        let mut lanes = self
+            .lanes
+            .lock()
+            .map_err(|_| dev_err("side streams poisoned by a panic"))?;
+        if lanes.as_ref().map(Lanes::len) != Some(self.expert_lanes.max(1)) {
+            // Work queued on lanes about to go may still use their workspaces.
+            self.ctx.synchronize().map_err(dev_err)?;
+            *lanes = None;
+            *lanes = Some(Lanes::new(&self.ctx, &self.stream, self.expert_lanes)?);
+        }
+        Ok(lanes)
+    }
+
     /// Whether a decode step is being recorded (dummy page and state ids are then valid).
     pub(crate) fn in_step(&self) -> bool {
         self.step().map(|s| s.in_step()).unwrap_or(false)
@@ -661,12 +687,30 @@ impl Gpu {
         shared: u32,
         kernel: &K,
     ) -> BResult<()> {
-        kernel.with_args(|args| self.launch_args(kernel.name(), grid, shared, args))
+        kernel.with_args(|args| self.launch_args(&self.stream, kernel.name(), grid, shared, args))
+    }
+
+    /// [`Gpu::launch`] on a side stream (a [`crate::lanes::Lane`]'s), outside decode steps.
+    pub(crate) fn launch_on<K: Kernel>(
+        &self,
+        stream: &CudaStream,
+        grid: (u32, u32, u32),
+        shared: u32,
+        kernel: &K,
+    ) -> BResult<()> {
+        if self.in_step() {
+            return Err(dev_err(format!(
+                "{} launched on a side stream inside a decode step",
+                kernel.name()
+            )));
+        }
+        kernel.with_args(|args| self.launch_args(stream, kernel.name(), grid, shared, args))
     }
 
     #[allow(unsafe_code)]
     fn launch_args(
         &self,
+        stream: &CudaStream,
         name: &str,
         grid: (u32, u32, u32),
         shared: u32,
@@ -684,10 +728,10 @@ impl Gpu {
         }
         if self.programmatic_launch {
             // SAFETY: as below; every kernel begins with pdl_enter() (a CPU test checks).
-            return unsafe { launch_programmatic(f, &self.stream, grid, shared, args) }
+            return unsafe { launch_programmatic(f, stream, grid, shared, args) }
                 .map_err(|e| BackendError::Device(format!("launch {name}: {e:?}")));
         }
-        let mut b = self.stream.launch_builder(f);
+        let mut b = stream.launch_builder(f);
         for a in args {
             match a {
                 Arg::Ptr(v) => b.arg(v),

@@ -76,6 +76,11 @@ pub struct ModelFlags {
     /// fused CUDA-core kernel: what the tensor-core kernel replaced there).
     #[arg(long, default_value = "auto", value_parser = ["auto", "tensor-cores", "fused"])]
     pub dense_kernel: String,
+    /// CUDA streams the routed experts' FP8 GEMMs of a prefill (`--numerics deepseek`)
+    /// spread over, so that experts too small to fill the GPU alone run at once; 1 queues
+    /// them one after another on the device's stream (the A/B of that choice).
+    #[arg(long, default_value_t = pdserve_kernels::DEFAULT_LANES, value_parser = clap::builder::TypedValueParser::map(clap::value_parser!(u16).range(1..=16), usize::from))]
+    pub expert_lanes: usize,
     /// Launch the CUDA kernels plainly, without programmatic dependent launch (by default
     /// on sm_90+, each kernel may be scheduled while the previous one finishes and waits
     /// for it before touching memory): the A/B of that launch mode.
@@ -278,6 +283,7 @@ mod tests {
             attention: "auto".into(),
             expert_kernel: "auto".into(),
             dense_kernel: "auto".into(),
+            expert_lanes: pdserve_kernels::DEFAULT_LANES,
             no_pdl: false,
             indexer: "auto".into(),
         }

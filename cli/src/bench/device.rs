@@ -254,6 +254,7 @@ mod tests {
             attention: "auto".into(),
             expert_kernel: "auto".into(),
             dense_kernel: "auto".into(),
+            expert_lanes: pdserve_kernels::DEFAULT_LANES,
             no_pdl: false,
             indexer: "auto".into(),
         }

@@ -107,6 +107,7 @@ fn on_device(
                 "fused" => DenseKernel::Fused,
                 _ => DenseKernel::Auto,
             });
+            backend.set_expert_lanes(m.expert_lanes);
             if m.no_pdl {
                 backend.set_programmatic_launch(false);
             }

@@ -12,6 +12,7 @@ use crate::buf::{f32_buf, out_ptr};
 use crate::device::Gpu;
 use crate::devmem::DevMem;
 use crate::kernels::{self, DevPtr};
+use crate::lanes::Lane;
 use crate::launch::{dev_err, grid_1d};
 use crate::ops::stored::to_i32;
 use crate::ops::tensors::{bf16_to_f32, new_f32};
@@ -122,21 +123,26 @@ impl GemmCache {
     /// `out = x @ w^T` (values of type `out_type`) over `rows` rows with the bucket's GEMM
     /// ([`GemmCache::for_rows`]); where the library refuses that algorithm at this row
     /// count, with one planned for it. `x` and `w` are (codes, scales) device addresses.
+    /// On `lane`'s stream and workspace, else on the device's stream.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn run_rows(
         &mut self,
         g: &Gpu,
+        lane: Option<&Lane>,
         (rows, m, k): (usize, usize, usize),
         (scaling, out_type): (Fp8Scaling, Fp8Out),
         x: (u64, u64),
         w: (u64, u64),
         out: u64,
     ) -> BResult<()> {
-        let bucketed = self.for_rows(g, (rows, m, k), scaling, &[out_type])?;
-        if bucketed.run_rows(g, rows, x, w, out).is_ok() {
+        let run = |gemm: &Fp8Gemm| match lane {
+            Some(lane) => gemm.run_rows_on(lane, rows, x, w, out),
+            None => gemm.run_rows(g, rows, x, w, out),
+        };
+        if run(self.for_rows(g, (rows, m, k), scaling, &[out_type])?).is_ok() {
             return Ok(());
         }
-        self.gemm_of(g, (rows, m, k), &[scaling], &[out_type])?
-            .run_rows(g, rows, x, w, out)
+        run(self.gemm_of(g, (rows, m, k), &[scaling], &[out_type])?)
     }
 }
 

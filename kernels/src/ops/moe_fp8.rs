@@ -18,6 +18,7 @@ use crate::buf::f32_buf;
 use crate::device::Gpu;
 use crate::devmem::DevMem;
 use crate::kernels::{self, DevPtr, Elem};
+use crate::lanes::Lane;
 use crate::launch::{dev_err, grid_1d};
 use crate::ops::fp8_linear::{weight_scales, GemmCache, ROW_TILE};
 use crate::ops::moe_gemm::{sort_picks, SortedRows};
@@ -90,11 +91,12 @@ impl Runs {
 /// FP8: the stored e4m3 codes and, kept with the weight, its 128 x 128 block scales in
 /// cuBLASLt's BLK128 layout (`[row block][pad4(k blocks)]`), so expert `ex`'s codes and
 /// scales are slices. FP4: each expert expanded to e4m3 with one scale per 1 x 128 row
-/// block (`k_fp4_to_e4m3`) into one reused buffer just before its GEMM.
+/// block (`k_fp4_to_e4m3`) just before its GEMM, into a buffer reused by the GEMMs of
+/// one stream (one per lane, see [`run_experts`]).
 struct ExpertWeights<'a> {
     stored: &'a StoredBuf,
     fp8_scales: Option<&'a DevMem<f32>>,
-    fp4_scratch: Option<(DevMem<u8>, DevMem<f32>)>,
+    fp4_scratch: Vec<(DevMem<u8>, DevMem<f32>)>,
     per: usize,
     cols: usize,
 }
@@ -111,11 +113,13 @@ impl<'a> ExpertWeights<'a> {
         format_ok && per > 0 && w.rows.is_multiple_of(per) && w.cols.is_multiple_of(SCALE_BLOCK)
     }
 
-    fn new(g: &Gpu, w: &'a GpuTensor, per: usize) -> BResult<Self> {
+    /// `streams`: how many streams run this projection's GEMMs at once (FP4: one
+    /// expansion buffer each).
+    fn new(g: &Gpu, w: &'a GpuTensor, per: usize, streams: usize) -> BResult<Self> {
         let Some(stored) = w.stored() else {
             return Err(dev_err("FP8/FP4 experts kept as stored expected"));
         };
-        let (mut fp8_scales, mut fp4_scratch) = (None, None);
+        let (mut fp8_scales, mut fp4_scratch) = (None, Vec::new());
         if stored.format == WeightFormat::Fp8Block {
             let layout = OperandScales::Blk128;
             fp8_scales = Some(match w.fp8_scales() {
@@ -132,7 +136,9 @@ impl<'a> ExpertWeights<'a> {
             });
         } else {
             let kb = w.cols / SCALE_BLOCK;
-            fp4_scratch = Some((g.uninit::<u8>(per * w.cols)?, g.uninit::<f32>(per * kb)?));
+            for _ in 0..streams.max(1) {
+                fp4_scratch.push((g.uninit::<u8>(per * w.cols)?, g.uninit::<f32>(per * kb)?));
+            }
         }
         Ok(ExpertWeights {
             stored,
@@ -145,15 +151,22 @@ impl<'a> ExpertWeights<'a> {
 
     /// The scaling its GEMMs run with.
     fn scaling(&self) -> Fp8Scaling {
-        match self.fp4_scratch {
-            Some(_) => Fp8Scaling::RowBlocks,
-            None => Fp8Scaling::Blocks,
+        match self.fp8_scales {
+            Some(_) => Fp8Scaling::Blocks,
+            None => Fp8Scaling::RowBlocks,
         }
     }
 
-    /// Device addresses of expert `ex`'s e4m3 codes and scales, as its GEMM reads them.
-    /// The same stream runs each GEMM before the next expansion overwrites the buffer.
-    fn expert(&self, g: &Gpu, ex: usize) -> BResult<(u64, u64)> {
+    /// Device addresses of expert `ex`'s e4m3 codes and scales, as its GEMM on `lane`
+    /// (`slot` of [`run_experts`]' lanes; `None`: the device's stream) reads them. An FP4
+    /// expert is expanded on that stream into its slot's buffer, which the stream's
+    /// previous GEMM has read by then.
+    fn expert(
+        &self,
+        g: &Gpu,
+        (lane, slot): (Option<&Lane>, usize),
+        ex: usize,
+    ) -> BResult<(u64, u64)> {
         let (per, cols) = (self.per, self.cols);
         if let Some(scales) = self.fp8_scales {
             let kb4 = cols.div_ceil(SCALE_BLOCK).next_multiple_of(4);
@@ -163,21 +176,24 @@ impl<'a> ExpertWeights<'a> {
                 scales.ptr() + (scale0 * 4) as u64,
             ));
         }
-        let Some((q8, s8)) = &self.fp4_scratch else {
-            return Err(dev_err("FP4 experts without their expansion buffer"));
+        let Some((q8, s8)) = self.fp4_scratch.get(slot) else {
+            return Err(dev_err(format!(
+                "FP4 experts without an expansion buffer for stream {slot}"
+            )));
         };
-        g.launch(
-            grid_1d(per * (cols / SCALE_BLOCK) * 32),
-            0,
-            &kernels::Fp4ToE4m3 {
-                q4: DevPtr(self.stored.q.ptr() + (ex * per * cols / 2) as u64),
-                s4: DevPtr(self.stored.s.ptr() + (ex * per * (cols / 32)) as u64),
-                q8: DevPtr::of(q8),
-                s8: DevPtr::of(s8),
-                rows: to_i32(per, "expert rows")?,
-                cols: to_i32(cols, "expert inputs")?,
-            },
-        )?;
+        let grid = grid_1d(per * (cols / SCALE_BLOCK) * 32);
+        let expand = kernels::Fp4ToE4m3 {
+            q4: DevPtr(self.stored.q.ptr() + (ex * per * cols / 2) as u64),
+            s4: DevPtr(self.stored.s.ptr() + (ex * per * (cols / 32)) as u64),
+            q8: DevPtr::of(q8),
+            s8: DevPtr::of(s8),
+            rows: to_i32(per, "expert rows")?,
+            cols: to_i32(cols, "expert inputs")?,
+        };
+        match lane {
+            Some(lane) => g.launch_on(&lane.stream, grid, 0, &expand)?,
+            None => g.launch(grid, 0, &expand)?,
+        }
         Ok((q8.ptr(), s8.ptr()))
     }
 }
@@ -200,8 +216,9 @@ pub(crate) fn routed(
         .map_err(|_| dev_err("FP8 GEMM cache lock poisoned"))?;
     let (order, spans) = sort_picks(host_ids, (n, k), e)?;
     let runs = Runs::new(&spans);
-    let gu_w = ExpertWeights::new(g, p.gate_up, 2 * inter)?;
-    let down_w = ExpertWeights::new(g, p.down, h)?;
+    let streams = g.expert_lanes.max(1);
+    let gu_w = ExpertWeights::new(g, p.gate_up, 2 * inter, streams)?;
+    let down_w = ExpertWeights::new(g, p.down, h, streams)?;
     // Whether the library takes these scalings (and which output type), asked at the
     // largest run's bucket.
     let most = runs.runs.iter().map(|r| r.4).max().unwrap_or(ROW_TILE);
@@ -299,7 +316,11 @@ fn expert_out(
 
 /// One projection of every used expert: its run of `act`'s rows (e4m3 codes, VEC128
 /// scales per run) times the expert's weight into the same rows of `out` (a device
-/// address, values of `out_type`).
+/// address, values of `out_type`). With more than one lane ([`Gpu::expert_lanes`]) the
+/// experts' GEMMs go round-robin over side streams forked from the device's stream after
+/// everything queued so far and joined back before this returns: each GEMM reads and
+/// writes only its own run's rows, so they may run at once. Every buffer they touch was
+/// allocated on the device's stream before the fork.
 fn run_experts(
     g: &Gpu,
     cache: &mut GemmCache,
@@ -310,17 +331,46 @@ fn run_experts(
 ) -> BResult<()> {
     let (m, k) = (weights.per, weights.cols);
     let kb = k / SCALE_BLOCK;
-    for &(ex, _, _, row0, rows) in &runs.runs {
-        let w = weights.expert(g, ex)?;
+    let guard = match g.expert_lanes > 1 && runs.runs.len() > 1 {
+        true => Some(g.lanes()?),
+        false => None,
+    };
+    let lanes = guard.as_ref().and_then(|l| l.as_ref());
+    if let Some(lanes) = lanes {
+        lanes.fork(&g.stream)?;
+    }
+    let mut queued = Ok(());
+    for (i, &(ex, _, _, row0, rows)) in runs.runs.iter().enumerate() {
+        let (lane, slot) = match lanes {
+            Some(lanes) => (Some(lanes.lane(i)), i % lanes.len()),
+            None => (None, 0),
+        };
         let x = (
             codes.ptr() + (row0 * k) as u64,
             scales.ptr() + (row0 * kb * 4) as u64,
         );
         let y = out + (row0 * m * out_type.bytes()) as u64;
-        cache.run_rows(g, (rows, m, k), (weights.scaling(), out_type), x, w, y)?;
+        queued = weights.expert(g, (lane, slot), ex).and_then(|w| {
+            cache.run_rows(
+                g,
+                lane,
+                (rows, m, k),
+                (weights.scaling(), out_type),
+                x,
+                w,
+                y,
+            )
+        });
+        if queued.is_err() {
+            break;
+        }
         cache.expert_runs += 1;
     }
-    Ok(())
+    // Joined whether or not every GEMM was queued: the device's stream frees the buffers.
+    if let Some(lanes) = lanes {
+        lanes.join(&g.stream)?;
+    }
+    queued
 }
 
 #[cfg(test)]
