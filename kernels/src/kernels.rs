@@ -519,9 +519,11 @@ kernels! {
             inter: i32,
         }
         /// deepseek numerics, routed experts on the FP8 GEMM: each sorted pick's row of
-        /// x quantized per 128 into its expert's padded run (codes and VEC128 scales).
-        ActQuantE4m3Picks = "k_act_quant_e4m3_picks" {
-            x: DevPtr, map: DevPtr, q: DevPtr, s: DevPtr, picks: i32, cols: i32, k: i32,
+        /// the tokens' act_quant (codes and [block][token] scales over `n` tokens) copied
+        /// into its expert's padded run (codes and VEC128 scales).
+        GatherQuantizedPicks = "k_gather_quantized_picks" {
+            xq: DevPtr, xs: DevPtr, n: i32, map: DevPtr, q: DevPtr, s: DevPtr, picks: i32,
+            cols: i32, k: i32,
         }
         /// deepseek numerics, FP4 experts on the FP8 GEMM: rows expanded exactly to e4m3
         /// codes with one f32 scale per 1 x 128 (VEC128).

@@ -400,21 +400,29 @@ extern "C" __global__ void k_fp4_to_e4m3(const unsigned char* q4, const unsigned
     }
 }
 
-// The experts' input: pick j's row of `x` (row pick / k, `cols` values) quantized per 128
-// into its GEMM row.
-extern "C" __global__ void k_act_quant_e4m3_picks(const float* x, const int* map, unsigned char* q, float* s,
-                                                  int picks, int cols, int k) {
+// The experts' input: pick j's row of the tokens' act_quant (`xq` codes, row-major, `cols`
+// a row; `xs` scales [block][token] over `n` tokens: k_act_quant_e4m3's output), row
+// map[4j] / k, copied into its GEMM row map[4j+1] and its expert run's VEC128 scales
+// (first map[4j+2], stride map[4j+3]). Each token is quantized once for its k picks; the
+// codes and scales are those k_act_quant_e4m3 gives the row. One block per pick
+// (block-strided), 16 bytes a thread where the rows are 16-byte aligned.
+extern "C" __global__ void k_gather_quantized_picks(const unsigned char* xq, const float* xs, int n,
+                                                    const int* map, unsigned char* q, float* s,
+                                                    int picks, int cols, int k) {
     pdl_enter();
-    int kb = (cols + 127) / 128, lane = threadIdx.x & 31;
-    i64 total = (i64)picks * kb, stride = ((i64)gridDim.x * blockDim.x) >> 5;
-    for (i64 w = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; w < total; w += stride) {
-        int j = (int)(w / kb), b = (int)(w % kb), c0 = b * 128 + lane * 4;
-        float v[4], am = 0.f;
-        aq_load4(x + (i64)(map[4 * j] / k) * cols, c0, cols, v);
-        for (int i = 0; i < 4; i++) am = fmaxf(am, fabsf(v[i]));
-        float sc = fp8kv_scale(warp_max(am));
-        aq_store4(q + (i64)map[4 * j + 1] * cols, c0, cols, v, sc);
-        if (lane == 0) s[map[4 * j + 2] + (i64)b * map[4 * j + 3]] = sc;
+    int kb = (cols + 127) / 128;
+    for (int j = blockIdx.x; j < picks; j += gridDim.x) {
+        int t = map[4 * j] / k;
+        const unsigned char* src = xq + (i64)t * cols;
+        unsigned char* dst = q + (i64)map[4 * j + 1] * cols;
+        if ((cols & 15) == 0) {
+            for (int c = threadIdx.x * 16; c < cols; c += blockDim.x * 16)
+                *reinterpret_cast<uint4*>(dst + c) = *reinterpret_cast<const uint4*>(src + c);
+        } else {
+            for (int c = threadIdx.x; c < cols; c += blockDim.x) dst[c] = src[c];
+        }
+        for (int b = threadIdx.x; b < kb; b += blockDim.x)
+            s[map[4 * j + 2] + (i64)b * map[4 * j + 3]] = xs[(i64)b * n + t];
     }
 }
 

@@ -20,7 +20,7 @@ use crate::devmem::DevMem;
 use crate::kernels::{self, DevPtr, Elem};
 use crate::lanes::Lane;
 use crate::launch::{dev_err, grid_1d};
-use crate::ops::fp8_linear::{weight_scales, GemmCache, ROW_TILE};
+use crate::ops::fp8_linear::{act_quant, weight_scales, GemmCache, ROW_TILE};
 use crate::ops::moe_gemm::{sort_picks, SortedRows};
 use crate::ops::numerics::RoutedQuant;
 use crate::ops::stored::to_i32;
@@ -65,7 +65,8 @@ impl Runs {
         Runs { runs, rows }
     }
 
-    /// Four ints per sorted pick for the quantize kernels (`k_act_quant_e4m3_picks`):
+    /// Four ints per sorted pick for the kernels that fill the runs
+    /// (`k_gather_quantized_picks`, `k_moe_swiglu_quant_e4m3`):
     /// the pick, its GEMM row, its first scale and the scales' stride (its run's rows), for
     /// operands of `kb` 128-blocks a row; and each pick's GEMM row (the combine's `pos`).
     fn map(&self, order: &[i32], kb: usize) -> BResult<(Vec<i32>, Vec<i32>)> {
@@ -230,18 +231,22 @@ pub(crate) fn routed(
     };
     let picks = to_i32(n * k, "picks")?;
     let (kb_h, kb_i) = (h / SCALE_BLOCK, inter / SCALE_BLOCK);
-    // The gate/up GEMMs' input: every pick's row, quantized into its expert's run.
+    // The gate/up GEMMs' input: every token quantized once, each pick's row of it copied
+    // into its expert's run.
     let (map_h, pos) = runs.map(&order, kb_h)?;
     let map_h = g.upload(&map_h)?;
+    let tokens = act_quant(g, f32_buf(x, "moe")?, (n, h, h), n)?;
     let (xq, xs) = (
         g.zeros::<u8>(runs.rows * h)?,
         g.zeros::<f32>(runs.rows * kb_h)?,
     );
     g.launch(
-        grid_1d(n * k * kb_h * 32),
+        (picks.unsigned_abs(), 1, 1),
         0,
-        &kernels::ActQuantE4m3Picks {
-            x: DevPtr::of(f32_buf(x, "moe")?),
+        &kernels::GatherQuantizedPicks {
+            xq: DevPtr::of(&tokens.q),
+            xs: DevPtr::of(&tokens.s),
+            n: to_i32(n, "tokens")?,
             map: DevPtr::of(&map_h),
             q: DevPtr::of(&xq),
             s: DevPtr::of(&xs),
@@ -250,6 +255,7 @@ pub(crate) fn routed(
             k: to_i32(k, "top k")?,
         },
     )?;
+    drop(tokens);
     let gu = g.uninit::<u8>(runs.rows * 2 * inter * gu_out.bytes())?;
     run_experts(g, &mut cache, &runs, &gu_w, (&xq, &xs), (gu.ptr(), gu_out))?;
     drop((xq, xs, map_h));
