@@ -321,35 +321,42 @@ fn graph_row(ordinal: usize) -> AnyResult<CheckRow> {
     ))
 }
 
-/// The prefill's routed-expert FP8 GEMMs spread over side streams (the default) give the
-/// same bits as the same GEMMs one after another on the device's stream.
+/// A prefill's routed experts with their per-expert GEMMs spread over side streams (the
+/// default) give the same bits as the same GEMMs one after another on the device's
+/// stream: the block-scaled FP8 GEMMs under deepseek numerics, and the bf16 GEMMs of
+/// dequantized experts (64 rows of [`MOE_CASES`]' first case) under transformers'.
 fn lanes_rows(gpu: &CudaBackend, ordinal: usize) -> AnyResult<Vec<CheckRow>> {
     let mut serial = CudaBackend::new(ordinal, None)?;
     serial.set_expert_lanes(1);
     let mut out = Vec::new();
-    for experts in [WeightFormat::Fp4Packed, WeightFormat::Fp8Block] {
-        let before = gpu.fp8_expert_gemm_runs()?;
-        let spread = moe_case(gpu, &FP8_GEMM_MOE, experts, (true, true))?;
-        let ran = gpu.fp8_expert_gemm_runs()? - before;
-        let one = moe_case(&serial, &FP8_GEMM_MOE, experts, (true, true))?;
-        let differ = spread
-            .bits
-            .iter()
-            .zip(&one.bits)
-            .filter(|(a, b)| a != b)
-            .count();
-        let pass = ran > 0 && differ == 0 && spread.bits.len() == one.bits.len();
-        out.push(row(
-            format!(
-                "deepseek {} experts FP8 GEMMs on {} streams == on one, bitwise \
-                 ({ran} expert GEMMs, {differ} of {} values differ)",
-                fmt_name(experts),
-                pdserve_kernels::DEFAULT_LANES,
-                spread.bits.len()
-            ),
-            &spread.errs,
-            pass,
-        ));
+    for (case, deepseek) in [(&FP8_GEMM_MOE, true), (&MOE_CASES[0], false)] {
+        for experts in [WeightFormat::Fp4Packed, WeightFormat::Fp8Block] {
+            let before = gpu.fp8_expert_gemm_runs()?;
+            let spread = moe_case(gpu, case, experts, (deepseek, deepseek))?;
+            let ran = gpu.fp8_expert_gemm_runs()? - before;
+            let one = moe_case(&serial, case, experts, (deepseek, deepseek))?;
+            let differ = spread
+                .bits
+                .iter()
+                .zip(&one.bits)
+                .filter(|(a, b)| a != b)
+                .count();
+            let pass = (ran > 0) == deepseek && differ == 0 && spread.bits.len() == one.bits.len();
+            out.push(row(
+                format!(
+                    "{} {} experts MoE {} {:?} on {} streams == on one, bitwise \
+                     ({ran} FP8 expert GEMMs, {differ} of {} values differ)",
+                    if deepseek { "deepseek" } else { "transformers" },
+                    fmt_name(experts),
+                    case.what,
+                    case.batches,
+                    pdserve_kernels::DEFAULT_LANES,
+                    spread.bits.len()
+                ),
+                &spread.errs,
+                pass,
+            ));
+        }
     }
     Ok(out)
 }

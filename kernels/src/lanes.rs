@@ -12,7 +12,9 @@
 //! after the join, so the stream-ordered allocator never hands them out while a lane may
 //! still touch them.
 
+use crate::blas::Blas;
 use crate::blas_fp8::WORKSPACE;
+use crate::device::Gpu;
 use crate::devmem::DevMem;
 use crate::launch::dev_err;
 use cudarc::driver::sys::CUevent_flags;
@@ -24,10 +26,12 @@ use std::sync::Arc;
 /// ([`crate::CudaBackend::set_expert_lanes`]); each lane holds a [`WORKSPACE`].
 pub const DEFAULT_LANES: usize = 4;
 
-/// One side stream, its GEMM workspace and the event [`Lanes::join`] records on it.
+/// One side stream, its cuBLASLt workspace, a cuBLAS handle on it (with its own
+/// workspace) and the event [`Lanes::join`] records on it.
 pub(crate) struct Lane {
     pub(crate) stream: Arc<CudaStream>,
     pub(crate) workspace: DevMem<u8>,
+    pub(crate) blas: Blas,
     done: CudaEvent,
 }
 
@@ -54,13 +58,16 @@ impl Lanes {
                 .new_stream()
                 .map_err(|e| dev_err(format!("creating a lane stream: {e:?}")))?;
             let ws = main.alloc_zeros::<u8>(WORKSPACE).map_err(dev_err)?;
+            let blas = Blas::new(&stream).map_err(dev_err)?;
             lanes.push(Lane {
                 stream,
                 workspace: DevMem::owned(ws, main, WORKSPACE),
+                blas,
                 done: event()?,
             });
         }
-        // The workspaces' zeroing is queued on `main`: every later fork waits for it.
+        // The cuBLASLt workspaces' zeroing is queued on `main`: every later fork waits for
+        // it (each cuBLAS workspace is zeroed on its own lane's stream).
         Ok(Lanes {
             lanes,
             forked: event()?,
@@ -99,5 +106,31 @@ impl Lanes {
                 .map_err(|e| dev_err(format!("waiting for a lane: {e:?}")))?;
         }
         Ok(())
+    }
+}
+
+impl Gpu {
+    /// Queue `items` independent pieces of work: `queue(lane, slot, i)` queues item `i`,
+    /// on `lane` (round-robin over [`Gpu::expert_lanes`] side streams, `slot` its index)
+    /// between a fork from the device's stream and a join back to it, or with `None` (and
+    /// slot 0) on the device's stream itself where one lane is asked for or there is one
+    /// item. The join is queued even when an item fails, so the device's stream never
+    /// frees a buffer a lane may still use; the first failure is returned.
+    pub(crate) fn spread(
+        &self,
+        items: usize,
+        mut queue: impl FnMut(Option<&Lane>, usize, usize) -> BResult<()>,
+    ) -> BResult<()> {
+        if self.expert_lanes <= 1 || items <= 1 {
+            return (0..items).try_for_each(|i| queue(None, 0, i));
+        }
+        let guard = self.lanes()?;
+        let Some(lanes) = guard.as_ref() else {
+            return Err(dev_err("side streams missing after they were made"));
+        };
+        lanes.fork(&self.stream)?;
+        let queued = (0..items).try_for_each(|i| queue(Some(lanes.lane(i)), i % lanes.len(), i));
+        lanes.join(&self.stream)?;
+        queued
     }
 }

@@ -322,11 +322,9 @@ fn expert_out(
 
 /// One projection of every used expert: its run of `act`'s rows (e4m3 codes, VEC128
 /// scales per run) times the expert's weight into the same rows of `out` (a device
-/// address, values of `out_type`). With more than one lane ([`Gpu::expert_lanes`]) the
-/// experts' GEMMs go round-robin over side streams forked from the device's stream after
-/// everything queued so far and joined back before this returns: each GEMM reads and
-/// writes only its own run's rows, so they may run at once. Every buffer they touch was
-/// allocated on the device's stream before the fork.
+/// address, values of `out_type`), spread over side streams ([`Gpu::spread`]): each GEMM
+/// reads and writes only its own run's rows, so they may run at once. Every buffer they
+/// touch was allocated on the device's stream before the fork.
 fn run_experts(
     g: &Gpu,
     cache: &mut GemmCache,
@@ -337,46 +335,26 @@ fn run_experts(
 ) -> BResult<()> {
     let (m, k) = (weights.per, weights.cols);
     let kb = k / SCALE_BLOCK;
-    let guard = match g.expert_lanes > 1 && runs.runs.len() > 1 {
-        true => Some(g.lanes()?),
-        false => None,
-    };
-    let lanes = guard.as_ref().and_then(|l| l.as_ref());
-    if let Some(lanes) = lanes {
-        lanes.fork(&g.stream)?;
-    }
-    let mut queued = Ok(());
-    for (i, &(ex, _, _, row0, rows)) in runs.runs.iter().enumerate() {
-        let (lane, slot) = match lanes {
-            Some(lanes) => (Some(lanes.lane(i)), i % lanes.len()),
-            None => (None, 0),
-        };
+    g.spread(runs.runs.len(), |lane, slot, i| {
+        let (ex, _, _, row0, rows) = runs.runs[i];
         let x = (
             codes.ptr() + (row0 * k) as u64,
             scales.ptr() + (row0 * kb * 4) as u64,
         );
         let y = out + (row0 * m * out_type.bytes()) as u64;
-        queued = weights.expert(g, (lane, slot), ex).and_then(|w| {
-            cache.run_rows(
-                g,
-                lane,
-                (rows, m, k),
-                (weights.scaling(), out_type),
-                x,
-                w,
-                y,
-            )
-        });
-        if queued.is_err() {
-            break;
-        }
+        let w = weights.expert(g, (lane, slot), ex)?;
+        cache.run_rows(
+            g,
+            lane,
+            (rows, m, k),
+            (weights.scaling(), out_type),
+            x,
+            w,
+            y,
+        )?;
         cache.expert_runs += 1;
-    }
-    // Joined whether or not every GEMM was queued: the device's stream frees the buffers.
-    if let Some(lanes) = lanes {
-        lanes.join(&g.stream)?;
-    }
-    queued
+        Ok(())
+    })
 }
 
 #[cfg(test)]

@@ -9,6 +9,7 @@ use crate::buf::{f32_buf, storage};
 use crate::device::Gpu;
 use crate::devmem::DevMem;
 use crate::kernels::{self, DevPtr};
+use crate::lanes::Lane;
 use crate::launch::{dev_err, grid_1d};
 use crate::ops::numerics::{self, Activations, RoutedQuant};
 use crate::ops::stored;
@@ -65,26 +66,20 @@ pub(crate) fn sort_picks(
 #[allow(clippy::too_many_arguments)]
 fn span_gemm(
     g: &Gpu,
+    lane: Option<&Lane>,
     a: (u64, usize),
-    w: u64,
-    c: u64,
-    rows: usize,
-    m: usize,
-    kd: usize,
+    (w, c): (u64, u64),
+    (rows, m, kd): (usize, usize, usize),
     bf16: bool,
 ) -> BResult<()> {
     let esz = if bf16 { 2 } else { 4 } as u64;
     let (a_ptr, a_off) = a;
-    g.gemm_nt(
-        a_ptr + a_off as u64 * esz,
-        w,
-        c,
-        (rows, m, kd),
-        (kd, kd, m),
-        (0, 0, 0),
-        1,
-        bf16,
-    )
+    let x = a_ptr + a_off as u64 * esz;
+    let (dims, lds) = ((rows, m, kd), (kd, kd, m));
+    match lane {
+        Some(lane) => lane.blas.gemm_nt(x, w, c, dims, lds, (0, 0, 0), 1, bf16),
+        None => g.gemm_nt(x, w, c, dims, lds, (0, 0, 0), 1, bf16),
+    }
 }
 
 /// Routed experts' outputs sorted by expert: `y` holds one row per pick, pick `a`'s at row
@@ -126,23 +121,21 @@ pub(crate) fn routed(
     }
     // Gate and up rows of every pick: [picks, 2I].
     let gu = g.uninit::<f32>(picks * 2 * inter)?;
-    for (ex, &(first, count)) in spans.iter().enumerate() {
-        if count == 0 {
-            continue;
-        }
-        let w = gu_w.expert(g, ex)?;
+    // One GEMM per used expert, spread over side streams (each reads and writes only its
+    // own rows; every buffer allocated before the fork).
+    let used: Vec<(usize, (usize, usize))> = spans
+        .iter()
+        .copied()
+        .enumerate()
+        .filter(|(_, (_, count))| *count > 0)
+        .collect();
+    g.spread(used.len(), |lane, slot, i| {
+        let (ex, (first, count)) = used[i];
+        let w = gu_w.expert(g, (lane, slot), ex)?;
         let c = gu.ptr() + (first * 2 * inter * 4) as u64;
-        span_gemm(
-            g,
-            (xin.ptr(), first * h),
-            w,
-            c,
-            count,
-            2 * inter,
-            h,
-            gu_bf16,
-        )?;
-    }
+        let a = (xin.ptr(), first * h);
+        span_gemm(g, lane, a, (w, c), (count, 2 * inter, h), gu_bf16)
+    })?;
     drop(xin);
     let act = Gathered::new(g, down_bf16, picks * inter)?;
     let (n, limit) = ((picks * inter) as i64, p.swiglu_limit);
@@ -176,23 +169,13 @@ pub(crate) fn routed(
         numerics::weight_act_quant(g, a, q, Some(&pos), (picks, inter))?;
     }
     let ys = g.uninit::<f32>(picks * h)?;
-    for (ex, &(first, count)) in spans.iter().enumerate() {
-        if count == 0 {
-            continue;
-        }
-        let w = down_w.expert(g, ex)?;
+    g.spread(used.len(), |lane, slot, i| {
+        let (ex, (first, count)) = used[i];
+        let w = down_w.expert(g, (lane, slot), ex)?;
         let c = ys.ptr() + (first * h * 4) as u64;
-        span_gemm(
-            g,
-            (act.ptr(), first * inter),
-            w,
-            c,
-            count,
-            h,
-            inter,
-            down_bf16,
-        )?;
-    }
+        let a = (act.ptr(), first * inter);
+        span_gemm(g, lane, a, (w, c), (count, h, inter), down_bf16)
+    })?;
     Ok(SortedRows { y: ys, pos })
 }
 
@@ -225,21 +208,25 @@ impl Gathered {
 }
 
 /// One projection of every expert (`per` rows each) as GEMM operands: bf16 or fp32 rows
-/// in place, or a stored FP8/FP4 weight whose expert is dequantized into one reused bf16
-/// buffer just before its GEMM (the only bf16 copy, one expert at a time).
+/// in place, or a stored FP8/FP4 weight whose expert is dequantized just before its GEMM
+/// into a bf16 buffer reused by the GEMMs of one stream (the only bf16 copy, one expert at
+/// a time per stream: one buffer per lane of [`Gpu::spread`]).
 struct ExpertWeights<'a> {
     w: &'a GpuTensor,
     per: usize,
     bf16: bool,
-    scratch: Option<DevMem<u16>>,
+    scratch: Vec<DevMem<u16>>,
 }
 
 impl<'a> ExpertWeights<'a> {
     fn new(g: &Gpu, w: &'a GpuTensor, per: usize) -> BResult<Self> {
-        let scratch = w
-            .stored()
+        let buffers = match w.stored() {
+            Some(_) => g.expert_lanes.max(1),
+            None => 0,
+        };
+        let scratch = (0..buffers)
             .map(|_| g.uninit::<u16>(per * w.cols))
-            .transpose()?;
+            .collect::<BResult<Vec<_>>>()?;
         Ok(ExpertWeights {
             w,
             per,
@@ -248,15 +235,21 @@ impl<'a> ExpertWeights<'a> {
         })
     }
 
-    /// Device address of expert `ex`'s rows, as the GEMM reads them. The same stream
-    /// runs each GEMM before the next dequantization overwrites the buffer.
-    fn expert(&self, g: &Gpu, ex: usize) -> BResult<u64> {
+    /// Device address of expert `ex`'s rows, as its GEMM on `lane` (`slot` of
+    /// [`Gpu::spread`]'s lanes; `None`: the device's stream) reads them. A stored expert is
+    /// dequantized on that stream into its slot's buffer, which the stream's previous GEMM
+    /// has read by then.
+    fn expert(&self, g: &Gpu, (lane, slot): (Option<&Lane>, usize), ex: usize) -> BResult<u64> {
         let row0 = ex * self.per;
-        match (&self.w.buf, &self.scratch) {
+        match (&self.w.buf, self.scratch.get(slot)) {
             (Buf::Stored(sw), Some(buf)) => {
-                stored::dequant_into(g, sw, (row0, self.per, self.w.cols), buf)?;
+                let on = lane.map(|l| &*l.stream);
+                stored::dequant_into(g, on, sw, (row0, self.per, self.w.cols), buf)?;
                 Ok(buf.ptr())
             }
+            (Buf::Stored(_), None) => Err(dev_err(format!(
+                "a stored expert without a dequantization buffer for stream {slot}"
+            ))),
             _ => {
                 let (_, ptr) = storage(self.w, "moe")?;
                 let esz = if self.bf16 { 2 } else { 4 };

@@ -10,6 +10,7 @@ use crate::kernels::{self, DevPtr};
 use crate::launch::{dev_err, grid_1d, BLOCK};
 use crate::ops::random::random_tensor;
 use crate::tensor::{Buf, GpuTensor, StoredBuf};
+use cudarc::driver::CudaStream;
 use pdserve_engine::backend::{BResult, WeightInit};
 use pdserve_engine::checkpoint::{StoredWeight, WeightFormat};
 
@@ -106,6 +107,7 @@ pub(crate) fn random(
 /// start) as exact bf16 values, into `out` (at least `rows * cols` values).
 pub(crate) fn dequant_into(
     g: &Gpu,
+    on: Option<&CudaStream>,
     w: &StoredBuf,
     (row0, rows, cols): (usize, usize, usize),
     out: &DevMem<u16>,
@@ -117,25 +119,26 @@ pub(crate) fn dequant_into(
         return Err(dev_err("dequantization buffer too small"));
     }
     // One thread per 16 values (an FP8 group; FP4's 32 take half of them).
-    g.launch(
-        grid_1d(rows * cols / 16),
-        0,
-        &kernels::DequantBf16 {
-            q: DevPtr(q),
-            s: DevPtr(s),
-            fmt: w.fmt(),
-            group_rows: to_i32(w.group_rows, "group rows")?,
-            out: DevPtr::of(out),
-            rows: to_i32(rows, "rows")?,
-            cols: to_i32(cols, "cols")?,
-        },
-    )
+    let grid = grid_1d(rows * cols / 16);
+    let kernel = kernels::DequantBf16 {
+        q: DevPtr(q),
+        s: DevPtr(s),
+        fmt: w.fmt(),
+        group_rows: to_i32(w.group_rows, "group rows")?,
+        out: DevPtr::of(out),
+        rows: to_i32(rows, "rows")?,
+        cols: to_i32(cols, "cols")?,
+    };
+    match on {
+        Some(stream) => g.launch_on(stream, grid, 0, &kernel),
+        None => g.launch(grid, 0, &kernel),
+    }
 }
 
 /// The whole of stored weight `t` as exact bf16 values.
 pub(crate) fn dequant(g: &Gpu, t: &GpuTensor, w: &StoredBuf) -> BResult<DevMem<u16>> {
     let out = g.uninit::<u16>(t.len())?;
-    dequant_into(g, w, (0, t.rows, t.cols), &out)?;
+    dequant_into(g, None, w, (0, t.rows, t.cols), &out)?;
     Ok(out)
 }
 
