@@ -7,8 +7,9 @@ use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use pdserve_engine::backend::{BResult, BackendError};
 use std::sync::Arc;
 
-/// Bytes of cuBLAS workspace (Hopper GEMMs want up to 32 MiB).
-const BLAS_WORKSPACE: usize = 32 << 20;
+/// Bytes of workspace one cuBLAS or cuBLASLt GEMM may use (Hopper GEMMs want up to 32
+/// MiB); GEMMs that may run at once each need their own.
+pub const WORKSPACE: usize = 32 << 20;
 
 pub(crate) struct Blas {
     handle: CudaBlas,
@@ -22,7 +23,7 @@ impl Blas {
     pub fn new(stream: &Arc<CudaStream>) -> Result<Self, String> {
         let blas = CudaBlas::new(stream.clone()).map_err(|e| format!("{e:?}"))?;
         let workspace = stream
-            .alloc_zeros::<u8>(BLAS_WORKSPACE)
+            .alloc_zeros::<u8>(WORKSPACE)
             .map_err(|e| format!("cuBLAS workspace: {e:?}"))?;
         {
             let (wp, _sync) = workspace.device_ptr(stream);
@@ -31,7 +32,7 @@ impl Blas {
                 blas_sys::cublasSetWorkspace_v2(
                     *blas.handle(),
                     wp as *mut std::ffi::c_void,
-                    BLAS_WORKSPACE,
+                    WORKSPACE,
                 )
             }
             .result()

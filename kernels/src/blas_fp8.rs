@@ -12,8 +12,8 @@ use cudarc::cublaslt::sys;
 use pdserve_engine::backend::BResult;
 use std::ffi::c_void;
 
-/// Bytes of cuBLASLt workspace one FP8 GEMM may use.
-pub const WORKSPACE: usize = 32 << 20;
+/// Bytes of cuBLASLt workspace one FP8 GEMM may use (the one figure cuBLAS's GEMMs use).
+pub use crate::blas::WORKSPACE;
 
 /// Which scales the GEMM's operands carry, and which operand is cuBLASLt's A.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -56,7 +56,7 @@ pub struct Gpu {
     /// Rope tables kept between calls outside decode steps (see `ops::rope_tables`).
     rope_tables: Mutex<RopeTableCache>,
     /// Side streams of the routed experts' FP8 GEMMs, made at first use (`crate::lanes`).
-    lanes: Mutex<Option<Lanes>>,
+    pub(crate) lanes: Mutex<Option<Lanes>>,
     /// How many: 1 queues every expert GEMM on the stream (see
     /// [`crate::CudaBackend::set_expert_lanes`]).
     pub(crate) expert_lanes: usize,
@@ -654,24 +654,6 @@ impl Gpu {
     ) -> BResult<()> {
         self.step()?.keep_plan(pool, plan, at);
         Ok(())
-    }
-
-    /// The [`Gpu::expert_lanes`] side streams (made now if not yet), outside decode steps.
-    pub(crate) fn lanes(&self) -> BResult<std::sync::MutexGuard<'_, Option<Lanes>>> {
-        if self.in_step() {
-            return Err(dev_err("side streams asked for inside a decode step"));
-        }
-        let mut lanes = self
-            .lanes
-            .lock()
-            .map_err(|_| dev_err("side streams poisoned by a panic"))?;
-        if lanes.as_ref().map(Lanes::len) != Some(self.expert_lanes.max(1)) {
-            // Work queued on lanes about to go may still use their workspaces.
-            self.ctx.synchronize().map_err(dev_err)?;
-            *lanes = None;
-            *lanes = Some(Lanes::new(&self.ctx, &self.stream, self.expert_lanes)?);
-        }
-        Ok(lanes)
     }
 
     /// Whether a decode step is being recorded (dummy page and state ids are then valid).

@@ -12,9 +12,7 @@
 //! after the join, so the stream-ordered allocator never hands them out while a lane may
 //! still touch them.
 
-use crate::blas::Blas;
-use crate::blas_fp8::WORKSPACE;
-use crate::device::Gpu;
+use crate::blas::{Blas, WORKSPACE};
 use crate::devmem::DevMem;
 use crate::launch::dev_err;
 use cudarc::driver::sys::CUevent_flags;
@@ -96,6 +94,22 @@ impl Lanes {
         Ok(())
     }
 
+    /// Queue `items` independent pieces of work round-robin: `queue(lane, slot, i)`
+    /// queues item `i` on lane `slot`, between a fork from `main` and a join back to it.
+    /// The join is queued even when an item fails, so `main` never frees a buffer a lane
+    /// may still use; the first failure is returned.
+    pub(crate) fn spread(
+        &self,
+        main: &CudaStream,
+        items: usize,
+        mut queue: impl FnMut(Option<&Lane>, usize, usize) -> BResult<()>,
+    ) -> BResult<()> {
+        self.fork(main)?;
+        let queued = (0..items).try_for_each(|i| queue(Some(self.lane(i)), i % self.len(), i));
+        self.join(main)?;
+        queued
+    }
+
     /// `main` waits for what every lane has queued so far.
     pub(crate) fn join(&self, main: &CudaStream) -> BResult<()> {
         for lane in &self.lanes {
@@ -106,31 +120,5 @@ impl Lanes {
                 .map_err(|e| dev_err(format!("waiting for a lane: {e:?}")))?;
         }
         Ok(())
-    }
-}
-
-impl Gpu {
-    /// Queue `items` independent pieces of work: `queue(lane, slot, i)` queues item `i`,
-    /// on `lane` (round-robin over [`Gpu::expert_lanes`] side streams, `slot` its index)
-    /// between a fork from the device's stream and a join back to it, or with `None` (and
-    /// slot 0) on the device's stream itself where one lane is asked for or there is one
-    /// item. The join is queued even when an item fails, so the device's stream never
-    /// frees a buffer a lane may still use; the first failure is returned.
-    pub(crate) fn spread(
-        &self,
-        items: usize,
-        mut queue: impl FnMut(Option<&Lane>, usize, usize) -> BResult<()>,
-    ) -> BResult<()> {
-        if self.expert_lanes <= 1 || items <= 1 {
-            return (0..items).try_for_each(|i| queue(None, 0, i));
-        }
-        let guard = self.lanes()?;
-        let Some(lanes) = guard.as_ref() else {
-            return Err(dev_err("side streams missing after they were made"));
-        };
-        lanes.fork(&self.stream)?;
-        let queued = (0..items).try_for_each(|i| queue(Some(lanes.lane(i)), i % lanes.len(), i));
-        lanes.join(&self.stream)?;
-        queued
     }
 }

@@ -19,5 +19,6 @@ pub(crate) mod numerics;
 pub(crate) mod random;
 pub(crate) mod rope_tables;
 pub(crate) mod sample;
+pub(crate) mod spread;
 pub(crate) mod stored;
 pub(crate) mod tensors;
