@@ -161,9 +161,9 @@ impl CudaBackend {
         self.gpu.dense_kernel = kernel;
     }
 
-    /// Side streams the routed experts' FP8 GEMMs of a prefill spread over (one GEMM per
-    /// used expert and projection; several run at once where one does not fill the
-    /// device): `1` queues them all on the device's stream, the A/B of that choice
+    /// Side streams the routed experts' GEMMs of a prefill (block-scaled FP8 or bf16) spread
+    /// over (one GEMM per used expert and projection; several run at once where one does
+    /// not fill the device): `1` queues them all on the device's stream, the A/B of that choice
     /// (`bench prefill --expert-lanes`). The same bits either way.
     pub fn set_expert_lanes(&mut self, lanes: usize) {
         self.gpu.expert_lanes = lanes.max(1);

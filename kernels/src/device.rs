@@ -55,7 +55,8 @@ pub struct Gpu {
     early: Mutex<Option<cudarc::driver::PinnedHostSlice<u8>>>,
     /// Rope tables kept between calls outside decode steps (see `ops::rope_tables`).
     rope_tables: Mutex<RopeTableCache>,
-    /// Side streams of the routed experts' FP8 GEMMs, made at first use (`crate::lanes`).
+    /// Side streams of a prefill's per-expert GEMMs, made at first use (`crate::lanes`,
+    /// `ops/spread.rs`).
     pub(crate) lanes: Mutex<Option<Lanes>>,
     /// How many: 1 queues every expert GEMM on the stream (see
     /// [`crate::CudaBackend::set_expert_lanes`]).
@@ -672,14 +673,18 @@ impl Gpu {
         kernel.with_args(|args| self.launch_args(&self.stream, kernel.name(), grid, shared, args))
     }
 
-    /// [`Gpu::launch`] on a side stream (a [`crate::lanes::Lane`]'s), outside decode steps.
+    /// [`Gpu::launch`] on side stream `on` (a [`crate::lanes::Lane`]'s, outside decode
+    /// steps), or on the device's stream where `on` is `None`.
     pub(crate) fn launch_on<K: Kernel>(
         &self,
-        stream: &CudaStream,
+        on: Option<&CudaStream>,
         grid: (u32, u32, u32),
         shared: u32,
         kernel: &K,
     ) -> BResult<()> {
+        let Some(stream) = on else {
+            return self.launch(grid, shared, kernel);
+        };
         if self.in_step() {
             return Err(dev_err(format!(
                 "{} launched on a side stream inside a decode step",

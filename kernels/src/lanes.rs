@@ -1,9 +1,10 @@
 //! Side streams ("lanes") for independent GEMMs of one prefill op: the routed experts'
-//! per-expert FP8 GEMMs, each too small to fill the device alone (~770 rows of an 8K
-//! prefill's 64 experts: fewer output tiles than SMs, or a partial last wave). Each lane
-//! is a stream with its own cuBLASLt workspace; [`Lanes::fork`] makes every lane wait for
-//! the work queued on the device's stream so far, [`Lanes::join`] makes the device's
-//! stream wait for every lane's work. Between them, GEMMs queued on different lanes share
+//! per-expert GEMMs (block-scaled FP8 or bf16), each too small to fill the device alone
+//! (~770 rows of an 8K prefill's 64 experts: fewer output tiles than SMs, or a partial
+//! last wave). Each lane is a stream with its own cuBLASLt workspace and cuBLAS handle;
+//! [`Lanes::spread`] makes every lane wait for the work queued on the device's stream so
+//! far, queues the items round-robin, and makes the device's stream wait for every lane's
+//! work. Between them, GEMMs queued on different lanes share
 //! the SMs; each runs the same algorithm on the same operands as it would on the device's
 //! stream, so the results are the same bits.
 //!
@@ -77,12 +78,12 @@ impl Lanes {
     }
 
     /// Lane `i` modulo the count: work item `i` of a round-robin.
-    pub(crate) fn lane(&self, i: usize) -> &Lane {
+    fn lane(&self, i: usize) -> &Lane {
         &self.lanes[i % self.lanes.len()]
     }
 
     /// Every lane waits for what `main` has queued so far.
-    pub(crate) fn fork(&self, main: &CudaStream) -> BResult<()> {
+    fn fork(&self, main: &CudaStream) -> BResult<()> {
         self.forked
             .record(main)
             .map_err(|e| dev_err(format!("recording the lanes' fork: {e:?}")))?;
@@ -111,7 +112,7 @@ impl Lanes {
     }
 
     /// `main` waits for what every lane has queued so far.
-    pub(crate) fn join(&self, main: &CudaStream) -> BResult<()> {
+    fn join(&self, main: &CudaStream) -> BResult<()> {
         for lane in &self.lanes {
             lane.done
                 .record(&lane.stream)

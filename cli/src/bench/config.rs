@@ -76,9 +76,10 @@ pub struct ModelFlags {
     /// fused CUDA-core kernel: what the tensor-core kernel replaced there).
     #[arg(long, default_value = "auto", value_parser = ["auto", "tensor-cores", "fused"])]
     pub dense_kernel: String,
-    /// CUDA streams the routed experts' FP8 GEMMs of a prefill (`--numerics deepseek`)
-    /// spread over, so that experts too small to fill the GPU alone run at once; 1 queues
-    /// them one after another on the device's stream (the A/B of that choice).
+    /// CUDA streams a prefill's per-expert GEMMs (block-scaled FP8 under `--numerics
+    /// deepseek`, bf16 otherwise) spread over, so that experts too small to fill the GPU
+    /// alone run at once; 1 queues them one after another on the device's stream (the A/B
+    /// of that choice).
     #[arg(long, default_value_t = pdserve_kernels::DEFAULT_LANES, value_parser = clap::builder::TypedValueParser::map(clap::value_parser!(u16).range(1..=16), usize::from))]
     pub expert_lanes: usize,
     /// Launch the CUDA kernels plainly, without programmatic dependent launch (by default

@@ -114,9 +114,9 @@ impl<'a> ExpertWeights<'a> {
         format_ok && per > 0 && w.rows.is_multiple_of(per) && w.cols.is_multiple_of(SCALE_BLOCK)
     }
 
-    /// `streams`: how many streams run this projection's GEMMs at once (FP4: one
-    /// expansion buffer each).
-    fn new(g: &Gpu, w: &'a GpuTensor, per: usize, streams: usize) -> BResult<Self> {
+    /// FP4: one expansion buffer per stream that may run this projection's GEMMs at once
+    /// ([`Gpu::expert_lanes`]).
+    fn new(g: &Gpu, w: &'a GpuTensor, per: usize) -> BResult<Self> {
         let Some(stored) = w.stored() else {
             return Err(dev_err("FP8/FP4 experts kept as stored expected"));
         };
@@ -137,7 +137,7 @@ impl<'a> ExpertWeights<'a> {
             });
         } else {
             let kb = w.cols / SCALE_BLOCK;
-            for _ in 0..streams.max(1) {
+            for _ in 0..g.expert_lanes.max(1) {
                 fp4_scratch.push((g.uninit::<u8>(per * w.cols)?, g.uninit::<f32>(per * kb)?));
             }
         }
@@ -191,10 +191,7 @@ impl<'a> ExpertWeights<'a> {
             rows: to_i32(per, "expert rows")?,
             cols: to_i32(cols, "expert inputs")?,
         };
-        match lane {
-            Some(lane) => g.launch_on(&lane.stream, grid, 0, &expand)?,
-            None => g.launch(grid, 0, &expand)?,
-        }
+        g.launch_on(lane.map(|l| &*l.stream), grid, 0, &expand)?;
         Ok((q8.ptr(), s8.ptr()))
     }
 }
@@ -217,9 +214,8 @@ pub(crate) fn routed(
         .map_err(|_| dev_err("FP8 GEMM cache lock poisoned"))?;
     let (order, spans) = sort_picks(host_ids, (n, k), e)?;
     let runs = Runs::new(&spans);
-    let streams = g.expert_lanes.max(1);
-    let gu_w = ExpertWeights::new(g, p.gate_up, 2 * inter, streams)?;
-    let down_w = ExpertWeights::new(g, p.down, h, streams)?;
+    let gu_w = ExpertWeights::new(g, p.gate_up, 2 * inter)?;
+    let down_w = ExpertWeights::new(g, p.down, h)?;
     // Whether the library takes these scalings (and which output type), asked at the
     // largest run's bucket.
     let most = runs.runs.iter().map(|r| r.4).max().unwrap_or(ROW_TILE);

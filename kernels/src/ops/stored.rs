@@ -129,10 +129,7 @@ pub(crate) fn dequant_into(
         rows: to_i32(rows, "rows")?,
         cols: to_i32(cols, "cols")?,
     };
-    match on {
-        Some(stream) => g.launch_on(stream, grid, 0, &kernel),
-        None => g.launch(grid, 0, &kernel),
-    }
+    g.launch_on(on, grid, 0, &kernel)
 }
 
 /// The whole of stored weight `t` as exact bf16 values.
