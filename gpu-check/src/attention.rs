@@ -121,6 +121,7 @@ pub fn check_attention_ab(ordinal: usize) -> AnyResult<Vec<CheckRow>> {
         out.push(row);
     }
     out.extend(check_bf16_io(ordinal, &dir, &tok, &cfg)?);
+    out.extend(crate::attention_wgmma::check_wgmma(ordinal)?);
     Ok(out)
 }
 

@@ -46,7 +46,7 @@ const LOOSE: f64 = 5e-2;
 const MOST: f64 = 0.9;
 
 /// The `q`-quantile of `errs` (0 for none).
-fn quantile(errs: &[f64], q: f64) -> f64 {
+pub(crate) fn quantile(errs: &[f64], q: f64) -> f64 {
     let mut v = errs.to_vec();
     v.sort_by(f64::total_cmp);
     v.get(((v.len() as f64 - 1.0) * q).round() as usize)

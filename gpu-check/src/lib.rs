@@ -5,7 +5,8 @@
 //! ([`batched`]), weights kept in DeepSeek's stored FP8/FP4 formats ([`stored`]), DeepSeek's
 //! numerics (`--numerics deepseek`) against the CPU's ([`deepseek`]), cuBLASLt's
 //! block-scaled FP8 GEMM against the host ([`fp8_gemm`]), the
-//! split-key attention kernel against the one it replaced ([`attention`]), greedy tokens
+//! split-key attention kernel against the one it replaced ([`attention`]) and the wgmma
+//! kernel against mma.sync at the V4 head shape ([`attention_wgmma`]), greedy tokens
 //! sampled on the device against the host's argmax ([`device_argmax`]), the states at
 //! cuts inside a forward against the CPU engine's ([`cuts`]), and the routing
 //! and indexer picks behind every bf16 row that jumps away from the CPU ([`picks`]). It
@@ -13,6 +14,7 @@
 //! backend library.
 
 pub mod attention;
+pub mod attention_wgmma;
 pub mod batched;
 pub mod check;
 pub mod cuts;

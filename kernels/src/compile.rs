@@ -16,7 +16,14 @@ pub const MODULES: &[(&str, &str)] = &[
     ("indexer", include_str!("cu/indexer.cu")),
     ("attention", include_str!("cu/attention.cu")),
     ("attention_split", include_str!("cu/attention_split.cu")),
-    ("attention_mma", include_str!("cu/attention_mma.cu")),
+    // The wgmma kernel after the mma.sync ones, whose helpers it shares.
+    (
+        "attention_mma",
+        concat!(
+            include_str!("cu/attention_mma.cu"),
+            include_str!("cu/attention_wgmma.cu")
+        ),
+    ),
     ("moe", include_str!("cu/moe.cu")),
     ("moe_mma", include_str!("cu/moe_mma.cu")),
     ("quant", include_str!("cu/quant.cu")),
@@ -24,6 +31,20 @@ pub const MODULES: &[(&str, &str)] = &[
     ("audit", include_str!("cu/audit.cu")),
     ("sample", include_str!("cu/sample.cu")),
 ];
+
+/// The modules with Hopper's arch-specific instructions (wgmma): compiled for `compute_90a`
+/// on a compute-capability 9.0 device, where those kernels run; elsewhere for the device's
+/// arch, their bodies built without them (they trap, and the host never launches them).
+const ARCH_SPECIFIC: &[&str] = &["attention_mma"];
+
+/// The arch module `name` compiles for on a device of `arch` (`compute_90`, ...).
+pub fn module_arch(name: &str, arch: &str) -> String {
+    if arch == "compute_90" && ARCH_SPECIFIC.contains(&name) {
+        "compute_90a".into()
+    } else {
+        arch.into()
+    }
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum CompileError {

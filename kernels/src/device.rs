@@ -151,15 +151,20 @@ pub struct IndexerBlocking {
 /// others are the kernels it replaced, which gpu-check runs on the same inputs to compare.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum AttentionKernel {
-    /// Tensor cores (`k_attention_mma`, products in bf16) under bf16 weights where the
-    /// entries are bf16 or fp8 and the shape allows; otherwise, and always under fp32
-    /// weights (the reference mode), the fp32 split-key kernel.
+    /// Tensor cores under bf16 weights where the entries are bf16 or fp8 and the shape
+    /// allows (`k_attention_wgmma` on Hopper at head_dim 512, else `k_attention_mma`;
+    /// products in bf16); otherwise, and always under fp32 weights (the reference mode),
+    /// the fp32 split-key kernel.
     #[default]
     Auto,
     /// Tensor cores wherever the entries and shape allow, under fp32 weights with each
     /// query and probability split into hi + lo bf16 halves (~16 bits: close to, not at,
     /// fp32), else the split-key kernel: gpu-check's A/B of the tensor-core kernel.
     TensorCores,
+    /// The `mma.sync` kernel (`k_attention_mma`) where [`AttentionKernel::Auto`] takes
+    /// wgmma (the kernel wgmma replaced: gpu-check's and the bench's A/B), hi + lo under
+    /// fp32 weights as [`AttentionKernel::TensorCores`].
+    MmaSync,
     /// The fp32 split-key kernel (`k_attention_split`) for every entry type.
     Split,
     /// One block per row and group of heads (`k_attention`), the first kernel.
@@ -284,7 +289,7 @@ impl Gpu {
         let dir = cache.unwrap_or_else(compile::default_cache_dir);
         let mut funcs = HashMap::new();
         for (name, src) in compile::MODULES {
-            let ptx = compile::cached_ptx(name, src, &arch, &dir)?;
+            let ptx = compile::cached_ptx(name, src, &compile::module_arch(name, &arch), &dir)?;
             let module = ctx
                 .load_module(Ptx::from_src(ptx))
                 .map_err(|e| DeviceError::Driver(format!("loading module {name}: {e:?}")))?;
@@ -300,9 +305,10 @@ impl Gpu {
                     // Scores of long contexts' compressed keys live in shared memory.
                     "k_attention" | "k_attention_split" => Some(ATTENTION_SHARED),
                     // Queries and two key tiles of all 64 heads (and their lo halves).
-                    "k_attention_mma" | "k_attention_mma_exact" | "k_index_scores_mma" => {
-                        Some(MMA_SHARED)
-                    }
+                    "k_attention_mma"
+                    | "k_attention_mma_exact"
+                    | "k_attention_wgmma"
+                    | "k_index_scores_mma" => Some(MMA_SHARED),
                     // Stages of expert weight slabs and their picks' activations.
                     f if f.contains("_mma_")
                         && (f.starts_with("k_moe_") || f.starts_with("k_matmul_")) =>
@@ -352,6 +358,12 @@ impl Gpu {
         self.rope_tables
             .lock()
             .map_err(|_| BackendError::Device("rope table cache poisoned by a panic".into()))
+    }
+
+    /// Whether Hopper's arch-specific kernels (`wgmma`) are built for this device
+    /// (compute capability 9.0: `compile::module_arch`).
+    pub(crate) fn wgmma(&self) -> bool {
+        compile::module_arch("attention_mma", &self.arch) == "compute_90a"
     }
 
     fn step(&self) -> BResult<std::sync::MutexGuard<'_, StepState>> {

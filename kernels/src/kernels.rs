@@ -38,17 +38,19 @@ impl Variant for Elem {
     }
 }
 
-/// Products of the tensor-core attention: queries and probabilities rounded to bf16, or
-/// split into hi + lo bf16 halves (gpu-check's A/B under fp32 weights).
+/// Products of the tensor-core attention: queries and probabilities rounded to bf16 (on
+/// `mma.sync`, or on Hopper's `wgmma`), or split into hi + lo bf16 halves (gpu-check's A/B
+/// under fp32 weights).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Products {
     Bf16,
     HiLo,
+    Bf16Wgmma,
 }
 
 impl Variant for Products {
     fn index(self) -> usize {
-        usize::from(self == Products::HiLo)
+        self as usize
     }
 }
 
@@ -403,8 +405,8 @@ kernels! {
     }
     module "attention_mma" {
         /// The same attention on tensor cores, all heads of a row per block (bf16/fp8
-        /// entries), its products in bf16 or as hi + lo halves.
-        AttentionMma = "k_attention_mma" | "k_attention_mma_exact" by Products {
+        /// entries), its products in bf16 (mma.sync or wgmma) or as hi + lo halves.
+        AttentionMma = "k_attention_mma" | "k_attention_mma_exact" | "k_attention_wgmma" by Products {
             pages: DevPtr, states: DevPtr, page_bytes: i64, state_bytes: i64, seq: DevPtr,
             pt: DevPtr, row_seq: DevPtr, positions: DevPtr, q: DevPtr, new_rows: DevPtr,
             new_scales: DevPtr, sinks: DevPtr, sel: DevPtr, topk: i32, q_bf16: DevPtr,

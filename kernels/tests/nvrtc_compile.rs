@@ -4,7 +4,7 @@
 //! only if PDSERVE_REQUIRE_NVRTC is unset; CI sets it once .ci/run installs NVRTC.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use pdserve_kernels::compile::{compile_module, nvrtc_present, MODULES};
+use pdserve_kernels::compile::{compile_module, module_arch, nvrtc_present, MODULES};
 
 #[test]
 fn every_kernel_compiles_with_nvrtc() {
@@ -23,9 +23,16 @@ fn every_kernel_compiles_with_nvrtc() {
     let mut failures = Vec::new();
     for arch in ["compute_90", "compute_80"] {
         for (name, src) in MODULES {
-            match compile_module(name, src, arch) {
+            // compute_90: the arch-specific modules as sm_90a (wgmma), as a 9.0 device loads them.
+            match compile_module(name, src, &module_arch(name, arch)) {
                 Ok(ptx) => {
                     assert!(ptx.contains(".entry"), "{name}: PTX without entry points");
+                    // The wgmma bodies are built exactly where the module is arch-specific.
+                    assert_eq!(
+                        ptx.contains("wgmma.mma_async"),
+                        module_arch(name, arch) == "compute_90a",
+                        "{name} for {arch}: wgmma where sm_90a, nowhere else"
+                    );
                     // every extern "C" kernel of the source is in the PTX
                     for line in src.lines().filter(|l| l.contains("__global__ void ")) {
                         let fname = line

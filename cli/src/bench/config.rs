@@ -58,10 +58,12 @@ pub struct ModelFlags {
     /// Batch-invariant CUDA kernels (`--deterministic`): measures what the mode costs.
     #[arg(long)]
     pub deterministic: bool,
-    /// CUDA attention kernel: auto (tensor cores for bf16 and fp8 KV entries, the split-key
-    /// kernel for f32) or split (the split-key kernel for every entry type; what the
-    /// tensor-core kernel replaced, for A/B runs).
-    #[arg(long, default_value = "auto", value_parser = ["auto", "split"])]
+    /// CUDA attention kernel: auto (tensor cores for bf16 and fp8 KV entries: wgmma on
+    /// Hopper at head_dim 512, else mma.sync; the split-key kernel for f32), mma-sync (the
+    /// mma.sync kernel wherever auto takes wgmma: what wgmma replaced) or split (the
+    /// split-key kernel for every entry type; what the tensor cores replaced). The last two
+    /// for A/B runs.
+    #[arg(long, default_value = "auto", value_parser = ["auto", "mma-sync", "split"])]
     pub attention: String,
     /// CUDA routed-expert kernels of decode steps: auto (tensor cores for stored FP8/FP4
     /// experts at every batch, for bf16 past 2 rows),

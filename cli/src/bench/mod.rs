@@ -93,9 +93,11 @@ fn on_device(
                 deterministic: m.deterministic,
             };
             let mut backend = spec.open(n).context("CUDA backend unavailable")?;
-            if m.attention == "split" {
-                backend.set_attention_kernel(AttentionKernel::Split);
-            }
+            backend.set_attention_kernel(match m.attention.as_str() {
+                "split" => AttentionKernel::Split,
+                "mma-sync" => AttentionKernel::MmaSync,
+                _ => AttentionKernel::Auto,
+            });
             backend.set_indexer_gemm(m.indexer == "gemm");
             backend.set_expert_kernel(match m.expert_kernel.as_str() {
                 "tensor-cores" => ExpertKernel::TensorCores,

@@ -133,17 +133,9 @@ pub fn attention(
         win_scale_off: l.window_scale_offset as i64,
         comp_scale_off: l.comp_scale_offset as i64,
     };
-    let tensor_cores = match g.attention_kernel {
-        AttentionKernel::Auto => !g.fp32_reference,
-        AttentionKernel::TensorCores => true,
-        AttentionKernel::Split | AttentionKernel::Reference => false,
-    };
     let cols = n_heads * hd;
-    if g.attention_kernel != AttentionKernel::Reference
-        && tensor_cores
-        && attention_mma::takes(&args, g.fp32_reference)
-    {
-        let mma = MmaPlan::choose(rows, n_heads, max_keys, g.sms, g.deterministic);
+    if let Some(kernel) = attention_mma::choose_kernel(g, &args) {
+        let mma = MmaPlan::choose(kernel, rows, n_heads, max_keys, g.sms, g.deterministic);
         if mma.direct && !g.fp32_reference && g.attention_bf16_io {
             return attention_bf16_io(g, &args, mma, q, head_rope, layout, plan);
         }
@@ -151,7 +143,7 @@ pub fn attention(
         args.q = DevPtr::of(f32_buf(&q, "attention")?);
         let mut out = new_f32(g, rows, cols)?;
         args.out = out_ptr(&out)?;
-        attention_mma::launch(g, &args, mma, g.fp32_reference, None)?;
+        attention_mma::launch(g, &args, mma, None)?;
         rope(g, &mut out, hd, head_rope.rope, &plan.positions, true)?;
         return Ok(out);
     }
@@ -231,7 +223,7 @@ fn attention_bf16_io(
         q: &qb,
         out: &out,
     };
-    attention_mma::launch(g, args, mma, false, Some(io))?;
+    attention_mma::launch(g, args, mma, Some(io))?;
     Ok(GpuTensor::new(rows, args.n_heads * hd, Buf::Bf16(out)))
 }
 
