@@ -28,7 +28,7 @@
 //
 // Shared memory (MmaPlan::shared_bytes in ops/attention_mma.rs), from a 1024-byte aligned
 // base: queries [8 column blocks][64 heads][128 B], two key tiles of the same shape, the
-// partial scores [8][256 threads] float4, the tile's key and fp8 scale addresses. A column
+// partial scores [8][256 threads] float4, two tiles' key and fp8 scale addresses. A column
 // block holds 64 channels of every row, each row 128 bytes with its 16-byte chunks swizzled
 // (chunk j of row x at j ^ (x % 8): wgmma's 128-byte swizzle), so the same tile is the K-major
 // B of the scores and the MN-major B of the values.
@@ -108,8 +108,8 @@ __device__ __forceinline__ void atw_body(const unsigned char* pages, const unsig
     unsigned char* qs = sh;
     unsigned char* ks = sh + ATW_TILE_BYTES;
     float4* sx = (float4*)(sh + 3 * ATW_TILE_BYTES);
-    unsigned long long* kaddr = (unsigned long long*)(sx + 8 * 256);
-    unsigned long long* saddr = kaddr + ATW_T;
+    unsigned long long* kaddr = (unsigned long long*)(sx + 8 * 256);  // [2][ATW_T]
+    unsigned long long* saddr = kaddr + 2 * ATW_T;                    // [2][ATW_T]
     const int hd = ATW_HD;
     int r = blockIdx.x, h0 = blockIdx.y * 64, split = blockIdx.z;
     int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -136,26 +136,29 @@ __device__ __forceinline__ void atw_body(const unsigned char* pages, const unsig
     }
     int nope = hd - rd;
     int ntiles = (k1 - k0 + ATW_T - 1) / ATW_T;
-    // Addresses of tile t's keys (past the split's keys: its last key again, whose scores
-    // are masked, so that every loaded value is a finite key).
+    // Addresses of tile t's keys into slot t % 2 (past the split's keys: its last key
+    // again, whose scores are masked, so that every loaded value is a finite key).
     auto stage = [&](int t) {
         if (tid < ATW_T) {
             unsigned long long a, sa;
             keys.key(min(k0 + t * ATW_T + tid, k1 - 1), a, sa);
-            kaddr[tid] = a;
-            saddr[tid] = sa;
+            kaddr[(t & 1) * ATW_T + tid] = a;
+            saddr[(t & 1) * ATW_T + tid] = sa;
         }
     };
-    // The staged keys into tile buffer kb: this thread's 16-byte chunk c8 (8 channels) of
+    // Tile t's staged keys into its buffer: this thread's 16-byte chunk c8 (8 channels) of
     // keys tid / 64 + 4u. bf16 entries by cp.async; fp8 ones loaded 8 keys at a time, then
     // converted (codes times their tile's power-of-two scale, exact in bf16).
     const int c8 = tid & 63, c = c8 * 8;
-    auto load = [&](unsigned char* kb) {
+    auto load = [&](int t) {
+        unsigned char* kb = ks + (t & 1) * ATW_TILE_BYTES;
+        const unsigned long long* ka = kaddr + (t & 1) * ATW_T;
+        const unsigned long long* sa = saddr + (t & 1) * ATW_T;
         if (dt == 1) {
 #pragma unroll 4
             for (int u = 0; u < 16; u++) {
                 int key = (tid >> 6) + 4 * u;
-                tc_cp16(kb + atw_off(key, c), (const unsigned char*)kaddr[key] + c * 2);
+                tc_cp16(kb + atw_off(key, c), (const unsigned char*)ka[key] + c * 2);
             }
             return;
         }
@@ -166,11 +169,11 @@ __device__ __forceinline__ void atw_body(const unsigned char* pages, const unsig
 #pragma unroll
             for (int u = 0; u < 8; u++) {
                 int key = (tid >> 6) + 4 * (u0 + u);
-                const unsigned char* a = (const unsigned char*)kaddr[key];
+                const unsigned char* a = (const unsigned char*)ka[key];
                 if (c < nope) {
                     uint2 codes = *reinterpret_cast<const uint2*>(a + c);
                     raw[u] = make_uint4(codes.x, codes.y, 0u, 0u);
-                    sc[u] = e8m0_to_f(((const unsigned char*)saddr[key])[c / KV_TILE]);
+                    sc[u] = e8m0_to_f(((const unsigned char*)sa[key])[c / KV_TILE]);
                 } else {
                     raw[u] = *reinterpret_cast<const uint4*>(a + nope + (i64)(c - nope) * 2);
                     sc[u] = 1.f;
@@ -191,7 +194,7 @@ __device__ __forceinline__ void atw_body(const unsigned char* pages, const unsig
     // The first tile's copies go out before the queries are read.
     stage(0);
     __syncthreads();
-    load(ks);
+    load(0);
 #pragma unroll 4
     for (int u = 0; u < 16; u++) {
         int h = (tid >> 6) + 4 * u;
@@ -218,18 +221,16 @@ __device__ __forceinline__ void atw_body(const unsigned char* pages, const unsig
     for (int nb = 0; nb < 4; nb++)
 #pragma unroll
         for (int e = 0; e < 32; e++) o[nb][e] = 0.f;
+    // One barrier per tile: tile t's keys and tile t + 1's addresses are visible, and every
+    // warp is done with tile t - 1 (its buffer and address slot, which tile t + 1 takes
+    // next, and the partial scores the pairs read). Tile t + 1's keys load while the tensor
+    // cores score tile t.
     for (int t = 0; t < ntiles; t++) {
-        int b = t & 1;
         if (t + 1 < ntiles) stage(t + 1);
-        // The next addresses are visible, and every warp is done with tile t - 1 (whose
-        // buffer the next copies overwrite, and whose partial scores the pair read).
-        __syncthreads();
-        if (t + 1 < ntiles) load(ks + (b ^ 1) * ATW_TILE_BYTES);
-        tc_commit();
-        tc_wait_prev();
+        asm volatile("cp.async.wait_all;" ::: "memory");
         atw_proxy_fence();
         __syncthreads();
-        u32 kt = kbase + b * ATW_TILE_BYTES;
+        u32 kt = kbase + (t & 1) * ATW_TILE_BYTES;
         int lim = min(ATW_T, k1 - k0 - t * ATW_T);  // keys of this tile
         // s[4j + e]: keys 8j + 2tq + (e & 1), head 16 hg + g + 8 (e >> 1).
         float s[32];
@@ -242,6 +243,10 @@ __device__ __forceinline__ void atw_body(const unsigned char* pages, const unsig
             atw_ss(s, atw_desc(qbase + off, 16), atw_desc(kt + off, 16), k);
         }
         atw_commit();
+        if (t + 1 < ntiles) {
+            load(t + 1);
+            tc_commit();
+        }
         atw_wait();
         atw_keep(s);
         // Swap halves with the other warpgroup's thread; both add (half 0) + (half 1).
@@ -288,10 +293,13 @@ __device__ __forceinline__ void atw_body(const unsigned char* pages, const unsig
             mrun[i] = mn;
             lrun[i] = lrun[i] * alpha[i] + sum;
         }
+        // Once the running max settles, alpha is 1 in most tiles: skipped per warp (exact).
+        if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
-        for (int nb = 0; nb < 4; nb++)
+            for (int nb = 0; nb < 4; nb++)
 #pragma unroll
-            for (int e = 0; e < 32; e++) o[nb][e] *= alpha[(e >> 1) & 1];
+                for (int e = 0; e < 32; e++) o[nb][e] *= alpha[(e >> 1) & 1];
+        }
         atw_fence();
 #pragma unroll
         for (int kq = 0; kq < 4; kq++)

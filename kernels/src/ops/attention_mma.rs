@@ -68,12 +68,12 @@ impl MmaKernel {
     /// scale addresses of two tiles, the warps' partial scores (8 warps x 16 heads x a
     /// tile), queries and two key tiles, each row padded; exact: the lo halves of the
     /// queries too. wgmma (`k_attention_wgmma`'s): queries and two key tiles of 64 rows
-    /// unpadded (swizzled), the partial scores (256 threads x 32), one tile's key and scale
+    /// unpadded (swizzled), the partial scores (256 threads x 32), two tiles' key and scale
     /// addresses, and 1 KiB to align the base to the swizzle's 1024 bytes.
     pub(crate) fn shared_bytes(self, hd: usize) -> usize {
         let tile = self.tile();
         match self {
-            MmaKernel::Wgmma => 3 * HEADS * hd * 2 + BLOCK as usize * 32 * 4 + 2 * tile * 8 + 1024,
+            MmaKernel::Wgmma => 3 * HEADS * hd * 2 + BLOCK as usize * 32 * 4 + 4 * tile * 8 + 1024,
             MmaKernel::MmaSync | MmaKernel::MmaSyncExact => {
                 let halves = if self == MmaKernel::MmaSyncExact {
                     2
@@ -295,7 +295,7 @@ mod tests {
         // attention_wgmma.cu's layout: queries, two key tiles, partial scores, addresses.
         assert_eq!(
             MmaKernel::Wgmma.shared_bytes(512),
-            3 * 65536 + 8 * 256 * 16 + 2 * 64 * 8 + 1024
+            3 * 65536 + 8 * 256 * 16 + 4 * 64 * 8 + 1024
         );
     }
 
