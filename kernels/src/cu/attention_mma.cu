@@ -59,6 +59,21 @@ __device__ __forceinline__ void atm_pair_sync(int warp) {
     asm volatile("bar.sync %0, 64;" ::"r"(1 + (warp & 3)) : "memory");
 }
 
+// Output channels c, c + 1 of row r as the o-projection's bf16 input: rope channels (c >=
+// nope) rotated back at the row's position by the tables un_cs / un_sn (k_rope's inverse,
+// the same products), then rounded.
+__device__ __forceinline__ u32 atm_out_pair(float x0, float x1, int c, int nope, int rd, int r, const float* un_cs,
+                                            const float* un_sn) {
+    if (c >= nope) {
+        int halfrd = rd >> 1, k = (c - nope) >> 1;
+        float cv = un_cs[(i64)r * halfrd + k], sv = -un_sn[(i64)r * halfrd + k];
+        float y0 = rope_rotate0(x0, x1, cv, sv), y1 = rope_rotate1(x0, x1, cv, sv);
+        x0 = y0;
+        x1 = y1;
+    }
+    return atm_pack(x0, x1);
+}
+
 template <bool EXACT>
 __device__ __forceinline__ void atm_body(const unsigned char* pages, const unsigned char* states, i64 page_bytes,
                                            i64 state_bytes, const int* seq, const u32* pt, const int* row_seq,
@@ -82,24 +97,12 @@ __device__ __forceinline__ void atm_body(const unsigned char* pages, const unsig
     const AttnRow keys = attn_row(r, pages, states, page_bytes, state_bytes, seq, pt, row_seq, positions, new_rows,
                                   new_scales, sel, topk, hd, window, win_off, rate, mode, comp_off, comp_epp,
                                   page_tokens, dt, rd, win_scale_off, comp_scale_off);
-    int nwin = keys.nwin;
-    int nsel = 0;
-    if (mode == 1) nsel = (keys.pos + 1) / rate;
-    if (mode == 2)
-        for (int j0 = 0; j0 < topk; j0 += blockDim.x) {
-            int j = j0 + tid;
-            nsel += __syncthreads_count(j < topk && sel[(i64)r * topk + j] >= 0);
-        }
-    int nk = nwin + nsel;
+    int nk = attn_row_keys(keys, mode, rate, sel, topk, r);
     int k0 = split * split_keys, k1 = min(nk, k0 + split_keys);
     int nh = min(ATM_H, n_heads - h0);
     i64 rh = (i64)r * n_heads + h0;  // (row, first head) of this block
     if (k0 >= k1) {
-        // A split past this row's keys: an empty partial, which the combine skips.
-        for (int h = tid; h < nh; h += blockDim.x) {
-            part_ml[((rh + h) * nsplit + split) * 2] = NEG_INF;
-            part_ml[((rh + h) * nsplit + split) * 2 + 1] = 0.f;
-        }
+        attn_empty_split(part_ml, rh, nh, nsplit, split);
         return;
     }
     int nope = hd - rd;
@@ -309,20 +312,12 @@ __device__ __forceinline__ void atm_body(const unsigned char* pages, const unsig
                 // The o-projection's input: rope channels rotated back at the row's
                 // position (k_rope's inverse, the same products), rounded to bf16.
                 bf16_t* db = out_bf16 + (rh + hh) * hd;
-                int halfrd = rd >> 1;
 #pragma unroll
                 for (int ni = 0; ni < ATM_MAXNT; ni++)
                     if (ni < nt) {
                         int c = c0 + ni * 8 + 2 * tq;
-                        float x0 = acc[ni][2 * i] * w, x1 = acc[ni][2 * i + 1] * w;
-                        if (c >= nope) {
-                            int k = (c - nope) >> 1;
-                            float cv = un_cs[(i64)r * halfrd + k], sv = -un_sn[(i64)r * halfrd + k];
-                            float y0 = rope_rotate0(x0, x1, cv, sv), y1 = rope_rotate1(x0, x1, cv, sv);
-                            x0 = y0;
-                            x1 = y1;
-                        }
-                        *reinterpret_cast<u32*>(db + c) = atm_pack(x0, x1);
+                        *reinterpret_cast<u32*>(db + c) =
+                            atm_out_pair(acc[ni][2 * i] * w, acc[ni][2 * i + 1] * w, c, nope, rd, r, un_cs, un_sn);
                     }
                 continue;
             }

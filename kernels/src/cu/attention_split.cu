@@ -128,22 +128,11 @@ extern "C" __global__ void k_attention_split(const unsigned char* pages, const u
                                   new_scales, sel, topk, hd, window, win_off, rate, mode, comp_off, comp_epp,
                                   page_tokens, dt, rd, win_scale_off, comp_scale_off);
     int nwin = keys.nwin;
-    int nsel = 0;
-    if (mode == 1) nsel = (keys.pos + 1) / rate;
-    if (mode == 2)
-        for (int j0 = 0; j0 < topk; j0 += blockDim.x) {
-            int j = j0 + threadIdx.x;
-            nsel += __syncthreads_count(j < topk && sel[(i64)r * topk + j] >= 0);
-        }
-    int nk = nwin + nsel;
+    int nk = attn_row_keys(keys, mode, rate, sel, topk, r);
     int k0 = split * split_keys, k1 = min(nk, k0 + split_keys);
     i64 rh = (i64)r * n_heads + h0;  // (row, first head) of this block
     if (k0 >= k1) {
-        // A split past this row's keys: an empty partial, which the combine skips.
-        for (int g = threadIdx.x; g < G; g += blockDim.x) {
-            part_ml[((rh + g) * nsplit + split) * 2] = NEG_INF;
-            part_ml[((rh + g) * nsplit + split) * 2 + 1] = 0.f;
-        }
+        attn_empty_split(part_ml, rh, G, nsplit, split);
         return;
     }
     for (int i = threadIdx.x; i < G * hd; i += blockDim.x) qs[i] = q[rh * hd + i];

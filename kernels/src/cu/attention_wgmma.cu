@@ -116,22 +116,11 @@ __device__ __forceinline__ void atw_body(const unsigned char* pages, const unsig
     const AttnRow keys = attn_row(r, pages, states, page_bytes, state_bytes, seq, pt, row_seq, positions, new_rows,
                                   new_scales, sel, topk, hd, window, win_off, rate, mode, comp_off, comp_epp,
                                   page_tokens, dt, rd, win_scale_off, comp_scale_off);
-    int nsel = 0;
-    if (mode == 1) nsel = (keys.pos + 1) / rate;
-    if (mode == 2)
-        for (int j0 = 0; j0 < topk; j0 += blockDim.x) {
-            int j = j0 + tid;
-            nsel += __syncthreads_count(j < topk && sel[(i64)r * topk + j] >= 0);
-        }
-    int nk = keys.nwin + nsel;
+    int nk = attn_row_keys(keys, mode, rate, sel, topk, r);
     int k0 = split * split_keys, k1 = min(nk, k0 + split_keys);
     i64 rh = (i64)r * n_heads + h0;  // (row, first head) of this block
     if (k0 >= k1) {
-        // A split past this row's keys: an empty partial, which the combine skips.
-        for (int h = tid; h < 64; h += blockDim.x) {
-            part_ml[((rh + h) * nsplit + split) * 2] = NEG_INF;
-            part_ml[((rh + h) * nsplit + split) * 2 + 1] = 0.f;
-        }
+        attn_empty_split(part_ml, rh, 64, nsplit, split);
         return;
     }
     int nope = hd - rd;
@@ -323,21 +312,14 @@ __device__ __forceinline__ void atw_body(const unsigned char* pages, const unsig
                 // The o-projection's input: rope channels rotated back at the row's
                 // position (k_rope's inverse, the same products), rounded to bf16.
                 bf16_t* db = out_bf16 + (rh + hh) * hd;
-                int halfrd = rd >> 1;
 #pragma unroll
                 for (int nb = 0; nb < 4; nb++)
 #pragma unroll
                     for (int j = 0; j < 8; j++) {
                         int cc = 256 * wg + 64 * nb + 8 * j + 2 * tq;
-                        float x0 = o[nb][4 * j + 2 * i] * w, x1 = o[nb][4 * j + 2 * i + 1] * w;
-                        if (cc >= nope) {
-                            int k = (cc - nope) >> 1;
-                            float cv = un_cs[(i64)r * halfrd + k], sv = -un_sn[(i64)r * halfrd + k];
-                            float y0 = rope_rotate0(x0, x1, cv, sv), y1 = rope_rotate1(x0, x1, cv, sv);
-                            x0 = y0;
-                            x1 = y1;
-                        }
-                        *reinterpret_cast<u32*>(db + cc) = atm_pack(x0, x1);
+                        *reinterpret_cast<u32*>(db + cc) = atm_out_pair(o[nb][4 * j + 2 * i] * w,
+                                                                        o[nb][4 * j + 2 * i + 1] * w, cc, nope, rd,
+                                                                        r, un_cs, un_sn);
                     }
                 continue;
             }

@@ -477,6 +477,28 @@ __device__ __forceinline__ AttnRow attn_row(int r, const unsigned char* pages, c
     return k;
 }
 
+// The keys of row r (window, then compressed entries: mode 1 every visible one, mode 2 the
+// indexer's picks, -1 past them); every thread of the block calls it.
+__device__ __forceinline__ int attn_row_keys(const AttnRow& keys, int mode, int rate, const int* sel, int topk, int r) {
+    int nsel = 0;
+    if (mode == 1) nsel = (keys.pos + 1) / rate;
+    if (mode == 2)
+        for (int j0 = 0; j0 < topk; j0 += blockDim.x) {
+            int j = j0 + threadIdx.x;
+            nsel += __syncthreads_count(j < topk && sel[(i64)r * topk + j] >= 0);
+        }
+    return keys.nwin + nsel;
+}
+
+// A split past its row's keys: an empty partial for heads rh .. rh + nh, which the combine
+// skips.
+__device__ __forceinline__ void attn_empty_split(float* part_ml, i64 rh, int nh, int nsplit, int split) {
+    for (int h = threadIdx.x; h < nh; h += blockDim.x) {
+        part_ml[((rh + h) * nsplit + split) * 2] = NEG_INF;
+        part_ml[((rh + h) * nsplit + split) * 2 + 1] = 0.f;
+    }
+}
+
 // ---- Tensor-core helpers (sm_80+ PTX): shared addresses, ldmatrix fragments, bf16
 // mma.sync m16n8k16 with fp32 accumulators, 16-byte cp.async.
 __device__ __forceinline__ u32 tc_smem(const void* p) {
