@@ -74,7 +74,13 @@ fn engine(
         kv_dtype: kv,
         ..KvLayoutSpec::default_for(cfg)
     };
-    Ok(Engine::new(cfg.clone(), weights, backend, Some(spec), POOL)?)
+    Ok(Engine::new(
+        cfg.clone(),
+        weights,
+        backend,
+        Some(spec),
+        POOL,
+    )?)
 }
 
 /// Every position's logits of the [`SHORT_PROMPTS`], then [`SHORT_STEPS`] decode steps of
@@ -83,7 +89,9 @@ fn short_logits(e: &mut Engine<CudaBackend>) -> AnyResult<Vec<Vec<f32>>> {
     let vocab = e.config().vocab_size;
     let (mut out, mut seqs) = (Vec::new(), Vec::new());
     for (i, &len) in SHORT_PROMPTS.iter().enumerate() {
-        let p: Vec<u32> = (0..len).map(|t| ((t * 31 + i * 97) % vocab) as u32).collect();
+        let p: Vec<u32> = (0..len)
+            .map(|t| ((t * 31 + i * 97) % vocab) as u32)
+            .collect();
         let mut s = e.new_sequence()?;
         out.extend(prefill(e, &mut s, &p, 0, Logits::All)?);
         seqs.push(s);
@@ -101,7 +109,11 @@ fn short_logits(e: &mut Engine<CudaBackend>) -> AnyResult<Vec<Vec<f32>>> {
 fn differing(got: &[Vec<f32>], want: &[Vec<f32>]) -> usize {
     got.iter()
         .zip(want)
-        .filter(|(g, w)| g.iter().map(|x| x.to_bits()).ne(w.iter().map(|x| x.to_bits())))
+        .filter(|(g, w)| {
+            g.iter()
+                .map(|x| x.to_bits())
+                .ne(w.iter().map(|x| x.to_bits()))
+        })
         .count()
 }
 
@@ -121,7 +133,9 @@ pub fn check_wgmma(ordinal: usize) -> AnyResult<Vec<CheckRow>> {
         let name = format!("V4-shape attention kv={kv} wgmma");
         let mut wgmma = engine(ordinal, &cfg, kv, (AttentionKernel::Auto, false))?;
         if wgmma.backend().gpu().arch != "compute_90" {
-            out.push(info_row(format!("{name}: not a Hopper GPU, wgmma not built")));
+            out.push(info_row(format!(
+                "{name}: not a Hopper GPU, wgmma not built"
+            )));
             continue;
         }
         for deterministic in [false, true] {
@@ -177,9 +191,7 @@ pub fn check_wgmma(ordinal: usize) -> AnyResult<Vec<CheckRow>> {
         let (median, old_median) = (quantile(&errs, 0.5), quantile(&old_errs, 0.5));
         let (worst_row, max_rel_err) = worst(&errs);
         out.push(CheckRow {
-            name: format!(
-                "{name} vs split-key (median {median:.1e}; mma.sync {old_median:.1e})"
-            ),
+            name: format!("{name} vs split-key (median {median:.1e}; mma.sync {old_median:.1e})"),
             rows: errs.len(),
             max_rel_err,
             worst_row,
