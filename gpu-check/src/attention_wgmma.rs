@@ -15,7 +15,7 @@
 //!   wgmma kernel's median row error within twice the mma.sync kernel's.
 
 use crate::check::{argmax, decode_logits, rel_err, CheckRow};
-use crate::deepseek::quantile;
+use crate::deepseek::{bit_errors, quantile, row};
 use crate::stored::model_logits;
 use pdserve_engine::config::ModelConfig;
 use pdserve_engine::generate::prefill;
@@ -105,25 +105,6 @@ fn short_logits(e: &mut Engine<CudaBackend>) -> AnyResult<Vec<Vec<f32>>> {
     Ok(out)
 }
 
-/// Rows of `got` and `want` that differ in any bit.
-fn differing(got: &[Vec<f32>], want: &[Vec<f32>]) -> usize {
-    got.iter()
-        .zip(want)
-        .filter(|(g, w)| {
-            g.iter()
-                .map(|x| x.to_bits())
-                .ne(w.iter().map(|x| x.to_bits()))
-        })
-        .count()
-}
-
-fn worst(errs: &[f64]) -> (usize, f64) {
-    errs.iter()
-        .copied()
-        .enumerate()
-        .fold((0, 0f64), |a, (i, e)| if e > a.1 { (i, e) } else { a })
-}
-
 /// Per KV entry type (bf16, fp8): the one-tile rows bitwise (direct launch, then the split
 /// launch under `--deterministic`), and the long rows against the split-key kernel.
 pub fn check_wgmma(ordinal: usize) -> AnyResult<Vec<CheckRow>> {
@@ -131,7 +112,8 @@ pub fn check_wgmma(ordinal: usize) -> AnyResult<Vec<CheckRow>> {
     let mut out = Vec::new();
     for kv in [EntryDtype::Bf16, EntryDtype::Fp8E4m3] {
         let name = format!("V4-shape attention kv={kv} wgmma");
-        let mut wgmma = engine(ordinal, &cfg, kv, (AttentionKernel::Auto, false))?;
+        let make = |kernel, deterministic| engine(ordinal, &cfg, kv, (kernel, deterministic));
+        let mut wgmma = make(AttentionKernel::Auto, false)?;
         if wgmma.backend().gpu().arch != "compute_90" {
             out.push(info_row(format!(
                 "{name}: not a Hopper GPU, wgmma not built"
@@ -139,48 +121,24 @@ pub fn check_wgmma(ordinal: usize) -> AnyResult<Vec<CheckRow>> {
             continue;
         }
         for deterministic in [false, true] {
-            let got = short_logits(&mut engine(
-                ordinal,
-                &cfg,
-                kv,
-                (AttentionKernel::Auto, deterministic),
-            )?)?;
-            let want = short_logits(&mut engine(
-                ordinal,
-                &cfg,
-                kv,
-                (AttentionKernel::MmaSync, deterministic),
-            )?)?;
+            let got = short_logits(&mut make(AttentionKernel::Auto, deterministic)?)?;
+            let want = short_logits(&mut make(AttentionKernel::MmaSync, deterministic)?)?;
+            let vocab = want.first().map_or(1, Vec::len).max(1);
+            let bits = bit_errors(&got.concat(), &want.concat(), vocab);
+            let differ = bits.iter().filter(|&&e| e > 0.0).count();
             let errs: Vec<f64> = got.iter().zip(&want).map(|(g, w)| rel_err(g, w)).collect();
-            let differ = differing(&got, &want);
-            let (worst_row, max_rel_err) = worst(&errs);
             let launch = if deterministic { "split" } else { "direct" };
-            out.push(CheckRow {
-                name: format!(
-                    "{name} == mma.sync bitwise, one tile, {launch} ({differ} rows differ)"
-                ),
-                rows: errs.len(),
-                max_rel_err,
-                worst_row,
-                greedy_same: errs.len() - differ,
-                near_ties: 0,
-                pass: differ == 0 && !errs.is_empty(),
-                gate: true,
-            });
+            let mut r = row(
+                format!("{name} == mma.sync bitwise, one tile, {launch} ({differ} rows differ)"),
+                &errs,
+                differ == 0 && got.len() == want.len() && !errs.is_empty(),
+            );
+            r.greedy_same = errs.len() - differ;
+            out.push(r);
         }
-        let split = model_logits(&mut engine(
-            ordinal,
-            &cfg,
-            kv,
-            (AttentionKernel::Split, false),
-        )?)?;
+        let split = model_logits(&mut make(AttentionKernel::Split, false)?)?;
         let got = model_logits(&mut wgmma)?;
-        let old = model_logits(&mut engine(
-            ordinal,
-            &cfg,
-            kv,
-            (AttentionKernel::MmaSync, false),
-        )?)?;
+        let old = model_logits(&mut make(AttentionKernel::MmaSync, false)?)?;
         let errs: Vec<f64> = got.iter().zip(&split).map(|(g, w)| rel_err(g, w)).collect();
         let old_errs: Vec<f64> = old.iter().zip(&split).map(|(g, w)| rel_err(g, w)).collect();
         let greedy = got
@@ -189,18 +147,14 @@ pub fn check_wgmma(ordinal: usize) -> AnyResult<Vec<CheckRow>> {
             .filter(|(g, w)| argmax(g) == argmax(w))
             .count();
         let (median, old_median) = (quantile(&errs, 0.5), quantile(&old_errs, 0.5));
-        let (worst_row, max_rel_err) = worst(&errs);
-        out.push(CheckRow {
-            name: format!("{name} vs split-key (median {median:.1e}; mma.sync {old_median:.1e})"),
-            rows: errs.len(),
-            max_rel_err,
-            worst_row,
-            greedy_same: greedy,
-            near_ties: 0,
-            pass: median <= MEDIAN_RATIO * old_median
+        let mut r = row(
+            format!("{name} vs split-key (median {median:.1e}; mma.sync {old_median:.1e})"),
+            &errs,
+            median <= MEDIAN_RATIO * old_median
                 && greedy as f64 >= GREEDY_SHARE * errs.len() as f64,
-            gate: true,
-        });
+        );
+        r.greedy_same = greedy;
+        out.push(r);
     }
     Ok(out)
 }

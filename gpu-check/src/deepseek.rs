@@ -54,7 +54,7 @@ pub(crate) fn quantile(errs: &[f64], q: f64) -> f64 {
         .unwrap_or(0.0)
 }
 
-fn row(name: String, errs: &[f64], pass: bool) -> CheckRow {
+pub(crate) fn row(name: String, errs: &[f64], pass: bool) -> CheckRow {
     let (worst_row, max_rel_err) = errs
         .iter()
         .copied()
@@ -73,7 +73,7 @@ fn row(name: String, errs: &[f64], pass: bool) -> CheckRow {
 }
 
 /// Rows of `got` whose bits differ from `want`'s, as 0 (same) or 1 (differs).
-fn bit_errors(got: &[f32], want: &[f32], cols: usize) -> Vec<f64> {
+pub(crate) fn bit_errors(got: &[f32], want: &[f32], cols: usize) -> Vec<f64> {
     got.chunks(cols)
         .zip(want.chunks(cols))
         .map(|(g, w)| {
