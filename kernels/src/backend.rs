@@ -401,6 +401,16 @@ impl TensorOps for CudaBackend {
         hc::hc_pre(&self.gpu, streams, mix, p)
     }
 
+    fn hc_pre_mixed(
+        &self,
+        streams: &GpuTensor,
+        fn_: &GpuTensor,
+        norm_eps: f32,
+        p: &HcParams<'_, GpuTensor>,
+    ) -> BResult<HcPre<GpuTensor>> {
+        hc::hc_pre_mixed(&self.gpu, streams, fn_, norm_eps, p)
+    }
+
     fn hc_post(
         &self,
         streams: &GpuTensor,

@@ -297,10 +297,12 @@ kernels! {
         }
     }
     module "hc" {
-        /// Hyper-connection pre-mapping: post and comb (Sinkhorn) maps and the collapsed row.
+        /// Hyper-connection pre-mapping: post and comb (Sinkhorn) maps and the collapsed row;
+        /// with `norm`, the mix logits of the raw rows scaled by each row's RMS norm first.
         HcPre = "k_hc_pre" {
             streams: DevPtr, mix: DevPtr, base: DevPtr, scale: DevPtr, post: DevPtr,
             comb: DevPtr, collapsed: DevPtr, h: i32, hc: i32, iters: i32, eps: f32,
+            norm: i32, norm_eps: f32,
         }
         /// Hyper-connection stream update from a block output.
         HcPost = "k_hc_post" {

@@ -142,6 +142,19 @@ pub trait TensorOps: KvStorage {
         mix: &Self::Tensor,
         p: &HcParams<'_, Self::Tensor>,
     ) -> BResult<HcPre<Self::Tensor>>;
+    /// [`TensorOps::hc_pre`] with the mix logits `rms_norm_matmul(streams, fn_, norm_eps)`.
+    /// Default: those two ops; the CUDA backend folds each row's norm into the mapping
+    /// kernel (the same values, one pass over the streams fewer).
+    fn hc_pre_mixed(
+        &self,
+        streams: &Self::Tensor,
+        fn_: &Self::Tensor,
+        norm_eps: f32,
+        p: &HcParams<'_, Self::Tensor>,
+    ) -> BResult<HcPre<Self::Tensor>> {
+        let mix = self.rms_norm_matmul(streams, fn_, norm_eps)?;
+        self.hc_pre(streams, &mix, p)
+    }
     /// `new[k] = post[k] * out + sum_j comb[j,k] * streams[j]`.
     fn hc_post(
         &self,

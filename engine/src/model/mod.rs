@@ -89,8 +89,7 @@ impl<B: Backend> Model<B> {
     }
 
     fn hc_pre(&self, b: &B, streams: &B::Tensor, w: &HcWeights<B>) -> BResult<HcPre<B::Tensor>> {
-        let mix = self.hc_mix(b, streams, &w.fn_)?;
-        b.hc_pre(streams, &mix, &self.hc_params(w))
+        b.hc_pre_mixed(streams, &w.fn_, self.cfg.rms_norm_eps, &self.hc_params(w))
     }
 
     /// Run one ragged batch. Returns the logits of the rows in `logit_rows`, in that order.

@@ -105,6 +105,23 @@ __device__ float block_sum(float v, float* sh) {
     return r;
 }
 
+// 1 / sqrt(mean(v^2) + eps) of one row of `cols` floats, by the whole block (every thread
+// calls it; blockDim.x a multiple of 32; `sh` holds 32 floats): k_row_inv_rms's value, and
+// k_hc_pre's fused norm, the same sums in the same order.
+__device__ float row_inv_rms(const float* v, int cols, float eps, float* sh) {
+    float ss = 0.f;
+    if (((cols & 3) | ((unsigned long long)v & 15)) == 0) {
+        for (int i = threadIdx.x * 4; i < cols; i += blockDim.x * 4) {
+            float4 a = *reinterpret_cast<const float4*>(v + i);
+            ss += a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w;
+        }
+    } else {
+        for (int i = threadIdx.x; i < cols; i += blockDim.x) ss += v[i] * v[i];
+    }
+    ss = block_sum(ss, sh) / (float)cols;
+    return 1.f / sqrtf(ss + eps);
+}
+
 __device__ float block_max(float v, float* sh) {
     int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
     v = warp_max(v);

@@ -103,18 +103,8 @@ extern "C" __global__ void k_gather_rows_bf16(const float* x, const int* idx, bf
 extern "C" __global__ void k_row_inv_rms(const float* x, float* rinv, int cols, float eps) {
     pdl_enter();
     __shared__ float sh[32];
-    const float* v = x + (i64)blockIdx.x * cols;
-    float ss = 0.f;
-    if (((cols & 3) | ((unsigned long long)x & 15)) == 0) {
-        for (int i = threadIdx.x * 4; i < cols; i += blockDim.x * 4) {
-            float4 a = *reinterpret_cast<const float4*>(v + i);
-            ss += a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w;
-        }
-    } else {
-        for (int i = threadIdx.x; i < cols; i += blockDim.x) ss += v[i] * v[i];
-    }
-    ss = block_sum(ss, sh) / (float)cols;
-    if (threadIdx.x == 0) rinv[blockIdx.x] = 1.f / sqrtf(ss + eps);
+    float r = row_inv_rms(x + (i64)blockIdx.x * cols, cols, eps, sh);
+    if (threadIdx.x == 0) rinv[blockIdx.x] = r;
 }
 
 // y[r, c] *= s[r] over `rows` rows of `cols`.

@@ -3,6 +3,7 @@
 use crate::buf::{f32_buf, out_ptr, shape_err};
 use crate::device::Gpu;
 use crate::kernels::{self, DevPtr};
+use crate::ops::dense;
 use crate::ops::tensors::{new_f32, param_f32};
 use crate::tensor::GpuTensor;
 use pdserve_engine::backend::{shapes, BResult, HcParams, HcPre};
@@ -26,6 +27,31 @@ pub fn hc_pre(
     streams: &GpuTensor,
     mix: &GpuTensor,
     p: &HcParams<'_, GpuTensor>,
+) -> BResult<HcPre<GpuTensor>> {
+    launch_hc_pre(g, streams, mix, p, None)
+}
+
+/// [`hc_pre`] of the mix `rms_norm(streams) @ fn_^T`: the GEMM on the raw rows, each row's
+/// norm (`norm_eps`) computed and applied inside `k_hc_pre` (the values of
+/// `rms_norm_matmul` then [`hc_pre`], bit for bit, with one pass over the streams and two
+/// launches fewer).
+pub fn hc_pre_mixed(
+    g: &Gpu,
+    streams: &GpuTensor,
+    fn_: &GpuTensor,
+    norm_eps: f32,
+    p: &HcParams<'_, GpuTensor>,
+) -> BResult<HcPre<GpuTensor>> {
+    let mix = dense::matmul(g, streams, fn_)?;
+    launch_hc_pre(g, streams, &mix, p, Some(norm_eps))
+}
+
+fn launch_hc_pre(
+    g: &Gpu,
+    streams: &GpuTensor,
+    mix: &GpuTensor,
+    p: &HcParams<'_, GpuTensor>,
+    norm_eps: Option<f32>,
 ) -> BResult<HcPre<GpuTensor>> {
     let hc = p.hc;
     shapes::check_hc_pre(
@@ -57,6 +83,8 @@ pub fn hc_pre(
             hc: hc as i32,
             iters: p.sinkhorn_iters as i32,
             eps: p.eps,
+            norm: i32::from(norm_eps.is_some()),
+            norm_eps: norm_eps.unwrap_or(0.0),
         },
     )?;
     Ok(HcPre {
