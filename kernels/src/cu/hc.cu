@@ -221,3 +221,75 @@ extern "C" __global__ void k_hc_head(const float* streams, const float* mix, con
         out[(i64)r * h + d] = acc;
     }
 }
+
+// Decode-sized batches (hc_pre_mixed at most HC_SPLIT_MAX_ROWS rows, hc <= 4): the mix
+// GEMM, the row's norm and the collapse spread over many blocks per row, where cuBLAS'
+// dot kernels and one k_hc_pre block per row left the GPU idle. Part 1, block (s, r):
+// channels [s * HC_SPLIT, (s + 1) * HC_SPLIT) of row r's flattened streams, the partial
+// sums of fn[j] . x for the nmix logits and of x^2 (at nmix), in a fixed order:
+// part[r][s][0..=nmix] (HC_SPLIT_OUT floats a split).
+#define HC_SPLIT 512
+#define HC_SPLIT_OUT 32
+#define HC_SPLIT_MIX 24  // (2 + 4) * 4: the most logits the split path takes
+extern "C" __global__ void k_hc_mix_split(const float* x, const float* fn, float* part, int cols, int nmix) {
+    pdl_enter();
+    __shared__ float red[HC_SPLIT_OUT][32];
+    int s = blockIdx.x, r = blockIdx.y, lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    const float* xr = x + (i64)r * cols;
+    float acc[HC_SPLIT_MIX], ss = 0.f;
+#pragma unroll
+    for (int j = 0; j < HC_SPLIT_MIX; j++) acc[j] = 0.f;
+    int end = min(cols, (s + 1) * HC_SPLIT);
+    for (int c = s * HC_SPLIT + threadIdx.x; c < end; c += blockDim.x) {
+        float v = xr[c];
+        ss += v * v;
+#pragma unroll
+        for (int j = 0; j < HC_SPLIT_MIX; j++)
+            if (j < nmix) acc[j] += fn[(i64)j * cols + c] * v;
+    }
+#pragma unroll
+    for (int j = 0; j < HC_SPLIT_MIX; j++) {
+        if (j >= nmix) break;
+        float t = warp_sum(acc[j]);
+        if (lane == 0) red[j][w] = t;
+    }
+    ss = warp_sum(ss);
+    if (lane == 0) red[nmix][w] = ss;
+    __syncthreads();
+    if ((int)threadIdx.x <= nmix) {
+        float t = 0.f;
+        for (int q = 0; q < (int)(blockDim.x >> 5); q++) t += red[threadIdx.x][q];
+        part[((i64)r * gridDim.x + s) * HC_SPLIT_OUT + threadIdx.x] = t;
+    }
+}
+
+// Part 2, block (b, r): every block sums row r's `splits` partials in split order (the same
+// values in each), scales the logits by the row's 1 / sqrt(mean(x^2) + norm_eps) and takes
+// the pre weights; block 0 also writes the post and comb weights (hc_mix_weights); each
+// block collapses blockDim.x channels, k_hc_pre's sums.
+extern "C" __global__ void k_hc_pre_split(const float* streams, const float* part, const float* base,
+                                          const float* scale, float* post, float* comb, float* collapsed, int h,
+                                          int hc, int iters, float eps, int splits, float norm_eps) {
+    pdl_enter();
+    __shared__ float c[HC_MAX * HC_MAX];
+    __shared__ float ms[HC_SPLIT_OUT];
+    int r = blockIdx.y, nmix = (2 + hc) * hc;
+    if ((int)threadIdx.x <= nmix) {
+        const float* p = part + (i64)r * splits * HC_SPLIT_OUT + threadIdx.x;
+        float t = 0.f;
+        for (int s = 0; s < splits; s++) t += p[(i64)s * HC_SPLIT_OUT];
+        ms[threadIdx.x] = t;
+    }
+    __syncthreads();
+    float rinv = 1.f / sqrtf(ms[nmix] / (float)(hc * h) + norm_eps);
+    __syncthreads();
+    if ((int)threadIdx.x < nmix) ms[threadIdx.x] *= rinv;
+    __syncthreads();
+    if (blockIdx.x == 0 && threadIdx.x < 32) hc_mix_weights(ms, base, scale, post, comb, c, r, hc, iters, eps);
+    int d = blockIdx.x * blockDim.x + threadIdx.x;
+    if (d >= h) return;
+    const float* s = streams + (i64)r * hc * h;
+    float acc = 0.f;
+    for (int k = 0; k < hc; k++) acc += (sigmoidf_(ms[k] * scale[0] + base[k]) + eps) * s[(i64)k * h + d];
+    collapsed[(i64)r * h + d] = acc;
+}
