@@ -2,6 +2,7 @@
 
 use crate::buf::{f32_buf, out_ptr, shape_err};
 use crate::device::Gpu;
+use crate::devmem::DevMem;
 use crate::kernels::{self, DevPtr};
 use crate::launch::BLOCK;
 use crate::ops::dense;
@@ -90,22 +91,18 @@ fn hc_pre_split(
             nmix: nmix as i32,
         },
     )?;
-    let base = param_f32(g, p.base)?;
-    let scale = param_f32(g, p.scale)?;
-    let post = new_f32(g, n, hc)?;
-    let comb = new_f32(g, n, hc * hc)?;
-    let collapsed = new_f32(g, n, h)?;
+    let m = map_bufs(g, p, n, h)?;
     g.launch(
         (h.div_ceil(BLOCK as usize) as u32, n as u32, 1),
         0,
         &kernels::HcPreSplit {
             streams: DevPtr::of(f32_buf(streams, "hc_pre")?),
             part: DevPtr::of(&part),
-            base: DevPtr::of(&base),
-            scale: DevPtr::of(&scale),
-            post: out_ptr(&post)?,
-            comb: out_ptr(&comb)?,
-            collapsed: out_ptr(&collapsed)?,
+            base: DevPtr::of(&m.base),
+            scale: DevPtr::of(&m.scale),
+            post: out_ptr(&m.out.post)?,
+            comb: out_ptr(&m.out.comb)?,
+            collapsed: out_ptr(&m.out.collapsed)?,
             h: h as i32,
             hc: hc as i32,
             iters: p.sinkhorn_iters as i32,
@@ -114,10 +111,26 @@ fn hc_pre_split(
             norm_eps,
         },
     )?;
-    Ok(HcPre {
-        post,
-        comb,
-        collapsed,
+    Ok(m.out)
+}
+
+/// A mapping launch's parameters on the device and its outputs (uninitialised) for `n`
+/// rows of `h` channels.
+struct MapBufs {
+    base: DevMem<f32>,
+    scale: DevMem<f32>,
+    out: HcPre<GpuTensor>,
+}
+
+fn map_bufs(g: &Gpu, p: &HcParams<'_, GpuTensor>, n: usize, h: usize) -> BResult<MapBufs> {
+    Ok(MapBufs {
+        base: param_f32(g, p.base)?,
+        scale: param_f32(g, p.scale)?,
+        out: HcPre {
+            post: new_f32(g, n, p.hc)?,
+            comb: new_f32(g, n, p.hc * p.hc)?,
+            collapsed: new_f32(g, n, h)?,
+        },
     })
 }
 
@@ -138,22 +151,18 @@ fn launch_hc_pre(
     )?;
     check_hc_max("hc_pre", hc)?;
     let (n, h) = (streams.rows, streams.cols / hc);
-    let base = param_f32(g, p.base)?;
-    let scale = param_f32(g, p.scale)?;
-    let post = new_f32(g, n, hc)?;
-    let comb = new_f32(g, n, hc * hc)?;
-    let collapsed = new_f32(g, n, h)?;
+    let m = map_bufs(g, p, n, h)?;
     g.launch(
         (n as u32, 1, 1),
         0,
         &kernels::HcPre {
             streams: DevPtr::of(f32_buf(streams, "hc_pre")?),
             mix: DevPtr::of(f32_buf(mix, "hc_pre")?),
-            base: DevPtr::of(&base),
-            scale: DevPtr::of(&scale),
-            post: out_ptr(&post)?,
-            comb: out_ptr(&comb)?,
-            collapsed: out_ptr(&collapsed)?,
+            base: DevPtr::of(&m.base),
+            scale: DevPtr::of(&m.scale),
+            post: out_ptr(&m.out.post)?,
+            comb: out_ptr(&m.out.comb)?,
+            collapsed: out_ptr(&m.out.collapsed)?,
             h: h as i32,
             hc: hc as i32,
             iters: p.sinkhorn_iters as i32,
@@ -162,11 +171,7 @@ fn launch_hc_pre(
             norm_eps: norm_eps.unwrap_or(0.0),
         },
     )?;
-    Ok(HcPre {
-        post,
-        comb,
-        collapsed,
-    })
+    Ok(m.out)
 }
 
 pub fn hc_post(
