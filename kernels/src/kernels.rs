@@ -304,17 +304,6 @@ kernels! {
             comb: DevPtr, collapsed: DevPtr, h: i32, hc: i32, iters: i32, eps: f32,
             norm: i32, norm_eps: f32,
         }
-        /// Small batches' hyper-connection mix, part 1: per-split partial sums of the mix
-        /// logits and of the squares.
-        HcMixSplit = "k_hc_mix_split" {
-            x: DevPtr, fn_: DevPtr, part: DevPtr, cols: i32, nmix: i32,
-        }
-        /// Part 2: the partials summed and normed, the maps, the collapse over many blocks.
-        HcPreSplit = "k_hc_pre_split" {
-            streams: DevPtr, part: DevPtr, base: DevPtr, scale: DevPtr, post: DevPtr,
-            comb: DevPtr, collapsed: DevPtr, h: i32, hc: i32, iters: i32, eps: f32,
-            splits: i32, norm_eps: f32,
-        }
         /// Hyper-connection stream update from a block output.
         HcPost = "k_hc_post" {
             streams: DevPtr, out: DevPtr, post: DevPtr, comb: DevPtr, res: DevPtr, h: i32,

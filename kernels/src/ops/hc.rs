@@ -4,7 +4,6 @@ use crate::buf::{f32_buf, out_ptr, shape_err};
 use crate::device::Gpu;
 use crate::devmem::DevMem;
 use crate::kernels::{self, DevPtr};
-use crate::launch::BLOCK;
 use crate::ops::dense;
 use crate::ops::tensors::{new_f32, param_f32};
 use crate::tensor::GpuTensor;
@@ -44,74 +43,8 @@ pub fn hc_pre_mixed(
     norm_eps: f32,
     p: &HcParams<'_, GpuTensor>,
 ) -> BResult<HcPre<GpuTensor>> {
-    if !g.deterministic && streams.rows <= HC_SPLIT_MAX_ROWS && p.hc <= HC_SPLIT_MAX_HC {
-        return hc_pre_split(g, streams, fn_, norm_eps, p);
-    }
     let mix = dense::matmul(g, streams, fn_)?;
     launch_hc_pre(g, streams, &mix, p, Some(norm_eps))
-}
-
-/// Most rows [`hc_pre_mixed`] spreads over many blocks per row (decode batches); more take
-/// the GEMM and one block per row. `--deterministic` always takes the latter (a row's
-/// values must not depend on its batch).
-const HC_SPLIT_MAX_ROWS: usize = 16;
-/// Largest `hc` of the split path: `(2 + hc) * hc` logits plus the squares in 32 floats.
-const HC_SPLIT_MAX_HC: usize = 4;
-/// Flattened stream channels per `k_hc_mix_split` block (`HC_SPLIT` in hc.cu).
-const HC_SPLIT: usize = 512;
-/// Floats per split of the partials (`HC_SPLIT_OUT` in hc.cu).
-const HC_SPLIT_OUT: usize = 32;
-
-/// [`hc_pre_mixed`] for a few rows: `k_hc_mix_split` (partial logits and squares over
-/// [`HC_SPLIT`] channels a block), then `k_hc_pre_split` (the partials summed in order,
-/// the row's norm, the maps; the collapse a block per 256 channels).
-fn hc_pre_split(
-    g: &Gpu,
-    streams: &GpuTensor,
-    fn_: &GpuTensor,
-    norm_eps: f32,
-    p: &HcParams<'_, GpuTensor>,
-) -> BResult<HcPre<GpuTensor>> {
-    let hc = p.hc;
-    let (n, cols) = (streams.rows, streams.cols);
-    let nmix = (2 + hc) * hc;
-    shapes::check_matmul((n, cols), (fn_.rows, fn_.cols))?;
-    shapes::check_hc_pre((n, cols), (n, fn_.rows), p.base.len(), p.scale.len(), hc)?;
-    let h = cols / hc;
-    let splits = cols.div_ceil(HC_SPLIT);
-    let part = g.uninit::<f32>(n * splits * HC_SPLIT_OUT)?;
-    g.launch(
-        (splits as u32, n as u32, 1),
-        0,
-        &kernels::HcMixSplit {
-            x: DevPtr::of(f32_buf(streams, "hc_pre")?),
-            fn_: DevPtr::of(f32_buf(fn_, "hc_pre")?),
-            part: DevPtr::of(&part),
-            cols: cols as i32,
-            nmix: nmix as i32,
-        },
-    )?;
-    let m = map_bufs(g, p, n, h)?;
-    g.launch(
-        (h.div_ceil(BLOCK as usize) as u32, n as u32, 1),
-        0,
-        &kernels::HcPreSplit {
-            streams: DevPtr::of(f32_buf(streams, "hc_pre")?),
-            part: DevPtr::of(&part),
-            base: DevPtr::of(&m.base),
-            scale: DevPtr::of(&m.scale),
-            post: out_ptr(&m.out.post)?,
-            comb: out_ptr(&m.out.comb)?,
-            collapsed: out_ptr(&m.out.collapsed)?,
-            h: h as i32,
-            hc: hc as i32,
-            iters: p.sinkhorn_iters as i32,
-            eps: p.eps,
-            splits: splits as i32,
-            norm_eps,
-        },
-    )?;
-    Ok(m.out)
 }
 
 /// A mapping launch's parameters on the device and its outputs (uninitialised) for `n`
