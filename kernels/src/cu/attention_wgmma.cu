@@ -89,6 +89,35 @@ __device__ __forceinline__ void atw_rs(float (&d)[32], const u32 (&a)[4], unsign
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
 }
 
+// Whether any of the four e4m3 codes of w is a NaN code (0x7f or 0xff): adding 1 to each
+// byte's low 7 bits carries into its top bit only from 0x7f.
+__device__ __forceinline__ bool atw_nan_code(u32 w) { return (((w & 0x7f7f7f7fu) + 0x01010101u) & 0x80808080u) != 0u; }
+
+// Eight e4m3 codes (lo: channels 0-3, hi: 4-7) times their tile's scale 2^(sb - 127) as
+// bf16, the bits atm_fp8_pair gives. In hardware where that is exact (as moe_mma.cu's
+// dequantization): two codes to f16 (every e4m3 value is a normal f16 or zero), re-read as
+// bf16 by moving the exponent field (the value times 2^-112), then one bf16x2 product by
+// 2^112 * scale; exact for 16 <= sb <= 134 (no bf16 subnormal, no overflow). NaN codes
+// and other scales go through f32 as before.
+__device__ __forceinline__ uint4 atw_fp8_chunk(u32 lo, u32 hi, u32 sb) {
+    if (sb < 16u || sb > 134u || atw_nan_code(lo) || atw_nan_code(hi)) {
+        float s = e8m0_to_f((unsigned char)sb);
+        return make_uint4(atm_fp8_pair(lo, s), atm_fp8_pair(lo >> 16, s), atm_fp8_pair(hi, s),
+                          atm_fp8_pair(hi >> 16, s));
+    }
+    u32 k = (sb + 112u) << 7;
+    k |= k << 16;
+    u32 codes[4] = {lo & 0xffffu, lo >> 16, hi & 0xffffu, hi >> 16}, out[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        u32 h;
+        asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"((unsigned short)codes[i]));
+        u32 v = ((h & 0x7fff7fffu) >> 3) | (h & 0x80008000u);
+        asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(out[i]) : "r"(v), "r"(k), "r"(0x80008000u));
+    }
+    return make_uint4(out[0], out[1], out[2], out[3]);
+}
+
 // Ordinary shared-memory writes (cp.async, st.shared) made visible to the tensor cores'
 // reads; each writing thread, before the barrier.
 __device__ __forceinline__ void atw_proxy_fence() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
@@ -154,7 +183,7 @@ __device__ __forceinline__ void atw_body(const unsigned char* pages, const unsig
 #pragma unroll
         for (int u0 = 0; u0 < 16; u0 += 8) {
             uint4 raw[8];
-            float sc[8];
+            u32 sb[8];
 #pragma unroll
             for (int u = 0; u < 8; u++) {
                 int key = (tid >> 6) + 4 * (u0 + u);
@@ -162,10 +191,10 @@ __device__ __forceinline__ void atw_body(const unsigned char* pages, const unsig
                 if (c < nope) {
                     uint2 codes = *reinterpret_cast<const uint2*>(a + c);
                     raw[u] = make_uint4(codes.x, codes.y, 0u, 0u);
-                    sc[u] = e8m0_to_f(((const unsigned char*)sa[key])[c / KV_TILE]);
+                    sb[u] = ((const unsigned char*)sa[key])[c / KV_TILE];
                 } else {
                     raw[u] = *reinterpret_cast<const uint4*>(a + nope + (i64)(c - nope) * 2);
-                    sc[u] = 1.f;
+                    sb[u] = 127u;
                 }
             }
 #pragma unroll
@@ -173,8 +202,7 @@ __device__ __forceinline__ void atw_body(const unsigned char* pages, const unsig
                 int key = (tid >> 6) + 4 * (u0 + u);
                 uint4 w = raw[u];
                 if (c < nope) {
-                    w = make_uint4(atm_fp8_pair(raw[u].x, sc[u]), atm_fp8_pair(raw[u].x >> 16, sc[u]),
-                                   atm_fp8_pair(raw[u].y, sc[u]), atm_fp8_pair(raw[u].y >> 16, sc[u]));
+                    w = atw_fp8_chunk(raw[u].x, raw[u].y, sb[u]);
                 }
                 *reinterpret_cast<uint4*>(kb + atw_off(key, c)) = w;
             }
