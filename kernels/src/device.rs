@@ -24,6 +24,9 @@ pub(crate) const ATTENTION_SHARED: usize = 160 * 1024;
 /// Dynamic shared memory the tensor-core attention kernels may take: sm_90's opt-in
 /// maximum per block.
 pub(crate) const MMA_SHARED: usize = 227 * 1024;
+/// Dynamic shared memory `k_hc_pre` may keep a row of streams in: hc * hidden fp32 values
+/// up to V4-Pro's 4 x 7168 (larger rows read the streams twice instead).
+pub(crate) const HC_PRE_SHARED: usize = 112 * 1024;
 
 /// Copies to the host at least this large go through the page-locked buffer.
 const PINNED_MIN: usize = 1 << 20;
@@ -304,6 +307,8 @@ impl Gpu {
                 let shared = match f {
                     // Scores of long contexts' compressed keys live in shared memory.
                     "k_attention" | "k_attention_split" => Some(ATTENTION_SHARED),
+                    // A row of hyper-connection streams between the norm and the collapse.
+                    "k_hc_pre" => Some(HC_PRE_SHARED),
                     // Queries and two key tiles of all 64 heads (and their lo halves).
                     "k_attention_mma"
                     | "k_attention_mma_exact"

@@ -298,7 +298,8 @@ kernels! {
     }
     module "hc" {
         /// Hyper-connection pre-mapping: post and comb (Sinkhorn) maps and the collapsed row;
-        /// with `norm`, the mix logits of the raw rows scaled by each row's RMS norm first.
+        /// with `norm` (1; 2: the row kept in shared memory between the norm and the
+        /// collapse), the mix logits of the raw rows scaled by each row's RMS norm first.
         HcPre = "k_hc_pre" {
             streams: DevPtr, mix: DevPtr, base: DevPtr, scale: DevPtr, post: DevPtr,
             comb: DevPtr, collapsed: DevPtr, h: i32, hc: i32, iters: i32, eps: f32,

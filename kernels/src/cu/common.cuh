@@ -107,12 +107,14 @@ __device__ float block_sum(float v, float* sh) {
 
 // 1 / sqrt(mean(v^2) + eps) of one row of `cols` floats, by the whole block (every thread
 // calls it; blockDim.x a multiple of 32; `sh` holds 32 floats): k_row_inv_rms's value, and
-// k_hc_pre's fused norm, the same sums in the same order.
-__device__ float row_inv_rms(const float* v, int cols, float eps, float* sh) {
+// k_hc_pre's fused norm, the same sums in the same order. `keep` (may be null): where the
+// 16-byte path leaves a copy of the row (shared memory: k_hc_pre's second pass reads it).
+__device__ float row_inv_rms(const float* v, int cols, float eps, float* sh, float4* keep) {
     float ss = 0.f;
     if (((cols & 3) | ((unsigned long long)v & 15)) == 0) {
         for (int i = threadIdx.x * 4; i < cols; i += blockDim.x * 4) {
             float4 a = *reinterpret_cast<const float4*>(v + i);
+            if (keep) keep[i >> 2] = a;
             ss += a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w;
         }
     } else {

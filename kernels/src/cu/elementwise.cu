@@ -103,7 +103,7 @@ extern "C" __global__ void k_gather_rows_bf16(const float* x, const int* idx, bf
 extern "C" __global__ void k_row_inv_rms(const float* x, float* rinv, int cols, float eps) {
     pdl_enter();
     __shared__ float sh[32];
-    float r = row_inv_rms(x + (i64)blockIdx.x * cols, cols, eps, sh);
+    float r = row_inv_rms(x + (i64)blockIdx.x * cols, cols, eps, sh, nullptr);
     if (threadIdx.x == 0) rinv[blockIdx.x] = r;
 }
 

@@ -84,27 +84,31 @@ __device__ void hc_mix_weights(const float* m, const float* base, const float* s
     }
 }
 
-// One block per row. mix: [rows, (2+hc)*hc]; streams: [rows, hc*h]. With `norm` the mix
+// One block per row. mix: [rows, (2+hc)*hc]; streams: [rows, hc*h]. `norm` 1 or 2: the mix
 // logits are of the raw rows and each is scaled here by its row's unweighted RMS norm
 // (norm_eps; k_row_inv_rms's value, then k_scale_rows' product: the same bits as those two
-// kernels before, one pass over the streams fewer); without, the mix is used as it is.
-// Warp 0 computes the row's post and comb weights (the Sinkhorn rounds: a serial chain)
-// while the other warps collapse the streams with the pre weights, which each of them
-// computes itself: the two are independent, so the block takes the longer of them instead
-// of their sum.
+// kernels); 2: the norm's pass leaves the row in dynamic shared memory (hc * h floats) for
+// the collapse, so the streams are read from memory once (16-byte rows only; else as 1).
+// 0: the mix is used as it is. Warp 0 computes the row's post and comb weights (the
+// Sinkhorn rounds: a serial chain) while the other warps collapse the streams with the pre
+// weights, which each of them computes itself: the two are independent, so the block takes
+// the longer of them instead of their sum.
 extern "C" __global__ void k_hc_pre(const float* streams, const float* mix, const float* base, const float* scale,
                                     float* post, float* comb, float* collapsed, int h, int hc, int iters, float eps,
                                     int norm, float norm_eps) {
     pdl_enter();
+    extern __shared__ float4 row4[];
     __shared__ float c[HC_MAX * HC_MAX];
     __shared__ float ms[(2 + HC_MAX) * HC_MAX];
     __shared__ float sh[32];
     int r = blockIdx.x, nmix = (2 + hc) * hc;
     const float* s = streams + (i64)r * hc * h;
+    bool vec = hc_vec4(streams, collapsed, h), staged = norm == 2 && vec;
     // x * 1 is x exactly: the plain mix passes through unchanged.
-    float rinv = norm ? row_inv_rms(s, hc * h, norm_eps, sh) : 1.f;
+    float rinv = norm ? row_inv_rms(s, hc * h, norm_eps, sh, staged ? row4 : nullptr) : 1.f;
     for (int i = threadIdx.x; i < nmix; i += blockDim.x) ms[i] = mix[(i64)r * nmix + i] * rinv;
     __syncthreads();
+    if (staged) s = reinterpret_cast<const float*>(row4);
     const float* m = ms;
     // With a single warp it does both, the weights first.
     int first = blockDim.x > 32 ? 32 : 0;
@@ -115,7 +119,7 @@ extern "C" __global__ void k_hc_pre(const float* streams, const float* mix, cons
     for (int k = 0; k < HC_MAX; k++) pre[k] = k < hc ? sigmoidf_(m[k] * scale[0] + base[k]) + eps : 0.f;
     int tid = threadIdx.x - first, threads = blockDim.x - first;
     float* dst = collapsed + (i64)r * h;
-    if (hc_vec4(streams, collapsed, h)) {
+    if (vec) {
         // Four channels per thread and step (the same sums, 16-byte accesses).
         for (int d = tid * 4; d < h; d += threads * 4) {
             float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);

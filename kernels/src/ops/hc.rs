@@ -1,7 +1,7 @@
 //! Hyper-connection ops of [`CudaBackend`].
 
 use crate::buf::{f32_buf, out_ptr, shape_err};
-use crate::device::Gpu;
+use crate::device::{Gpu, HC_PRE_SHARED};
 use crate::devmem::DevMem;
 use crate::kernels::{self, DevPtr};
 use crate::ops::dense;
@@ -85,9 +85,17 @@ fn launch_hc_pre(
     check_hc_max("hc_pre", hc)?;
     let (n, h) = (streams.rows, streams.cols / hc);
     let m = map_bufs(g, p, n, h)?;
+    // With the norm, the row stays in shared memory between the kernel's two passes where
+    // it fits (the kernel falls back to reading it twice where its rows are not 16-byte).
+    let row_bytes = streams.cols * std::mem::size_of::<f32>();
+    let (norm, shared) = match norm_eps {
+        None => (0, 0),
+        Some(_) if row_bytes <= HC_PRE_SHARED => (2, row_bytes as u32),
+        Some(_) => (1, 0),
+    };
     g.launch(
         (n as u32, 1, 1),
-        0,
+        shared,
         &kernels::HcPre {
             streams: DevPtr::of(f32_buf(streams, "hc_pre")?),
             mix: DevPtr::of(f32_buf(mix, "hc_pre")?),
@@ -100,7 +108,7 @@ fn launch_hc_pre(
             hc: hc as i32,
             iters: p.sinkhorn_iters as i32,
             eps: p.eps,
-            norm: i32::from(norm_eps.is_some()),
+            norm,
             norm_eps: norm_eps.unwrap_or(0.0),
         },
     )?;
