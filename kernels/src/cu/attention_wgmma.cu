@@ -94,27 +94,19 @@ __device__ __forceinline__ void atw_rs(float (&d)[32], const u32 (&a)[4], unsign
 __device__ __forceinline__ bool atw_nan_code(u32 w) { return (((w & 0x7f7f7f7fu) + 0x01010101u) & 0x80808080u) != 0u; }
 
 // Eight e4m3 codes (lo: channels 0-3, hi: 4-7) times their tile's scale 2^(sb - 127) as
-// bf16, the bits atm_fp8_pair gives. In hardware where that is exact (as moe_mma.cu's
-// dequantization): two codes to f16 (every e4m3 value is a normal f16 or zero), re-read as
-// bf16 by moving the exponent field (the value times 2^-112), then one bf16x2 product by
-// 2^112 * scale; exact for 16 <= sb <= 134 (no bf16 subnormal, no overflow). NaN codes
-// and other scales go through f32 as before.
+// bf16, the bits atm_fp8_pair gives. In hardware (e4m3x2_to_bf16x2, as moe_mma.cu's
+// dequantization) where that is exact, 16 <= sb <= 134 (no bf16 subnormal, no overflow);
+// NaN codes and other scales go through f32 as before.
 __device__ __forceinline__ uint4 atw_fp8_chunk(u32 lo, u32 hi, u32 sb) {
     if (sb < 16u || sb > 134u || atw_nan_code(lo) || atw_nan_code(hi)) {
         float s = e8m0_to_f((unsigned char)sb);
         return make_uint4(atm_fp8_pair(lo, s), atm_fp8_pair(lo >> 16, s), atm_fp8_pair(hi, s),
                           atm_fp8_pair(hi >> 16, s));
     }
-    u32 k = (sb + 112u) << 7;
-    k |= k << 16;
+    u32 k2 = fp8_bf16x2_factor(sb);
     u32 codes[4] = {lo & 0xffffu, lo >> 16, hi & 0xffffu, hi >> 16}, out[4];
 #pragma unroll
-    for (int i = 0; i < 4; i++) {
-        u32 h;
-        asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"((unsigned short)codes[i]));
-        u32 v = ((h & 0x7fff7fffu) >> 3) | (h & 0x80008000u);
-        asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(out[i]) : "r"(v), "r"(k), "r"(0x80008000u));
-    }
+    for (int i = 0; i < 4; i++) out[i] = e4m3x2_to_bf16x2((unsigned short)codes[i], k2);
     return make_uint4(out[0], out[1], out[2], out[3]);
 }
 

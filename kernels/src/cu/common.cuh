@@ -518,6 +518,26 @@ __device__ __forceinline__ void attn_empty_split(float* part_ml, i64 rh, int nh,
     }
 }
 
+#if __CUDA_ARCH__ >= 890
+// e4m3 codes to bf16 times a power-of-two scale 2^(sb - 127), in hardware (sm_89+): two
+// codes (low byte first) to f16 (exact: every e4m3 value is a normal f16 or 0), re-read as
+// bf16 with the f16 exponent field (the value times 2^-112, 0 stays 0), then times 2^112 *
+// scale = 2^(sb - 15) in one bf16x2 product (exact for 4 significant bits while sb <= 134:
+// no overflow; NaN codes do not survive the exponent move, so callers keep them out).
+// `k2`: fp8_bf16x2_factor(sb).
+__device__ __forceinline__ u32 fp8_bf16x2_factor(u32 sb) {
+    u32 k = (sb + 112u) << 7;
+    return k | (k << 16);
+}
+__device__ __forceinline__ u32 e4m3x2_to_bf16x2(unsigned short two, u32 k2) {
+    u32 h, r;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"(two));
+    u32 v = ((h & 0x7fff7fffu) >> 3) | (h & 0x80008000u);
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(v), "r"(k2), "r"(0x80008000u));
+    return r;
+}
+#endif
+
 // ---- Tensor-core helpers (sm_80+ PTX): shared addresses, ldmatrix fragments, bf16
 // mma.sync m16n8k16 with fp32 accumulators, 16-byte cp.async.
 __device__ __forceinline__ u32 tc_smem(const void* p) {

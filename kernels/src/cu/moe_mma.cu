@@ -80,19 +80,7 @@ struct SliceFp8 {
     __device__ static u32 pair(const u32 (&w)[4], Scale sb, int j) {
         u32 b = w[j >> 1] >> (16 * (j & 1));
 #if __CUDA_ARCH__ >= 890
-        if (FAST) {
-            // Two codes to f16 in hardware (exact: every e4m3 value is a normal f16 or 0),
-            // re-read as bf16 with the f16 exponent field (the value times 2^-112, 0 stays 0),
-            // then times 2^112 * scale = 2^(sb - 15) in one bf16 product (exact: 4
-            // significant bits, no overflow while sb <= 134).
-            unsigned short two = (unsigned short)b;
-            u32 h, r;
-            asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"(two));
-            u32 v = ((h & 0x7fff7fffu) >> 3) | (h & 0x80008000u);
-            u32 k = (sb + 112u) << 7;
-            asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(v), "r"(k | (k << 16)), "r"(0x80008000u));
-            return r;
-        }
+        if (FAST) return e4m3x2_to_bf16x2((unsigned short)b, fp8_bf16x2_factor(sb));
 #endif
         // Larger scales, and before sm_89 (no e4m3 conversion): through f32, e4m3w's 2^120
         // folded in.
