@@ -127,7 +127,6 @@ extern "C" __global__ void k_attention_split(const unsigned char* pages, const u
     const AttnRow keys = attn_row(r, pages, states, page_bytes, state_bytes, seq, pt, row_seq, positions, new_rows,
                                   new_scales, sel, topk, hd, window, win_off, rate, mode, comp_off, comp_epp,
                                   page_tokens, dt, rd, win_scale_off, comp_scale_off);
-    int nwin = keys.nwin;
     int nk = attn_row_keys(keys, mode, rate, sel, topk, r);
     int k0 = split * split_keys, k1 = min(nk, k0 + split_keys);
     i64 rh = (i64)r * n_heads + h0;  // (row, first head) of this block
