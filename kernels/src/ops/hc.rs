@@ -2,7 +2,6 @@
 
 use crate::buf::{f32_buf, out_ptr, shape_err};
 use crate::device::{Gpu, HC_PRE_SHARED};
-use crate::devmem::DevMem;
 use crate::kernels::{self, DevPtr};
 use crate::ops::dense;
 use crate::ops::tensors::{new_f32, param_f32};
@@ -47,26 +46,6 @@ pub fn hc_pre_mixed(
     launch_hc_pre(g, streams, &mix, p, Some(norm_eps))
 }
 
-/// A mapping launch's parameters on the device and its outputs (uninitialised) for `n`
-/// rows of `h` channels.
-struct MapBufs {
-    base: DevMem<f32>,
-    scale: DevMem<f32>,
-    out: HcPre<GpuTensor>,
-}
-
-fn map_bufs(g: &Gpu, p: &HcParams<'_, GpuTensor>, n: usize, h: usize) -> BResult<MapBufs> {
-    Ok(MapBufs {
-        base: param_f32(g, p.base)?,
-        scale: param_f32(g, p.scale)?,
-        out: HcPre {
-            post: new_f32(g, n, p.hc)?,
-            comb: new_f32(g, n, p.hc * p.hc)?,
-            collapsed: new_f32(g, n, h)?,
-        },
-    })
-}
-
 fn launch_hc_pre(
     g: &Gpu,
     streams: &GpuTensor,
@@ -84,7 +63,11 @@ fn launch_hc_pre(
     )?;
     check_hc_max("hc_pre", hc)?;
     let (n, h) = (streams.rows, streams.cols / hc);
-    let m = map_bufs(g, p, n, h)?;
+    let base = param_f32(g, p.base)?;
+    let scale = param_f32(g, p.scale)?;
+    let post = new_f32(g, n, hc)?;
+    let comb = new_f32(g, n, hc * hc)?;
+    let collapsed = new_f32(g, n, h)?;
     // With the norm, the row stays in shared memory between the kernel's two passes where
     // it fits (the kernel falls back to reading it twice where its rows are not 16-byte).
     let row_bytes = streams.cols * std::mem::size_of::<f32>();
@@ -99,11 +82,11 @@ fn launch_hc_pre(
         &kernels::HcPre {
             streams: DevPtr::of(f32_buf(streams, "hc_pre")?),
             mix: DevPtr::of(f32_buf(mix, "hc_pre")?),
-            base: DevPtr::of(&m.base),
-            scale: DevPtr::of(&m.scale),
-            post: out_ptr(&m.out.post)?,
-            comb: out_ptr(&m.out.comb)?,
-            collapsed: out_ptr(&m.out.collapsed)?,
+            base: DevPtr::of(&base),
+            scale: DevPtr::of(&scale),
+            post: out_ptr(&post)?,
+            comb: out_ptr(&comb)?,
+            collapsed: out_ptr(&collapsed)?,
             h: h as i32,
             hc: hc as i32,
             iters: p.sinkhorn_iters as i32,
@@ -112,7 +95,11 @@ fn launch_hc_pre(
             norm_eps: norm_eps.unwrap_or(0.0),
         },
     )?;
-    Ok(m.out)
+    Ok(HcPre {
+        post,
+        comb,
+        collapsed,
+    })
 }
 
 pub fn hc_post(
