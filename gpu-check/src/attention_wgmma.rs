@@ -114,7 +114,7 @@ pub fn check_wgmma(ordinal: usize) -> AnyResult<Vec<CheckRow>> {
         let name = format!("V4-shape attention kv={kv} wgmma");
         let make = |kernel, deterministic| engine(ordinal, &cfg, kv, (kernel, deterministic));
         let mut wgmma = make(AttentionKernel::Auto, false)?;
-        if wgmma.backend().gpu().arch != "compute_90" {
+        if !wgmma.backend().gpu().wgmma() {
             out.push(info_row(format!(
                 "{name}: not a Hopper GPU, wgmma not built"
             )));

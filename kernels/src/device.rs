@@ -367,7 +367,7 @@ impl Gpu {
 
     /// Whether Hopper's arch-specific kernels (`wgmma`) are built for this device
     /// (compute capability 9.0: `compile::module_arch`).
-    pub(crate) fn wgmma(&self) -> bool {
+    pub fn wgmma(&self) -> bool {
         compile::module_arch("attention_mma", &self.arch) == "compute_90a"
     }
 
