@@ -334,38 +334,50 @@ extern "C" __global__ void k_moe_scatter_padded(const float* yp, const int* list
 
 // One block per row: out = sum over picks in ascending expert id of w * y, plus shared.
 // grid (rows, ceil(H / COMBINE_COLS)): each block a slice of one row's channels, so a small
-// batch still spreads over the device.
-#define COMBINE_COLS 512
+// batch still spreads over the device; four channels a thread (16-byte accesses where H
+// and the buffers allow).
+#define COMBINE_COLS 1024
 // `pos` (may be null): the row of y that holds pick a is pos[a] (the prefill's expert GEMMs
 // leave their outputs sorted by expert), else a.
 extern "C" __global__ void k_moe_combine(const float* y, const int* pos, const int* ids, const float* wts,
                                          const float* shared, float* out, int H, int k) {
     pdl_enter();
-    // Picks in ascending (expert id, pick) order, like the CPU's per-expert loop: ordered
-    // once per row by thread 0, then used by every channel.
+    // Picks in ascending (expert id, pick) order, like the CPU's per-expert loop: thread j
+    // places pick j at its rank among the row's keys (distinct: id * k + j).
     __shared__ float weight[64];
     __shared__ i64 src[64];
-    int r = blockIdx.x;
-    if (threadIdx.x == 0) {
-        i64 last = -1;
-        for (int n = 0; n < k; n++) {
-            int bj = -1;
-            i64 bkey = 0;
-            for (int j = 0; j < k; j++) {
-                i64 key = (i64)ids[(i64)r * k + j] * k + j;
-                if (key > last && (bj < 0 || key < bkey)) { bj = j; bkey = key; }
-            }
-            last = bkey;
-            weight[n] = wts[(i64)r * k + bj];
-            i64 a = (i64)r * k + bj;
-            src[n] = (pos ? (i64)pos[a] : a) * H;
-        }
+    int r = blockIdx.x, j = threadIdx.x;
+    if (j < k) {
+        i64 key = (i64)ids[(i64)r * k + j] * k + j;
+        int rank = 0;
+        for (int q = 0; q < k; q++) rank += (i64)ids[(i64)r * k + q] * k + q < key;
+        i64 a = (i64)r * k + j;
+        weight[rank] = wts[a];
+        src[rank] = (pos ? (i64)pos[a] : a) * H;
     }
     __syncthreads();
-    int end = min(H, ((int)blockIdx.y + 1) * COMBINE_COLS);
-    for (int c = blockIdx.y * COMBINE_COLS + threadIdx.x; c < end; c += blockDim.x) {
+    int c0 = blockIdx.y * COMBINE_COLS, end = min(H, c0 + COMBINE_COLS);
+    const float* sh = shared + (i64)r * H;
+    float* o = out + (i64)r * H;
+    if (((H & 3) | (((unsigned long long)y | (unsigned long long)shared | (unsigned long long)out) & 15)) == 0) {
+        for (int c = c0 + threadIdx.x * 4; c < end; c += blockDim.x * 4) {
+            float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+            for (int n = 0; n < k; n++) {
+                float4 v = *reinterpret_cast<const float4*>(y + src[n] + c);
+                float w = weight[n];
+                acc.x += v.x * w;
+                acc.y += v.y * w;
+                acc.z += v.z * w;
+                acc.w += v.w * w;
+            }
+            float4 sv = *reinterpret_cast<const float4*>(sh + c);
+            *reinterpret_cast<float4*>(o + c) = make_float4(acc.x + sv.x, acc.y + sv.y, acc.z + sv.z, acc.w + sv.w);
+        }
+        return;
+    }
+    for (int c = c0 + threadIdx.x; c < end; c += blockDim.x) {
         float acc = 0.f;
         for (int n = 0; n < k; n++) acc += y[src[n] + c] * weight[n];
-        out[(i64)r * H + c] = acc + shared[(i64)r * H + c];
+        o[c] = acc + sh[c];
     }
 }

@@ -29,7 +29,7 @@ const WARPS: usize = BLOCK as usize / 32;
 const MAX_TOP_K: usize = 64;
 
 /// Channels per block of `k_moe_combine` (`COMBINE_COLS` in moe.cu).
-const COMBINE_COLS: usize = 512;
+const COMBINE_COLS: usize = 1024;
 
 /// Experts `k_moe_route` ranks (one warp per row, a 32-bit taken mask per lane).
 const MAX_EXPERTS: usize = 1024;
