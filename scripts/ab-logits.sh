@@ -9,10 +9,11 @@
 # Cases: the embedded model, 700 tokens of which 600 prefilled, at --kv-dtype bf16 and
 # fp8; a random model (--load-format dummy) in DeepSeek's released formats with FP8 and
 # with FP4 experts, dims that take the block-scaled FP8 GEMM (inputs in multiples of 128),
-# under --numerics deepseek, 300 tokens of which 250 prefilled.
+# under --numerics deepseek, 300 tokens of which 250 prefilled; the same at the V4 attention
+# shape (head_dim 512, 64 heads: k_attention_wgmma on Hopper) with fp8 KV.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-[ $# -eq 2 ] || { sed -n '2,12p' "$0"; exit 2; }
+[ $# -eq 2 ] || { sed -n '2,13p' "$0"; exit 2; }
 OLD=$1
 NEW=$2
 DEVICE=${DEVICE:-cuda:0}
@@ -35,11 +36,20 @@ base = json.load(open("tests/fixtures/quantized/config.json"))
 base.update(hidden_size=256, head_dim=128, qk_rope_head_dim=32, num_attention_heads=4,
             q_lora_rank=256, o_lora_rank=128, index_head_dim=64, moe_intermediate_size=128,
             n_routed_experts=8, num_experts_per_tok=2)
-for experts in ("fp8", "fp4"):
-    folder = os.path.join(sys.argv[1], f"deepseek-{experts}")
+configs = {f"deepseek-{e}": dict(base, expert_dtype=e) for e in ("fp8", "fp4")}
+# The V4 attention shape (64 heads of 512 channels, 64 rope; the wgmma kernel on Hopper),
+# a 128-key window and 64 indexer picks, so prefill rows span several key tiles.
+v4 = dict(base, expert_dtype="fp8", head_dim=512, qk_rope_head_dim=64, num_attention_heads=64,
+          partial_rotary_factor=0.125, sliding_window=128, index_topk=64)
+for part in ("main", "compress"):
+    v4["rope_parameters"] = dict(v4["rope_parameters"])
+    v4["rope_parameters"][part] = dict(v4["rope_parameters"][part], partial_rotary_factor=0.125)
+configs["v4-attention"] = v4
+for name, config in configs.items():
+    folder = os.path.join(sys.argv[1], name)
     os.makedirs(folder)
     with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(dict(base, expert_dtype=experts), f, indent=1)
+        json.dump(config, f, indent=1)
 PY
 ids() { python3 -c "import sys; n, v, a = map(int, sys.argv[1:]); print(','.join(str((i * a + 11) % v) for i in range(n)))" "$@"; }
 embedded_tokens=$(ids 700 512 37)
@@ -71,4 +81,6 @@ for experts in fp8 fp4; do
   case_ab "deepseek-$experts-experts" --model "$work/deepseek-$experts" --load-format dummy \
     --numerics deepseek --kv-dtype fp8 --tokens "$deepseek_tokens" --prefill-len 250
 done
+case_ab "v4-attention-kv-fp8" --model "$work/v4-attention" --load-format dummy \
+  --numerics deepseek --kv-dtype fp8 --tokens "$deepseek_tokens" --prefill-len 250
 exit "$failed"
