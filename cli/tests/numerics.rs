@@ -135,6 +135,7 @@ fn ab_logits_script_passes_equal_binaries_and_fails_differing_ones() {
         "embedded-kv-fp8",
         "deepseek-fp8-experts",
         "deepseek-fp4-experts",
+        "v4-attention-kv-fp8",
     ] {
         assert!(
             text.contains(&format!("PASS {case}: logits bitwise equal")),
@@ -156,9 +157,13 @@ fn ab_logits_script_passes_equal_binaries_and_fails_differing_ones() {
     let differ = run(tampered.to_str().unwrap());
     let text = String::from_utf8_lossy(&differ.stdout).into_owned();
     assert_eq!(differ.status.code(), Some(1), "{text}");
-    assert_eq!(text.matches("FAIL ").count(), 4, "{text}");
+    assert_eq!(text.matches("FAIL ").count(), 5, "{text}");
     assert!(
         text.contains("FAIL deepseek-fp4-experts: logits differ"),
+        "{text}"
+    );
+    assert!(
+        text.contains("FAIL v4-attention-kv-fp8: logits differ"),
         "{text}"
     );
 }
