@@ -105,13 +105,20 @@ __device__ float block_sum(float v, float* sh) {
     return r;
 }
 
+// Whether rows of `n` values at every one of `p` take 4-wide 16-byte accesses: n a multiple
+// of 4 and each address 16-byte aligned.
+template <typename... P>
+__device__ __forceinline__ bool vec4_rows(int n, const P*... p) {
+    return ((n & 3) | ((0ull | ... | (unsigned long long)p) & 15)) == 0;
+}
+
 // 1 / sqrt(mean(v^2) + eps) of one row of `cols` floats, by the whole block (every thread
 // calls it; blockDim.x a multiple of 32; `sh` holds 32 floats): k_row_inv_rms's value, and
 // k_hc_pre's fused norm, the same sums in the same order. `keep` (may be null): where the
 // 16-byte path leaves a copy of the row (shared memory: k_hc_pre's second pass reads it).
 __device__ float row_inv_rms(const float* v, int cols, float eps, float* sh, float4* keep) {
     float ss = 0.f;
-    if (((cols & 3) | ((unsigned long long)v & 15)) == 0) {
+    if (vec4_rows(cols, v)) {
         for (int i = threadIdx.x * 4; i < cols; i += blockDim.x * 4) {
             float4 a = *reinterpret_cast<const float4*>(v + i);
             if (keep) keep[i >> 2] = a;

@@ -87,7 +87,7 @@ extern "C" __global__ void k_gather_rows_bf16(const float* x, const int* idx, bf
     int r = blockIdx.x;
     const float* src = x + (i64)idx[r] * cols;
     bf16_t* dst = out + (i64)r * cols;
-    if (((cols & 3) | (((unsigned long long)x | (unsigned long long)out) & 15)) == 0) {
+    if (vec4_rows(cols, x, out)) {
         for (int i = threadIdx.x * 4; i < cols; i += blockDim.x * 4) {
             float4 v = *reinterpret_cast<const float4*>(src + i);
             *reinterpret_cast<uint2*>(dst + i) = make_uint2((u32)f_to_bf16(v.x) | ((u32)f_to_bf16(v.y) << 16),

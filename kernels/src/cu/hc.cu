@@ -2,11 +2,6 @@
 
 #define HC_MAX 16
 
-// Whether rows of h floats from a and b take 16-byte accesses.
-__device__ __forceinline__ bool hc_vec4(const float* a, const float* b, int h) {
-    return ((h & 3) | (((unsigned long long)a | (unsigned long long)b) & 15)) == 0;
-}
-
 // Row r's post weights and its Sinkhorn-normalised comb matrix by one warp, hc * hc <= 32:
 // lane t holds c[t / hc][t % hc], the same sums in the same order as the serial path of
 // hc_mix_weights, through shuffles instead of shared memory. HC: hc at compile time (0:
@@ -103,7 +98,7 @@ extern "C" __global__ void k_hc_pre(const float* streams, const float* mix, cons
     __shared__ float sh[32];
     int r = blockIdx.x, nmix = (2 + hc) * hc;
     const float* s = streams + (i64)r * hc * h;
-    bool vec = hc_vec4(streams, collapsed, h), staged = norm == 2 && vec;
+    bool vec = vec4_rows(h, streams, collapsed), staged = norm == 2 && vec;
     // x * 1 is x exactly: the plain mix passes through unchanged.
     float rinv = norm ? row_inv_rms(s, hc * h, norm_eps, sh, staged ? row4 : nullptr) : 1.f;
     for (int i = threadIdx.x; i < nmix; i += blockDim.x) ms[i] = mix[(i64)r * nmix + i] * rinv;
@@ -189,7 +184,7 @@ extern "C" __global__ void k_hc_post(const float* streams, const float* out, con
     for (int i = threadIdx.x; i < hc; i += blockDim.x) ps[i] = post[(i64)r * hc + i];
     __syncthreads();
     float* dst = res + (i64)r * hc * h;
-    if (hc == 4 && hc_vec4(streams, out, h) && hc_vec4(res, res, h)) {
+    if (hc == 4 && vec4_rows(h, streams, out) && vec4_rows(h, res)) {
         hc_post_vec4<4>(s, o, cb, ps, dst, h);
         return;
     }

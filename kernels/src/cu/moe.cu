@@ -303,7 +303,7 @@ extern "C" __global__ void k_moe_gather_padded(const float* x, const int* list, 
 extern "C" __global__ void k_swiglu_halves_bf16(const float* gu, bf16_t* act, i64 n, int inter, float limit) {
     pdl_enter();
     i64 rows = n / inter;
-    bool vec = ((inter & 3) | (((unsigned long long)gu | (unsigned long long)act) & 15)) == 0;
+    bool vec = vec4_rows(inter, gu, act);
     for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
         const float* g = gu + r * 2 * inter;
         const float* u = g + inter;
@@ -359,7 +359,7 @@ extern "C" __global__ void k_moe_combine(const float* y, const int* pos, const i
     int c0 = blockIdx.y * COMBINE_COLS, end = min(H, c0 + COMBINE_COLS);
     const float* sh = shared + (i64)r * H;
     float* o = out + (i64)r * H;
-    if (((H & 3) | (((unsigned long long)y | (unsigned long long)shared | (unsigned long long)out) & 15)) == 0) {
+    if (vec4_rows(H, y, shared, out)) {
         for (int c = c0 + threadIdx.x * 4; c < end; c += blockDim.x * 4) {
             float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
             for (int n = 0; n < k; n++) {
