@@ -347,10 +347,11 @@ extern "C" __global__ void k_moe_combine(const float* y, const int* pos, const i
     __shared__ float weight[64];
     __shared__ i64 src[64];
     int r = blockIdx.x, j = threadIdx.x;
+    auto key_of = [&](int q) { return (i64)ids[(i64)r * k + q] * k + q; };
     if (j < k) {
-        i64 key = (i64)ids[(i64)r * k + j] * k + j;
+        i64 key = key_of(j);
         int rank = 0;
-        for (int q = 0; q < k; q++) rank += (i64)ids[(i64)r * k + q] * k + q < key;
+        for (int q = 0; q < k; q++) rank += key_of(q) < key;
         i64 a = (i64)r * k + j;
         weight[rank] = wts[a];
         src[rank] = (pos ? (i64)pos[a] : a) * H;
