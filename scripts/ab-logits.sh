@@ -41,9 +41,8 @@ configs = {f"deepseek-{e}": dict(base, expert_dtype=e) for e in ("fp8", "fp4")}
 # a 128-key window and 64 indexer picks, so prefill rows span several key tiles.
 v4 = dict(base, expert_dtype="fp8", head_dim=512, qk_rope_head_dim=64, num_attention_heads=64,
           partial_rotary_factor=0.125, sliding_window=128, index_topk=64)
-for part in ("main", "compress"):
-    v4["rope_parameters"] = dict(v4["rope_parameters"])
-    v4["rope_parameters"][part] = dict(v4["rope_parameters"][part], partial_rotary_factor=0.125)
+v4["rope_parameters"] = {part: dict(rope, partial_rotary_factor=0.125)
+                         for part, rope in base["rope_parameters"].items()}
 configs["v4-attention"] = v4
 for name, config in configs.items():
     folder = os.path.join(sys.argv[1], name)
