@@ -14,7 +14,7 @@ use pdserve_engine::config::ModelConfig;
 use pdserve_engine::generate::logits_prefill_decode;
 use pdserve_engine::kv::{EntryDtype, KvLayoutSpec};
 use pdserve_engine::{Engine, ForwardItem, Logits, PoolSize};
-use pdserve_kernels::{AttentionKernel, CudaBackend, WeightDtype};
+use pdserve_kernels::{AttentionKernel, CudaBackend, KeyConversion, WeightDtype};
 use pdserve_tokenizer::Tokenizer;
 
 /// Both kernels compute in fp32 and differ only in summation order: the bound with fp32
@@ -121,6 +121,7 @@ pub fn check_attention_ab(ordinal: usize) -> AnyResult<Vec<CheckRow>> {
         out.push(row);
     }
     out.extend(check_bf16_io(ordinal, &dir, &tok, &cfg)?);
+    out.push(check_key_conversion(ordinal, &dir, &tok, &cfg)?);
     out.extend(crate::attention_wgmma::check_wgmma(ordinal)?);
     Ok(out)
 }
@@ -175,6 +176,44 @@ fn check_bf16_io(
         )?);
     }
     Ok(out)
+}
+
+/// Prefill chunk of the key-conversion row: each chunk's rows read the window ring the
+/// chunk before left and the compressed entries of all its pages.
+const KEY_CHUNK: usize = 48;
+
+/// fp8 keys converted to bf16 once per batch (`KeyConversion::Once`) against the
+/// tensor-core kernel converting them per tile (`PerTile`), under bf16 weights: the same
+/// arithmetic, so the logits must be bitwise equal. Prompts of `DIRECT_PROMPT` tokens
+/// prefilled in chunks of [`KEY_CHUNK`], then 16 eager decode steps (converted too: one
+/// row, the split plan).
+fn check_key_conversion(
+    ordinal: usize,
+    dir: &std::path::Path,
+    tok: &Tokenizer,
+    cfg: &ModelConfig,
+) -> AnyResult<CheckRow> {
+    let spec = KvLayoutSpec {
+        kv_dtype: EntryDtype::Fp8E4m3,
+        ..KvLayoutSpec::default_for(cfg)
+    };
+    let engine = |conversion| -> AnyResult<Engine<CudaBackend>> {
+        let mut b = CudaBackend::with_weights(ordinal, None, WeightDtype::Bf16)?;
+        b.set_key_conversion(conversion);
+        Ok(Engine::load(dir, b, Some(spec.clone()), POOL)?)
+    };
+    let (mut old, mut new) = (engine(KeyConversion::PerTile)?, engine(KeyConversion::Once)?);
+    let (mut got, mut want) = (Vec::new(), Vec::new());
+    for p in PROMPTS {
+        let ids = repeated(&tok.encode(p)?, DIRECT_PROMPT + 16);
+        want.extend(logits_prefill_decode(&mut old, &ids, DIRECT_PROMPT, KEY_CHUNK)?);
+        got.extend(logits_prefill_decode(&mut new, &ids, DIRECT_PROMPT, KEY_CHUNK)?);
+    }
+    let name = format!(
+        "embedded w=bf16 kv=fp8 keys converted once == per tile, prefill {DIRECT_PROMPT} in \
+         chunks of {KEY_CHUNK}, decode 16"
+    );
+    Ok(bitwise_row(&name, &got, &want))
 }
 
 /// Two settings of one backend that must give the same bits, `engine(false, pool)` the

@@ -13,6 +13,8 @@
 //!   round the probabilities against other running maxima, which a random bf16 model
 //!   amplifies to ~1e-2 in the logits. Both are held to the fp32 split-key kernel: the
 //!   wgmma kernel's median row error within twice the mma.sync kernel's.
+//! - fp8 keys converted to bf16 once per batch against per tile, on the wgmma kernel:
+//!   bitwise.
 
 use crate::check::{argmax, decode_logits, rel_err, CheckRow};
 use crate::deepseek::{bit_errors, quantile, row};
@@ -22,7 +24,7 @@ use pdserve_engine::generate::prefill;
 use pdserve_engine::kv::{EntryDtype, KvLayoutSpec};
 use pdserve_engine::model::weights::ModelWeights;
 use pdserve_engine::{Engine, Logits, PoolSize};
-use pdserve_kernels::{AttentionKernel, CudaBackend, WeightDtype};
+use pdserve_kernels::{AttentionKernel, CudaBackend, KeyConversion, WeightDtype};
 
 type AnyResult<T> = Result<T, Box<dyn std::error::Error>>;
 
@@ -64,11 +66,12 @@ fn engine(
     ordinal: usize,
     cfg: &ModelConfig,
     kv: EntryDtype,
-    (kernel, deterministic): (AttentionKernel, bool),
+    (kernel, deterministic, conversion): (AttentionKernel, bool, KeyConversion),
 ) -> AnyResult<Engine<CudaBackend>> {
     let mut backend = CudaBackend::with_weights(ordinal, None, WeightDtype::Bf16)?;
     backend.set_attention_kernel(kernel);
     backend.set_deterministic(deterministic);
+    backend.set_key_conversion(conversion);
     let weights = ModelWeights::random(cfg, &backend, 7)?;
     let spec = KvLayoutSpec {
         kv_dtype: kv,
@@ -112,7 +115,14 @@ pub fn check_wgmma(ordinal: usize) -> AnyResult<Vec<CheckRow>> {
     let mut out = Vec::new();
     for kv in [EntryDtype::Bf16, EntryDtype::Fp8E4m3] {
         let name = format!("V4-shape attention kv={kv} wgmma");
-        let make = |kernel, deterministic| engine(ordinal, &cfg, kv, (kernel, deterministic));
+        let make = |kernel, deterministic| {
+            engine(
+                ordinal,
+                &cfg,
+                kv,
+                (kernel, deterministic, KeyConversion::PerTile),
+            )
+        };
         let mut wgmma = make(AttentionKernel::Auto, false)?;
         if !wgmma.backend().gpu().wgmma() {
             out.push(info_row(format!(
@@ -155,8 +165,30 @@ pub fn check_wgmma(ordinal: usize) -> AnyResult<Vec<CheckRow>> {
         );
         r.greedy_same = greedy;
         out.push(r);
+        if kv == EntryDtype::Fp8E4m3 {
+            let once = (AttentionKernel::Auto, false, KeyConversion::Once);
+            let converted = model_logits(&mut engine(ordinal, &cfg, kv, once)?)?;
+            out.push(bitwise(
+                format!("{name}: keys converted once == per tile"),
+                &converted,
+                &got,
+            ));
+        }
     }
     Ok(out)
+}
+
+/// A row passing only when `got` and `want` are bitwise equal.
+fn bitwise(name: String, got: &[Vec<f32>], want: &[Vec<f32>]) -> CheckRow {
+    let errs: Vec<f64> = got.iter().zip(want).map(|(g, w)| rel_err(g, w)).collect();
+    let differ = got.iter().zip(want).filter(|(g, w)| g != w).count();
+    let mut r = row(
+        format!("{name} ({differ} rows differ)"),
+        &errs,
+        differ == 0 && got.len() == want.len() && !errs.is_empty(),
+    );
+    r.greedy_same = errs.len() - differ;
+    r
 }
 
 fn info_row(name: String) -> CheckRow {

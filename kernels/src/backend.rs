@@ -3,7 +3,7 @@
 //! this file holds only the backend's settings and the weight-storage policy.
 
 use crate::device::{
-    AttentionKernel, DenseKernel, DeviceError, ExpertKernel, Gpu, IndexerBlocking,
+    AttentionKernel, DenseKernel, DeviceError, ExpertKernel, Gpu, IndexerBlocking, KeyConversion,
 };
 use crate::graph_cache::{GraphCache, GraphStats};
 use crate::kv_store::GpuKv;
@@ -132,6 +132,15 @@ impl CudaBackend {
     /// gpu-check's A/B, which holds both to the same bits).
     pub fn set_attention_bf16_io(&mut self, on: bool) {
         self.gpu.attention_bf16_io = on;
+    }
+
+    /// Where the tensor-core attention converts fp8 KV entries to bf16: once per batch
+    /// where the rows read each key often enough ([`KeyConversion::Auto`], the default: a
+    /// prefill), or in the kernel for every tile ([`KeyConversion::PerTile`]), or once for
+    /// any batch outside decode steps ([`KeyConversion::Once`]). All give the same bits
+    /// (gpu-check holds them to it).
+    pub fn set_key_conversion(&mut self, conversion: KeyConversion) {
+        self.gpu.key_conversion = conversion;
     }
 
     /// How many rows (1 or 2) and tiles of 128 entries each block of the tensor-core

@@ -77,6 +77,9 @@ pub struct Gpu {
     /// Whether the direct tensor-core attention reads bf16 queries and writes bf16 output
     /// (see [`crate::CudaBackend::set_attention_bf16_io`]).
     pub(crate) attention_bf16_io: bool,
+    /// When the tensor-core attention's fp8 keys are converted to bf16 once per batch
+    /// (see [`crate::CudaBackend::set_key_conversion`]).
+    pub(crate) key_conversion: KeyConversion,
     /// Rows and entry tiles per block of the tensor-core indexer scores, when gpu-check
     /// fixes them (see [`crate::CudaBackend::set_indexer_blocking`]); `None`: chosen by
     /// the launch's shape.
@@ -172,6 +175,21 @@ pub enum AttentionKernel {
     Split,
     /// One block per row and group of heads (`k_attention`), the first kernel.
     Reference,
+}
+
+/// Where the tensor-core attention converts fp8 KV entries to the bf16 its products take.
+/// Both give the same bits; the serving choice is [`KeyConversion::Auto`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KeyConversion {
+    /// Once per batch (`k_kv_dequant_bf16`) where its rows read each key often enough to
+    /// repay the conversion (a prefill), else in the kernel.
+    #[default]
+    Auto,
+    /// In the attention kernel, every time a tile loads a key.
+    PerTile,
+    /// Once per batch outside decode steps however few rows read each key (gpu-check's
+    /// A/B on short prompts).
+    Once,
 }
 
 impl std::fmt::Debug for Gpu {
@@ -349,6 +367,7 @@ impl Gpu {
             deterministic: false,
             attention_kernel: AttentionKernel::Auto,
             attention_bf16_io: true,
+            key_conversion: KeyConversion::Auto,
             indexer_blocking: None,
             indexer_gemm: false,
             expert_kernel: ExpertKernel::Auto,

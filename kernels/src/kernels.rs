@@ -18,6 +18,11 @@ impl DevPtr {
     pub(crate) fn of<T>(m: &DevMem<T>) -> DevPtr {
         DevPtr(m.ptr())
     }
+
+    /// The address `bytes` past this one.
+    pub(crate) fn offset(self, bytes: usize) -> DevPtr {
+        DevPtr(self.0 + bytes as u64)
+    }
 }
 
 /// Element type of the kernels compiled once per storage (`_bf16` / `_f32` variants).
@@ -418,6 +423,14 @@ kernels! {
             comp_off: i64, comp_epp: i32, page_tokens: i32, dt: i32, scale: f32,
             rd: i32, win_scale_off: i64, comp_scale_off: i64, split_keys: i32, nsplit: i32,
             direct: i32,
+        }
+        /// fp8 KV entries (window rings, compressed entries, this forward's keys) as bf16
+        /// rows, converted once for all of a prefill's rows.
+        KvDequantBf16 = "k_kv_dequant_bf16" {
+            pages: DevPtr, states: DevPtr, page_bytes: i64, state_bytes: i64, seq: DevPtr,
+            pt: DevPtr, new_rows: DevPtr, new_scales: DevPtr, out: DevPtr, n_ring: i32,
+            n_comp: i32, n_new: i32, window: i32, win_off: i64, win_scale_off: i64,
+            comp_off: i64, comp_scale_off: i64, comp_epp: i32, hd: i32, rd: i32,
         }
     }
     module "moe" {

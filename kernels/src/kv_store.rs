@@ -211,6 +211,36 @@ pub(crate) fn kv_dt_code(layout: &KvLayout) -> BResult<i32> {
     }
 }
 
+/// Ints per sequence of the device sequence table (`SEQ_INTS` in common.cuh), and the
+/// place of its state slot (`SEQ_STATE`).
+pub(crate) const SEQ_INTS: usize = 6;
+pub(crate) const SEQ_STATE: usize = 3;
+
+/// The sequence table of `plan` (`SEQ_INTS` ints per sequence: start, length, first row,
+/// state slot, page-table offset, pages) and its page tables concatenated.
+pub(crate) fn seq_table(plan: &BatchPlan) -> BResult<(Vec<i32>, Vec<u32>)> {
+    let mut seq = Vec::with_capacity(plan.seqs.len() * SEQ_INTS);
+    let mut pt = Vec::new();
+    for s in &plan.seqs {
+        if s.row0 + s.len > plan.rows() {
+            return Err(kv_err(format!(
+                "sequence rows {}+{} past the batch",
+                s.row0, s.len
+            )));
+        }
+        seq.extend([
+            to_i32(s.start, "position")?,
+            to_i32(s.len, "length")?,
+            to_i32(s.row0, "row")?,
+            to_i32(s.state as usize, "state slot")?,
+            to_i32(pt.len(), "page table offset")?,
+            to_i32(s.pages.len(), "pages")?,
+        ]);
+        pt.extend_from_slice(&s.pages);
+    }
+    Ok((seq, pt))
+}
+
 /// A batch plan on the device (see `SEQ_*` in common.cuh).
 pub(crate) struct DevPlan {
     pub seq: DevMem<i32>,
@@ -251,25 +281,7 @@ impl DevPlan {
 
     fn upload_new(gpu: &Gpu, kv: &GpuKv, plan: &BatchPlan) -> BResult<Self> {
         check_ids(kv, plan, usize::from(gpu.in_step()))?;
-        let mut seq = Vec::with_capacity(plan.seqs.len() * 6);
-        let mut pt = Vec::new();
-        for s in &plan.seqs {
-            if s.row0 + s.len > plan.rows() {
-                return Err(kv_err(format!(
-                    "sequence rows {}+{} past the batch",
-                    s.row0, s.len
-                )));
-            }
-            seq.extend([
-                to_i32(s.start, "position")?,
-                to_i32(s.len, "length")?,
-                to_i32(s.row0, "row")?,
-                to_i32(s.state as usize, "state slot")?,
-                to_i32(pt.len(), "page table offset")?,
-                to_i32(s.pages.len(), "pages")?,
-            ]);
-            pt.extend_from_slice(&s.pages);
-        }
+        let (seq, pt) = seq_table(plan)?;
         if plan.row_seq.len() != plan.rows() || plan.positions.len() != plan.rows() {
             return Err(kv_err(
                 "plan rows, positions and row_seq differ in length".into(),
@@ -335,4 +347,16 @@ pub(crate) fn check_entry_page(
         )));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_sequence_table_constants_are_the_kernels() {
+        let common = include_str!("cu/common.cuh");
+        assert!(common.contains(&format!("#define SEQ_INTS {SEQ_INTS}\n")));
+        assert!(common.contains(&format!("#define SEQ_STATE {SEQ_STATE}\n")));
+    }
 }

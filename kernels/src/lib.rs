@@ -32,7 +32,9 @@ pub mod tensor;
 
 pub use backend::CudaBackend;
 pub use compile::{CompileError, MODULES};
-pub use device::{AttentionKernel, DenseKernel, DeviceError, ExpertKernel, IndexerBlocking};
+pub use device::{
+    AttentionKernel, DenseKernel, DeviceError, ExpertKernel, IndexerBlocking, KeyConversion,
+};
 pub use devmem::DevMem;
 pub use graph_cache::{GraphStats, StepPhases};
 pub use graph_mode::GraphMode;

@@ -368,3 +368,55 @@ extern "C" __launch_bounds__(256, 1) __global__ void k_attention_mma_exact(const
         part_ml, n_heads, hd, window, win_off, rate, mode, comp_off, comp_epp, page_tokens, dt, scale, rd, win_scale_off,
         comp_scale_off, split_keys, nsplit, direct);
 }
+
+// fp8 KV entries (FlashMLA's V4 layout, dt 3) as bf16 rows of hd channels, the bits the
+// kernels' own conversion gives (atm_fp8_pair; the rope channels copied): a prefill's rows
+// read each key hundreds of times, so they read these rows (dt 1) instead of converting
+// every key per tile (ops/attention_dequant.rs). One warp per entry, 8 channels per lane
+// and step. Entry i of `out`: i < n_ring, slot i % window of the window ring of sequence
+// i / window (its state slot from `seq`); then n_comp compressed entries, entry
+// (i - n_ring) % comp_epp of page pt[(i - n_ring) / comp_epp] (the batch's page tables
+// concatenated); then this forward's n_new keys as stored (new_rows, new_scales).
+extern "C" __global__ void k_kv_dequant_bf16(const unsigned char* pages, const unsigned char* states, i64 page_bytes,
+                                             i64 state_bytes, const int* seq, const u32* pt,
+                                             const unsigned char* new_rows, const unsigned char* new_scales,
+                                             bf16_t* out, int n_ring, int n_comp, int n_new, int window, i64 win_off,
+                                             i64 win_scale_off, i64 comp_off, i64 comp_scale_off, int comp_epp, int hd,
+                                             int rd) {
+    pdl_enter();
+    i64 i = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    int lane = threadIdx.x & 31;
+    if (i >= (i64)n_ring + n_comp + n_new) return;
+    int nope = hd - rd;
+    i64 eb = fp8kv_row_bytes(nope, rd), sb = fp8kv_scale_bytes(nope);
+    const unsigned char *a, *sa;
+    if (i < n_ring) {
+        const unsigned char* st = states + (i64)seq[(i / window) * SEQ_INTS + SEQ_STATE] * state_bytes;
+        a = st + win_off + (i % window) * eb;
+        sa = st + win_scale_off + (i % window) * sb;
+    } else if (i < (i64)n_ring + n_comp) {
+        i64 e = i - n_ring;
+        const unsigned char* pg = pages + (i64)pt[e / comp_epp] * page_bytes;
+        a = pg + comp_off + (e % comp_epp) * eb;
+        sa = pg + comp_scale_off + (e % comp_epp) * sb;
+    } else {
+        i64 r = i - n_ring - n_comp;
+        a = new_rows + r * eb;
+        sa = new_scales + r * sb;
+    }
+    unsigned char* d = (unsigned char*)(out + i * hd);
+    for (int c = lane * 8; c < hd; c += 256) {
+        uint4 w;
+        if (c < nope) {
+            uint2 codes = *reinterpret_cast<const uint2*>(a + c);
+            float s = e8m0_to_f(sa[c / KV_TILE]);
+            w.x = atm_fp8_pair(codes.x, s);
+            w.y = atm_fp8_pair(codes.x >> 16, s);
+            w.z = atm_fp8_pair(codes.y, s);
+            w.w = atm_fp8_pair(codes.y >> 16, s);
+        } else {
+            w = *reinterpret_cast<const uint4*>(a + nope + (i64)(c - nope) * 2);
+        }
+        *reinterpret_cast<uint4*>(d + c * 2) = w;
+    }
+}

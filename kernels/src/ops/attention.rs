@@ -1,6 +1,7 @@
 //! Sink attention over the sliding window plus compressed entries (tensor cores,
 //! `ops/attention_mma.rs`; the split-key kernel, `ops/attention_split.rs`; or the reference
-//! one of `cu/attention.cu`), and window stores.
+//! one of `cu/attention.cu`), and window stores. A prefill's fp8 keys are converted to
+//! bf16 once for the tensor-core kernels (`ops/attention_dequant.rs`).
 
 use crate::buf::{f32_buf, out_ptr, shape_err};
 use crate::device::{AttentionKernel, Gpu, ATTENTION_SHARED};
@@ -8,6 +9,7 @@ use crate::devmem::DevMem;
 use crate::kernels::{self, DevPtr};
 use crate::kv_store::{kv_dt_code, DevPlan, GpuKv};
 use crate::launch::BLOCK;
+use crate::ops::attention_dequant;
 use crate::ops::attention_mma::{self, MmaPlan};
 use crate::ops::attention_split::{self, AttentionArgs, SplitPlan};
 use crate::ops::dense::{rms_norm, rope};
@@ -110,6 +112,7 @@ pub fn attention(
         // Set below: the normed and roped queries (fp32, or bf16 for the direct launch).
         q: DevPtr::NULL,
         kv_new: DevPtr::of(kv_new),
+        new_stored: None,
         entry_bytes: layout.kv_row_bytes(),
         scale_bytes: layout.fp8_kv_format().map_or(0, |f| f.scale_bytes()),
         sinks: DevPtr::of(&sinks),
@@ -136,6 +139,8 @@ pub fn attention(
     let cols = n_heads * hd;
     if let Some(kernel) = attention_mma::choose_kernel(g, &args) {
         let mma = MmaPlan::choose(kernel, rows, n_heads, max_keys, g.sms, g.deterministic);
+        let converted = attention_dequant::convert_if_reused(g, &args, plan, max_keys)?;
+        let mut args = converted.as_ref().map_or(args, |c| c.args);
         if mma.direct && !g.fp32_reference && g.attention_bf16_io {
             return attention_bf16_io(g, &args, mma, q, head_rope, layout, plan);
         }

@@ -215,10 +215,7 @@ pub(crate) fn launch(
     };
     let part: DevMem<f32> = g.uninit(parts * hd)?;
     let part_ml: DevMem<f32> = g.uninit(parts * 2)?;
-    let entries = attention_split::new_entries(g, a)?;
-    let (new_rows, new_scales) = entries.as_ref().map_or((a.kv_new, DevPtr::NULL), |(r, s)| {
-        (DevPtr::of(r), DevPtr::of(s))
-    });
+    let new = attention_split::new_keys(g, a)?;
     g.launch(
         (
             rows as u32,
@@ -237,8 +234,8 @@ pub(crate) fn launch(
             row_seq: a.row_seq,
             positions: a.positions,
             q: a.q,
-            new_rows,
-            new_scales,
+            new_rows: new.rows,
+            new_scales: new.scales,
             sinks: a.sinks,
             sel: a.sel,
             topk: a.topk,

@@ -119,6 +119,7 @@ pub(crate) fn key_splits(
 }
 
 /// The buffers and scalars both attention kernels read.
+#[derive(Clone, Copy)]
 pub(crate) struct AttentionArgs {
     pub pages: DevPtr,
     pub states: DevPtr,
@@ -131,6 +132,9 @@ pub(crate) struct AttentionArgs {
     pub q: DevPtr,
     /// This forward's keys, fp32 rows of `hd`.
     pub kv_new: DevPtr,
+    /// The same keys already as entries of `dt` (bf16 rows converted once, see
+    /// `ops/attention_dequant.rs`), read instead of converting `kv_new`.
+    pub new_stored: Option<DevPtr>,
     /// Bytes of one KV entry's row and of its fp8 scales (0 unless fp8): `KvLayout`'s.
     pub entry_bytes: usize,
     pub scale_bytes: usize,
@@ -166,10 +170,7 @@ pub(crate) fn launch(g: &Gpu, a: &AttentionArgs, plan: SplitPlan) -> BResult<()>
     };
     let part: DevMem<f32> = g.uninit(parts * hd)?;
     let part_ml: DevMem<f32> = g.uninit(parts * 2)?;
-    let entries = new_entries(g, a)?;
-    let (new_rows, new_scales) = entries.as_ref().map_or((a.kv_new, DevPtr::NULL), |(r, s)| {
-        (DevPtr::of(r), DevPtr::of(s))
-    });
+    let new = new_keys(g, a)?;
     g.launch(
         (
             rows as u32,
@@ -187,8 +188,8 @@ pub(crate) fn launch(g: &Gpu, a: &AttentionArgs, plan: SplitPlan) -> BResult<()>
             row_seq: a.row_seq,
             positions: a.positions,
             q: a.q,
-            new_rows,
-            new_scales,
+            new_rows: new.rows,
+            new_scales: new.scales,
             sinks: a.sinks,
             sel: a.sel,
             topk: a.topk,
@@ -219,6 +220,34 @@ pub(crate) fn launch(g: &Gpu, a: &AttentionArgs, plan: SplitPlan) -> BResult<()>
         return Ok(());
     }
     combine(g, a, &part, &part_ml, plan.nsplit)
+}
+
+/// This forward's keys as the kernels read them (entries of `dt` and their fp8 scales).
+pub(crate) struct NewKeys {
+    pub rows: DevPtr,
+    pub scales: DevPtr,
+    /// The buffers made for them, kept until the launch is queued.
+    _made: Option<(DevMem<u8>, DevMem<u8>)>,
+}
+
+/// `a.new_stored` where set, else this forward's keys made entries here ([`new_entries`]).
+pub(crate) fn new_keys(g: &Gpu, a: &AttentionArgs) -> BResult<NewKeys> {
+    if let Some(rows) = a.new_stored {
+        return Ok(NewKeys {
+            rows,
+            scales: DevPtr::NULL,
+            _made: None,
+        });
+    }
+    let made = new_entries(g, a)?;
+    let (rows, scales) = made.as_ref().map_or((a.kv_new, DevPtr::NULL), |(r, s)| {
+        (DevPtr::of(r), DevPtr::of(s))
+    });
+    Ok(NewKeys {
+        rows,
+        scales,
+        _made: made,
+    })
 }
 
 /// This forward's keys as entries of the KV dtype, rows then fp8 scales (what both

@@ -3,6 +3,7 @@
 //! `backend.rs`.
 
 pub(crate) mod attention;
+pub(crate) mod attention_dequant;
 pub(crate) mod attention_mma;
 pub(crate) mod attention_split;
 pub(crate) mod compress;
