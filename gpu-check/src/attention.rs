@@ -202,12 +202,25 @@ fn check_key_conversion(
         b.set_key_conversion(conversion);
         Ok(Engine::load(dir, b, Some(spec.clone()), POOL)?)
     };
-    let (mut old, mut new) = (engine(KeyConversion::PerTile)?, engine(KeyConversion::Once)?);
+    let (mut old, mut new) = (
+        engine(KeyConversion::PerTile)?,
+        engine(KeyConversion::Once)?,
+    );
     let (mut got, mut want) = (Vec::new(), Vec::new());
     for p in PROMPTS {
         let ids = repeated(&tok.encode(p)?, DIRECT_PROMPT + 16);
-        want.extend(logits_prefill_decode(&mut old, &ids, DIRECT_PROMPT, KEY_CHUNK)?);
-        got.extend(logits_prefill_decode(&mut new, &ids, DIRECT_PROMPT, KEY_CHUNK)?);
+        want.extend(logits_prefill_decode(
+            &mut old,
+            &ids,
+            DIRECT_PROMPT,
+            KEY_CHUNK,
+        )?);
+        got.extend(logits_prefill_decode(
+            &mut new,
+            &ids,
+            DIRECT_PROMPT,
+            KEY_CHUNK,
+        )?);
     }
     let name = format!(
         "embedded w=bf16 kv=fp8 keys converted once == per tile, prefill {DIRECT_PROMPT} in \

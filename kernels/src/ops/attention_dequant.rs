@@ -94,10 +94,7 @@ pub(crate) fn convert_if_reused(
     max_keys: usize,
 ) -> BResult<Option<Converted>> {
     let spans = KeySpans::of(a, plan);
-    if a.dt != DT_FP8
-        || g.in_step()
-        || !converts_once(g.key_conversion, a.rows, max_keys, spans)
-    {
+    if a.dt != DT_FP8 || g.in_step() || !converts_once(g.key_conversion, a.rows, max_keys, spans) {
         return Ok(None);
     }
     convert(g, a, plan, spans).map(Some)
@@ -204,7 +201,12 @@ mod tests {
         }
         // A short prompt whose rows read few keys each.
         assert!(!converts_once(auto, 4, 4, spans(1, 4, 4)));
-        assert!(converts_once(KeyConversion::Once, 1, 640, spans(1, 1, 4096)));
+        assert!(converts_once(
+            KeyConversion::Once,
+            1,
+            640,
+            spans(1, 1, 4096)
+        ));
         assert!(!converts_once(
             KeyConversion::PerTile,
             8192,
