@@ -558,7 +558,7 @@ kernels! {
         /// deepseek numerics, the indexer's queries: each head rotated (Hadamard) and
         /// FP4-quantized.
         RotateFp4 = "k_rotate_fp4" {
-            x: DevPtr, y: DevPtr, heads: i32, hd: i32, scale_bits: i64,
+            x: DevPtr, y: DevPtr, n: i64, hd: i32, scale_bits: i64,
         }
     }
     module "random" {

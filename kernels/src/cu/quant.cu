@@ -426,12 +426,65 @@ extern "C" __global__ void k_gather_quantized_picks(const unsigned char* xq, con
     }
 }
 
-// deepseek numerics, the indexer's queries: every `hd`-wide head of each row of `x`
-// rotated and FP4-quantized into `y` (rotate_fp4; `scale_bits` the f64 bits of hd^-0.5).
-// Grid (rows, heads); dynamic shared memory hd doubles.
-extern "C" __global__ void k_rotate_fp4(const float* x, float* y, int heads, int hd, i64 scale_bits) {
+// rotate_fp4 (common.cuh) of one head of 32 V values by one warp, lane l holding values
+// V l .. V l + V - 1 in f64 registers: the Hadamard stages below V inside the lane, the
+// others across lanes by shuffles, in rotate_fp4's order and with its operations (each
+// stage's sums and differences are the same f64 operations, so the same bits); each FP4
+// block of 32 values is 32 / V lanes, its maximum taken across them.
+template <int V>
+__device__ __forceinline__ void rotate_fp4_warp(const float* in, float* out, double scale) {
+    const unsigned full = 0xffffffffu;
+    int lane = threadIdx.x & 31;
+    double v[V];
+#pragma unroll
+    for (int j = 0; j < V; j++) v[j] = (double)in[lane * V + j];
+#pragma unroll
+    for (int h = 1; h < V; h *= 2)
+#pragma unroll
+        for (int j = 0; j < V; j++)
+            if (!(j & h)) {
+                double p = v[j], q = v[j + h];
+                v[j] = p + q;
+                v[j + h] = p - q;
+            }
+#pragma unroll
+    for (int d = 1; d < 32; d *= 2) {
+        bool upper = lane & d;
+#pragma unroll
+        for (int j = 0; j < V; j++) {
+            double o = __shfl_xor_sync(full, v[j], d);
+            v[j] = upper ? o - v[j] : v[j] + o;
+        }
+    }
+    float f[V], am = 0.f;
+#pragma unroll
+    for (int j = 0; j < V; j++) {
+        f[j] = (float)(v[j] * scale);
+        am = fmaxf(am, fabsf(f[j]));
+    }
+#pragma unroll
+    for (int o = 16 / V; o > 0; o >>= 1) am = fmaxf(am, __shfl_xor_sync(full, am, o));
+    float s = pow2_at_or_above(fmaxf(am, 6.f * 0x1p-126f) * (float)(1.0 / 6.0));
+#pragma unroll
+    for (int j = 0; j < V; j++) out[lane * V + j] = e2m1_round(fminf(fmaxf(f[j] / s, -6.f), 6.f)) * s;
+}
+
+// deepseek numerics, the indexer's queries: each of the `n` `hd`-wide heads of `x` rotated
+// and FP4-quantized into `y` (rotate_fp4; `scale_bits` the f64 bits of hd^-0.5), one warp
+// per head (rotate_fp4_warp). hd a power of two from 32 to 512.
+extern "C" __global__ void k_rotate_fp4(const float* x, float* y, i64 n, int hd, i64 scale_bits) {
     pdl_enter();
-    extern __shared__ double rot_tmp[];
-    i64 at = ((i64)blockIdx.x * heads + blockIdx.y) * hd;
-    rotate_fp4(x + at, y + at, rot_tmp, hd, __longlong_as_double(scale_bits));
+    i64 head = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (head >= n) return;
+    const float* in = x + head * hd;
+    float* out = y + head * hd;
+    double scale = __longlong_as_double(scale_bits);
+    switch (hd) {
+        case 32: rotate_fp4_warp<1>(in, out, scale); break;
+        case 64: rotate_fp4_warp<2>(in, out, scale); break;
+        case 128: rotate_fp4_warp<4>(in, out, scale); break;
+        case 256: rotate_fp4_warp<8>(in, out, scale); break;
+        case 512: rotate_fp4_warp<16>(in, out, scale); break;
+        default: break;
+    }
 }

@@ -9,7 +9,7 @@ use crate::buf::{f32_buf, out_ptr, shape_err};
 use crate::device::Gpu;
 use crate::devmem::DevMem;
 use crate::kernels::{self, DevPtr};
-use crate::launch::grid_1d;
+use crate::launch::{grid_1d, BLOCK};
 use crate::ops::stored::to_i32;
 use crate::ops::tensors::new_f32;
 use crate::tensor::{Buf, GpuTensor};
@@ -129,6 +129,9 @@ pub(crate) fn rotation_scale_bits(n: usize, op: &'static str) -> BResult<i64> {
     Ok(hadamard_scale(n).to_bits() as i64)
 }
 
+/// Largest head `k_rotate_fp4` rotates (one warp per head, 16 values a lane).
+const MAX_WARP_ROTATION: usize = 512;
+
 /// deepseek numerics, the indexer's queries (after their rope): each `head_dim`-wide head
 /// of every row rotated and FP4-quantized, as a new fp32 tensor.
 pub fn rotate_fp4(g: &Gpu, q: &GpuTensor, head_dim: usize) -> BResult<GpuTensor> {
@@ -139,22 +142,28 @@ pub fn rotate_fp4(g: &Gpu, q: &GpuTensor, head_dim: usize) -> BResult<GpuTensor>
             format!("queries of {} values in heads of {head_dim}", q.cols),
         ));
     }
+    if head_dim > MAX_WARP_ROTATION {
+        return Err(shape_err(
+            "index_select",
+            format!("heads of {head_dim} values; the rotation takes up to {MAX_WARP_ROTATION}"),
+        ));
+    }
     let x = f32_buf(q, "index_select")?;
     let out = new_f32(g, q.rows, q.cols)?;
-    let heads = q.cols / head_dim;
+    let heads = q.rows * (q.cols / head_dim);
     if out.is_empty() {
         return Ok(out);
     }
-    let grid = |v: usize| {
-        u32::try_from(v).map_err(|_| shape_err("index_select", format!("grid of {v} blocks")))
-    };
+    let warps = (BLOCK / 32) as usize;
+    let blocks = u32::try_from(heads.div_ceil(warps))
+        .map_err(|_| shape_err("index_select", format!("{heads} heads")))?;
     g.launch(
-        (grid(q.rows)?, grid(heads)?, 1),
-        (head_dim * std::mem::size_of::<f64>()) as u32,
+        (blocks, 1, 1),
+        0,
         &kernels::RotateFp4 {
             x: DevPtr::of(x),
             y: out_ptr(&out)?,
-            heads: to_i32(heads, "heads")?,
+            n: heads as i64,
             hd: to_i32(head_dim, "head dim")?,
             scale_bits,
         },
