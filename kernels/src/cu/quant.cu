@@ -353,7 +353,7 @@ extern "C" __global__ void k_moe_weight_act_quant(float* act, bf16_t* act16, con
 // numerics): picks sorted by expert, each expert's run of rows padded to the GEMM's row
 // tile. `map` holds four ints per sorted pick j: the pick (row * k + slot), its GEMM row,
 // and where its scales go: block b's at `map[2] + b * map[3]` (each expert's scales are
-// its own VEC128 [block][row] run). One warp per AQ_U (pick, 128-block)s, warp-strided as
+// its own VEC128 [block][row] run). One warp per (pick, 128-block), warp-strided as
 // k_act_quant_e4m3; the padding rows' codes and scales are left as the caller zeroed them.
 
 // w2's input of pick j: SwiGLU of its gate and up halves (the gate/up GEMM's output at its
@@ -370,40 +370,21 @@ __device__ void moe_swiglu_quant_e4m3(const T* gu, const int* map, const float* 
                                       unsigned char* q, float* s, int picks, int inter, float limit) {
     int kb = (inter + 127) / 128, lane = threadIdx.x & 31;
     i64 total = (i64)picks * kb, stride = ((i64)gridDim.x * blockDim.x) >> 5;
-    // AQ_U blocks per warp: their map reads, then their gate and up loads, all issued before
-    // any is used.
-    for (i64 w0 = (((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5) * AQ_U; w0 < total; w0 += stride * AQ_U) {
-        int pick[AQ_U], row[AQ_U];
-#pragma unroll
-        for (int u = 0; u < AQ_U; u++) {
-            int j = (int)(min(w0 + u, total - 1) / kb);
-            pick[u] = map[4 * j];
-            row[u] = map[4 * j + 1];
+    for (i64 w = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; w < total; w += stride) {
+        int j = (int)(w / kb), b = (int)(w % kb), c0 = b * 128 + lane * 4;
+        int pick = map[4 * j], row = map[4 * j + 1];
+        const T* g = gu + (i64)row * 2 * inter;
+        float wt = wts[pick], gate[4], up[4], v[4], am = 0.f;
+        gemm_out_load4(g, c0, inter, gate);
+        gemm_out_load4(g + inter, c0, inter, up);
+        for (int i = 0; i < 4; i++) {
+            v[i] = c0 + i < inter ? swiglu_(gate[i], up[i], limit) * wt : 0.f;
+            am = fmaxf(am, fabsf(v[i]));
         }
-        float wt[AQ_U], gate[AQ_U][4], up[AQ_U][4];
-#pragma unroll
-        for (int u = 0; u < AQ_U; u++) {
-            int c0 = (int)((w0 + u) % kb) * 128 + lane * 4;
-            const T* g = gu + (i64)row[u] * 2 * inter;
-            wt[u] = wts[pick[u]];
-            gemm_out_load4(g, c0, inter, gate[u]);
-            gemm_out_load4(g + inter, c0, inter, up[u]);
-        }
-#pragma unroll
-        for (int u = 0; u < AQ_U; u++) {
-            i64 w = w0 + u;
-            if (w >= total) break;
-            int j = (int)(w / kb), b = (int)(w % kb), c0 = b * 128 + lane * 4;
-            float v[4], am = 0.f;
-            for (int i = 0; i < 4; i++) {
-                v[i] = c0 + i < inter ? swiglu_(gate[u][i], up[u][i], limit) * wt[u] : 0.f;
-                am = fmaxf(am, fabsf(v[i]));
-            }
-            float sc = fp8kv_scale(warp_max(am));
-            aq_store4(q + (i64)row[u] * inter, c0, inter, v, sc);
-            if (lane == 0) s[map[4 * j + 2] + (i64)b * map[4 * j + 3]] = sc;
-            if (lane == 0 && b == 0) unit[pick[u]] = 1.f;
-        }
+        float sc = fp8kv_scale(warp_max(am));
+        aq_store4(q + (i64)row * inter, c0, inter, v, sc);
+        if (lane == 0) s[map[4 * j + 2] + (i64)b * map[4 * j + 3]] = sc;
+        if (lane == 0 && b == 0) unit[pick] = 1.f;
     }
 }
 

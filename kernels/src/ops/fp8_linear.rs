@@ -18,8 +18,8 @@ use crate::ops::stored::to_i32;
 use crate::ops::tensors::{bf16_to_f32, new_f32};
 use crate::tensor::{Buf, GpuTensor, StoredBuf};
 
-/// 128-value blocks each warp of `k_act_quant_e4m3`, `k_act_quant_f32` and
-/// `k_moe_swiglu_quant_e4m3_*` takes (`AQ_U` in quant.cu).
+/// 128-value blocks each warp of `k_act_quant_e4m3` and `k_act_quant_f32` takes (`AQ_U`
+/// in quant.cu).
 pub(crate) const AQ_BLOCKS_PER_WARP: usize = 4;
 use pdserve_engine::backend::BResult;
 use pdserve_engine::checkpoint::dequant::e8m0_to_f32;

@@ -20,7 +20,7 @@ use crate::devmem::DevMem;
 use crate::kernels::{self, DevPtr, Elem};
 use crate::lanes::Lane;
 use crate::launch::{dev_err, grid_1d};
-use crate::ops::fp8_linear::{act_quant, weight_scales, GemmCache, AQ_BLOCKS_PER_WARP, ROW_TILE};
+use crate::ops::fp8_linear::{act_quant, weight_scales, GemmCache, ROW_TILE};
 use crate::ops::moe_gemm::{sort_picks, SortedRows};
 use crate::ops::numerics::RoutedQuant;
 use crate::ops::stored::to_i32;
@@ -263,7 +263,7 @@ pub(crate) fn routed(
         g.zeros::<f32>(runs.rows * kb_i)?,
     );
     g.launch(
-        grid_1d((n * k * kb_i).div_ceil(AQ_BLOCKS_PER_WARP) * 32),
+        grid_1d(n * k * kb_i * 32),
         0,
         &kernels::MoeSwigluQuantE4m3 {
             variant: match gu_out {
