@@ -248,77 +248,49 @@ __device__ __forceinline__ void aq_store4(unsigned char* qr, int c0, int cols, c
         if (c0 + i < cols) qr[c0 + i] = fp8kv_code(v[i], sc);
 }
 
-// 128-value blocks each warp of the act_quant kernels takes at once, their loads issued
-// before any is used (one 512-byte load per warp left too few bytes in flight: 1.7 TB/s);
-// ops' AQ_BLOCKS_PER_WARP.
-#define AQ_U 4
-
 // DeepSeek's act_quant of fp32 activations (pdserve_engine::numerics::quantize_e4m3_block):
 // per 128 values of a row, the power-of-two scale at or above max(amax, 1e-4) / 448
 // (fp8kv_scale's rule, the fp8 KV entries' too) and the e4m3 codes of the values over it,
-// clamped to +-448 and rounded to nearest even. One warp per AQ_U consecutive 128-value
-// blocks (a partial last block of a row on its own values), four values a lane,
-// warp-strided. Codes row-major (`cols` a row); scales as cuBLASLt's VEC128_32F reads
-// them: [block][row], a block's run of `srows` rows (>= rows: a GEMM over rows padded to
-// its tile).
+// clamped to +-448 and rounded to nearest even. One warp per 128-value block (a partial
+// last block on its own values), four values a lane, warp-strided over the blocks. Codes
+// row-major (`cols` a row); scales as cuBLASLt's VEC128_32F reads them: [block][row], a
+// block's run of `srows` rows (>= rows: a GEMM over rows padded to its tile).
 extern "C" __global__ void k_act_quant_e4m3(const float* x, int ldx, unsigned char* q, float* s, int rows,
                                             int cols, int srows) {
     pdl_enter();
     int kb = (cols + 127) / 128, lane = threadIdx.x & 31;
     i64 total = (i64)rows * kb, stride = ((i64)gridDim.x * blockDim.x) >> 5;
     // The warp index is the same on every lane: whole warps loop and leave together.
-    for (i64 w0 = (((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5) * AQ_U; w0 < total; w0 += stride * AQ_U) {
-        float v[AQ_U][4];
-#pragma unroll
-        for (int u = 0; u < AQ_U; u++) {
-            i64 w = w0 + u;
-            if (w < total) {
-                int r = (int)(w / kb), b = (int)(w % kb);
-                aq_load4(x + (i64)r * ldx, b * 128 + lane * 4, cols, v[u]);
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < AQ_U; u++) {
-            i64 w = w0 + u;
-            if (w >= total) break;
-            int r = (int)(w / kb), b = (int)(w % kb), c0 = b * 128 + lane * 4;
-            float am = 0.f;
-            for (int i = 0; i < 4; i++) am = fmaxf(am, fabsf(v[u][i]));
-            float sc = fp8kv_scale(warp_max(am));
-            aq_store4(q + (i64)r * cols, c0, cols, v[u], sc);
-            if (lane == 0) s[(i64)b * srows + r] = sc;
-        }
+    for (i64 w = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; w < total; w += stride) {
+        int r = (int)(w / kb), b = (int)(w % kb), c0 = b * 128 + lane * 4;
+        float v[4], am = 0.f;
+        aq_load4(x + (i64)r * ldx, c0, cols, v);
+        for (int i = 0; i < 4; i++) am = fmaxf(am, fabsf(v[i]));
+        float sc = fp8kv_scale(warp_max(am));
+        aq_store4(q + (i64)r * cols, c0, cols, v, sc);
+        if (lane == 0) s[(i64)b * srows + r] = sc;
     }
 }
 
 // deepseek numerics' act_quant (numerics::act_quant) of `rows` rows of `cols` values: every
 // value replaced by its FP8 value per 128 of a row (a partial last block on its own
 // values). Input f32 `x` or, where x is NULL, bf16 `x16`; output f32 `y` (may be x). One
-// warp per AQ_U blocks, warp-strided as k_act_quant_e4m3.
+// warp per block, warp-strided as k_act_quant_e4m3.
 extern "C" __global__ void k_act_quant_f32(const float* x, const bf16_t* x16, float* y, int rows, int cols) {
     pdl_enter();
     int kb = (cols + 127) / 128, lane = threadIdx.x & 31;
     i64 total = (i64)rows * kb, stride = ((i64)gridDim.x * blockDim.x) >> 5;
-    for (i64 w0 = (((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5) * AQ_U; w0 < total; w0 += stride * AQ_U) {
-        float v[AQ_U][4];
-#pragma unroll
-        for (int u = 0; u < AQ_U; u++) {
-            i64 w = w0 + u, r = w / kb;
-            int c0 = (int)(w % kb) * 128 + lane * 4;
-            for (int i = 0; i < 4; i++) {
-                i64 at = r * cols + c0 + i;
-                v[u][i] = w < total && c0 + i < cols ? (x ? x[at] : bf16_to_f(x16[at])) : 0.f;
-            }
+    for (i64 w = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; w < total; w += stride) {
+        i64 r = w / kb;
+        int c0 = (int)(w % kb) * 128 + lane * 4;
+        float v[4];
+        for (int i = 0; i < 4; i++) {
+            i64 at = r * cols + c0 + i;
+            v[i] = c0 + i < cols ? (x ? x[at] : bf16_to_f(x16[at])) : 0.f;
         }
-#pragma unroll
-        for (int u = 0; u < AQ_U; u++) {
-            i64 w = w0 + u, r = w / kb;
-            if (w >= total) break;
-            int c0 = (int)(w % kb) * 128 + lane * 4;
-            act_quant_warp(v[u]);
-            for (int i = 0; i < 4; i++)
-                if (c0 + i < cols) y[r * cols + c0 + i] = v[u][i];
-        }
+        act_quant_warp(v);
+        for (int i = 0; i < 4; i++)
+            if (c0 + i < cols) y[r * cols + c0 + i] = v[i];
     }
 }
 

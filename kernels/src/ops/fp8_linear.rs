@@ -17,10 +17,6 @@ use crate::launch::{dev_err, grid_1d};
 use crate::ops::stored::to_i32;
 use crate::ops::tensors::{bf16_to_f32, new_f32};
 use crate::tensor::{Buf, GpuTensor, StoredBuf};
-
-/// 128-value blocks each warp of `k_act_quant_e4m3` and `k_act_quant_f32` takes (`AQ_U`
-/// in quant.cu).
-pub(crate) const AQ_BLOCKS_PER_WARP: usize = 4;
 use pdserve_engine::backend::BResult;
 use pdserve_engine::checkpoint::dequant::e8m0_to_f32;
 use pdserve_engine::checkpoint::{StoredWeight, WeightFormat};
@@ -193,10 +189,9 @@ pub(crate) fn act_quant(
     } else {
         (g.uninit::<u8>(rows * cols)?, g.uninit::<f32>(rows * kb)?)
     };
-    // A warp per AQ_BLOCKS_PER_WARP 128-value blocks (the kernel strides when the grid is
-    // capped).
+    // A warp per 128-value block (the kernel strides when the grid is capped).
     g.launch(
-        grid_1d((rows * kb).div_ceil(AQ_BLOCKS_PER_WARP) * 32),
+        grid_1d(rows * kb * 32),
         0,
         &kernels::ActQuantE4m3 {
             x: DevPtr::of(x),
@@ -297,15 +292,4 @@ pub(crate) fn linear(
         (Some(s), Fp8Out::Bf16) => bf16_to_f32(g, s.ptr(), y_ptr, n * m)?,
     }
     Ok(y)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_blocks_per_warp_are_the_kernels() {
-        let quant = include_str!("../cu/quant.cu");
-        assert!(quant.contains(&format!("#define AQ_U {AQ_BLOCKS_PER_WARP}\n")));
-    }
 }

@@ -10,7 +10,6 @@ use crate::device::Gpu;
 use crate::devmem::DevMem;
 use crate::kernels::{self, DevPtr};
 use crate::launch::{grid_1d, BLOCK};
-use crate::ops::fp8_linear::AQ_BLOCKS_PER_WARP;
 use crate::ops::stored::to_i32;
 use crate::ops::tensors::new_f32;
 use crate::tensor::{Buf, GpuTensor};
@@ -49,7 +48,7 @@ pub fn act_quant(g: &Gpu, x: &GpuTensor, block: usize) -> BResult<GpuTensor> {
         return Ok(y);
     }
     g.launch(
-        warps((x.rows * x.cols.div_ceil(ACT_BLOCK)).div_ceil(AQ_BLOCKS_PER_WARP)),
+        warps(x.rows * x.cols.div_ceil(ACT_BLOCK)),
         0,
         &kernels::ActQuantF32 {
             x: x32,
