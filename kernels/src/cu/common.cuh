@@ -116,13 +116,26 @@ __device__ __forceinline__ bool vec4_rows(int n, const P*... p) {
 // calls it; blockDim.x a multiple of 32; `sh` holds 32 floats): k_row_inv_rms's value, and
 // k_hc_pre's fused norm, the same sums in the same order. `keep` (may be null): where the
 // 16-byte path leaves a copy of the row (shared memory: k_hc_pre's second pass reads it).
+// The 16-byte path issues RMS_BATCH loads before using any: one load per step, each
+// followed by its store to `keep`, left every load waiting for the one before (k_hc_pre's
+// 16 steps of a 64 KiB row took ~300 us per 8K-row layer).
+#define RMS_BATCH 8
 __device__ float row_inv_rms(const float* v, int cols, float eps, float* sh, float4* keep) {
     float ss = 0.f;
     if (vec4_rows(cols, v)) {
-        for (int i = threadIdx.x * 4; i < cols; i += blockDim.x * 4) {
-            float4 a = *reinterpret_cast<const float4*>(v + i);
-            if (keep) keep[i >> 2] = a;
-            ss += a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w;
+        int step = blockDim.x * 4;
+        for (int i0 = threadIdx.x * 4; i0 < cols; i0 += step * RMS_BATCH) {
+            float4 a[RMS_BATCH];
+#pragma unroll
+            for (int u = 0; u < RMS_BATCH; u++)
+                if (i0 + u * step < cols) a[u] = *reinterpret_cast<const float4*>(v + i0 + u * step);
+#pragma unroll
+            for (int u = 0; u < RMS_BATCH; u++) {
+                int i = i0 + u * step;
+                if (i >= cols) break;
+                if (keep) keep[i >> 2] = a[u];
+                ss += a[u].x * a[u].x + a[u].y * a[u].y + a[u].z * a[u].z + a[u].w * a[u].w;
+            }
         }
     } else {
         for (int i = threadIdx.x; i < cols; i += blockDim.x) ss += v[i] * v[i];
