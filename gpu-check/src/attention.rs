@@ -200,7 +200,7 @@ fn check_key_conversion(
     let engine = |conversion| -> AnyResult<Engine<CudaBackend>> {
         let mut b = CudaBackend::with_weights(ordinal, None, WeightDtype::Bf16)?;
         b.set_key_conversion(conversion);
-        Ok(Engine::load(dir, b, Some(spec.clone()), POOL)?)
+        Ok(Engine::load(dir, b, Some(spec), POOL)?)
     };
     let (mut old, mut new) = (
         engine(KeyConversion::PerTile)?,
