@@ -50,6 +50,16 @@ __device__ __forceinline__ u32 atm_fp8_pair(u32 w, float s) {
     return (u32)f_to_bf16(f0) | ((u32)f_to_bf16(f1) << 16);
 }
 
+// Channels c .. c + 7 of fp8 KV entry `a` (scale bytes `sa`) as bf16: e4m3 codes times
+// their tile's power-of-two scale below `nope`, the stored bf16 rope values above it.
+__device__ __forceinline__ uint4 atm_fp8_chunk(const unsigned char* a, const unsigned char* sa, int c, int nope) {
+    if (c >= nope) return *reinterpret_cast<const uint4*>(a + nope + (i64)(c - nope) * 2);
+    uint2 codes = *reinterpret_cast<const uint2*>(a + c);
+    float s = e8m0_to_f(sa[c / KV_TILE]);
+    return make_uint4(atm_fp8_pair(codes.x, s), atm_fp8_pair(codes.x >> 16, s), atm_fp8_pair(codes.y, s),
+                      atm_fp8_pair(codes.y >> 16, s));
+}
+
 __device__ __forceinline__ u32 atm_pack(float lo, float hi) {
     return (u32)f_to_bf16(lo) | ((u32)f_to_bf16(hi) << 16);
 }
@@ -128,19 +138,8 @@ __device__ __forceinline__ void atm_body(const unsigned char* pages, const unsig
             if (dt == 1) {
                 tc_cp16(d, a + c8 * 16);
             } else {
-                int c = c8 * 8;
-                uint4 w;
-                if (c < nope) {
-                    uint2 codes = *reinterpret_cast<const uint2*>(a + c);
-                    float s = e8m0_to_f(((const unsigned char*)saddr[b * ATM_T + key])[c / KV_TILE]);
-                    w.x = atm_fp8_pair(codes.x, s);
-                    w.y = atm_fp8_pair(codes.x >> 16, s);
-                    w.z = atm_fp8_pair(codes.y, s);
-                    w.w = atm_fp8_pair(codes.y >> 16, s);
-                } else {
-                    w = *reinterpret_cast<const uint4*>(a + nope + (i64)(c - nope) * 2);
-                }
-                *reinterpret_cast<uint4*>(d) = w;
+                *reinterpret_cast<uint4*>(d) =
+                    atm_fp8_chunk(a, (const unsigned char*)saddr[b * ATM_T + key], c8 * 8, nope);
             }
         }
     };
@@ -405,18 +404,5 @@ extern "C" __global__ void k_kv_dequant_bf16(const unsigned char* pages, const u
         sa = new_scales + r * sb;
     }
     unsigned char* d = (unsigned char*)(out + i * hd);
-    for (int c = lane * 8; c < hd; c += 256) {
-        uint4 w;
-        if (c < nope) {
-            uint2 codes = *reinterpret_cast<const uint2*>(a + c);
-            float s = e8m0_to_f(sa[c / KV_TILE]);
-            w.x = atm_fp8_pair(codes.x, s);
-            w.y = atm_fp8_pair(codes.x >> 16, s);
-            w.z = atm_fp8_pair(codes.y, s);
-            w.w = atm_fp8_pair(codes.y >> 16, s);
-        } else {
-            w = *reinterpret_cast<const uint4*>(a + nope + (i64)(c - nope) * 2);
-        }
-        *reinterpret_cast<uint4*>(d + c * 2) = w;
-    }
+    for (int c = lane * 8; c < hd; c += 256) *reinterpret_cast<uint4*>(d + c * 2) = atm_fp8_chunk(a, sa, c, nope);
 }
