@@ -337,8 +337,6 @@ extern "C" __global__ void k_moe_scatter_padded(const float* yp, const int* list
 // batch still spreads over the device; four channels a thread (16-byte accesses where H
 // and the buffers allow).
 #define COMBINE_COLS 1024
-// Picks whose loads k_moe_combine issues at once (V4's top-k is 6).
-#define COMBINE_LOADS 8
 // `pos` (may be null): the row of y that holds pick a is pos[a] (the prefill's expert GEMMs
 // leave their outputs sorted by expert), else a.
 extern "C" __global__ void k_moe_combine(const float* y, const int* pos, const int* ids, const float* wts,
@@ -365,21 +363,13 @@ extern "C" __global__ void k_moe_combine(const float* y, const int* pos, const i
     if (vec4_rows(H, y, shared, out)) {
         for (int c = c0 + threadIdx.x * 4; c < end; c += blockDim.x * 4) {
             float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-            // Up to COMBINE_LOADS picks' loads issued together, then summed in order.
-            for (int n0 = 0; n0 < k; n0 += COMBINE_LOADS) {
-                float4 v[COMBINE_LOADS];
-#pragma unroll
-                for (int u = 0; u < COMBINE_LOADS; u++)
-                    if (n0 + u < k) v[u] = *reinterpret_cast<const float4*>(y + src[n0 + u] + c);
-#pragma unroll
-                for (int u = 0; u < COMBINE_LOADS; u++) {
-                    if (n0 + u >= k) break;
-                    float w = weight[n0 + u];
-                    acc.x += v[u].x * w;
-                    acc.y += v[u].y * w;
-                    acc.z += v[u].z * w;
-                    acc.w += v[u].w * w;
-                }
+            for (int n = 0; n < k; n++) {
+                float4 v = *reinterpret_cast<const float4*>(y + src[n] + c);
+                float w = weight[n];
+                acc.x += v.x * w;
+                acc.y += v.y * w;
+                acc.z += v.z * w;
+                acc.w += v.w * w;
             }
             float4 sv = *reinterpret_cast<const float4*>(sh + c);
             *reinterpret_cast<float4*>(o + c) = make_float4(acc.x + sv.x, acc.y + sv.y, acc.z + sv.z, acc.w + sv.w);
