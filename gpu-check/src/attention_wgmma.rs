@@ -16,6 +16,7 @@
 //! - fp8 keys converted to bf16 once per batch against per tile, on the wgmma kernel:
 //!   bitwise.
 
+use crate::attention::bitwise_row;
 use crate::check::{argmax, decode_logits, rel_err, CheckRow};
 use crate::deepseek::{bit_errors, quantile, row};
 use crate::stored::model_logits;
@@ -168,27 +169,14 @@ pub fn check_wgmma(ordinal: usize) -> AnyResult<Vec<CheckRow>> {
         if kv == EntryDtype::Fp8E4m3 {
             let once = (AttentionKernel::Auto, false, KeyConversion::Once);
             let converted = model_logits(&mut engine(ordinal, &cfg, kv, once)?)?;
-            out.push(bitwise(
-                format!("{name}: keys converted once == per tile"),
+            out.push(bitwise_row(
+                &format!("{name}: keys converted once == per tile"),
                 &converted,
                 &got,
             ));
         }
     }
     Ok(out)
-}
-
-/// A row passing only when `got` and `want` are bitwise equal.
-fn bitwise(name: String, got: &[Vec<f32>], want: &[Vec<f32>]) -> CheckRow {
-    let errs: Vec<f64> = got.iter().zip(want).map(|(g, w)| rel_err(g, w)).collect();
-    let differ = got.iter().zip(want).filter(|(g, w)| g != w).count();
-    let mut r = row(
-        format!("{name} ({differ} rows differ)"),
-        &errs,
-        differ == 0 && got.len() == want.len() && !errs.is_empty(),
-    );
-    r.greedy_same = errs.len() - differ;
-    r
 }
 
 fn info_row(name: String) -> CheckRow {

@@ -193,11 +193,16 @@ fn region_checksums(gpu: &Gpu, buf: &DevMem<u8>, items: usize, bytes: usize) -> 
     gpu.download(&out, n)
 }
 
+/// Kernel dtype codes (`dt` in common.cuh): bf16 entries, and the fp8 KV entry in
+/// FlashMLA's V4 layout.
+pub(crate) const DT_BF16: i32 = 1;
+pub(crate) const DT_FP8_KV: i32 = 3;
+
 /// Kernel code of an index-K entry dtype (`dt` in common.cuh).
 pub(crate) fn dt_code(d: EntryDtype) -> BResult<i32> {
     match d {
         EntryDtype::F32 => Ok(0),
-        EntryDtype::Bf16 => Ok(1),
+        EntryDtype::Bf16 => Ok(DT_BF16),
         EntryDtype::Fp8E4m3 => Ok(2),
     }
 }
@@ -206,7 +211,7 @@ pub(crate) fn dt_code(d: EntryDtype) -> BResult<i32> {
 /// (`st_fp8kv` in common.cuh), the others as index-K.
 pub(crate) fn kv_dt_code(layout: &KvLayout) -> BResult<i32> {
     match layout.fp8_kv_format() {
-        Some(_) => Ok(3),
+        Some(_) => Ok(DT_FP8_KV),
         None => dt_code(layout.kv_dtype),
     }
 }

@@ -17,14 +17,12 @@ use crate::buf::shape_err;
 use crate::device::{Gpu, KeyConversion};
 use crate::devmem::DevMem;
 use crate::kernels::{self, DevPtr};
-use crate::kv_store::{seq_table, SEQ_INTS, SEQ_STATE};
+use crate::kv_store::{seq_table, DT_BF16, DT_FP8_KV, SEQ_INTS, SEQ_STATE};
 use crate::launch::BLOCK;
 use crate::ops::attention_split::{new_entries, AttentionArgs};
+use crate::ops::stored::to_i32;
 use pdserve_engine::backend::{BResult, BatchPlan};
 
-/// KV dtype code of fp8 entries in FlashMLA's V4 layout, and of bf16 entries.
-const DT_FP8: i32 = 3;
-const DT_BF16: i32 = 1;
 /// Reads per converted key that repay converting it once (a write and a read of a bf16
 /// row, against the conversion arithmetic of every read in the kernel). Prefills are far
 /// above it (an 8K prompt: ~500), decode batches far below (at most one read per key).
@@ -94,14 +92,11 @@ pub(crate) fn convert_if_reused(
     max_keys: usize,
 ) -> BResult<Option<Converted>> {
     let spans = KeySpans::of(a, plan);
-    if a.dt != DT_FP8 || g.in_step() || !converts_once(g.key_conversion, a.rows, max_keys, spans) {
+    if a.dt != DT_FP8_KV || g.in_step() || !converts_once(g.key_conversion, a.rows, max_keys, spans)
+    {
         return Ok(None);
     }
     convert(g, a, plan, spans).map(Some)
-}
-
-fn to_i32(v: usize, what: &str) -> BResult<i32> {
-    i32::try_from(v).map_err(|_| shape_err("attention key conversion", format!("{what} {v}")))
 }
 
 fn convert(g: &Gpu, a: &AttentionArgs, plan: &BatchPlan, spans: KeySpans) -> BResult<Converted> {

@@ -13,6 +13,7 @@
 use crate::device::{AttentionKernel, Gpu, MMA_SHARED};
 use crate::devmem::DevMem;
 use crate::kernels::{self, DevPtr, Products};
+use crate::kv_store::{DT_BF16, DT_FP8_KV};
 use crate::launch::{dev_err, BLOCK};
 use crate::ops::attention_split::{self, key_splits, AttentionArgs, DETERMINISTIC_SPLIT_KEYS};
 use crate::rope_cache::RopeTable;
@@ -27,9 +28,6 @@ const PAD: usize = 8;
 const MAX_HEAD_DIM: usize = 512;
 /// The wgmma kernel's head_dim (`ATW_HD`).
 const WGMMA_HEAD_DIM: usize = 512;
-/// KV entry dtype codes (`kv_dt_code`): bf16, and fp8 in FlashMLA's V4 layout.
-const DT_BF16: i32 = 1;
-const DT_FP8: i32 = 3;
 
 // `ATM_THREADS`: the launch's block, 8 warps (two warpgroups for wgmma).
 const _: () = assert!(BLOCK == 256);
@@ -92,7 +90,7 @@ impl MmaKernel {
         let aligned = |v: i64| v % 16 == 0;
         let dt_ok = match a.dt {
             DT_BF16 => true,
-            DT_FP8 => (a.hd - a.rd as usize).is_multiple_of(16),
+            DT_FP8_KV => (a.hd - a.rd as usize).is_multiple_of(16),
             _ => false,
         };
         let shape_ok = match self {

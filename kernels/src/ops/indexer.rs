@@ -5,7 +5,7 @@ use crate::buf::{f32_buf, shape_err};
 use crate::device::{Gpu, IndexerBlocking, MMA_SHARED};
 use crate::devmem::DevMem;
 use crate::kernels::{self, DevPtr};
-use crate::kv_store::{dt_code, DevPlan, GpuKv};
+use crate::kv_store::{dt_code, DevPlan, GpuKv, DT_BF16};
 use crate::launch::BLOCK;
 use crate::ops::kv_reach::{check_visible_reach, entry_bucket, layer_of};
 use crate::ops::numerics;
@@ -111,8 +111,6 @@ pub fn index_select(
 const MMA_HEADS: usize = 64;
 const MMA_ENTRIES: usize = 128;
 const MMA_MAX_DIM: usize = 256;
-/// bf16 entries (`EntryDtype` code).
-const DT_BF16: i32 = 1;
 
 /// Whether `k_index_scores_mma` takes the layer: bf16 entries, at most 64 heads, a head
 /// dim that is a power of two from 16 to 256 (its copies split each entry into ihd / 8
