@@ -9,7 +9,7 @@
 //! over several tiles; decode at batch 1 splits the keys and combines, so both paths meet
 //! the old kernel.
 
-use crate::check::{compare, CheckRow, PROMPTS, REL_TOL};
+use crate::check::{bitwise_row, compare, CheckRow, PROMPTS, REL_TOL};
 use pdserve_engine::config::ModelConfig;
 use pdserve_engine::generate::logits_prefill_decode;
 use pdserve_engine::kv::{EntryDtype, KvLayoutSpec};
@@ -261,16 +261,6 @@ pub(crate) fn bitwise_ab(
     let what = format!("{name}, decode batch {DIRECT_BATCH}");
     out.push(bitwise_row(&what, &got, &want));
     Ok(out)
-}
-
-/// A row passing only when `got` and `want` are non-empty and bitwise equal, with the
-/// error figures of the other rows.
-pub(crate) fn bitwise_row(name: &str, got: &[Vec<f32>], want: &[Vec<f32>]) -> CheckRow {
-    let same =
-        !got.is_empty() && got.len() == want.len() && got.iter().zip(want).all(|(g, w)| g == w);
-    let mut row = compare(name.to_string(), got, want, REL_TOL);
-    row.pass = same;
-    row
 }
 
 /// `DIRECT_BATCH` prompts of 6 to 13 tokens: the test prompts' tokens, rotated and cut.

@@ -16,8 +16,7 @@
 //! - fp8 keys converted to bf16 once per batch against per tile, on the wgmma kernel:
 //!   bitwise.
 
-use crate::attention::bitwise_row;
-use crate::check::{argmax, decode_logits, rel_err, CheckRow};
+use crate::check::{argmax, bitwise_row, decode_logits, rel_err, CheckRow};
 use crate::deepseek::{bit_errors, quantile, row};
 use crate::stored::model_logits;
 use pdserve_engine::config::ModelConfig;

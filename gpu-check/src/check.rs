@@ -487,3 +487,13 @@ pub(crate) fn decode_logits<'a, B: Backend>(
         .collect();
     Ok(e.forward(&mut items)?.into_iter().map(|t| t.data).collect())
 }
+
+/// A row passing only when `got` and `want` are non-empty and bitwise equal, with the
+/// error figures of the other rows.
+pub(crate) fn bitwise_row(name: &str, got: &[Vec<f32>], want: &[Vec<f32>]) -> CheckRow {
+    let same =
+        !got.is_empty() && got.len() == want.len() && got.iter().zip(want).all(|(g, w)| g == w);
+    let mut row = compare(name.to_string(), got, want, REL_TOL);
+    row.pass = same;
+    row
+}
