@@ -153,11 +153,75 @@ pub(crate) fn activations(rows: usize, cols: usize, seed: u64) -> Vec<f32> {
         .collect()
 }
 
-/// The device's act_quant against the CPU's, code for code and scale for scale.
-fn act_quant_row(gpu: &CudaBackend) -> AnyResult<CheckRow> {
-    let (rows, cols) = (64, 1000);
-    let x = activations(rows, cols, 0xAC7);
-    let (codes, scales) = gpu.act_quant_on_host(&x, (rows, cols))?;
+/// Every e4m3 rounding boundary as act_quant input: each finite magnitude, the midpoint
+/// between it and the next and that midpoint's two f32 neighbours, both signs, in 128-value
+/// rows whose first value 300 makes the scale 1; then the same rows times 2^k (k from -12
+/// to 12, the scale 2^k). `(values, rows)`: rows of [`ACT_BLOCK`] values.
+fn e4m3_boundaries() -> (Vec<f32>, usize) {
+    let mags: Vec<f32> = (0..0x7fu8).map(e4m3_to_f32).collect();
+    let mut base = Vec::new();
+    for w in mags.windows(2) {
+        let mid = (w[0] + w[1]) / 2.0;
+        let (down, up) = (f32::from_bits(mid.to_bits() - 1), f32::from_bits(mid.to_bits() + 1));
+        for v in [w[0], down, mid, up] {
+            base.extend([v, -v]);
+        }
+    }
+    base.extend([448.0, -448.0]);
+    let per_row = ACT_BLOCK - 1;
+    let rows = base.len().div_ceil(per_row);
+    let mut x = Vec::new();
+    for k in -12..=12 {
+        let f = 2f32.powi(k);
+        for r in 0..rows {
+            x.push(300.0 * f);
+            let chunk = &base[r * per_row..((r + 1) * per_row).min(base.len())];
+            x.extend(chunk.iter().map(|v| v * f));
+            x.resize(x.len() + per_row - chunk.len(), 0.0);
+        }
+    }
+    let n = x.len() / ACT_BLOCK;
+    (x, n)
+}
+
+/// The device's act_quant against the CPU's, code for code and scale for scale, on
+/// random rows and on every e4m3 rounding boundary.
+fn act_quant_rows(gpu: &CudaBackend) -> AnyResult<Vec<CheckRow>> {
+    let (bx, brows) = e4m3_boundaries();
+    Ok(vec![
+        act_quant_row(gpu, "", &activations(64, 1000, 0xAC7), (64, 1000))?,
+        act_quant_row(gpu, ", every rounding boundary", &bx, (brows, ACT_BLOCK))?,
+    ])
+}
+
+/// The device's e4m3 conversions (in hardware from sm_89) against their integer forms on
+/// the device, over every f32 bit pattern.
+fn e4m3_selfcheck_row(gpu: &CudaBackend) -> AnyResult<CheckRow> {
+    let (bad, first) = gpu.e4m3_conversion_mismatches()?;
+    if let Some(f) = first {
+        println!("e4m3 conversions: {bad} f32 patterns differ, the first {f:#010x}");
+    }
+    Ok(CheckRow {
+        name: "e4m3 conversions == integer forms, every f32 pattern".into(),
+        rows: 1,
+        max_rel_err: bad as f64,
+        worst_row: 0,
+        greedy_same: usize::from(bad == 0),
+        near_ties: 0,
+        pass: bad == 0,
+        gate: true,
+    })
+}
+
+/// The device's act_quant of `x` (`rows x cols`) against the CPU's, code for code and
+/// scale for scale.
+fn act_quant_row(
+    gpu: &CudaBackend,
+    what: &str,
+    x: &[f32],
+    (rows, cols): (usize, usize),
+) -> AnyResult<CheckRow> {
+    let (codes, scales) = gpu.act_quant_on_host(x, (rows, cols))?;
     let kb = cols.div_ceil(ACT_BLOCK);
     let (mut bad, mut first_bad) = (0usize, None);
     let mut want = vec![0u8; ACT_BLOCK];
@@ -174,7 +238,7 @@ fn act_quant_row(gpu: &CudaBackend) -> AnyResult<CheckRow> {
         }
     }
     Ok(CheckRow {
-        name: format!("act_quant e4m3 {rows}x{cols} == CPU bitwise"),
+        name: format!("act_quant e4m3 {rows}x{cols}{what} == CPU bitwise"),
         rows,
         max_rel_err: bad as f64 / (rows * kb) as f64,
         worst_row: first_bad.unwrap_or(0),
@@ -232,9 +296,10 @@ pub fn check_fp8_gemm(gpu: &CudaBackend) -> AnyResult<Vec<CheckRow>> {
     // An error in one of these is its rows' failure, printed, not the whole group's.
     for (name, got) in [
         (
-            "act_quant e4m3 == CPU bitwise",
-            act_quant_row(gpu).map(|r| vec![r]),
+            "e4m3 conversions == integer forms",
+            e4m3_selfcheck_row(gpu).map(|r| vec![r]),
         ),
+        ("act_quant e4m3 == CPU bitwise", act_quant_rows(gpu)),
         (
             "fp8 linear act_quant + block GEMM vs CPU",
             fp8_linear_rows(gpu),

@@ -4,6 +4,7 @@
 
 use crate::blas_fp8::{natural_from_vec128, Fp8Gemm, Fp8Scaling, SCALE_BLOCK};
 use crate::buf::f32_buf;
+use crate::kernels::{self, DevPtr};
 use crate::launch::dev_err;
 use crate::ops::{fp8_linear, numerics};
 use crate::tensor::{Buf, GpuTensor};
@@ -114,5 +115,23 @@ impl crate::backend::CudaBackend {
         let xd = GpuTensor::new(rows, cols, Buf::F32(g.upload(x)?));
         let y = numerics::rotate_fp4(g, &xd, head_dim)?;
         g.download(f32_buf(&y, "rotate_fp4")?, rows * cols)
+    }
+
+    /// The device's e4m3 conversions (in hardware from sm_89) against their integer forms
+    /// over every f32 bit pattern (`k_e4m3_selfcheck`): the failing patterns' count and
+    /// the smallest of them.
+    pub fn e4m3_conversion_mismatches(&self) -> BResult<(u64, Option<u32>)> {
+        let g = &self.gpu;
+        let bad = g.upload(&[0u64, u64::MAX])?;
+        // A thread per 2^14 patterns.
+        g.launch(
+            (1024, 1, 1),
+            0,
+            &kernels::E4m3SelfCheck {
+                bad: DevPtr::of(&bad),
+            },
+        )?;
+        let out = g.download(&bad, 2)?;
+        Ok((out[0], u32::try_from(out[1]).ok()))
     }
 }

@@ -525,6 +525,11 @@ kernels! {
         ActQuantE4m3 = "k_act_quant_e4m3" {
             x: DevPtr, ldx: i32, q: DevPtr, s: DevPtr, rows: i32, cols: i32, srows: i32,
         }
+        /// The e4m3 conversions against their integer forms over every f32 bit pattern
+        /// (failures counted into bad[0], the smallest failing pattern into bad[1]).
+        E4m3SelfCheck = "k_e4m3_selfcheck" {
+            bad: DevPtr,
+        }
         /// deepseek numerics' act_quant: each value replaced by its FP8 value per 128 of
         /// a row (f32 or bf16 in, f32 out).
         ActQuantF32 = "k_act_quant_f32" {

@@ -35,8 +35,9 @@ __device__ __forceinline__ bf16_t f_to_bf16(float f) {
 __device__ __forceinline__ int dt_bytes(int dt) { return dt == 0 ? 4 : dt == 1 ? 2 : 1; }
 
 // e4m3fn exactly as pdserve_engine::kv::fp8 computes it: round to nearest even,
-// saturating at +-448, subnormals below 2^-6, NaN to the NaN code.
-__device__ __forceinline__ unsigned char f_to_e4m3(float x) {
+// saturating at +-448, subnormals below 2^-6, NaN to the NaN code. In integer arithmetic:
+// f_to_e4m3 takes it before sm_89.
+__device__ __forceinline__ unsigned char f_to_e4m3_soft(float x) {
     if (isnan(x)) return 0x7f;
     unsigned char sign = signbit(x) ? 0x80 : 0;
     float a = fabsf(x);
@@ -54,13 +55,44 @@ __device__ __forceinline__ unsigned char f_to_e4m3(float x) {
     return sign | (unsigned char)min(code, 0x7eu);
 }
 
-__device__ __forceinline__ float e4m3_to_f(unsigned char b) {
+// The same code in hardware from sm_89 (one cvt.rn.satfinite: round to nearest even,
+// magnitudes above 448 to 448, subnormals kept, the sign of a zero kept); NaN to 0x7f as
+// above. k_e4m3_selfcheck holds it (and e4m3_to_f, fp8kv_code, fp8kv_codes4) to the
+// integer forms over every f32 pattern (gpu-check's `e4m3 conversions` row).
+__device__ __forceinline__ unsigned char f_to_e4m3(float x) {
+#if __CUDA_ARCH__ >= 890
+    if (isnan(x)) return 0x7f;
+    unsigned short two;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(two) : "f"(0.f), "f"(x));
+    return (unsigned char)(two & 0xffu);
+#else
+    return f_to_e4m3_soft(x);
+#endif
+}
+
+// An e4m3 code's value, in integer and f32 arithmetic: e4m3_to_f takes it before sm_89.
+__device__ __forceinline__ float e4m3_to_f_soft(unsigned char b) {
     float s = (b & 0x80) ? -1.f : 1.f;
     int e = (b >> 3) & 0xf;
     float m = (float)(b & 7);
     if (e == 0xf && (b & 7) == 7) return __int_as_float(0x7fc00000);
     if (e == 0) return s * m * (1.f / 512.f);
     return s * ldexpf(1.f + m / 8.f, e - 7);
+}
+
+// The same value in hardware from sm_89: the code to f16 (exact: every e4m3 value is a
+// normal f16 or a zero) and on to f32; the NaN codes to the one NaN above.
+__device__ __forceinline__ float e4m3_to_f(unsigned char b) {
+#if __CUDA_ARCH__ >= 890
+    if ((b & 0x7f) == 0x7f) return __int_as_float(0x7fc00000);
+    u32 h2;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"((unsigned short)b));
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"((unsigned short)(h2 & 0xffffu)));
+    return f;
+#else
+    return e4m3_to_f_soft(b);
+#endif
 }
 
 // An f32 or bf16 entry's value i (fp8 entries are read with their scale: ld_fp8).
@@ -357,9 +389,28 @@ __device__ __forceinline__ float fp8kv_tile_scale(const float* vals, int t, int 
     return fp8kv_scale(am);
 }
 
-// The e4m3 code of non-rope value c of an entry under its tile scale `s`.
+// The e4m3 code of non-rope value c of an entry under its tile scale `s`, a power of two
+// (fp8kv_scale's): v times 1/s is v / s exactly (1/s is exact from 2^-126 to 2^127, and 0
+// for s = inf, as v / inf), and the reciprocal is shared by every call with the same s.
+// The clamp sends NaN to -448.
 __device__ __forceinline__ unsigned char fp8kv_code(float v, float s) {
-    return f_to_e4m3(fminf(fmaxf(v / s, -448.f), 448.f));
+    return f_to_e4m3(fminf(fmaxf(v * (1.f / s), -448.f), 448.f));
+}
+
+// fp8kv_code of v[0..4), packed low byte first.
+__device__ __forceinline__ u32 fp8kv_codes4(const float v[4], float s) {
+#if __CUDA_ARCH__ >= 890
+    float inv = 1.f / s, c[4];
+    for (int i = 0; i < 4; i++) c[i] = fminf(fmaxf(v[i] * inv, -448.f), 448.f);
+    unsigned short lo, hi;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(lo) : "f"(c[1]), "f"(c[0]));
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(hi) : "f"(c[3]), "f"(c[2]));
+    return (u32)lo | ((u32)hi << 16);
+#else
+    u32 w = 0;
+    for (int i = 0; i < 4; i++) w |= (u32)fp8kv_code(v[i], s) << (8 * i);
+    return w;
+#endif
 }
 
 // Value c of an entry whose row is at `row` and scales at `sc`.

@@ -224,6 +224,18 @@ extern "C" __global__ void k_quantize_fp4(const float* x, unsigned char* q, unsi
     }
 }
 
+// Warp w's row and 128-block of `kb` blocks a row, in 32-bit division while w fits (every
+// launch under 2^31 blocks; 64-bit division costs a warp more than its whole block's
+// conversion).
+__device__ __forceinline__ void warp_block(i64 w, int kb, int& r, int& b) {
+    if (w <= 0x7fffffffll) {
+        u32 q = (u32)w / (u32)kb;
+        r = (int)q, b = (int)((u32)w - q * (u32)kb);
+    } else {
+        r = (int)(w / kb), b = (int)(w % kb);
+    }
+}
+
 // Values c0 .. c0 + 3 of a row (0 past `cols`): one 16-byte load where all four lie in the
 // row at an aligned address, else one at a time (the same values either way).
 __device__ __forceinline__ void aq_load4(const float* xr, int c0, int cols, float v[4]) {
@@ -239,9 +251,7 @@ __device__ __forceinline__ void aq_load4(const float* xr, int c0, int cols, floa
 // where all four lie in the row at an aligned address, else byte by byte.
 __device__ __forceinline__ void aq_store4(unsigned char* qr, int c0, int cols, const float v[4], float sc) {
     if (c0 + 3 < cols && ((unsigned long long)(qr + c0) & 3ull) == 0) {
-        u32 w = 0;
-        for (int i = 0; i < 4; i++) w |= (u32)fp8kv_code(v[i], sc) << (8 * i);
-        *reinterpret_cast<u32*>(qr + c0) = w;
+        *reinterpret_cast<u32*>(qr + c0) = fp8kv_codes4(v, sc);
         return;
     }
     for (int i = 0; i < 4; i++)
@@ -262,7 +272,9 @@ extern "C" __global__ void k_act_quant_e4m3(const float* x, int ldx, unsigned ch
     i64 total = (i64)rows * kb, stride = ((i64)gridDim.x * blockDim.x) >> 5;
     // The warp index is the same on every lane: whole warps loop and leave together.
     for (i64 w = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; w < total; w += stride) {
-        int r = (int)(w / kb), b = (int)(w % kb), c0 = b * 128 + lane * 4;
+        int r, b;
+        warp_block(w, kb, r, b);
+        int c0 = b * 128 + lane * 4;
         float v[4], am = 0.f;
         aq_load4(x + (i64)r * ldx, c0, cols, v);
         for (int i = 0; i < 4; i++) am = fmaxf(am, fabsf(v[i]));
@@ -281,8 +293,10 @@ extern "C" __global__ void k_act_quant_f32(const float* x, const bf16_t* x16, fl
     int kb = (cols + 127) / 128, lane = threadIdx.x & 31;
     i64 total = (i64)rows * kb, stride = ((i64)gridDim.x * blockDim.x) >> 5;
     for (i64 w = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; w < total; w += stride) {
-        i64 r = w / kb;
-        int c0 = (int)(w % kb) * 128 + lane * 4;
+        int ri, b;
+        warp_block(w, kb, ri, b);
+        i64 r = ri;
+        int c0 = b * 128 + lane * 4;
         float v[4];
         for (int i = 0; i < 4; i++) {
             i64 at = r * cols + c0 + i;
@@ -306,7 +320,9 @@ extern "C" __global__ void k_moe_weight_act_quant(float* act, bf16_t* act16, con
     int kb = (inter + 127) / 128, lane = threadIdx.x & 31;
     i64 total = (i64)picks * kb, stride = ((i64)gridDim.x * blockDim.x) >> 5;
     for (i64 w = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; w < total; w += stride) {
-        int p = (int)(w / kb), b = (int)(w % kb), c0 = b * 128 + lane * 4;
+        int p, b;
+        warp_block(w, kb, p, b);
+        int c0 = b * 128 + lane * 4;
         i64 row = (i64)(pos ? pos[p] : p) * inter;
         float wt = wts[p], v[4];
         for (int i = 0; i < 4; i++)
@@ -343,7 +359,9 @@ __device__ void moe_swiglu_quant_e4m3(const T* gu, const int* map, const float* 
     int kb = (inter + 127) / 128, lane = threadIdx.x & 31;
     i64 total = (i64)picks * kb, stride = ((i64)gridDim.x * blockDim.x) >> 5;
     for (i64 w = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; w < total; w += stride) {
-        int j = (int)(w / kb), b = (int)(w % kb), c0 = b * 128 + lane * 4;
+        int j, b;
+        warp_block(w, kb, j, b);
+        int c0 = b * 128 + lane * 4;
         int pick = map[4 * j], row = map[4 * j + 1];
         const T* g = gu + (i64)row * 2 * inter;
         float wt = wts[pick], gate[4], up[4], v[4], am = 0.f;
@@ -486,5 +504,37 @@ extern "C" __global__ void k_rotate_fp4(const float* x, float* y, i64 n, int hd,
         case 256: rotate_fp4_warp<8>(in, out, scale); break;
         case 512: rotate_fp4_warp<16>(in, out, scale); break;
         default: break;
+    }
+}
+
+// Self-check of the e4m3 conversions against their integer forms (gpu-check), over every
+// f32 bit pattern x: f_to_e4m3(x) == f_to_e4m3_soft(x), fp8kv_code and fp8kv_codes4 (x,
+// -x, x / 2 and x with its top mantissa bit flipped) against the soft code of v / s, with
+// s from 2^-30 to 2^30 and inf by the pattern; and for every code, e4m3_to_f ==
+// e4m3_to_f_soft bit for bit. bad[0] += the failing patterns, bad[1] = min(bad[1], the
+// smallest failing pattern). Grid-stride over 2^32.
+extern "C" __global__ void k_e4m3_selfcheck(unsigned long long* bad) {
+    pdl_enter();
+    unsigned long long n = 0, first = ~0ull;
+    unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < (1ull << 32);
+         i += stride) {
+        u32 bits = (u32)i, se = bits % 62;
+        float x = __uint_as_float(bits), s = __uint_as_float((se == 61 ? 255u : 97u + se) << 23);
+        float v[4] = {x, -x, x * 0.5f, __uint_as_float(bits ^ 0x00400000u)};
+        bool ok = f_to_e4m3(x) == f_to_e4m3_soft(x);
+        u32 want = 0;
+        for (int k = 0; k < 4; k++) {
+            unsigned char c = f_to_e4m3_soft(fminf(fmaxf(v[k] / s, -448.f), 448.f));
+            ok = ok && fp8kv_code(v[k], s) == c;
+            want |= (u32)c << (8 * k);
+        }
+        ok = ok && fp8kv_codes4(v, s) == want;
+        if (i < 256) ok = ok && __float_as_uint(e4m3_to_f((unsigned char)i)) == __float_as_uint(e4m3_to_f_soft((unsigned char)i));
+        if (!ok) n++, first = min(first, i);
+    }
+    if (n) {
+        atomicAdd(&bad[0], n);
+        atomicMin(&bad[1], first);
     }
 }
