@@ -162,7 +162,10 @@ fn e4m3_boundaries() -> (Vec<f32>, usize) {
     let mut base = Vec::new();
     for w in mags.windows(2) {
         let mid = (w[0] + w[1]) / 2.0;
-        let (down, up) = (f32::from_bits(mid.to_bits() - 1), f32::from_bits(mid.to_bits() + 1));
+        let (down, up) = (
+            f32::from_bits(mid.to_bits() - 1),
+            f32::from_bits(mid.to_bits() + 1),
+        );
         for v in [w[0], down, mid, up] {
             base.extend([v, -v]);
         }

@@ -528,7 +528,7 @@ impl TensorOps for CudaBackend {
             &self.gpu,
             x,
             p,
-            &|x, w| self.quantized_matmul(x, w),
+            &|x, ws| self.quantized_matmuls(x, ws),
             &self.fp8_gemms,
         )
     }
@@ -549,5 +549,18 @@ impl TensorOps for CudaBackend {
             return fp8_linear::linear(&self.gpu, &mut cache, x, w);
         }
         self.matmul(&self.act_quant(x, ACT_BLOCK)?, w)
+    }
+
+    /// Where every weight takes the FP8 GEMM, `x` quantized once for all of them; else
+    /// each as [`Self::quantized_matmul`].
+    fn quantized_matmuls(&self, x: &GpuTensor, ws: &[&GpuTensor]) -> BResult<Vec<GpuTensor>> {
+        if ws.iter().all(|w| fp8_linear::takes(&self.gpu, x, w)) {
+            let mut cache = self
+                .fp8_gemms
+                .lock()
+                .map_err(|_| dev_err("FP8 GEMM cache lock poisoned"))?;
+            return fp8_linear::linears(&self.gpu, &mut cache, x, ws);
+        }
+        ws.iter().map(|w| self.quantized_matmul(x, w)).collect()
     }
 }

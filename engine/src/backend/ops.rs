@@ -264,6 +264,18 @@ pub trait TensorOps: KvStorage {
     fn quantized_matmul(&self, x: &Self::Tensor, w: &Self::Tensor) -> BResult<Self::Tensor> {
         self.matmul(&self.act_quant(x, crate::numerics::ACT_BLOCK)?, w)
     }
+
+    /// [`TensorOps::quantized_matmul`] of one input and several weights (`deepseek`
+    /// numerics' linears that share an input). Default: `x` quantized once, then each
+    /// product; a backend may run each as its `quantized_matmul` does, quantizing once.
+    fn quantized_matmuls(
+        &self,
+        x: &Self::Tensor,
+        ws: &[&Self::Tensor],
+    ) -> BResult<Vec<Self::Tensor>> {
+        let xq = self.act_quant(x, crate::numerics::ACT_BLOCK)?;
+        ws.iter().map(|w| self.matmul(&xq, w)).collect()
+    }
 }
 
 /// The exact f32 values of stored weight `w` as a host tensor (what a backend without

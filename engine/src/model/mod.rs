@@ -6,8 +6,8 @@ pub mod storage;
 pub mod weights;
 
 use crate::backend::{
-    BResult, Backend, BatchPlan, CompressedKeys, CompressorParams, CompressorPart, HcParams, HcPre,
-    HeadRope, HostTensor, MoeParams, PickLog, RouteRecord,
+    BResult, Backend, BackendError, BatchPlan, CompressedKeys, CompressorParams, CompressorPart,
+    HcParams, HcPre, HeadRope, HostTensor, MoeParams, PickLog, RouteRecord,
 };
 use crate::config::{LayerKind, MlpKind, ModelConfig};
 use crate::kv::KvLayout;
@@ -71,6 +71,25 @@ impl<B: Backend> Model<B> {
         } else {
             b.matmul(x, w)
         }
+    }
+
+    /// [`Model::linear`] of one input and several weights (each with its
+    /// `stored_quantized`): where `deepseek` numerics quantize the input for every one of
+    /// them, quantized once.
+    fn linears(
+        &self,
+        b: &B,
+        layout: &KvLayout,
+        x: &B::Tensor,
+        ws: &[(&B::Tensor, bool)],
+    ) -> BResult<Vec<B::Tensor>> {
+        if layout.numerics == Numerics::Deepseek && ws.iter().all(|&(_, q)| q) {
+            let ws: Vec<&B::Tensor> = ws.iter().map(|&(w, _)| w).collect();
+            return b.quantized_matmuls(x, &ws);
+        }
+        ws.iter()
+            .map(|&(w, q)| self.linear(b, layout, x, w, q))
+            .collect()
     }
 
     fn hc_params<'a>(&self, w: &'a HcWeights<B>) -> HcParams<'a, B::Tensor> {
@@ -206,14 +225,18 @@ impl<B: Backend> Model<B> {
             &self.rope_compress
         };
         let quant = self.quantized[li];
-        let q_res = b.rms_norm(
-            &self.linear(b, layout, h, &lw.q_a_proj, quant.q_a)?,
-            Some(&lw.q_a_norm),
-            cfg.q_lora_rank,
-            eps,
-        )?;
+        // q_a and kv read the same input (quantized once under `deepseek`).
+        let [q_a, kv_proj]: [B::Tensor; 2] = self
+            .linears(
+                b,
+                layout,
+                h,
+                &[(&lw.q_a_proj, quant.q_a), (&lw.kv_proj, quant.kv)],
+            )?
+            .try_into()
+            .map_err(|_| BackendError::Device("q_a and kv: not two outputs".into()))?;
+        let q_res = b.rms_norm(&q_a, Some(&lw.q_a_norm), cfg.q_lora_rank, eps)?;
         let q_b = self.linear(b, layout, &q_res, &lw.q_b_proj, quant.q_b)?;
-        let kv_proj = self.linear(b, layout, h, &lw.kv_proj, quant.kv)?;
         let mut kv_new = b.rms_norm(&kv_proj, Some(&lw.kv_norm), hd, eps)?;
         b.rope(&mut kv_new, hd, rope, &plan.positions, false)?;
 

@@ -245,23 +245,60 @@ pub(crate) fn linear(
     x: &GpuTensor,
     w: &GpuTensor,
 ) -> BResult<GpuTensor> {
+    let mut ys = linears(g, cache, x, &[w])?;
+    ys.pop()
+        .ok_or_else(|| dev_err("the FP8 linear gave no output"))
+}
+
+/// [`linear`] of one input and several weights, the input quantized once.
+pub(crate) fn linears(
+    g: &Gpu,
+    cache: &mut GemmCache,
+    x: &GpuTensor,
+    ws: &[&GpuTensor],
+) -> BResult<Vec<GpuTensor>> {
+    let (n, k) = (x.rows, x.cols);
+    let padded = n.next_multiple_of(ROW_TILE);
+    let mut act = None;
+    let mut ys = Vec::with_capacity(ws.len());
+    for w in ws {
+        let act = match (&act, n) {
+            (_, 0) => None,
+            (Some(a), _) => Some(a),
+            (None, _) => {
+                Some(&*act.insert(act_quant(g, f32_buf(x, "fp8 linear")?, (n, k, k), padded)?))
+            }
+        };
+        ys.push(linear_quantized(g, cache, act, (n, k), w)?);
+    }
+    Ok(ys)
+}
+
+/// The block-scaled GEMM of `n` rows of quantized activations `act` (`n x k`, padded to
+/// the row tile; None where n is 0) and FP8 weight `w`.
+fn linear_quantized(
+    g: &Gpu,
+    cache: &mut GemmCache,
+    act: Option<&Fp8Activations>,
+    (n, k): (usize, usize),
+    w: &GpuTensor,
+) -> BResult<GpuTensor> {
     let Some(sw) = w.stored() else {
         return Err(dev_err("the FP8 linear takes a weight kept as stored"));
     };
-    let (n, m, k) = (x.rows, w.rows, w.cols);
-    if x.cols != k || !m.is_multiple_of(16) || !k.is_multiple_of(SCALE_BLOCK) {
+    let m = w.rows;
+    if w.cols != k || !m.is_multiple_of(16) || !k.is_multiple_of(SCALE_BLOCK) {
         return Err(dev_err(format!(
-            "the FP8 GEMM takes outputs in multiples of 16 and inputs in multiples of 128, not {n} x {m} x {k} (x of {} columns)",
-            x.cols
+            "the FP8 GEMM takes outputs in multiples of 16 and inputs in multiples of 128, not {n} x {m} x {} (x of {k} columns)",
+            w.cols
         )));
     }
     let y = new_f32(g, n, m)?;
-    if n == 0 {
+    let Some(act) = act.filter(|_| n > 0) else {
         return Ok(y);
-    }
+    };
     let padded = n.next_multiple_of(ROW_TILE);
     let gemm = cache.gemm(g, (padded, m, k))?;
-    let act = act_quant(g, f32_buf(x, "fp8 linear")?, (n, k, k), padded)?;
     let layout = gemm.scaling.weight_scales();
     let fresh;
     let ws = match w.fp8_scales() {

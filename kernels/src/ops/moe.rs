@@ -6,7 +6,7 @@ use crate::buf::{f32_buf, out_ptr, shape_err};
 use crate::device::{ExpertKernel, Gpu};
 use crate::devmem::DevMem;
 use crate::kernels::{self, DevPtr, PickTile};
-use crate::launch::BLOCK;
+use crate::launch::{dev_err, BLOCK};
 use crate::ops::dense::matmul;
 use crate::ops::fp8_linear::GemmCache;
 use crate::ops::moe_fp8;
@@ -34,9 +34,9 @@ const COMBINE_COLS: usize = 1024;
 /// Experts `k_moe_route` ranks (one warp per row, a 32-bit taken mask per lane).
 const MAX_EXPERTS: usize = 1024;
 
-/// A linear over an FP8/FP4 weight on FP8 activations (`deepseek` numerics: the backend's
-/// `quantized_matmul`, which may take the FP8 GEMM).
-pub type QuantizedLinear<'a> = &'a dyn Fn(&GpuTensor, &GpuTensor) -> BResult<GpuTensor>;
+/// Linears of one input over FP8/FP4 weights on FP8 activations (`deepseek` numerics: the
+/// backend's `quantized_matmuls`, which may take the FP8 GEMM, quantizing the input once).
+pub type QuantizedLinears<'a> = &'a dyn Fn(&GpuTensor, &[&GpuTensor]) -> BResult<Vec<GpuTensor>>;
 
 /// Routed experts plus shared expert; under `deepseek` numerics the shared expert's
 /// linears go through `quantized`, and a prefill's FP8 routed experts through the FP8
@@ -45,7 +45,7 @@ pub fn moe(
     g: &Gpu,
     x: &GpuTensor,
     p: &MoeParams<'_, GpuTensor>,
-    quantized: QuantizedLinear<'_>,
+    quantized: QuantizedLinears<'_>,
     gemms: &Mutex<GemmCache>,
 ) -> BResult<GpuTensor> {
     let (n, h) = (x.rows, x.cols);
@@ -146,12 +146,14 @@ pub fn moe(
         false => None,
     };
     // Shared expert (its input and its SwiGLU output quantized under `deepseek`).
-    let linear = |x: &GpuTensor, w: &GpuTensor| match p.act_quant_shared {
-        true => quantized(x, w),
-        false => matmul(g, x, w),
+    // Gate and up read the same input: quantized once.
+    let linears = |x: &GpuTensor, ws: &[&GpuTensor]| match p.act_quant_shared {
+        true => quantized(x, ws),
+        false => ws.iter().map(|w| matmul(g, x, w)).collect(),
     };
-    let sg = linear(x, p.shared_gate)?;
-    let su = linear(x, p.shared_up)?;
+    let [sg, su]: [GpuTensor; 2] = linears(x, &[p.shared_gate, p.shared_up])?
+        .try_into()
+        .map_err(|_| dev_err("the shared expert's gate and up: not two outputs"))?;
     let sact = new_f32(g, n, p.shared_gate.rows)?;
     g.launch(
         crate::launch::grid_1d(sact.len()),
@@ -164,7 +166,9 @@ pub fn moe(
             limit: p.swiglu_limit,
         },
     )?;
-    let shared = linear(&sact, p.shared_down)?;
+    let shared = linears(&sact, &[p.shared_down])?
+        .pop()
+        .ok_or_else(|| dev_err("the shared expert's down: no output"))?;
     // The routed experts' outputs, and where each pick's row is (None: in pick order).
     let (y, pos) = if let Some(early) = early_ids {
         let host_ids = early.finish()?;
