@@ -102,6 +102,21 @@ fn bench_decode_table_on_cpu() {
     assert!(!out.contains("CUDA graphs against eager"), "{out}");
     assert!(out.contains("memory bandwidth:"), "{out}");
     assert!(out.contains("weights:"), "{out}");
+    // The canary's page pass covers the pool's pages once (one checksum per section of a
+    // page): "KV pool: S sequences x P pages of B B ...".
+    let pool: Vec<f64> = out
+        .lines()
+        .find_map(|l| l.strip_prefix("KV pool: "))
+        .unwrap()
+        .split_whitespace()
+        .filter_map(|w| w.parse().ok())
+        .take(3)
+        .collect();
+    assert_eq!(
+        j["kv_canary"]["page_bytes"].as_f64().unwrap(),
+        pool[0] * pool[1] * pool[2],
+        "{out}"
+    );
     // Device sampling (the default) is checked against the host on the first warmup step.
     assert!(
         out.contains("sampling: greedy tokens from the backend (--sample device), checked"),

@@ -11,6 +11,7 @@ use super::traffic::{step_bytes, StepBytes};
 use super::{kvfill, progress, Prepared};
 use anyhow::{bail, Context, Result};
 use pdserve_engine::backend::{BatchPlan, SeqPlan};
+use pdserve_engine::kv::checksum::sections;
 use pdserve_engine::kv::KvLayout;
 use pdserve_kernels::GraphMode;
 use rand::{Rng, SeedableRng};
@@ -382,12 +383,14 @@ fn canary_cost<B: BenchBackend>(
         }
         Ok((median(times) * 1e3, n))
     };
-    let (pages_ms, pages) = time(&|| Ok(backend.page_checksums(kv)?))?;
-    let (states_ms, states) = time(&|| Ok(backend.state_checksums(kv)?))?;
-    let page_bytes = (pages * layout.page_bytes) as f64;
+    let (pages_ms, page_sums) = time(&|| Ok(backend.page_checksums(kv)?))?;
+    let (states_ms, state_sums) = time(&|| Ok(backend.state_checksums(kv)?))?;
+    // Each region gives one checksum per section of it.
+    let bytes_summed = |sums: usize, region: usize| (sums / sections(region) * region) as f64;
+    let page_bytes = bytes_summed(page_sums, layout.page_bytes);
     Ok(CanaryCost {
         page_bytes,
-        state_bytes: (states * layout.state_bytes) as f64,
+        state_bytes: bytes_summed(state_sums, layout.state_bytes),
         pages_ms,
         states_ms,
         pages_rate: page_bytes / (pages_ms / 1e3),
