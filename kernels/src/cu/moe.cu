@@ -74,22 +74,35 @@ extern "C" __global__ void k_moe_route(float* logits, const float* bias, const u
 
 // Tokens per expert: list[e * rows + j] = the j-th pick (row * k + slot, ascending) that
 // chose expert e; count[e] = how many; active[0..count of used experts) = the used experts in
-// ascending order, active[E] = how many there are. One block.
+// ascending order, active[E] = how many there are. One block: a warp per expert, which
+// scans the picks 32 at a time and places its matches by ballot (the lanes below a match
+// that match too come first, so the order is the picks' order).
 extern "C" __global__ void k_moe_lists(const int* ids, int* list, int* count, int* active, int rows, int E,
                                        int k) {
     pdl_enter();
-    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    int lane = threadIdx.x & 31, warps = blockDim.x >> 5, picks = rows * k;
+    u32 below = (1u << lane) - 1u;
+    for (int e = threadIdx.x >> 5; e < E; e += warps) {
         int n = 0;
-        for (int a = 0; a < rows * k; a++)
-            if (ids[a] == e) list[(i64)e * rows + n++] = a;
-        count[e] = n;
+        for (int a0 = 0; a0 < picks; a0 += 32) {
+            int a = a0 + lane;
+            bool hit = a < picks && ids[a] == e;
+            u32 m = __ballot_sync(0xffffffffu, hit);
+            if (hit) list[(i64)e * rows + n + __popc(m & below)] = a;
+            n += __popc(m);
+        }
+        if (lane == 0) count[e] = n;
     }
     __syncthreads();
-    if (threadIdx.x == 0) {
+    if (threadIdx.x < 32) {
         int m = 0;
-        for (int e = 0; e < E; e++)
-            if (count[e] > 0) active[m++] = e;
-        active[E] = m;
+        for (int e0 = 0; e0 < E; e0 += 32) {
+            bool used = e0 + lane < E && count[e0 + lane] > 0;
+            u32 b = __ballot_sync(0xffffffffu, used);
+            if (used) active[m + __popc(b & below)] = e0 + lane;
+            m += __popc(b);
+        }
+        if (lane == 0) active[E] = m;
     }
 }
 
