@@ -258,19 +258,20 @@ pub(crate) fn linears(
     ws: &[&GpuTensor],
 ) -> BResult<Vec<GpuTensor>> {
     let (n, k) = (x.rows, x.cols);
-    // Nothing to quantize for an empty batch (or no weights).
-    let act = match n > 0 && !ws.is_empty() {
-        true => Some(act_quant(
-            g,
-            f32_buf(x, "fp8 linear")?,
-            (n, k, k),
-            n.next_multiple_of(ROW_TILE),
-        )?),
-        false => None,
-    };
-    ws.iter()
-        .map(|w| linear_quantized(g, cache, act.as_ref(), (n, k), w))
-        .collect()
+    let padded = n.next_multiple_of(ROW_TILE);
+    let mut act = None;
+    let mut ys = Vec::with_capacity(ws.len());
+    for w in ws {
+        let act = match (&act, n) {
+            (_, 0) => None,
+            (Some(a), _) => Some(a),
+            (None, _) => {
+                Some(&*act.insert(act_quant(g, f32_buf(x, "fp8 linear")?, (n, k, k), padded)?))
+            }
+        };
+        ys.push(linear_quantized(g, cache, act, (n, k), w)?);
+    }
+    Ok(ys)
 }
 
 /// The block-scaled GEMM of `n` rows of quantized activations `act` (`n x k`, padded to
@@ -293,7 +294,7 @@ fn linear_quantized(
         )));
     }
     let y = new_f32(g, n, m)?;
-    let Some(act) = act else {
+    let Some(act) = act.filter(|_| n > 0) else {
         return Ok(y);
     };
     let padded = n.next_multiple_of(ROW_TILE);
